@@ -36,7 +36,8 @@ class WorkerHeartbeat:
     queued_tokens: int  # prefill: uncached prompt tokens still to compute
     running: int  # decode: batch size
     context_tokens: int  # decode: sum of contexts in the batch
-    free_blocks: int
+    free_blocks: int  # allocatable now (truly free + cached-but-unreferenced)
+    used_blocks: int  # referenced by a live request
     total_blocks: int
     stored_keys: list[str]  # KV events since last beat: blocks now cached
     removed_keys: list[str]  # KV events since last beat: blocks evicted
@@ -200,3 +201,15 @@ class PoolStats:
     cached_blocks: int
     total_blocks: int
     active_requests: int
+
+
+@message
+class ClusterStatus:
+    """Conductor → router, every heartbeat interval: readiness and per-instance load.
+
+    ``instances`` holds one dict per live worker: instance_id, role, free_blocks,
+    total_blocks, used_blocks, queued, running.
+    """
+
+    ready: bool
+    instances: list[dict]
