@@ -1,0 +1,371 @@
+"""The store master's state machine: keys → replicas, space, leases, eviction, liveness.
+
+Pure policy (no zmq, no torch, no clock: every verb takes ``now``). Tested in-process with
+exact outcomes. Semantics (after Mooncake Store):
+
+- Two-phase put: ``put_start`` allocates space and records an *incomplete* object;
+  ``put_end`` commits it. Readers (``exists``/``get``) see only complete objects. An
+  incomplete object older than ``put_timeout_s`` is a zombie and ``reap`` reclaims it.
+- ``get`` grants a lease of ``lease_s``; a leased object is never evicted nor removed.
+- Eviction: when a put would push a node's DRAM above ``high_watermark`` of its capacity,
+  the least recently used (committed or read) complete, unleased, idle replicas on that node
+  are evicted until ``evict_fraction`` of its capacity is freed. With an SSD tier an evicted
+  replica is offloaded (a ``NodeCommand``) instead of dropped; a get of an SSD-only object
+  starts a promotion back into DRAM.
+- Replicas of one object are on distinct nodes. A node silent for ``heartbeat_timeout_s``
+  is dropped with all its replicas.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from common.store.allocator import OffsetAllocator
+from common.store.objects import (DRAM, SSD, EventLog, NodeCommand, NodeState, Replica,
+                                  StoreObject)
+
+Location = tuple[str, int]  # (node_id, offset in its segment)
+
+
+@dataclass(frozen=True)
+class MetadataConfig:
+    put_timeout_s: float = 10.0
+    lease_s: float = 5.0
+    high_watermark: float = 0.9
+    evict_fraction: float = 0.1
+    heartbeat_timeout_s: float = 5.0
+    alignment: int = 64
+
+
+@dataclass(frozen=True)
+class PutSlot:
+    status: str  # "new" (write to locations, then put_end) | "exists" | "nospace"
+    locations: tuple[Location, ...] = ()
+
+
+class StoreMetadata:
+    def __init__(self, config: Optional[MetadataConfig] = None) -> None:
+        self.config = config or MetadataConfig()
+        self.nodes: dict[str, NodeState] = {}
+        self.objects: OrderedDict[str, StoreObject] = OrderedDict()  # oldest use first
+        self.events = EventLog()
+        self.commands: list[NodeCommand] = []  # drained by the service
+        self.counters = {"evicted": 0, "offloaded": 0, "promoted": 0, "zombies": 0,
+                         "dead_nodes": 0, "hits": 0, "misses": 0}
+
+    # ------------------------------------------------------------------ nodes
+    def add_node(self, node_id: str, capacity: int, ssd_capacity: int,
+                 info: dict[str, Any], now: float) -> None:
+        """Register (or re-register: the old segment's replicas are dropped)."""
+        if node_id in self.nodes:
+            self.remove_node(node_id)
+        allocator = OffsetAllocator(capacity, self.config.alignment)
+        self.nodes[node_id] = NodeState(node_id, allocator, ssd_capacity, info, now)
+
+    def heartbeat(self, node_id: str, now: float) -> bool:
+        node = self.nodes.get(node_id)
+        if node is None:
+            return False  # unknown (dropped or master restarted): the node re-registers
+        node.last_seen = now
+        return True
+
+    def remove_node(self, node_id: str) -> None:
+        """Forget a node and every replica on it, leases notwithstanding."""
+        if self.nodes.pop(node_id, None) is None:
+            return
+        for key in list(self.objects):
+            obj = self.objects[key]
+            obj.replicas = [r for r in obj.replicas if r.node_id != node_id]
+            if not obj.replicas:
+                self._forget(key)
+        self.commands = [c for c in self.commands if c.node_id != node_id]
+
+    def reap(self, now: float) -> tuple[list[str], int]:
+        """Drop silent nodes, reclaim zombie puts and stale promotions.
+
+        Returns (dead node ids, zombie puts reclaimed)."""
+        dead = [n.node_id for n in self.nodes.values()
+                if now - n.last_seen > self.config.heartbeat_timeout_s]
+        for node_id in dead:
+            self.remove_node(node_id)
+        self.counters["dead_nodes"] += len(dead)
+        zombies = [k for k, o in self.objects.items()
+                   if not o.complete and o.put_deadline <= now]
+        for key in zombies:
+            self._forget(key)
+        self.counters["zombies"] += len(zombies)
+        for obj in list(self.objects.values()):
+            for rep in list(obj.replicas):
+                if rep.tier != DRAM or not rep.busy or rep.deadline > now:
+                    continue
+                if rep.ready:  # an offload that never finished: keep the DRAM copy
+                    self.offload_done(rep.node_id, obj.key, False, now)
+                elif rep in obj.replicas:  # a promotion that never finished
+                    self._drop_replica(obj, rep)
+        return dead, len(zombies)
+
+    # ------------------------------------------------------------------ reads
+    def exists(self, keys: list[str]) -> list[bool]:
+        out = []
+        for key in keys:
+            obj = self.objects.get(key)
+            out.append(obj is not None and obj.readable())
+        return out
+
+    def get(self, keys: list[str], now: float,
+            promote: bool = True) -> tuple[list[Optional[list[Location]]], list[int]]:
+        """Ready DRAM locations per key (None: miss) and the indices whose SSD-only objects
+        started a promotion (ask again with ``promote=False`` once it is done). A hit or a
+        promotion grants a lease and refreshes the object's LRU position."""
+        out: list[Optional[list[Location]]] = []
+        promoting: list[int] = []
+        for i, key in enumerate(keys):
+            obj = self.objects.get(key)
+            if obj is None or not obj.complete:
+                out.append(None)
+                continue
+            dram = obj.ready_dram()
+            started = not dram and promote and self._start_promotion(obj, now)
+            if started:
+                promoting.append(i)
+            if dram or started:
+                obj.lease_until = max(obj.lease_until, now + self.config.lease_s)
+                self.objects.move_to_end(key)
+            out.append([(r.node_id, r.offset or 0) for r in dram] or None)
+        hits = sum(1 for x in out if x)
+        self.counters["hits"] += hits
+        self.counters["misses"] += len(out) - hits - len(promoting)
+        return out, promoting
+
+    # ------------------------------------------------------------------ puts
+    def put_start(self, keys: list[str], size: int, replica_num: int,
+                  now: float) -> list[PutSlot]:
+        slots: list[PutSlot] = []
+        for key in keys:
+            if key in self.objects:
+                slots.append(PutSlot("exists"))  # committed or in flight: skip it
+                continue
+            locations = self._place(size, max(1, replica_num), now)
+            if not locations:
+                slots.append(PutSlot("nospace"))
+                continue
+            obj = StoreObject(key, size, put_deadline=now + self.config.put_timeout_s)
+            obj.replicas = [Replica(n, DRAM, off) for n, off in locations]
+            self.objects[key] = obj
+            slots.append(PutSlot("new", tuple(locations)))
+        return slots
+
+    def put_end(self, keys: list[str], ok: list[bool], now: float) -> list[bool]:
+        """Commit (ok) or abandon (not ok) in-flight puts. Returns which were committed;
+        a put already reclaimed as a zombie is not."""
+        committed: list[bool] = []
+        for key, success in zip(keys, ok):
+            obj = self.objects.get(key)
+            if obj is None or obj.complete:
+                committed.append(False)
+                continue
+            if not success:
+                self._forget(key)
+                committed.append(False)
+                continue
+            obj.complete = True
+            for rep in obj.replicas:
+                rep.ready = True
+            self.objects.move_to_end(key)
+            self.events.emit("stored", key)
+            committed.append(True)
+        return committed
+
+    def remove(self, keys: list[str], now: float) -> int:
+        """Remove complete, unleased objects whose replicas are idle. Returns how many."""
+        removed = 0
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is None or not obj.complete or obj.leased(now):
+                continue
+            if any(r.busy for r in obj.replicas):
+                continue
+            self._forget(key)
+            removed += 1
+        return removed
+
+    # -------------------------------------------------------- tier transitions
+    def offload_done(self, node_id: str, key: str, ok: bool, now: float) -> None:
+        obj = self.objects.get(key)
+        node = self.nodes.get(node_id)
+        if obj is None or node is None:
+            return
+        dram, ssd = obj.replica(node_id, DRAM), obj.replica(node_id, SSD)
+        if dram is not None and dram.busy:
+            dram.busy = False
+            node.offloading_bytes -= obj.size
+        if ssd is not None and not ssd.ready:
+            if ok:
+                ssd.ready = True
+                self.counters["offloaded"] += 1
+            else:
+                self._drop_replica(obj, ssd)
+        if ok and dram is not None and not obj.leased(now):
+            self._drop_replica(obj, dram)  # a lease taken meanwhile keeps the DRAM copy
+
+    def promote_done(self, node_id: str, key: str, ok: bool) -> None:
+        obj = self.objects.get(key)
+        rep = obj.replica(node_id, DRAM) if obj is not None else None
+        ssd = obj.replica(node_id, SSD) if obj is not None else None
+        if obj is None or rep is None or rep.ready:
+            return
+        if ssd is not None:
+            ssd.busy = False
+        if ok:
+            rep.ready, rep.busy = True, False
+            self.counters["promoted"] += 1
+        else:
+            self._drop_replica(obj, rep)
+
+    def drain_commands(self) -> list[NodeCommand]:
+        commands, self.commands = self.commands, []
+        return commands
+
+    # ------------------------------------------------------------ internals
+    def _place(self, size: int, replica_num: int, now: float) -> list[Location]:
+        """Allocate on up to ``replica_num`` distinct nodes, most free space first."""
+        order = sorted(self.nodes.values(), key=lambda n: n.pressure_bytes())
+        locations: list[Location] = []
+        for node in order:
+            if len(locations) == replica_num:
+                break
+            offset = self._allocate(node, size, now)
+            if offset is not None:
+                locations.append((node.node_id, offset))
+        return locations
+
+    def _allocate(self, node: NodeState, size: int, now: float) -> Optional[int]:
+        need = node.allocator.round(size)
+        if node.pressure_bytes() + need > self.config.high_watermark * node.capacity:
+            self._evict(node, now)
+        return node.allocator.allocate(size)
+
+    def _evict(self, node: NodeState, now: float) -> None:
+        target = self.config.evict_fraction * node.capacity
+        freed = 0
+        for key in list(self.objects):
+            if freed >= target:
+                break
+            obj = self.objects.get(key)
+            if obj is None or not obj.complete or obj.leased(now):
+                continue
+            rep = obj.replica(node.node_id, DRAM)
+            if rep is None or rep.busy or not rep.ready:
+                continue
+            freed += node.allocator.round(obj.size)
+            self.counters["evicted"] += 1
+            if self._start_offload(node, obj, rep, now):
+                continue
+            self._drop_replica(obj, rep)
+
+    def _start_offload(self, node: NodeState, obj: StoreObject, rep: Replica,
+                       now: float) -> bool:
+        if obj.replica(node.node_id, SSD) is not None:
+            return False  # already on this node's SSD: just drop the DRAM copy
+        if not node.ssd_capacity or not self._ssd_room(node, obj.size, now):
+            return False
+        node.ssd_used += obj.size
+        node.offloading_bytes += obj.size
+        rep.busy = True
+        rep.deadline = now + self.config.put_timeout_s
+        obj.replicas.append(Replica(node.node_id, SSD))
+        self.commands.append(NodeCommand(node.node_id, "offload", obj.key, rep.offset or 0,
+                                         obj.size))
+        return True
+
+    def _ssd_room(self, node: NodeState, size: int, now: float) -> bool:
+        """Make room on a node's SSD by dropping its least recently used SSD copies."""
+        if size > node.ssd_capacity:
+            return False
+        for key in list(self.objects):
+            if node.ssd_used + size <= node.ssd_capacity:
+                break
+            obj = self.objects[key]
+            rep = obj.replica(node.node_id, SSD)
+            if rep is None or rep.busy or not rep.ready or obj.leased(now):
+                continue
+            self._drop_replica(obj, rep)
+        return node.ssd_used + size <= node.ssd_capacity
+
+    def _start_promotion(self, obj: StoreObject, now: float) -> bool:
+        for ssd in obj.replicas:
+            if ssd.tier != SSD or not ssd.ready or ssd.busy:
+                continue
+            node = self.nodes.get(ssd.node_id)
+            if node is None or obj.replica(node.node_id, DRAM) is not None:
+                continue
+            offset = self._allocate(node, obj.size, now)
+            if offset is None:
+                continue
+            ssd.busy = True
+            deadline = now + self.config.put_timeout_s
+            obj.replicas.append(Replica(node.node_id, DRAM, offset, busy=True,
+                                        deadline=deadline))
+            self.commands.append(NodeCommand(node.node_id, "promote", obj.key, offset,
+                                             obj.size))
+            return True
+        return False
+
+    def _release(self, obj: StoreObject, rep: Replica) -> None:
+        """Give back what a replica holds on its node (if the node is still known)."""
+        if rep.tier == DRAM and rep.busy and not rep.ready:  # a promotion target
+            ssd = obj.replica(rep.node_id, SSD)
+            if ssd is not None:
+                ssd.busy = False
+        node = self.nodes.get(rep.node_id)
+        if node is None:
+            return
+        if rep.tier == DRAM and rep.offset is not None:
+            node.allocator.free(rep.offset)
+            if rep.busy and rep.ready:  # an offload source
+                node.offloading_bytes -= obj.size
+        elif rep.tier == SSD:
+            node.ssd_used -= obj.size
+            self.commands.append(NodeCommand(node.node_id, "drop_ssd", obj.key, 0, obj.size))
+
+    def _drop_replica(self, obj: StoreObject, rep: Replica) -> None:
+        self._release(obj, rep)
+        obj.replicas.remove(rep)
+        if not obj.replicas:
+            self._forget(obj.key)
+
+    def _forget(self, key: str) -> None:
+        obj = self.objects.pop(key, None)
+        if obj is None:
+            return
+        for rep in obj.replicas:
+            self._release(obj, rep)
+        obj.replicas = []
+        if obj.complete:
+            self.events.emit("removed", key)
+
+    def check_integrity(self) -> None:
+        """Every DRAM replica owns exactly one allocation; usage counters add up."""
+        for node in self.nodes.values():
+            node.allocator.check_integrity()
+            owned = {}
+            ssd = 0
+            offloading = 0
+            for obj in self.objects.values():
+                for rep in obj.replicas:
+                    if rep.node_id != node.node_id:
+                        continue
+                    if rep.tier == SSD:
+                        ssd += obj.size
+                        continue
+                    assert rep.offset not in owned, f"two replicas at {rep.offset}"
+                    owned[rep.offset] = node.allocator.round(obj.size)
+                    offloading += obj.size if rep.busy and rep.ready else 0
+            assert owned == dict(node.allocator.used_ranges()), "allocations ≠ replicas"
+            assert ssd == node.ssd_used, f"ssd_used {node.ssd_used} ≠ {ssd}"
+            assert offloading == node.offloading_bytes, "offloading_bytes drifted"
+        for obj in self.objects.values():
+            nodes = [(r.node_id, r.tier) for r in obj.replicas]
+            assert len(nodes) == len(set(nodes)), f"{obj.key}: duplicate replicas"
+            assert obj.replicas, f"{obj.key}: object without replicas"

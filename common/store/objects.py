@@ -1,0 +1,122 @@
+"""Records the master keeps: objects, their replicas, nodes, KV events, node commands.
+
+Pure data (no zmq, no torch). ``StoreMetadata`` (metadata.py) is the only writer.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from common.store.allocator import OffsetAllocator
+
+DRAM = "dram"
+SSD = "ssd"
+
+
+@dataclass
+class Replica:
+    """One copy of an object. A DRAM replica has an ``offset`` in its node's segment.
+
+    ``ready``: the bytes are there (a put committed, an offload or promotion finished).
+    ``busy``: an operation moves this replica (offload source, promotion target, SSD file
+    being read); a busy replica is never evicted or freed by anyone but that operation.
+    """
+
+    node_id: str
+    tier: str
+    offset: Optional[int] = None
+    ready: bool = False
+    busy: bool = False
+    deadline: float = 0.0  # for a busy promotion target: reclaimed after this
+
+
+@dataclass
+class StoreObject:
+    key: str
+    size: int
+    replicas: list[Replica] = field(default_factory=list)
+    complete: bool = False  # put_end committed it; readers see only complete objects
+    put_deadline: float = 0.0  # an incomplete object past this is a zombie put
+    lease_until: float = 0.0
+
+    def leased(self, now: float) -> bool:
+        return self.lease_until > now
+
+    def replica(self, node_id: str, tier: str) -> Optional[Replica]:
+        for rep in self.replicas:
+            if rep.node_id == node_id and rep.tier == tier:
+                return rep
+        return None
+
+    def ready_dram(self) -> list[Replica]:
+        return [r for r in self.replicas if r.tier == DRAM and r.ready]
+
+    def readable(self) -> bool:
+        return self.complete and any(r.ready for r in self.replicas)
+
+
+@dataclass
+class NodeState:
+    node_id: str
+    allocator: OffsetAllocator
+    ssd_capacity: int
+    info: dict[str, Any]  # what clients need: session_id, base, shm_path, hostname, epoch
+    last_seen: float
+    ssd_used: int = 0
+    offloading_bytes: int = 0  # DRAM bytes whose offload is under way (freed on completion)
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    def pressure_bytes(self) -> int:
+        """Used DRAM bytes not already on their way out."""
+        return self.allocator.used_bytes - self.offloading_bytes
+
+
+@dataclass(frozen=True)
+class NodeCommand:
+    """Work the master asks a node to do; the service turns these into wire messages."""
+
+    node_id: str
+    kind: str  # "offload" (segment → SSD), "promote" (SSD → segment), "drop_ssd"
+    key: str
+    offset: int  # DRAM offset (unused for drop_ssd)
+    size: int
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    seq: int
+    kind: str  # "stored" | "removed"
+    key: str
+
+
+class EventLog:
+    """KV events with sequence numbers; the last ``keep`` are kept for polling."""
+
+    def __init__(self, keep: int = 100_000) -> None:
+        self.seq = 0
+        self._events: deque[KVEvent] = deque(maxlen=keep)
+        self.fresh: list[KVEvent] = []  # appended since the service last drained them
+
+    def emit(self, kind: str, key: str) -> None:
+        self.seq += 1
+        event = KVEvent(self.seq, kind, key)
+        self._events.append(event)
+        self.fresh.append(event)
+
+    def since(self, after_seq: int, limit: int = 10_000) -> list[KVEvent]:
+        """Events with ``seq > after_seq`` (the oldest may have been dropped: check seq)."""
+        out: list[KVEvent] = []
+        for event in reversed(self._events):
+            if event.seq <= after_seq:
+                break
+            out.append(event)
+        out.reverse()
+        return out[:limit]
+
+    def drain(self) -> list[KVEvent]:
+        fresh, self.fresh = self.fresh, []
+        return fresh

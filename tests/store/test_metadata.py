@@ -1,0 +1,188 @@
+from __future__ import annotations
+
+from hypothesis import given, settings, strategies as st
+
+from common.store.metadata import MetadataConfig, PutSlot, StoreMetadata
+
+B = 1024  # one block
+
+
+def make(nodes: int = 1, capacity: int = 10 * B, ssd: int = 0, **kw) -> StoreMetadata:
+    cfg = MetadataConfig(put_timeout_s=10.0, lease_s=5.0, high_watermark=0.9,
+                         evict_fraction=0.2, heartbeat_timeout_s=3.0, **kw)
+    md = StoreMetadata(cfg)
+    for i in range(nodes):
+        md.add_node(f"n{i}", capacity, ssd, {"session_id": f"s{i}"}, now=0.0)
+    return md
+
+
+def put(md: StoreMetadata, keys: list[str], now: float = 0.0, replicas: int = 1) -> list[PutSlot]:
+    slots = md.put_start(keys, B, replicas, now)
+    md.put_end([k for k, s in zip(keys, slots) if s.status == "new"],
+               [True] * sum(s.status == "new" for s in slots), now)
+    md.check_integrity()
+    return slots
+
+
+def test_two_phase_put_visibility_and_events():
+    md = make()
+    slots = md.put_start(["a", "b"], B, 1, now=0.0)
+    assert slots == [PutSlot("new", (("n0", 0),)), PutSlot("new", (("n0", B),))]
+    assert md.exists(["a", "b"]) == [False, False]
+    assert md.get(["a"], now=0.0) == ([None], [])
+    assert md.put_start(["a"], B, 1, now=0.0) == [PutSlot("exists")]  # in flight
+    assert md.put_end(["a", "b"], [True, False], now=1.0) == [True, False]
+    assert md.exists(["a", "b"]) == [True, False]
+    assert md.get(["a", "b"], now=1.0) == ([[("n0", 0)], None], [])
+    assert [(e.seq, e.kind, e.key) for e in md.events.since(0)] == [(1, "stored", "a")]
+    assert md.nodes["n0"].allocator.used_bytes == B  # the abandoned put gave its space back
+    md.check_integrity()
+
+
+def test_zombie_put_reclaimed_after_timeout():
+    md = make()
+    md.put_start(["z"], B, 1, now=0.0)
+    md.heartbeat("n0", 9.9)
+    assert md.reap(now=9.9) == ([], 0)
+    md.heartbeat("n0", 9.9)
+    assert md.reap(now=10.0) == ([], 1)
+    assert md.nodes["n0"].allocator.used_bytes == 0
+    assert md.put_end(["z"], [True], now=10.5) == [False]  # too late: never visible
+    assert md.exists(["z"]) == [False]
+    assert md.events.since(0) == []
+    md.check_integrity()
+
+
+def test_lease_blocks_remove_and_eviction():
+    md = make()
+    put(md, ["a", "b"])
+    md.get(["a"], now=1.0)  # lease until 6.0
+    assert md.remove(["a", "b"], now=2.0) == 1
+    assert md.exists(["a", "b"]) == [True, False]
+    assert md.remove(["a"], now=6.0) == 1
+    assert [(e.kind, e.key) for e in md.events.since(0)][-2:] == [("removed", "b"),
+                                                                  ("removed", "a")]
+    md.check_integrity()
+
+
+def test_eviction_lru_order_watermark_and_fraction():
+    md = make()
+    put(md, [f"k{i}" for i in range(9)])  # 90 %: at the watermark, not above it
+    assert md.counters["evicted"] == 0
+    md.get(["k0"], now=100.0)  # k0 becomes most recent (its lease expires at 105)
+    put(md, ["k9"], now=200.0)  # would exceed 90 %: evict 20 % = 2 blocks, LRU first
+    assert md.exists([f"k{i}" for i in range(10)]) == [True, False, False] + [True] * 7
+    assert md.counters["evicted"] == 2
+    removed = [e.key for e in md.events.since(0) if e.kind == "removed"]
+    assert removed == ["k1", "k2"]
+
+
+def test_eviction_skips_leased_and_in_flight():
+    md = make()
+    md.put_start(["w"], B, 1, now=0.0)  # in flight, oldest
+    put(md, [f"k{i}" for i in range(8)])
+    md.get(["k0", "k1"], now=50.0)  # leased until 55
+    put(md, ["x"], now=51.0)
+    assert md.exists(["k0", "k1", "k2", "k3", "k4"]) == [True, True, False, False, True]
+    assert "w" in md.objects and not md.objects["w"].complete
+
+
+def test_replicas_on_distinct_nodes():
+    md = make(nodes=3)
+    slots = put(md, ["a", "b"], replicas=2)
+    for slot in slots:
+        assert len({n for n, _ in slot.locations}) == 2
+    (slot,) = put(md, ["c"], replicas=5)
+    assert sorted(n for n, _ in slot.locations) == ["n0", "n1", "n2"]
+    # placement spreads: the least used nodes first
+    assert {n for n, _ in slots[0].locations} | {n for n, _ in slots[1].locations} == \
+        {"n0", "n1", "n2"}
+
+
+def test_dead_node_dropped_after_heartbeat_timeout():
+    md = make(nodes=2)
+    put(md, ["both"], replicas=2)
+    md.put_start(["only0"], B, 1, now=0.0)  # goes to the least used node
+    node_of_only0 = md.objects["only0"].replicas[0].node_id
+    other = "n1" if node_of_only0 == "n0" else "n0"
+    md.put_end(["only0"], [True], now=0.0)
+    md.heartbeat(other, now=2.5)
+    assert md.reap(now=3.0) == ([], 0)
+    md.get(["only0"], now=3.0)  # a lease does not keep a dead node's replica
+    assert md.reap(now=3.5) == ([node_of_only0], 0)
+    assert md.exists(["both", "only0"]) == [True, False]
+    assert md.get(["both"], now=3.5)[0] == [[(other, md.objects["both"].replicas[0].offset)]]
+    assert md.heartbeat(node_of_only0, now=4.0) is False  # it must re-register
+    md.check_integrity()
+
+
+def test_ssd_offload_and_promotion_round_trip():
+    md = make(ssd=4 * B)
+    put(md, [f"k{i}" for i in range(10)])
+    assert md.drain_commands() == []
+    put(md, ["k10"], now=1.0)  # k0, k1 evicted: offloaded, not dropped
+    cmds = md.drain_commands()
+    assert [(c.kind, c.key, c.offset) for c in cmds] == [("offload", "k0", 0),
+                                                       ("offload", "k1", B)]
+    md.check_integrity()
+    for c in cmds:
+        md.offload_done("n0", c.key, True, now=1.5)
+    md.check_integrity()
+    assert md.nodes["n0"].ssd_used == 2 * B
+    assert md.exists(["k0", "k1"]) == [True, True]  # still visible, on SSD
+    locs, promoting = md.get(["k0", "k2"], now=2.0)
+    assert locs[0] is None and promoting == [0] and locs[1] == [("n0", 2 * B)]
+    (cmd,) = md.drain_commands()
+    assert (cmd.kind, cmd.key) == ("promote", "k0")
+    md.promote_done("n0", "k0", True)
+    locs, promoting = md.get(["k0"], now=2.1, promote=False)
+    assert locs == [[("n0", cmd.offset)]] and promoting == []
+    assert md.counters["promoted"] == 1 and md.counters["offloaded"] == 2
+    md.check_integrity()
+
+
+def test_ssd_full_drops_oldest_ssd_copy():
+    md = make(ssd=2 * B)
+    put(md, [f"k{i}" for i in range(10)])
+    put(md, ["a"], now=1.0)
+    for c in md.drain_commands():
+        md.offload_done("n0", c.key, True, now=1.0)
+    put(md, ["b", "c"], now=2.0)  # evicts k2, k3 to SSD: k0, k1 leave the SSD
+    cmds = [(c.kind, c.key) for c in md.drain_commands()]
+    assert ("drop_ssd", "k0") in cmds and ("offload", "k3") in cmds
+    assert md.exists(["k0", "k1", "k2", "k3"]) == [False, False, True, True]
+    md.check_integrity()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "start", "end", "get", "rm", "tick",
+                                           "done"]),
+                          st.integers(0, 25), st.booleans()), max_size=80))
+def test_random_operations_keep_integrity(ops):
+    md = make(nodes=2, capacity=8 * B, ssd=3 * B)
+    now = 0.0
+    for op, k, flag in ops:
+        key = f"k{k}"
+        now += 0.5
+        if op == "put":
+            md.put_start([key], B, 2 if flag else 1, now)
+            md.put_end([key], [True], now)
+        elif op == "start":
+            md.put_start([key], B, 1, now)
+        elif op == "end":
+            md.put_end([key], [flag], now)
+        elif op == "get":
+            md.get([key], now)
+        elif op == "rm":
+            md.remove([key], now)
+        elif op == "tick":
+            md.heartbeat("n0", now)
+            md.heartbeat("n1", now)
+            md.reap(now)
+        else:
+            for c in md.drain_commands():
+                if c.kind == "offload":
+                    md.offload_done(c.node_id, c.key, flag, now)
+                elif c.kind == "promote":
+                    md.promote_done(c.node_id, c.key, flag)
+        md.check_integrity()
