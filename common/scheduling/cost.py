@@ -1,0 +1,165 @@
+"""Cost models the conductor and the simulator share.
+
+Prefill time is a polynomial in the new tokens ``n`` and the cached tokens ``c`` of a
+request::
+
+    T_prefill(n, c) = c0 + c_new*n + c_cached*c + c_new_cached*n*c + c_new_sq*n^2
+
+(linear layers scale with ``n``; causal attention with ``n*c + n^2/2``; ``c_cached`` covers
+loading cached KV when it is not overlapped). Decode time between tokens (TBT) of one batch
+step is ``d0 + d_batch*B + d_ctx*K`` for batch size ``B`` and ``K`` context tokens in the
+batch (weights read once per step, KV read per token, per-sequence compute). Transfer time
+is ``bytes / bandwidth``. Formulas and the named profiles are written down in
+docs/simulator.md.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence, Union
+
+import numpy as np
+
+PREFILL_TERMS = ("c0", "c_new", "c_cached", "c_new_cached", "c_new_sq")
+
+
+@dataclass(frozen=True)
+class PrefillCoefficients:
+    c0: float = 0.0
+    c_new: float = 0.0
+    c_cached: float = 0.0
+    c_new_cached: float = 0.0
+    c_new_sq: float = 0.0
+
+
+@dataclass(frozen=True)
+class DecodeCoefficients:
+    d0: float = 0.0
+    d_batch: float = 0.0
+    d_ctx: float = 0.0
+
+
+def _prefill_features(new_tokens: float, cached_tokens: float) -> list[float]:
+    n, c = float(new_tokens), float(cached_tokens)
+    return [1.0, n, c, n * c, n * n]
+
+
+def fit_prefill_cost(samples: Sequence[tuple[int, int, float]]) -> PrefillCoefficients:
+    """Least-squares fit of the prefill polynomial to (new, cached, seconds) samples.
+
+    Terms that the samples cannot determine (e.g. no sample has cached tokens) get 0.
+    """
+    if not samples:
+        raise ValueError("fit_prefill_cost needs at least one sample")
+    x = np.array([_prefill_features(n, c) for n, c, _ in samples], dtype=np.float64)
+    y = np.array([s for _, _, s in samples], dtype=np.float64)
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)  # condition the columns
+    coef, *_ = np.linalg.lstsq(x / scale, y, rcond=None)
+    coef = coef / scale
+    return PrefillCoefficients(*(float(v) for v in coef))
+
+
+# LLaMA3-70B (80 layers, d_model 8192, 8 KV heads x 128, bf16) on one 8xA800-80GB node with
+# tensor parallelism 8. Derivation in docs/simulator.md.
+_LLAMA3_70B_FLOPS = 8 * 312e12 * 0.5          # 8 GPUs, bf16 peak, 50 % MFU in prefill
+_LLAMA3_70B_HBM = 8 * 2.039e12 * 0.7          # bytes/s, 70 % of peak HBM bandwidth
+_LLAMA3_70B_KV_BYTES = 2 * 80 * 8 * 128 * 2   # K and V, layers, kv heads, head dim, bf16
+_PROFILES: dict[str, dict] = {
+    "llama3-70b-8xa800": {
+        "name": "llama3-70b-8xa800",
+        "prefill": asdict(PrefillCoefficients(
+            c0=0.02,
+            c_new=2 * 70.6e9 / _LLAMA3_70B_FLOPS,
+            c_new_cached=4 * 80 * 8192 / _LLAMA3_70B_FLOPS,
+            c_new_sq=2 * 80 * 8192 / _LLAMA3_70B_FLOPS,
+        )),
+        "decode": asdict(DecodeCoefficients(
+            d0=0.005 + 141.2e9 / _LLAMA3_70B_HBM,
+            d_batch=2 * 70.6e9 / _LLAMA3_70B_FLOPS,
+            d_ctx=_LLAMA3_70B_KV_BYTES / _LLAMA3_70B_HBM,
+        )),
+        "kv_bytes_per_token": _LLAMA3_70B_KV_BYTES,
+        "transfer_bandwidth_bytes_per_s": 87e9,     # paper: 4x200 Gbps RDMA, measured
+        "kv_capacity_tokens": 1_372_160,           # (640 - 141 - 50) GB of HBM for KV
+    },
+}
+
+
+class CostModel:
+    """Predicts prefill seconds, decode TBT and KV transfer seconds."""
+
+    def __init__(
+        self,
+        prefill: PrefillCoefficients,
+        decode: DecodeCoefficients,
+        kv_bytes_per_token: int,
+        transfer_bandwidth_bytes_per_s: float,
+        kv_capacity_tokens: int = 0,
+        name: str = "custom",
+    ) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.transfer_bandwidth_bytes_per_s = transfer_bandwidth_bytes_per_s
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.name = name
+
+    def prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
+        p = self.prefill
+        n, c = float(new_tokens), float(cached_tokens)
+        t = p.c0 + p.c_new * n + p.c_cached * c + p.c_new_cached * n * c + p.c_new_sq * n * n
+        return max(t, 0.0)
+
+    def decode_tbt_seconds(self, batch_size: int, total_context_tokens: int) -> float:
+        d = self.decode
+        return max(d.d0 + d.d_batch * batch_size + d.d_ctx * total_context_tokens, 0.0)
+
+    def transfer_seconds(self, nbytes: float) -> float:
+        if nbytes <= 0:
+            return 0.0
+        return nbytes / self.transfer_bandwidth_bytes_per_s
+
+    def kv_transfer_seconds(self, tokens: int) -> float:
+        return self.transfer_seconds(tokens * self.kv_bytes_per_token)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "prefill": asdict(self.prefill),
+            "decode": asdict(self.decode),
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "transfer_bandwidth_bytes_per_s": self.transfer_bandwidth_bytes_per_s,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostModel:
+        return cls(
+            prefill=PrefillCoefficients(**data.get("prefill", {})),
+            decode=DecodeCoefficients(**data.get("decode", {})),
+            kv_bytes_per_token=int(data["kv_bytes_per_token"]),
+            transfer_bandwidth_bytes_per_s=float(data["transfer_bandwidth_bytes_per_s"]),
+            kv_capacity_tokens=int(data.get("kv_capacity_tokens", 0)),
+            name=str(data.get("name", "custom")),
+        )
+
+    def to_json(self, path: Union[str, Path]) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, path: Union[str, Path]) -> CostModel:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def profile(cls, name: str) -> CostModel:
+        """A named hardware/model profile, or a path to a coefficients JSON file."""
+        if name in _PROFILES:
+            return cls.from_dict(_PROFILES[name])
+        if Path(name).is_file():
+            return cls.from_json(name)
+        raise KeyError(f"unknown cost profile {name!r}; known: {sorted(_PROFILES)}")
+
+    @staticmethod
+    def profile_names() -> list[str]:
+        return sorted(_PROFILES)

@@ -1,0 +1,207 @@
+"""Schedulers: Mooncake's KVCache-centric Algorithm 1 and its baselines, one code path.
+
+Every policy only decides *which prefill instance* (and how much prefix to fetch); the
+decode choice (lowest predicted TBT) and SLO admission are shared, so baselines differ
+from Algorithm 1 in exactly one place. Select by name with ``make_scheduler``.
+"""
+from __future__ import annotations
+
+import math
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Sequence
+
+from common.scheduling.admission import (
+    choose_decode,
+    current_load,
+    predicted_load,
+)
+from common.scheduling.cost import CostModel
+from common.scheduling.state import (
+    DecodeInstanceState,
+    PrefillInstanceState,
+    RequestInfo,
+    ScheduleDecision,
+    SchedulerConfig,
+)
+
+
+@dataclass(frozen=True)
+class PrefillChoice:
+    index: int
+    local_blocks: int   # leading blocks reused from the instance's own cache
+    fetch_blocks: int   # further leading blocks pulled from the pool / another instance
+    ttft_s: float       # T_queue + T_transfer + T_prefill
+
+
+class Scheduler(ABC):
+    """Places a request on a prefill and a decode instance, or rejects it before any work.
+
+    ``schedule`` is the whole contract; subclasses implement ``choose_prefill`` only.
+    """
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
+        self.config = config
+        self.cost = cost
+        kv_bytes = config.kv_bytes_per_token or cost.kv_bytes_per_token
+        bandwidth = config.transfer_bandwidth_bytes_per_s or cost.transfer_bandwidth_bytes_per_s
+        self._block_bytes = kv_bytes * config.block_size
+        self._bandwidth = bandwidth
+
+    # --- the cost of running a request on one prefill instance ----------------------
+    def transfer_seconds(self, blocks: int) -> float:
+        return blocks * self._block_bytes / self._bandwidth if blocks > 0 else 0.0
+
+    def prefill_seconds(self, req: RequestInfo, cached_blocks: int) -> float:
+        cached = min(cached_blocks * self.config.block_size, req.prompt_tokens)
+        new = max(req.prompt_tokens - cached, 1)
+        return self.cost.prefill_seconds(new, req.prompt_tokens - new)
+
+    def estimate(self, req: RequestInfo, p: PrefillInstanceState, index: int,
+                 local: int, fetch: int) -> PrefillChoice:
+        ttft = p.queue_seconds + self.transfer_seconds(fetch) + self.prefill_seconds(req, local + fetch)
+        return PrefillChoice(index, local, fetch, ttft)
+
+    # --- the contract ---------------------------------------------------------------
+    @abstractmethod
+    def choose_prefill(self, req: RequestInfo, prefill: Sequence[PrefillInstanceState],
+                       local: Sequence[int], best_len: int) -> PrefillChoice:
+        """Pick a prefill instance; ``local[i]`` = prefix blocks cached on instance i."""
+
+    def schedule(self, req: RequestInfo, prefill: Sequence[PrefillInstanceState],
+                 decode: Sequence[DecodeInstanceState], global_prefix_len: int,
+                 now: float) -> ScheduleDecision:
+        if not prefill or not decode:
+            return _reject("no_instances", math.inf, math.inf, retry_after_s=1.0)
+        local = [p.prefix_index.prefix_len(req.block_keys) for p in prefill]
+        best_len = max(global_prefix_len, max(local))
+        choice = self.choose_prefill(req, prefill, local, best_len)
+        return self._admit(req, prefill[choice.index], decode, choice, now)
+
+    def _admit(self, req: RequestInfo, p: PrefillInstanceState,
+               decode: Sequence[DecodeInstanceState], choice: PrefillChoice,
+               now: float) -> ScheduleDecision:
+        cfg = self.config
+        if cfg.admission == "predicted":
+            at = now + choice.ttft_s
+            loads = [predicted_load(d, at, cfg.expected_decode_s) for d in decode]
+        else:
+            loads = [current_load(d) for d in decode]
+        checks_decode = cfg.admission != "none"
+        dchoice = choose_decode(req, loads, self.cost, require_fit=checks_decode)
+        ttft, tbt = choice.ttft_s, dchoice.tbt_s
+        if cfg.ttft_slo_s is not None and ttft > cfg.ttft_slo_s:
+            return _reject("ttft_slo", ttft, tbt, retry_after_s=max(1.0, ttft - cfg.ttft_slo_s))
+        if checks_decode and dchoice.index is None:
+            return _reject("decode_full", ttft, tbt, retry_after_s=_decode_retry(cfg.expected_decode_s))
+        if checks_decode and cfg.tbt_slo_s is not None and tbt > cfg.tbt_slo_s:
+            return _reject("tbt_slo", ttft, tbt, retry_after_s=_decode_retry(cfg.expected_decode_s))
+        assert dchoice.index is not None
+        return ScheduleDecision(
+            accepted=True, prefill_id=p.instance_id, decode_id=decode[dchoice.index].instance_id,
+            prefix_blocks_local=choice.local_blocks, prefix_blocks_to_fetch=choice.fetch_blocks,
+            predicted_ttft_s=ttft, predicted_tbt_s=tbt,
+        )
+
+
+def _decode_retry(expected_decode_s: float) -> float:
+    return max(1.0, expected_decode_s / 2)
+
+
+def _reject(reason: str, ttft: float, tbt: float, retry_after_s: float) -> ScheduleDecision:
+    return ScheduleDecision(
+        accepted=False, prefill_id=None, decode_id=None, prefix_blocks_local=0,
+        prefix_blocks_to_fetch=0, predicted_ttft_s=ttft, predicted_tbt_s=tbt,
+        reject_reason=reason, retry_after_s=retry_after_s,
+    )
+
+
+class RandomScheduler(Scheduler):
+    name = "random"
+
+    def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
+        super().__init__(config, cost)
+        self._rng = random.Random(config.seed)
+
+    def choose_prefill(self, req, prefill, local, best_len):  # type: ignore[override]
+        i = self._rng.randrange(len(prefill))
+        return self.estimate(req, prefill[i], i, local[i], 0)
+
+
+class RoundRobinScheduler(Scheduler):
+    name = "round_robin"
+
+    def __init__(self, config: SchedulerConfig, cost: CostModel) -> None:
+        super().__init__(config, cost)
+        self._next = 0
+
+    def choose_prefill(self, req, prefill, local, best_len):  # type: ignore[override]
+        i = self._next % len(prefill)
+        self._next = i + 1
+        return self.estimate(req, prefill[i], i, local[i], 0)
+
+
+class LoadBalanceScheduler(Scheduler):
+    """Least predicted queue time (ties: first instance)."""
+
+    name = "load_balance"
+
+    def choose_prefill(self, req, prefill, local, best_len):  # type: ignore[override]
+        i = min(range(len(prefill)), key=lambda j: (prefill[j].queue_seconds, j))
+        return self.estimate(req, prefill[i], i, local[i], 0)
+
+
+class LocalCacheAwareScheduler(Scheduler):
+    """Least TTFT using each instance's own cached prefix only (never fetches)."""
+
+    name = "local_cache_aware"
+
+    def choose_prefill(self, req, prefill, local, best_len):  # type: ignore[override]
+        options = [self.estimate(req, p, i, local[i], 0) for i, p in enumerate(prefill)]
+        return min(options, key=lambda c: (c.ttft_s, c.index))
+
+
+class KVCacheCentricScheduler(Scheduler):
+    """Paper Algorithm 1: least TTFT, fetching the best prefix when worth it.
+
+    Instance p fetches the ``best_len - prefix_len(p)`` missing blocks when
+    ``best_len / prefix_len(p) > kvcache_balancing_threshold`` (``prefix_len(p) == 0``
+    counts as an infinite ratio when ``best_len > 0``); the fetched blocks stay on p.
+    """
+
+    name = "kvcache_centric"
+
+    def choose_prefill(self, req, prefill, local, best_len):  # type: ignore[override]
+        threshold = self.config.kvcache_balancing_threshold
+        options = []
+        for i, p in enumerate(prefill):
+            fetch = 0
+            if best_len > local[i] and best_len > threshold * local[i]:
+                fetch = best_len - local[i]
+            options.append(self.estimate(req, p, i, local[i], fetch))
+        return min(options, key=lambda c: (c.ttft_s, c.index))
+
+
+SCHEDULERS: dict[str, Callable[[SchedulerConfig, CostModel], Scheduler]] = {
+    cls.name: cls
+    for cls in (RandomScheduler, RoundRobinScheduler, LoadBalanceScheduler,
+                LocalCacheAwareScheduler, KVCacheCentricScheduler)
+}
+
+
+def make_scheduler(name: str, config: SchedulerConfig, cost: CostModel) -> Scheduler:
+    try:
+        factory = SCHEDULERS[name]
+    except KeyError:
+        raise ValueError(f"unknown scheduler {name!r}; known: {sorted(SCHEDULERS)}") from None
+    return factory(config, cost)
+
+
+__all__ = [
+    "PrefillChoice", "Scheduler", "SCHEDULERS", "make_scheduler",
+    "RandomScheduler", "RoundRobinScheduler", "LoadBalanceScheduler",
+    "LocalCacheAwareScheduler", "KVCacheCentricScheduler",
+]

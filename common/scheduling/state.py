@@ -1,0 +1,175 @@
+"""What the scheduler sees: instance states, request info, decisions, config.
+
+The conductor builds these from KV events, store-master lookups and worker load reports;
+the simulator builds them from its own model of the cluster. Neither zmq nor torch here.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Hashable, Iterable, Optional, Sequence
+
+BlockKey = Hashable  # bytes (128-bit chained hash) live, int in traces
+
+
+class PrefixIndex:
+    """Set of block keys held by one instance, fed by KV events.
+
+    ``prefix_len(keys)`` = number of leading keys of a request that are present.
+    """
+
+    def __init__(self, keys: Iterable[BlockKey] = ()) -> None:
+        self._keys: set[BlockKey] = set(keys)
+
+    def on_stored(self, keys: Iterable[BlockKey]) -> None:
+        self._keys.update(keys)
+
+    def on_removed(self, keys: Iterable[BlockKey]) -> None:
+        self._keys.difference_update(keys)
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def prefix_len(self, keys: Sequence[BlockKey]) -> int:
+        n = 0
+        for k in keys:
+            if k not in self:
+                break
+            n += 1
+        return n
+
+
+class LRUBlockCache(PrefixIndex):
+    """A PrefixIndex of bounded capacity (in blocks) with LRU eviction (simulator caches).
+
+    ``prefix_len`` does not touch; ``touch(keys)`` marks keys used and inserts missing
+    ones, evicting least-recently-used keys beyond capacity, and returns evicted keys.
+    """
+
+    def __init__(self, capacity_blocks: int) -> None:
+        super().__init__()
+        self.capacity_blocks = capacity_blocks
+        self._lru: OrderedDict[BlockKey, None] = OrderedDict()
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self._lru
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def on_stored(self, keys: Iterable[BlockKey]) -> None:
+        self.touch(keys)
+
+    def on_removed(self, keys: Iterable[BlockKey]) -> None:
+        for k in keys:
+            self._lru.pop(k, None)
+
+    def touch(self, keys: Iterable[BlockKey]) -> list[BlockKey]:
+        lru = self._lru
+        for k in keys:
+            if k in lru:
+                lru.move_to_end(k)
+            else:
+                lru[k] = None
+        evicted: list[BlockKey] = []
+        while len(lru) > self.capacity_blocks:
+            evicted.append(lru.popitem(last=False)[0])
+        return evicted
+
+    def check_integrity(self) -> None:
+        assert len(self._lru) <= self.capacity_blocks
+
+
+@dataclass
+class PrefillInstanceState:
+    """A prefill instance as the conductor sees it.
+
+    ``queue_seconds``: predicted seconds until a new request could start (remaining time
+    of the running prefill plus the predicted prefill times of the queued ones).
+    """
+
+    instance_id: str
+    queue_seconds: float
+    prefix_index: PrefixIndex
+    queued_requests: int = 0
+
+
+@dataclass(frozen=True)
+class DecodeSlot:
+    """One request's KV footprint on a decode instance (for load prediction).
+
+    ``start_s``: when it joined (running) or is predicted to join (incoming) decode.
+    """
+
+    start_s: float
+    tokens: int
+
+
+@dataclass
+class DecodeInstanceState:
+    """A decode instance: current batch, and the requests predicted to arrive."""
+
+    instance_id: str
+    batch_size: int
+    total_context_tokens: int
+    free_blocks: int
+    block_size: int
+    running: list[DecodeSlot] = field(default_factory=list)
+    incoming: list[DecodeSlot] = field(default_factory=list)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.free_blocks * self.block_size + self.total_context_tokens
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    request_id: str
+    block_keys: Sequence[BlockKey]
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class ScheduleDecision:
+    accepted: bool
+    prefill_id: Optional[str]
+    decode_id: Optional[str]
+    prefix_blocks_local: int
+    prefix_blocks_to_fetch: int
+    predicted_ttft_s: float
+    predicted_tbt_s: float
+    reject_reason: Optional[str] = None
+    retry_after_s: Optional[float] = None
+
+
+ADMISSION_MODES = ("none", "early", "predicted")
+
+
+@dataclass
+class SchedulerConfig:
+    """Knobs of every policy.
+
+    ``admission``: "none" checks only the TTFT SLO at arrival (decode load is discovered
+    after prefill); "early" also rejects when the current decode load cannot meet the
+    TBT SLO or hold the request; "predicted" does so on the decode load predicted for the
+    moment the request's prefill ends. A ``None`` SLO disables that check.
+    ``kv_bytes_per_token``/``transfer_bandwidth_bytes_per_s``: ``None`` = the cost model's.
+    """
+
+    kvcache_balancing_threshold: float = 2.0
+    ttft_slo_s: Optional[float] = 30.0
+    tbt_slo_s: Optional[float] = 0.1
+    admission: str = "early"
+    block_size: int = 512
+    kv_bytes_per_token: Optional[int] = None
+    transfer_bandwidth_bytes_per_s: Optional[float] = None
+    seed: int = 0
+    expected_decode_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.admission not in ADMISSION_MODES:
+            raise ValueError(f"admission must be one of {ADMISSION_MODES}")

@@ -1,0 +1,92 @@
+"""SLO admission: TTFT/TBT rejection, plain vs prediction-based early rejection."""
+from __future__ import annotations
+
+import pytest
+
+from common.scheduling import (
+    DecodeInstanceState,
+    DecodeSlot,
+    RequestInfo,
+    SchedulerConfig,
+    make_scheduler,
+    predicted_load,
+)
+from tests_sched_helpers import BLOCK, cost, decode, prefill
+
+REQ = RequestInfo("r", block_keys=list(range(10)), prompt_tokens=1000, max_tokens=100)
+
+
+def sched(admission: str, **kw):
+    cfg = SchedulerConfig(kvcache_balancing_threshold=2.0, ttft_slo_s=kw.pop("ttft", None),
+                          tbt_slo_s=kw.pop("tbt", None), admission=admission,
+                          block_size=BLOCK, expected_decode_s=5.0, **kw)
+    return make_scheduler("kvcache_centric", cfg, cost())
+
+
+def test_ttft_slo_rejects_with_retry_after() -> None:
+    d = sched("none", ttft=2.0).schedule(REQ, [prefill("A", 4.0, 0)], [decode("d0")], 0, 0.0)
+    assert (d.accepted, d.reject_reason, d.prefill_id) == (False, "ttft_slo", None)
+    assert d.predicted_ttft_s == pytest.approx(5.0)
+    assert d.retry_after_s == pytest.approx(3.0)
+
+
+def test_ttft_slo_met_is_accepted() -> None:
+    d = sched("none", ttft=6.0).schedule(REQ, [prefill("A", 4.0, 0)], [decode("d0")], 0, 0.0)
+    assert d.accepted and d.reject_reason is None and d.retry_after_s is None
+
+
+def test_tbt_slo_rejects_only_when_admission_checks_decode() -> None:
+    busy = [decode("d0", batch=100, ctx=10_000)]  # TBT = 0.01 + 0.101 + 0.011 = 0.122 s
+    early = sched("early", tbt=0.1).schedule(REQ, [prefill("A", 0.0, 0)], busy, 0, 0.0)
+    assert (early.accepted, early.reject_reason) == (False, "tbt_slo")
+    assert early.predicted_tbt_s == pytest.approx(0.122)
+    assert early.retry_after_s == pytest.approx(2.5)
+    none = sched("none", tbt=0.1).schedule(REQ, [prefill("A", 0.0, 0)], busy, 0, 0.0)
+    assert none.accepted and none.decode_id == "d0"
+
+
+def test_full_decode_rejected_early_but_not_by_baseline() -> None:
+    full = [decode("d0", batch=3, ctx=5_000, free_blocks=2)]
+    early = sched("early").schedule(REQ, [prefill("A", 0.0, 0)], full, 0, 0.0)
+    assert (early.accepted, early.reject_reason) == (False, "decode_full")
+    assert sched("none").schedule(REQ, [prefill("A", 0.0, 0)], full, 0, 0.0).accepted
+
+
+def _full_now_free_later() -> DecodeInstanceState:
+    # 6,000 tokens of capacity, all held by two requests that started decoding at t=0 and
+    # (typical decode time 5 s) will have left when this request's prefill ends at t=9.
+    return DecodeInstanceState("d0", batch_size=2, total_context_tokens=6000, free_blocks=0,
+                               block_size=BLOCK, running=[DecodeSlot(0.0, 3000), DecodeSlot(0.0, 3000)])
+
+
+def test_predicted_admits_when_decode_drains_before_prefill_ends() -> None:
+    ps = [prefill("A", 8.0, 0)]  # TTFT = 9 s
+    early = sched("early").schedule(REQ, ps, [_full_now_free_later()], 0, now=2.0)
+    assert (early.accepted, early.reject_reason) == (False, "decode_full")
+    pred = sched("predicted").schedule(REQ, ps, [_full_now_free_later()], 0, now=2.0)
+    assert pred.accepted and pred.decode_id == "d0"
+    assert pred.predicted_tbt_s == pytest.approx(0.01 + 0.001 + 0.001)
+
+
+def test_predicted_rejects_when_incoming_fills_decode() -> None:
+    # Free now (5,000 tokens), but two requests finishing prefill at t=1 and t=3 will hold
+    # 4,500 of them when this request's prefill ends at t=4.
+    d = DecodeInstanceState("d0", 0, 0, free_blocks=50, block_size=BLOCK,
+                            incoming=[DecodeSlot(1.0, 2500), DecodeSlot(3.0, 2000)])
+    ps = [prefill("A", 3.0, 0)]
+    assert sched("early").schedule(REQ, ps, [d], 0, now=0.0).accepted
+    pred = sched("predicted").schedule(REQ, ps, [d], 0, now=0.0)
+    assert (pred.accepted, pred.reject_reason) == (False, "decode_full")
+
+
+def test_predicted_load_counts_joins_and_leaves() -> None:
+    d = DecodeInstanceState("d0", 2, 700, free_blocks=10, block_size=BLOCK,
+                            running=[DecodeSlot(0.0, 300), DecodeSlot(4.0, 400)],
+                            incoming=[DecodeSlot(6.0, 50), DecodeSlot(9.0, 60)])
+    load = predicted_load(d, at_s=7.0, expected_decode_s=5.0)
+    assert (load.batch_size, load.context_tokens, load.capacity_tokens) == (2, 450, 1700)
+
+
+def test_no_instances_rejected() -> None:
+    d = sched("none").schedule(REQ, [], [decode("d0")], 0, 0.0)
+    assert (d.accepted, d.reject_reason) == (False, "no_instances")
