@@ -39,7 +39,10 @@ class ClusterConfig:
     max_batch_size: int = 64
     max_queue: int = 256  # admission: requests waiting for prefill, cluster-wide
     default_max_tokens: int = 256
-    scheduler: str = "load_balance"
+    scheduler: str = "load_balance"  # random | round_robin | load_balance | local_cache_aware | kvcache_centric
+    admission: str = "early"  # none | early | predicted
+    kvcache_balancing_threshold: float = 2.0
+    cost_profile: str = "cpu-smollm2-135m"  # a named profile or a coefficients JSON file
     slo: SLOConfig = field(default_factory=SLOConfig)
     transfer_protocol: str = "tcp"
     heartbeat_interval_s: float = 0.5

@@ -1,0 +1,82 @@
+"""What prefill and decode workers share: the engine, the transfer agent over the paged
+KV memory, registration with the conductor, and heartbeats carrying load and KV events."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from common.config import ClusterConfig
+from common.engine import Engine, EngineConfig
+from common.kv.events import BlockStored
+from common.mailbox import Mailbox
+from common.protocol import RegisterWorker, WorkerHeartbeat
+from common.transfer import TransferAgent, TransferConfig
+
+log = logging.getLogger(__name__)
+
+
+def engine_config(config: ClusterConfig, role: str) -> EngineConfig:
+    return EngineConfig(
+        model=config.model, dtype=config.dtype, device=config.device,
+        block_size=config.block_size,
+        num_blocks=config.prefill_blocks if role == "prefill" else config.decode_blocks,
+        prefill_chunk=config.prefill_chunk, max_batch_size=config.max_batch_size,
+    )
+
+
+class WorkerRuntime:
+    """Engine + mailbox + transfer agent of one worker process."""
+
+    def __init__(self, config: ClusterConfig, role: str, index: int) -> None:
+        self.config = config
+        self.role = role
+        self.instance_id = config.instance_id(role, index)
+        self.inbox_address = config.inbox(role, index)
+        self.conductor = config.inbox("conductor")
+        self.engine = Engine(engine_config(config, role))
+        self.mail = Mailbox(self.inbox_address, self.instance_id)
+        self.transfer = TransferAgent(TransferConfig(hostname=config.host,
+                                                     protocol=config.transfer_protocol))
+        kv = self.engine.kv
+        self.transfer.register(kv.base_address, kv.nbytes)
+        self._event_seq = 0
+
+    def registration(self) -> RegisterWorker:
+        kv = self.engine.kv
+        return RegisterWorker(
+            instance_id=self.instance_id, role=self.role, inbox=self.inbox_address,
+            transfer_session=self.transfer.session_id, kv_base=kv.base_address,
+            block_nbytes=kv.block_nbytes, layer_nbytes=kv.layer_nbytes,
+            num_layers=self.engine.model_config.num_layers, num_blocks=kv.num_blocks,
+            block_size=self.engine.config.block_size)
+
+    def heartbeat(self, queued: int, queued_tokens: int, running: int,
+                  context_tokens: int) -> WorkerHeartbeat:
+        pool = self.engine.pool
+        stored: list[str] = []
+        removed: list[str] = []
+        for event in pool.drain_events():
+            (stored if isinstance(event, BlockStored) else removed).append(event.key.hex())
+        self._event_seq += 1
+        return WorkerHeartbeat(
+            instance_id=self.instance_id, role=self.role, queued=queued,
+            queued_tokens=queued_tokens, running=running, context_tokens=context_tokens,
+            free_blocks=pool.num_free, used_blocks=pool.num_used,
+            total_blocks=pool.num_blocks, stored_keys=stored, removed_keys=removed,
+            event_seq=self._event_seq)
+
+    async def heartbeat_loop(self, load: Callable[[], tuple[int, int, int, int]]) -> None:
+        """Register, then beat every interval; registering again every few beats lets a
+        restarted conductor relearn us without a special handshake."""
+        beats = 0
+        while True:
+            if beats % 20 == 0:
+                self.mail.send(self.conductor, self.registration())
+            self.mail.send(self.conductor, self.heartbeat(*load()))
+            beats += 1
+            await asyncio.sleep(self.config.heartbeat_interval_s)
+
+    def close(self) -> None:
+        self.mail.close()
+        self.transfer.close()

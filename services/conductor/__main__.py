@@ -1,0 +1,5 @@
+import sys
+
+from services.conductor import main
+
+sys.exit(main())

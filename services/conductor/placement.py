@@ -1,0 +1,80 @@
+"""Adapter between the conductor's live registry and the pure scheduling policy.
+
+Builds the policy's instance states from heartbeats and KV events, calls
+``Scheduler.schedule`` and turns its decision into a Placement (or a reject reason).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from common.config import ClusterConfig
+from common.protocol import PrefillDone, SubmitRequest
+from common.scheduling import (
+    CostModel, DecodeInstanceState, PrefillInstanceState, PrefixIndex, RequestInfo,
+    SchedulerConfig, make_scheduler,
+)
+from services.conductor.registry import Registry, WorkerState
+
+
+@dataclass(frozen=True)
+class Placement:
+    prefill_id: str
+    decode_id: str
+    predicted_ttft_s: float
+    prefill_tokens: int  # tokens the prefill worker is predicted to compute
+
+
+class _KeySetIndex(PrefixIndex):
+    """A PrefixIndex view over a worker's live key set (no copy per decision)."""
+
+    def __init__(self, keys: set[str]) -> None:
+        self._keys = keys
+
+
+class Placer:
+    def __init__(self, config: ClusterConfig, global_index: Optional[PrefixIndex] = None):
+        self.config = config
+        self.cost = CostModel.profile(config.cost_profile)
+        self.policy = make_scheduler(config.scheduler, SchedulerConfig(
+            kvcache_balancing_threshold=config.kvcache_balancing_threshold,
+            ttft_slo_s=config.slo.ttft_s, tbt_slo_s=config.slo.tbt_s,
+            admission=config.admission, block_size=config.block_size,
+        ), self.cost)
+        self.global_index = global_index or PrefixIndex()
+
+    def _prefill_state(self, w: WorkerState) -> PrefillInstanceState:
+        # Queue = what the worker reported plus what we assigned since its last beat.
+        reported = w.beat.queued_tokens if w.beat else 0
+        tokens = max(reported, w.pending_tokens)
+        queue_s = self.cost.prefill_seconds(tokens, 0) if tokens else 0.0
+        return PrefillInstanceState(w.instance_id, queue_s, _KeySetIndex(w.cached_keys),
+                                    queued_requests=len(w.assigned))
+
+    def _decode_state(self, w: WorkerState) -> DecodeInstanceState:
+        b = w.beat
+        running = b.running if b else 0
+        context = b.context_tokens if b else 0
+        pending = len(w.assigned) - running
+        return DecodeInstanceState(
+            w.instance_id, batch_size=running + max(pending, 0), total_context_tokens=context,
+            free_blocks=w.free_blocks, block_size=w.info.block_size)
+
+    def place(self, req: SubmitRequest, registry: Registry,
+              now: Optional[float] = None) -> Union[Placement, str]:
+        prefill = [self._prefill_state(w) for w in registry.by_role("prefill")]
+        decode = [self._decode_state(w) for w in registry.by_role("decode")]
+        max_tokens = int(req.sampling.get("max_tokens", self.config.default_max_tokens))
+        info = RequestInfo(req.request_id, req.block_keys, len(req.token_ids), max_tokens)
+        global_len = self.global_index.prefix_len(req.block_keys)
+        d = self.policy.schedule(info, prefill, decode, global_len, now or time.time())
+        if not d.accepted or d.prefill_id is None or d.decode_id is None:
+            return f"{d.reject_reason}: predicted TTFT {d.predicted_ttft_s:.2f}s, " \
+                   f"TBT {d.predicted_tbt_s * 1000:.0f}ms"
+        cached = (d.prefix_blocks_local + d.prefix_blocks_to_fetch) * self.config.block_size
+        return Placement(d.prefill_id, d.decode_id, d.predicted_ttft_s,
+                         max(len(req.token_ids) - cached, 1))
+
+    def observe_prefill(self, msg: PrefillDone) -> None:
+        """Actual prefill times (kept for metrics; online refit is future work)."""

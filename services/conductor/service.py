@@ -1,0 +1,251 @@
+"""The conductor process: registry, admission, placement, and the request state machine.
+
+Flow for one request (see docs/lifecycle.md):
+  SubmitRequest → place (policy) → ReserveBlocks to decode → BlocksReserved
+  → PrefillTask to prefill → PrefillDone → (decode streams) → RequestFinished.
+Any failure answers the router with RequestFailed and aborts the other worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Callable
+
+from common.config import ClusterConfig
+from common.mailbox import Mailbox
+from common.protocol import (
+    AbortRequest, BlocksReserved, ClusterStatus, PrefillDone, PrefillTask, RegisterWorker,
+    RequestAccepted, RequestFailed, RequestFinished, ReserveBlocks, ReserveFailed,
+    SubmitRequest, WorkerHeartbeat,
+)
+from services.conductor.metrics import ConductorMetrics
+from services.conductor.placement import Placement, Placer
+from services.conductor.registry import Registry
+from services.conductor.tracker import Phase, Tracked, Tracker
+
+log = logging.getLogger("conductor")
+
+RESERVE_TIMEOUT_S = 10.0
+
+
+class Conductor:
+    def __init__(self, config: ClusterConfig, mailbox: Mailbox) -> None:
+        self.config = config
+        self.mail = mailbox
+        self.registry = Registry(config.heartbeat_timeout_s)
+        self.tracker = Tracker()
+        self.placer = Placer(config)
+        self.metrics = ConductorMetrics()
+        self.router_inbox = config.inbox("router")
+        self.handlers: dict[type, Callable[[Any], None]] = {
+            RegisterWorker: self.on_register,
+            WorkerHeartbeat: self.on_heartbeat,
+            SubmitRequest: self.on_submit,
+            AbortRequest: self.on_abort,
+            BlocksReserved: self.on_reserved,
+            ReserveFailed: self.on_reserve_failed,
+            PrefillDone: self.on_prefill_done,
+            RequestFinished: self.on_finished,
+            RequestFailed: self.on_failed,
+        }
+
+    # ------------------------------------------------------------ registry
+    def on_register(self, msg: RegisterWorker) -> None:
+        if msg.role not in ("prefill", "decode"):
+            log.warning("ignoring registration with role %r", msg.role)
+            return
+        self.registry.register(msg)
+        log.info("registered %s (%s, %d blocks)", msg.instance_id, msg.role, msg.num_blocks)
+
+    def on_heartbeat(self, msg: WorkerHeartbeat) -> None:
+        if not self.registry.heartbeat(msg):
+            log.debug("heartbeat from unregistered %s", msg.instance_id)
+
+    def ready(self) -> bool:
+        return bool(self.registry.by_role("prefill")) and bool(self.registry.by_role("decode"))
+
+    # ------------------------------------------------------------ admission and placement
+    def reject(self, req: SubmitRequest, status: int, kind: str, text: str,
+               retry_after: float | None = None) -> None:
+        self.metrics.rejected.labels(reason=kind).inc()
+        self.mail.send(self.router_inbox, RequestFailed(req.request_id, status, kind, text,
+                                                        retry_after))
+
+    def on_submit(self, req: SubmitRequest) -> None:
+        if req.request_id in self.tracker.requests:
+            log.warning("duplicate request id %s", req.request_id)
+            return
+        if not self.ready():
+            return self.reject(req, 503, "service_unavailable", "no prefill or decode worker")
+        if self.tracker.waiting_for_prefill() >= self.config.max_queue:
+            return self.reject(req, 429, "queue_full", "server is at capacity; retry later",
+                               retry_after=1.0)
+        start = time.perf_counter()
+        decision = self.placer.place(req, self.registry, time.time())
+        self.metrics.decision_seconds.observe(time.perf_counter() - start)
+        if isinstance(decision, str):
+            return self.reject(req, 429, "slo_violation", decision, retry_after=2.0)
+        self.dispatch(req, decision)
+
+    def dispatch(self, req: SubmitRequest, p: Placement) -> None:
+        decode = self.registry.get(p.decode_id)
+        prefill = self.registry.get(p.prefill_id)
+        assert decode is not None and prefill is not None
+        now = time.monotonic()
+        tracked = Tracked(req=req, prefill_id=p.prefill_id, decode_id=p.decode_id,
+                          phase=Phase.RESERVING, phase_deadline=now + RESERVE_TIMEOUT_S,
+                          predicted_ttft_s=p.predicted_ttft_s, accepted_at=time.time(),
+                          prefill_tokens=p.prefill_tokens)
+        self.tracker.add(tracked)
+        prefill.assigned.add(req.request_id)
+        prefill.pending_tokens += p.prefill_tokens
+        decode.assigned.add(req.request_id)
+        max_tokens = int(req.sampling.get("max_tokens", self.config.default_max_tokens))
+        self.mail.send(decode.info.inbox, ReserveBlocks(
+            request_id=req.request_id, prompt_tokens=len(req.token_ids), max_tokens=max_tokens,
+            sampling=req.sampling, router_inbox=self.router_inbox,
+            deadline=time.time() + self.config.kv_wait_timeout_s))
+        self.mail.send(self.router_inbox, RequestAccepted(
+            req.request_id, p.prefill_id, p.decode_id, p.predicted_ttft_s))
+        self.metrics.placed.labels(prefill=p.prefill_id, decode=p.decode_id).inc()
+        self.metrics.predicted_ttft.observe(p.predicted_ttft_s)
+
+    def on_reserved(self, msg: BlocksReserved) -> None:
+        t = self.tracker.get(msg.request_id)
+        if t is None or t.phase is not Phase.RESERVING:
+            # Aborted meanwhile: give the blocks back.
+            worker = self.registry.get(msg.instance_id)
+            if worker is not None:
+                self.mail.send(worker.info.inbox, AbortRequest(msg.request_id, "stale"))
+            return
+        decode = self.registry.get(t.decode_id)
+        prefill = self.registry.get(t.prefill_id)
+        if decode is None or prefill is None:
+            return self.fail(t, 503, "worker_lost", "a worker left before prefill started")
+        t.phase = Phase.PREFILLING
+        t.phase_deadline = time.monotonic() + self.config.kv_wait_timeout_s
+        t.decode_blocks = msg.block_ids
+        self.mail.send(prefill.info.inbox, PrefillTask(
+            request_id=t.req.request_id, token_ids=t.req.token_ids, sampling=t.req.sampling,
+            decode_id=decode.instance_id, decode_inbox=decode.info.inbox,
+            decode_session=decode.info.transfer_session, decode_kv_base=decode.info.kv_base,
+            decode_block_ids=msg.block_ids,
+            deadline=time.time() + self.config.kv_wait_timeout_s,
+            router_inbox=self.router_inbox))
+
+    def on_reserve_failed(self, msg: ReserveFailed) -> None:
+        t = self.tracker.get(msg.request_id)
+        if t is not None:
+            self.fail(t, 429, "kv_capacity", f"decode KV memory is full ({msg.reason})",
+                      retry_after=1.0, abort=False)
+
+    def on_prefill_done(self, msg: PrefillDone) -> None:
+        t = self.tracker.get(msg.request_id)
+        if t is None:
+            return
+        t.phase = Phase.DECODING
+        self._release_prefill(t)
+        actual = time.time() - t.accepted_at
+        self.metrics.actual_ttft.observe(actual)
+        self.metrics.ttft_error.observe(actual - t.predicted_ttft_s)
+        self.metrics.cached_tokens.inc(msg.cached_tokens)
+        self.metrics.global_hit_tokens.inc(msg.global_hit_tokens)
+        self.metrics.prompt_tokens.inc(msg.prompt_tokens)
+        self.metrics.transfer_bytes.inc(msg.transfer_bytes)
+        self.placer.observe_prefill(msg)
+
+    def on_finished(self, msg: RequestFinished) -> None:
+        t = self.tracker.pop(msg.request_id)
+        if t is None:
+            return
+        self._release_prefill(t)
+        decode = self.registry.get(t.decode_id)
+        if decode is not None:
+            decode.assigned.discard(msg.request_id)
+        self.metrics.finished.labels(reason=msg.finish_reason).inc()
+
+    def on_failed(self, msg: RequestFailed) -> None:
+        t = self.tracker.get(msg.request_id)
+        if t is not None:
+            self.fail(t, msg.status, msg.error_type, msg.message, msg.retry_after_s)
+
+    def on_abort(self, msg: AbortRequest) -> None:
+        t = self.tracker.pop(msg.request_id)
+        if t is None:
+            return
+        self._abort_workers(t, msg.reason)
+        self.metrics.finished.labels(reason="abort").inc()
+
+    # ------------------------------------------------------------ failure paths
+    def fail(self, t: Tracked, status: int, kind: str, text: str,
+             retry_after: float | None = None, abort: bool = True) -> None:
+        self.tracker.pop(t.req.request_id)
+        if abort:
+            self._abort_workers(t, kind)
+        else:
+            self._release(t)
+        self.metrics.failed.labels(reason=kind).inc()
+        self.mail.send(self.router_inbox, RequestFailed(t.req.request_id, status, kind, text,
+                                                        retry_after))
+
+    def _abort_workers(self, t: Tracked, reason: str) -> None:
+        for wid in {t.prefill_id, t.decode_id}:
+            w = self.registry.get(wid)
+            if w is not None:
+                self.mail.send(w.info.inbox, AbortRequest(t.req.request_id, reason))
+        self._release(t)
+
+    def _release_prefill(self, t: Tracked) -> None:
+        prefill = self.registry.get(t.prefill_id)
+        if prefill is not None and t.req.request_id in prefill.assigned:
+            prefill.assigned.discard(t.req.request_id)
+            prefill.pending_tokens = max(0, prefill.pending_tokens - t.prefill_tokens)
+
+    def _release(self, t: Tracked) -> None:
+        self._release_prefill(t)
+        decode = self.registry.get(t.decode_id)
+        if decode is not None:
+            decode.assigned.discard(t.req.request_id)
+
+    def sweep(self) -> None:
+        """Expire silent workers and overdue requests; publish status."""
+        for dead in self.registry.expire():
+            log.warning("%s missed heartbeats for %.1fs; removing it", dead.instance_id,
+                        self.config.heartbeat_timeout_s)
+            for t in self.tracker.on_worker(dead.instance_id):
+                self.fail(t, 503, "worker_lost", f"{dead.instance_id} stopped responding")
+        now = time.monotonic()
+        for t in self.tracker.overdue(now):
+            self.fail(t, 504, "timeout", f"request stuck in {t.phase.value}")
+        self.mail.send(self.router_inbox, ClusterStatus(self.ready(), self.registry.status()))
+        self.metrics.update_gauges(self.registry, self.tracker)
+
+
+async def run(config: ClusterConfig, index: int = 0) -> None:
+    mail = Mailbox(config.inbox("conductor"), "conductor")
+    conductor = Conductor(config, mail)
+    conductor.metrics.serve(config.base_port + 3, config.host)
+
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(config.heartbeat_interval_s)
+            conductor.sweep()
+
+    tick = asyncio.create_task(ticker())
+    log.info("conductor ready at %s (scheduler=%s)", config.inbox("conductor"),
+             config.scheduler)
+    try:
+        while True:
+            msg = await mail.recv()
+            handler = conductor.handlers.get(type(msg))
+            if handler is None:
+                log.warning("conductor: no handler for %s", type(msg).__name__)
+                continue
+            try:
+                handler(msg)
+            except Exception:  # one bad message must not stop the scheduler
+                log.exception("conductor: handling %s failed", type(msg).__name__)
+    finally:
+        tick.cancel()
+        mail.close()

@@ -1,0 +1,52 @@
+"""Requests the conductor has admitted, as explicit states with deadlines."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+from common.protocol import SubmitRequest
+
+
+class Phase(enum.Enum):
+    RESERVING = "reserving"  # ReserveBlocks sent to the decode worker
+    PREFILLING = "prefilling"  # PrefillTask sent to the prefill worker
+    DECODING = "decoding"  # KV landed; decode worker streams tokens
+
+
+@dataclass
+class Tracked:
+    req: SubmitRequest
+    prefill_id: str
+    decode_id: str
+    phase: Phase
+    phase_deadline: float
+    predicted_ttft_s: float
+    accepted_at: float
+    prefill_tokens: int  # uncached tokens the prefill worker must compute (prediction)
+    decode_blocks: Optional[list[int]] = None
+
+
+class Tracker:
+    def __init__(self) -> None:
+        self.requests: dict[str, Tracked] = {}
+
+    def add(self, t: Tracked) -> None:
+        self.requests[t.req.request_id] = t
+
+    def get(self, request_id: str) -> Optional[Tracked]:
+        return self.requests.get(request_id)
+
+    def pop(self, request_id: str) -> Optional[Tracked]:
+        return self.requests.pop(request_id, None)
+
+    def waiting_for_prefill(self) -> int:
+        return sum(1 for t in self.requests.values() if t.phase is not Phase.DECODING)
+
+    def on_worker(self, instance_id: str) -> list[Tracked]:
+        return [t for t in self.requests.values()
+                if instance_id in (t.prefill_id, t.decode_id)]
+
+    def overdue(self, now: float) -> list[Tracked]:
+        return [t for t in self.requests.values()
+                if t.phase is not Phase.DECODING and now > t.phase_deadline]

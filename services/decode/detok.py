@@ -1,0 +1,53 @@
+"""Incremental detokenization with stop strings, as the decode worker streams tokens."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+
+class IncrementalText:
+    """Turns a growing list of token ids into text deltas.
+
+    Text is re-decoded from a window that starts a few tokens back, so multi-byte
+    characters split across tokens are emitted only once complete. Stop strings are
+    searched in the whole text; text that could still become a stop string is held back.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
+        self._decode = decode
+        self.stop = [s for s in stop if s]
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""  # all text so far (stop string excluded once found)
+        self.sent = 0  # characters already emitted
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Append one token; return (new text to emit, whether a stop string matched)."""
+        self.ids.append(token_id)
+        full = self._decode(self.ids)
+        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more
+            return "", False
+        self.text = full
+        hit = self._find_stop()
+        if hit is not None:
+            self.text = self.text[:hit]
+            return self._flush(), True
+        limit = len(self.text) - self._hold if self.stop else len(self.text)
+        if limit <= self.sent:
+            return "", False
+        delta = self.text[self.sent:limit]
+        self.sent = limit
+        return delta, False
+
+    def _find_stop(self) -> Optional[int]:
+        start = max(0, self.sent - self._hold)
+        found = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        return min(found) if found else None
+
+    def finish(self) -> str:
+        """Everything not yet emitted (at the end of generation)."""
+        return self._flush()
+
+    def _flush(self) -> str:
+        delta = self.text[self.sent:]
+        self.sent = len(self.text)
+        return delta

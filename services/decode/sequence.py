@@ -1,0 +1,44 @@
+"""A request on the decode worker: reserved blocks, then a running sequence."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from common.engine.sampling import SamplingParams
+from services.decode.detok import IncrementalText
+
+
+@dataclass
+class Reservation:
+    """Blocks reserved for a request whose KV is still arriving from a prefill worker."""
+
+    request_id: str
+    blocks: list[int]
+    prompt_tokens: int
+    params: SamplingParams
+    router_inbox: str
+    deadline: float
+    aborted: bool = False  # abort seen; free the blocks once the prefill side confirms
+
+
+@dataclass
+class Running:
+    request_id: str
+    blocks: list[int]
+    position: int  # position of ``last_token`` (its KV is written by the next step)
+    last_token: int
+    params: SamplingParams
+    router_inbox: str
+    prompt_tokens: int
+    cached_tokens: int
+    text: IncrementalText
+    generator: Optional[torch.Generator]
+    generated: int = 0
+    aborted: bool = False
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def context_tokens(self) -> int:
+        return self.position + 1
