@@ -1,0 +1,227 @@
+"""Discrete-event simulator of a disaggregated cluster driving the real policy objects.
+
+N prefill instances (FIFO queue each, an LRU cache of ``prefill_cache_tokens``), a global
+pool (the store: an LRU over ``global_pool_tokens``), M decode instances (continuous
+batching, KV memory of ``decode_capacity_tokens``). Each arrival is placed by a
+``common.scheduling`` Scheduler exactly as the conductor would; prefill time, transfers and
+decode steps come from the same CostModel. Blocks are the trace's 512-token blocks.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from common.scheduling import (
+    CostModel,
+    DecodeInstanceState,
+    DecodeSlot,
+    LRUBlockCache,
+    PrefillInstanceState,
+    RequestInfo,
+    ScheduleDecision,
+    SchedulerConfig,
+    make_scheduler,
+)
+from traces.batch import DecodeBatch
+from traces.loader import TRACE_BLOCK_TOKENS, TraceRequest
+from traces.metrics import (
+    COMPLETED,
+    REJECTED_AFTER_PREFILL,
+    REJECTED_ARRIVAL,
+    RequestRecord,
+    SimResult,
+)
+
+_ARRIVAL, _PREFILL_DONE, _STEP_END = 0, 1, 2
+
+
+@dataclass
+class ClusterConfig:
+    num_prefill: int = 8
+    num_decode: int = 8
+    prefill_cache_tokens: int = 3_000_000
+    global_pool_tokens: Optional[int] = None      # None: num_prefill * prefill_cache_tokens
+    decode_capacity_tokens: Optional[int] = None  # None: the cost model's kv_capacity_tokens
+
+
+@dataclass
+class _Job:
+    req: TraceRequest
+    info: RequestInfo
+    decision: ScheduleDecision
+    predicted_s: float
+
+
+class _Prefill:
+    def __init__(self, iid: str, cache_blocks: int) -> None:
+        self.iid = iid
+        self.cache = LRUBlockCache(cache_blocks)
+        self.queue: deque[_Job] = deque()
+        self.running: Optional[_Job] = None
+        self.running_end = 0.0
+        self.queued_s = 0.0
+
+    def queue_seconds(self, now: float) -> float:
+        busy = max(0.0, self.running_end - now) if self.running else 0.0
+        return busy + self.queued_s
+
+
+class _Decode:
+    def __init__(self, iid: str, capacity: int) -> None:
+        self.iid = iid
+        self.capacity = capacity
+        self.reserved = 0
+        self.batch = DecodeBatch()
+        self.pending: list[tuple[TraceRequest, float]] = []
+        self.stepping = False
+        self.running: dict[int, DecodeSlot] = {}
+        self.incoming: dict[int, DecodeSlot] = {}
+
+    def fits(self, tokens: int) -> bool:
+        return self.reserved + tokens <= self.capacity
+
+    def state(self) -> DecodeInstanceState:
+        return DecodeInstanceState(
+            self.iid, self.batch.size + len(self.pending), self.reserved,
+            (self.capacity - self.reserved) // TRACE_BLOCK_TOKENS, TRACE_BLOCK_TOKENS,
+            running=list(self.running.values()), incoming=list(self.incoming.values()),
+        )
+
+
+class DisaggregatedSim:
+    def __init__(self, trace: Sequence[TraceRequest], cost: CostModel, scheduler: str,
+                 sched_cfg: SchedulerConfig, cluster: ClusterConfig) -> None:
+        if sched_cfg.block_size != TRACE_BLOCK_TOKENS:
+            raise ValueError("the simulator schedules 512-token trace blocks")
+        self.trace, self.cost, self.cluster = trace, cost, cluster
+        self.scheduler = make_scheduler(scheduler, sched_cfg, cost)
+        self.name = f"disagg/{scheduler}/{sched_cfg.admission}"
+        cache_blocks = cluster.prefill_cache_tokens // TRACE_BLOCK_TOKENS
+        pool_tokens = cluster.global_pool_tokens
+        if pool_tokens is None:
+            pool_tokens = cluster.num_prefill * cluster.prefill_cache_tokens
+        self.pool = LRUBlockCache(pool_tokens // TRACE_BLOCK_TOKENS)
+        self.prefill = [_Prefill(f"P{i}", cache_blocks) for i in range(cluster.num_prefill)]
+        capacity = cluster.decode_capacity_tokens or cost.kv_capacity_tokens
+        self.decode = [_Decode(f"D{i}", capacity) for i in range(cluster.num_decode)]
+        self._by_id = {d.iid: d for d in self.decode}
+        self._pidx = {p.iid: p for p in self.prefill}
+        self.records = [RequestRecord(r.index, r.arrival_s) for r in trace]
+        self.result = SimResult(self.name, self.records)
+        self._events: list = []
+        self._seq = 0
+
+    def _push(self, t: float, kind: int, a: object, b: object = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, a, b))
+
+    def run(self) -> SimResult:
+        t0 = time.perf_counter()
+        for r in self.trace:
+            self._push(r.arrival_s, _ARRIVAL, r)
+        handlers = {_ARRIVAL: self._on_arrival, _PREFILL_DONE: self._on_prefill_done,
+                    _STEP_END: self._on_step_end}
+        while self._events:
+            t, _, kind, a, b = heapq.heappop(self._events)
+            handlers[kind](t, a, b)
+        self.result.sim_seconds = time.perf_counter() - t0
+        return self.result
+
+    # --- prefill side -------------------------------------------------------------------
+    def _on_arrival(self, now: float, req: TraceRequest, _: object) -> None:
+        info = RequestInfo(str(req.index), req.hash_ids, req.input_length, req.output_length)
+        states = [PrefillInstanceState(p.iid, p.queue_seconds(now), p.cache, len(p.queue))
+                  for p in self.prefill]
+        decision = self.scheduler.schedule(info, states, [d.state() for d in self.decode],
+                                           self.pool.prefix_len(req.hash_ids), now)
+        rec = self.records[req.index]
+        if not decision.accepted:
+            rec.status, rec.reason = REJECTED_ARRIVAL, decision.reject_reason
+            return
+        p = self._pidx[decision.prefill_id]
+        cached = decision.prefix_blocks_local + decision.prefix_blocks_to_fetch
+        predicted = (self.scheduler.transfer_seconds(decision.prefix_blocks_to_fetch)
+                     + self.scheduler.prefill_seconds(info, cached))
+        if req.output_length > 1:
+            d = self._by_id[decision.decode_id]
+            d.incoming[req.index] = DecodeSlot(now + decision.predicted_ttft_s, _need(req))
+        p.queue.append(_Job(req, info, decision, predicted))
+        p.queued_s += predicted
+        if p.running is None:
+            self._start_prefill(p, now)
+
+    def _start_prefill(self, p: _Prefill, now: float) -> None:
+        job = p.queue.popleft()
+        p.queued_s = max(0.0, p.queued_s - job.predicted_s) if p.queue else 0.0
+        keys = job.req.hash_ids
+        local = p.cache.prefix_len(keys)
+        target = job.decision.prefix_blocks_local + job.decision.prefix_blocks_to_fetch
+        fetched = max(0, target - local) if job.decision.prefix_blocks_to_fetch else 0
+        self.result.hits.add(len(keys), local, fetched)
+        duration = (self.scheduler.transfer_seconds(fetched)
+                    + self.scheduler.prefill_seconds(job.info, local + fetched))
+        p.running, p.running_end = job, now + duration
+        self._push(p.running_end, _PREFILL_DONE, p)
+
+    def _on_prefill_done(self, now: float, p: _Prefill, _: object) -> None:
+        job = p.running
+        assert job is not None
+        p.running = None
+        keys = job.req.hash_ids
+        p.cache.touch(keys)       # computed and fetched blocks stay: hot prefixes replicate
+        self.pool.touch(keys)     # new blocks are put into the store
+        if p.queue:
+            self._start_prefill(p, now)
+        self._hand_to_decode(job, now)
+
+    # --- decode side --------------------------------------------------------------------
+    def _hand_to_decode(self, job: _Job, now: float) -> None:
+        req, rec = job.req, self.records[job.req.index]
+        rec.ttft_s = now - req.arrival_s
+        if req.output_length <= 1:
+            rec.status, rec.tbt_s, rec.finish_s = COMPLETED, 0.0, now
+            return
+        chosen = self._by_id[job.decision.decode_id]
+        chosen.incoming.pop(req.index, None)
+        need = _need(req)
+        if not chosen.fits(need):
+            fitting = [d for d in self.decode if d.fits(need)]
+            if not fitting:
+                rec.status, rec.reason = REJECTED_AFTER_PREFILL, "decode_full"
+                return
+            chosen = min(fitting, key=lambda d: (d.reserved, d.iid))
+        chosen.reserved += need
+        chosen.running[req.index] = DecodeSlot(now, need)
+        chosen.pending.append((req, now))
+        if not chosen.stepping:
+            self._start_step(chosen, now)
+
+    def _start_step(self, d: _Decode, now: float) -> None:
+        for req, ready in d.pending:
+            d.batch.join(req.index, req.input_length, req.output_length - 1, ready)
+        d.pending.clear()
+        if d.batch.size == 0:
+            d.stepping = False
+            return
+        d.stepping = True
+        self._push(now + self.cost.decode_tbt_seconds(d.batch.size, d.batch.context_tokens),
+                   _STEP_END, d)
+
+    def _on_step_end(self, now: float, d: _Decode, _: object) -> None:
+        for rid, tbt in d.batch.end_step(now):
+            rec = self.records[rid]
+            rec.status, rec.tbt_s, rec.finish_s = COMPLETED, tbt, now
+            d.reserved -= d.running.pop(rid).tokens
+        self._start_step(d, now)
+
+
+def _need(req: TraceRequest) -> int:
+    return req.input_length + req.output_length
+
+
+def simulate_disaggregated(trace: Sequence[TraceRequest], cost: CostModel, scheduler: str,
+                           sched_cfg: SchedulerConfig, cluster: ClusterConfig) -> SimResult:
+    return DisaggregatedSim(trace, cost, scheduler, sched_cfg, cluster).run()
