@@ -1,0 +1,165 @@
+"""Store wire messages, grouped by receiver. Keys travel hex-encoded (``bytes.hex()``).
+
+Clients and nodes talk to the master over one DEALER → ROUTER channel; every client request
+carries a ``req_id`` echoed by its reply. A node's DEALER identity is its ``node_id`` so
+the master can send it ``NodeCommand``s. KV bytes never ride here.
+
+A location is ``[node_id, offset]``; ``nodes`` maps each node_id named in a reply to what a
+client needs to reach it: ``{"session_id", "base", "shm_path", "hostname", "epoch"}``.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from common.ipc import message
+
+# ------------------------------------------------------------ to the master, from clients
+
+
+@message
+class StoreExists:
+    req_id: int
+    keys: list[str]
+
+
+@message
+class StoreGet:
+    """Locations of ready DRAM replicas; grants a lease; promotes SSD-only objects."""
+    req_id: int
+    keys: list[str]
+
+
+@message
+class StorePutStart:
+    req_id: int
+    keys: list[str]
+    size: int
+    replica_num: int = 1
+
+
+@message
+class StorePutEnd:
+    req_id: int
+    keys: list[str]
+    ok: list[bool]
+
+
+@message
+class StoreRemove:
+    req_id: int
+    keys: list[str]
+
+
+@message
+class StorePollEvents:
+    """KV events with ``seq > after_seq`` (for the conductor; also published on PUB)."""
+    req_id: int
+    after_seq: int = 0
+
+
+@message
+class StoreStats:
+    req_id: int
+
+
+# ------------------------------------------------------------ to the master, from nodes
+
+
+@message
+class NodeRegister:
+    node_id: str
+    hostname: str
+    session_id: str  # transfer-engine session of the node's segment
+    base: int  # address of the segment in the node's process
+    segment_bytes: int
+    ssd_bytes: int
+    shm_path: Optional[str] = None  # same-host clients may mmap this file instead
+    pid: int = 0
+
+
+@message
+class NodeHeartbeat:
+    node_id: str
+    ssd_used: int = 0
+
+
+@message
+class NodeCommandDone:
+    node_id: str
+    op: str  # "offload" | "promote" | "drop_ssd"
+    key: str
+    ok: bool
+
+
+# ------------------------------------------------------------ to clients
+
+
+@message
+class StoreExistsReply:
+    req_id: int
+    present: list[bool]
+
+
+@message
+class StoreGetReply:
+    req_id: int
+    locations: list[Any]  # per key: [[node_id, offset], ...] or None (miss)
+    nodes: dict[str, Any]
+    lease_s: float
+
+
+@message
+class StorePutStartReply:
+    req_id: int
+    status: list[str]  # per key: "new" | "exists" | "nospace"
+    locations: list[Any]  # per key: [[node_id, offset], ...] (empty unless "new")
+    nodes: dict[str, Any]
+    put_timeout_s: float
+
+
+@message
+class StorePutEndReply:
+    req_id: int
+    committed: list[bool]
+
+
+@message
+class StoreRemoveReply:
+    req_id: int
+    removed: int
+
+
+@message
+class StoreEventsReply:
+    req_id: int
+    events: list[Any]  # [seq, "stored" | "removed", key]
+    last_seq: int
+
+
+@message
+class StoreStatsReply:
+    req_id: int
+    stats: dict[str, Any]
+
+
+@message
+class StoreEvents:
+    """Published on the master's PUB socket (topic-less): a batch of KV events."""
+    events: list[Any]
+
+
+# ------------------------------------------------------------ to nodes
+
+
+@message
+class NodeAck:
+    known: bool  # False: the master does not know this node; register again
+    heartbeat_interval_s: float = 0.5
+
+
+@message
+class NodeCommandMsg:
+    op: str  # "offload" (segment → SSD) | "promote" (SSD → segment) | "drop_ssd"
+    key: str
+    offset: int
+    size: int

@@ -1,0 +1,41 @@
+"""Prometheus metrics of the store master (one registry per master instance)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from common.store.metadata import StoreMetadata
+
+
+class MasterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("store_requests", "Requests by type", ["type"], registry=r)
+        self.keys = Counter("store_keys", "Keys asked for by request type", ["type"], registry=r)
+        self.events = Counter("store_policy_events", "Hits, misses, evictions, offloads, "
+                              "promotions, zombie puts, dead nodes", ["kind"], registry=r)
+        self.objects = Gauge("store_objects", "Objects known (any state)", registry=r)
+        self.nodes = Gauge("store_nodes", "Registered live nodes", registry=r)
+        self.used = Gauge("store_used_bytes", "Allocated bytes", ["tier"], registry=r)
+        self.capacity = Gauge("store_capacity_bytes", "Capacity", ["tier"], registry=r)
+        self._seen: dict[str, int] = {}
+
+    def serve(self, port: Optional[int]) -> None:
+        if port:
+            start_http_server(port, registry=self.registry)
+
+    def observe(self, md: StoreMetadata) -> None:
+        """Refresh gauges and turn the policy's counters into Prometheus counters."""
+        self.objects.set(len(md.objects))
+        self.nodes.set(len(md.nodes))
+        self.used.labels("dram").set(sum(n.allocator.used_bytes for n in md.nodes.values()))
+        self.used.labels("ssd").set(sum(n.ssd_used for n in md.nodes.values()))
+        self.capacity.labels("dram").set(sum(n.capacity for n in md.nodes.values()))
+        self.capacity.labels("ssd").set(sum(n.ssd_capacity for n in md.nodes.values()))
+        for kind, value in md.counters.items():
+            delta = value - self._seen.get(kind, 0)
+            if delta > 0:
+                self.events.labels(kind).inc(delta)
+            self._seen[kind] = value

@@ -1,0 +1,5 @@
+import sys
+
+from services.store_node import main
+
+sys.exit(main())
