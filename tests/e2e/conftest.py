@@ -1,0 +1,66 @@
+"""Real clusters for end-to-end tests: every role is its own process."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from launch.cluster import LocalCluster
+
+BASE_CONFIG = """
+model = "smollm2-135m"
+http_port = {http}
+base_port = {base}
+prefill_workers = {prefill}
+decode_workers = 1
+store_nodes = 1
+use_store = {store}
+prefill_blocks = 512
+decode_blocks = 1024
+prefill_chunk = 64
+scheduler = "{scheduler}"
+heartbeat_interval_s = 0.2
+store_segment_bytes = 268435456
+"""
+
+
+def start_cluster(tmp: Path, http: int, base: int, prefill: int = 1, store: bool = True,
+                  scheduler: str = "load_balance") -> LocalCluster:
+    cfg = tmp / "cluster.toml"
+    cfg.write_text(BASE_CONFIG.format(http=http, base=base, prefill=prefill,
+                                      store=str(store).lower(), scheduler=scheduler))
+    cluster = LocalCluster(str(cfg), tmp / "logs")
+    try:
+        cluster.start(timeout_s=180)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+@pytest.fixture(scope="package")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    c = start_cluster(tmp_path_factory.mktemp("cluster"), http=19400, base=19500)
+    yield c
+    c.stop()
+
+
+def wait_no_leaks(cluster: LocalCluster, timeout_s: float = 10.0) -> list[dict]:
+    """Poll the pool introspection until no worker holds a referenced block."""
+    deadline = time.monotonic() + timeout_s
+    pools: list[dict] = []
+    while time.monotonic() < deadline:
+        pools = httpx.get(cluster.url + "/debug/pools", timeout=5).json()["instances"]
+        if pools and all(p["used_blocks"] == 0 for p in pools):
+            return pools
+        time.sleep(0.2)
+    raise AssertionError(f"KV blocks leaked: {pools}")
+
+
+@pytest.fixture
+def no_leaks(cluster: LocalCluster) -> Iterator[None]:
+    yield
+    wait_no_leaks(cluster)

@@ -1,0 +1,150 @@
+"""The whole system, started by the launcher, serving the real model."""
+from __future__ import annotations
+
+import asyncio
+import json
+from functools import lru_cache
+
+import httpx
+import pytest
+
+from common.engine import Engine, EngineConfig, generate
+from common.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.e2e
+PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@lru_cache(maxsize=1)
+def engine() -> Engine:
+    return Engine(EngineConfig(num_blocks=256))
+
+
+def engine_alone(messages: list[dict], max_tokens: int) -> str:
+    """What the engine produces in one process, greedy: the reference for disaggregation."""
+    eng = engine()
+    ids = eng.apply_chat_template(messages)
+    return generate(eng, ids, SamplingParams(max_tokens=max_tokens, temperature=0.0)).text
+
+
+def stream_chat(url: str, messages: list[dict], max_tokens: int) -> list[dict]:
+    body = {"model": "smollm2-135m", "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    chunks = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for ln in lines[:-1]:
+        chunks.append(json.loads(ln[len("data: "):]))
+    return chunks
+
+
+def chunk_text(chunks: list[dict]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+def test_streamed_answer_is_paris_and_equals_engine_alone(cluster, no_leaks) -> None:
+    chunks = stream_chat(cluster.url, PARIS, 24)
+    text = chunk_text(chunks)
+    assert "Paris" in text
+    assert len([c for c in chunks if c["choices"]]) >= 3
+    assert chunks[-1]["usage"]["completion_tokens"] > 0
+    assert text == engine_alone(PARIS, 24)
+
+
+def test_openai_client_stream_and_not(cluster, no_leaks) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused")
+    out = client.chat.completions.create(model="smollm2-135m", messages=PARIS, max_tokens=16,
+                                         temperature=0)
+    assert "Paris" in out.choices[0].message.content
+    assert out.usage.prompt_tokens > 0 and out.usage.completion_tokens > 0
+    stream = client.chat.completions.create(model="smollm2-135m", messages=PARIS,
+                                            max_tokens=16, temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == out.choices[0].message.content
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["smollm2-135m"]
+
+
+def test_completions_endpoint(cluster, no_leaks) -> None:
+    r = httpx.post(cluster.url + "/v1/completions", timeout=60, json={
+        "model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 8,
+        "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["text"]
+
+
+PROMPTS = [f"Count from {i} to {i + 5}." for i in range(8)] + \
+          [f"Name a color that starts with the letter {c}." for c in "ABCDEFGH"]
+
+
+def test_concurrent_requests_match_sequential(cluster, no_leaks) -> None:
+    def body(p: str) -> dict:
+        return {"model": "smollm2-135m", "messages": [{"role": "user", "content": p}],
+                "max_tokens": 12, "temperature": 0}
+
+    sequential = []
+    with httpx.Client(base_url=cluster.url, timeout=120) as client:
+        for p in PROMPTS:
+            r = client.post("/v1/chat/completions", json=body(p))
+            assert r.status_code == 200, r.text
+            sequential.append(r.json()["choices"][0]["message"]["content"])
+
+    async def all_at_once() -> list[str]:
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=180) as client:
+            rs = await asyncio.gather(*(client.post("/v1/chat/completions", json=body(p))
+                                        for p in PROMPTS))
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        return [r.json()["choices"][0]["message"]["content"] for r in rs]
+
+    assert asyncio.run(all_at_once()) == sequential
+
+
+@pytest.mark.parametrize("payload, param", [
+    (b"{not json", None),
+    (b'{"model": "smollm2-135m"}', "messages"),
+    (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], '
+     b'"max_tokens": -1}', "max_tokens"),
+    (b'{"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}', "model"),
+    (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "hi"}], "n": 2}', "n"),
+])
+def test_bad_input_is_400_and_cluster_keeps_serving(cluster, no_leaks, payload, param) -> None:
+    r = httpx.post(cluster.url + "/v1/chat/completions", content=payload, timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if param is not None:
+        assert err["param"] == param
+    ok = httpx.post(cluster.url + "/v1/chat/completions", timeout=60, json={
+        "model": "smollm2-135m", "messages": PARIS, "max_tokens": 4, "temperature": 0})
+    assert ok.status_code == 200
+
+
+def test_prompt_longer_than_context_is_400(cluster, no_leaks) -> None:
+    long_text = "hello " * 9000
+    r = httpx.post(cluster.url + "/v1/chat/completions", timeout=60, json={
+        "model": "smollm2-135m", "messages": [{"role": "user", "content": long_text}]})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_client_disconnect_aborts_and_frees_blocks(cluster) -> None:
+    from tests.e2e.conftest import wait_no_leaks
+
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Tell a long story."}],
+            "max_tokens": 400, "temperature": 0, "stream": True, "stream_options": {}}
+    with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                seen += 1
+            if seen >= 3:
+                break  # leave mid-stream; closing the connection must abort the request
+    pools = wait_no_leaks(cluster, timeout_s=15)
+    assert all(p["used_blocks"] == 0 for p in pools)
+    metrics = httpx.get(cluster.url + "/metrics", timeout=5).text
+    assert "crescent_" in metrics

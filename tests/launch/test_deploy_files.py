@@ -1,0 +1,46 @@
+"""docker-compose.yml and the shipped configs are valid and name every role."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.config import ClusterConfig
+from launch.cli import ROLES
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_compose_has_one_service_per_role() -> None:
+    yaml = pytest.importorskip("yaml")
+    doc = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    services = doc["services"]
+    assert set(services) == set(ROLES)
+    for name, svc in services.items():
+        assert svc["command"][0] == name
+        config = svc["volumes"][0].split(":")[0]
+        assert (REPO / config).is_file()
+    for gpu_role in ("prefill", "decode"):
+        devices = services[gpu_role]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "launch" / "configs").glob("*.toml")))
+def test_shipped_configs_load(path: Path) -> None:
+    config = ClusterConfig.load(str(path))
+    assert config.prefill_workers >= 1 and config.decode_workers >= 1
+
+
+def test_unknown_config_key_is_rejected(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('modle = "x"\n')
+    with pytest.raises(ValueError, match="modle"):
+        ClusterConfig.load(str(bad))
+
+
+def test_inbox_ports_are_distinct() -> None:
+    c = ClusterConfig(prefill_workers=3, decode_workers=2, store_nodes=2)
+    addrs = [c.inbox(r) for r in ("router", "conductor", "store_master")]
+    addrs += [c.inbox("prefill", i) for i in range(3)] + [c.inbox("decode", i) for i in range(2)]
+    addrs += [c.inbox("store_node", i) for i in range(2)]
+    assert len(set(addrs)) == len(addrs)
