@@ -70,6 +70,11 @@ class ClusterConfig:
             raise ValueError(f"unknown role {role!r}")
         return f"tcp://{self.host}:{port}"
 
+    @property
+    def store_events_address(self) -> str:
+        """The store master's PUB socket of KV events (the conductor subscribes)."""
+        return f"tcp://{self.host}:{self.base_port + 5}"
+
     def instance_id(self, role: str, index: int) -> str:
         return f"{role}-{index}"
 

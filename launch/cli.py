@@ -42,9 +42,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from common.config import ClusterConfig
+    from launch.cluster import service_args
+
     module = importlib.import_module(f"services.{args.role}")
-    argv = ["--index", str(args.index)] + (["--config", args.config] if args.config else [])
-    return module.main(argv)
+    config = ClusterConfig.load(args.config)
+    return module.main(service_args(args.role, args.index, config, args.config))
 
 
 def cmd_simulate(rest: list[str]) -> int:

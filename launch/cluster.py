@@ -43,6 +43,26 @@ class ClusterError(RuntimeError):
     pass
 
 
+def service_args(role: str, index: int, config: ClusterConfig,
+                 config_path: Optional[str]) -> list[str]:
+    """Command-line arguments of one service. The store services are reusable on their
+    own and take plain flags; the launcher derives them from the cluster config."""
+    if role == "store_master":
+        return ["--address", config.inbox("store_master"),
+                "--events-address", config.store_events_address,
+                "--metrics-port", str(config.base_port + 4),
+                "--heartbeat-timeout-s", str(config.heartbeat_timeout_s)]
+    if role == "store_node":
+        args = ["--master", config.inbox("store_master"), "--node-id", f"store_node-{index}",
+                "--segment-mib", str(config.store_segment_bytes >> 20),
+                "--hostname", config.host, "--protocol", config.transfer_protocol]
+        if config.store_ssd_dir and config.store_ssd_bytes:
+            args += ["--ssd-dir", f"{config.store_ssd_dir}/node-{index}",
+                     "--ssd-mib", str(config.store_ssd_bytes >> 20)]
+        return args
+    return ["--index", str(index)] + (["--config", str(config_path)] if config_path else [])
+
+
 class LocalCluster:
     def __init__(self, config_path: Optional[str], log_dir: str | Path) -> None:
         self.config_path = config_path
@@ -70,9 +90,8 @@ class LocalCluster:
     def spawn(self, role: str, index: int) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{role}-{index}.log"
-        cmd = [sys.executable, "-m", f"services.{role}", "--index", str(index)]
-        if self.config_path:
-            cmd += ["--config", str(self.config_path)]
+        cmd = [sys.executable, "-m", f"services.{role}"]
+        cmd += service_args(role, index, self.config, self.config_path)
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         with open(log_path, "ab") as log:

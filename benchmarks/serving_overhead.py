@@ -1,0 +1,170 @@
+"""Added latency per streamed token of the router path, and conductor decisions/s.
+
+Token overhead: a real router process streams to a real HTTP client; this process plays
+the decode worker (it PUSHes TokenDelta to the router's inbox, recording when) and the
+client (it timestamps each SSE chunk as it arrives), on one clock. The difference is
+what the router path adds over the decode step itself: ZeroMQ hop, decode of the
+message, SSE framing, HTTP write, client read.
+
+Conductor throughput: a real conductor process with 8 prefill and 8 decode workers
+registered (this process heartbeats for them); N SubmitRequests are fired and the time
+until the N-th RequestAccepted reaches the router inbox gives decisions/s.
+
+    python benchmarks/serving_overhead.py [--tokens 400] [--decisions 5000]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.config import ClusterConfig  # noqa: E402
+from common.mailbox import Mailbox  # noqa: E402
+from common.protocol import (  # noqa: E402
+    ClusterStatus, RegisterWorker, RequestAccepted, SubmitRequest, TokenDelta, WorkerHeartbeat,
+)
+from launch.cluster import LocalCluster  # noqa: E402
+
+CONFIG = """
+http_port = 18800
+base_port = 18900
+use_store = false
+max_queue = 1000000
+scheduler = "{scheduler}"
+admission = "none"
+heartbeat_interval_s = 0.2
+heartbeat_timeout_s = 600
+"""
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def token_overhead(cfg: ClusterConfig, tokens: int, step_s: float) -> list[float]:
+    conductor = Mailbox(cfg.inbox("conductor"), "bench-conductor")
+    router = cfg.inbox("router")
+    sent: list[float] = []
+    arrived: list[float] = []
+
+    async def play_cluster() -> None:
+        while True:
+            msg = await conductor.recv()
+            if not isinstance(msg, SubmitRequest):
+                continue
+            conductor.send(router, RequestAccepted(msg.request_id, "p", "d", 0.0))
+            for i in range(tokens):
+                await asyncio.sleep(step_s)  # the "decode step"
+                last = i == tokens - 1
+                sent.append(time.perf_counter())
+                conductor.send(router, TokenDelta(msg.request_id, [42], "x", None,
+                                                  "length" if last else None, 5, i + 1))
+
+    async def health() -> None:
+        while True:
+            conductor.send(router, ClusterStatus(True, []))
+            await asyncio.sleep(0.1)
+
+    tasks = [asyncio.create_task(play_cluster()), asyncio.create_task(health())]
+    url = f"http://{cfg.host}:{cfg.http_port}"
+    async with httpx.AsyncClient(timeout=60) as client:
+        for _ in range(100):
+            if (await client.get(url + "/health")).status_code == 200:
+                break
+            await asyncio.sleep(0.1)
+        body = {"model": cfg.model_name, "stream": True, "max_tokens": tokens,
+                "messages": [{"role": "user", "content": "hi"}]}
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and '"content":"x"' in line:
+                    arrived.append(time.perf_counter())
+    for t in tasks:
+        t.cancel()
+    conductor.close()
+    return [(a - s) * 1000 for s, a in zip(sent, arrived)]
+
+
+def register(mail: Mailbox, cfg: ClusterConfig, role: str, i: int) -> None:
+    mail.send(cfg.inbox("conductor"), RegisterWorker(
+        f"{role}-{i}", role, f"tcp://127.0.0.1:{19990 - i}", "127.0.0.1:1", 0, 1 << 20,
+        1 << 15, 30, 100_000, 16))
+
+
+async def conductor_rate(cfg: ClusterConfig, n: int) -> float:
+    mail = Mailbox(cfg.inbox("router"), "bench-router")
+    for role in ("prefill", "decode"):
+        for i in range(8):
+            register(mail, cfg, role, i)
+            mail.send(cfg.inbox("conductor"), WorkerHeartbeat(
+                f"{role}-{i}", role, 0, 0, 0, 0, 100_000, 0, 100_000,
+                [f"{k:032x}" for k in range(i * 100, i * 100 + 50)] if role == "prefill" else [],
+                [], 1))
+    await asyncio.sleep(1.0)
+    keys = [f"{k:032x}" for k in range(40)]
+    start = time.perf_counter()
+    for i in range(n):
+        mail.send(cfg.inbox("conductor"), SubmitRequest(
+            f"r{i}", list(range(640)), keys, {"max_tokens": 16}, time.time()))
+    got = 0
+    while got < n:
+        msg = await asyncio.wait_for(mail.recv(), 30)
+        if isinstance(msg, RequestAccepted):
+            got += 1
+    elapsed = time.perf_counter() - start
+    mail.close()
+    return n / elapsed
+
+
+def run_with(scheduler: str, only: list[str], fn) -> object:  # noqa: ANN001
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "c.toml"
+        path.write_text(CONFIG.format(scheduler=scheduler))
+        cluster = LocalCluster(str(path), Path(tmp) / "logs")
+        try:
+            for role in only:
+                cluster.spawn(role, 0)
+            time.sleep(3.0)
+            cluster.check_alive()
+            return asyncio.run(fn(cluster.config))
+        finally:
+            cluster.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=400)
+    ap.add_argument("--step-ms", type=float, default=20.0)
+    ap.add_argument("--decisions", type=int, default=5000)
+    args = ap.parse_args()
+    over = run_with("load_balance", ["router"],
+                    lambda cfg: token_overhead(cfg, args.tokens, args.step_ms / 1000))
+    rates = {s: run_with(s, ["conductor"], lambda cfg: conductor_rate(cfg, args.decisions))
+             for s in ("load_balance", "kvcache_centric")}
+    p50, p99 = statistics.median(over), pct(over, 0.99)
+    print(f"{'measure':<44} {'value':>10}")
+    print(f"{'router path added latency per token, p50':<44} {p50:>8.3f} ms")
+    print(f"{'router path added latency per token, p99':<44} {p99:>8.3f} ms")
+    print(f"{'tokens measured':<44} {len(over):>10}")
+    for name, rate in rates.items():
+        print(f"{'conductor decisions/s (' + name + ', 8P+8D)':<44} {rate:>10.0f}")
+    print(json.dumps({"token_overhead_p50_ms": round(p50, 4),
+                      "token_overhead_p99_ms": round(p99, 4),
+                      "conductor_decisions_per_s": round(rates["kvcache_centric"], 1),
+                      "conductor_decisions_per_s_load_balance": round(rates["load_balance"], 1),
+                      "cpu_count": os.cpu_count()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
