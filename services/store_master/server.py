@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from typing import Any, Awaitable, Callable, Optional
 
@@ -54,6 +55,11 @@ class MasterServer:
 
     # ------------------------------------------------------------------ loop
     async def serve(self) -> None:
+        try:
+            asyncio.get_running_loop().add_signal_handler(
+                signal.SIGTERM, asyncio.current_task().cancel)  # type: ignore[union-attr]
+        except (RuntimeError, ValueError, NotImplementedError):
+            pass  # not the main thread (tests): the caller cancels us
         self.metrics.serve(self.config.metrics_port)
         reaper = asyncio.create_task(self._reap_forever())
         log.info("store master listening on %s", self.config.address)

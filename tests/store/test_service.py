@@ -1,0 +1,158 @@
+"""Master + nodes as real processes; the client moves real bytes (shm and transfer engine)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from common.store.client import StoreClient
+from tests.store.conftest import ROOT, free_port
+
+BLOCK = 256 << 10
+SLOTS = 64  # blocks in each test buffer
+
+
+@pytest.fixture(scope="session")
+def buffers(transfer):
+    """A source with random blocks and a destination, registered once for the session."""
+    src = np.random.default_rng(0).integers(0, 256, SLOTS * BLOCK, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    transfer.register(src.ctypes.data, src.nbytes)
+    transfer.register(dst.ctypes.data, dst.nbytes)
+    return src, dst
+
+
+def addrs(arr: np.ndarray, idx: range | list[int]) -> list[int]:
+    return [arr.ctypes.data + i * BLOCK for i in idx]
+
+
+def same(src: np.ndarray, dst: np.ndarray, i: int, j: int) -> bool:
+    return bool((src[i * BLOCK:(i + 1) * BLOCK] == dst[j * BLOCK:(j + 1) * BLOCK]).all())
+
+
+def keys(n: int) -> list[bytes]:
+    return [os.urandom(16) for _ in range(n)]
+
+
+async def client_for(address: str, transfer, use_shm: bool) -> StoreClient:
+    c = StoreClient(address, transfer, timeout_s=3.0, use_shm=use_shm)
+    await c.start()
+    return c
+
+
+@pytest.mark.parametrize("shm_node,shm_client", [(True, True), (True, False), (False, True)])
+def test_put_get_byte_exact(cluster, transfer, buffers, shm_node, shm_client):
+    src, dst = buffers
+    address = cluster.master()
+    cluster.node("a", shm=shm_node)
+    cluster.node("b", shm=shm_node)
+
+    async def go() -> None:
+        c = await client_for(address, transfer, shm_client)
+        ks = keys(8)
+        assert await c.batch_put_from(ks, addrs(src, range(8)), BLOCK, replica_num=2) == 8
+        assert await c.batch_put_from(ks[:4], addrs(src, range(4)), BLOCK) == 0  # present
+        assert await c.longest_prefix(ks[:5] + keys(1) + ks[5:]) == 5
+        dst[:] = 0
+        ok = await c.batch_get_into(ks[::-1] + keys(1), addrs(dst, range(9)), BLOCK)
+        assert ok == [True] * 8 + [False]
+        assert all(same(src, dst, 7 - j, j) for j in range(8))
+        assert (c.stats.hits, c.stats.misses, c.stats.puts, c.stats.put_skipped) == (8, 1, 8, 4)
+        stats = await c.master_stats()
+        assert {n: s["dram_used"] for n, s in stats["nodes"].items()} == \
+            {"a": 8 * BLOCK, "b": 8 * BLOCK}  # two replicas, distinct nodes
+        events, last = await c.poll_events(0)
+        assert [e[1] for e in events] == ["stored"] * 8 and last == 8
+        assert [e[2] for e in events] == [k.hex() for k in ks]
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_killed_node_gives_misses_never_wrong_bytes(cluster, transfer, buffers):
+    src, dst = buffers
+    address = cluster.master()
+    cluster.node("a", shm=False)
+    cluster.node("b", shm=False)
+
+    async def go() -> None:
+        c = await client_for(address, transfer, use_shm=False)
+        ks = keys(16)
+        assert await c.batch_put_from(ks, addrs(src, range(16)), BLOCK) == 16
+        cluster.nodes["b"].kill()
+        cluster.nodes["b"].wait(5)
+        dst[:] = 0
+        ok = await c.batch_get_into(ks, addrs(dst, range(16)), BLOCK)  # before the timeout
+        assert 0 < sum(ok) < 16
+        assert all(same(src, dst, i, i) for i in range(16) if ok[i])
+        await asyncio.sleep(1.6)  # heartbeat timeout 1.0 s + reaper tick
+        present = await c.batch_exists(ks)
+        assert present == ok  # exactly the dead node's objects are gone
+        dst[:] = 0
+        ok2 = await c.batch_get_into(ks, addrs(dst, range(16)), BLOCK)
+        assert ok2 == ok and all(same(src, dst, i, i) for i in range(16) if ok2[i])
+        missing = [i for i in range(16) if not ok[i]]
+        stored = await c.batch_put_from([ks[i] for i in missing], addrs(src, missing), BLOCK)
+        assert stored == len(missing)  # recompute → store again, on the survivor
+        assert await c.batch_exists(ks) == [True] * 16
+        assert list((await c.master_stats())["nodes"]) == ["a"]
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_ssd_offload_and_promotion_byte_exact(cluster, transfer, buffers):
+    src, dst = buffers
+    address = cluster.master("--high-watermark", "0.75", "--evict-fraction", "0.25",
+                             "--lease-s", "0.2")
+    cluster.node("a", segment_mib=4, ssd_mib=32)  # 16 blocks of DRAM, 128 of SSD
+
+    async def go() -> None:
+        c = await client_for(address, transfer, use_shm=True)
+        ks = keys(40)
+        for i in range(0, 40, 4):
+            assert await c.batch_put_from(ks[i:i + 4], addrs(src, range(i, i + 4)), BLOCK) == 4
+            await asyncio.sleep(0.05)  # offloads complete, DRAM frees up
+        stats = await c.master_stats()
+        assert stats["counters"]["offloaded"] >= 24 and stats["objects"] == 40
+        assert await c.batch_exists(ks) == [True] * 40
+        dst[:] = 0
+        for i in range(0, 40, 4):  # the oldest come back from SSD
+            ok = await c.batch_get_into(ks[i:i + 4], addrs(dst, range(i, i + 4)), BLOCK)
+            assert ok == [True] * 4
+            await asyncio.sleep(0.25)  # leases lapse: these may be evicted again
+        assert all(same(src, dst, i, i) for i in range(40))
+        assert (await c.master_stats())["counters"]["promoted"] >= 24
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_node_exits_when_master_unreachable(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.store_node", "--master",
+         f"tcp://127.0.0.1:{free_port()}", "--register-deadline-s", "1", "--shm-dir", "",
+         "--segment-mib", "1"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1
+    assert "unreachable" in proc.stderr
+
+
+def test_client_without_master_misses_within_deadline(transfer, buffers):
+    src, dst = buffers
+
+    async def go() -> None:
+        c = StoreClient(f"tcp://127.0.0.1:{free_port()}", transfer, timeout_s=0.3)
+        await c.start()
+        t0 = time.monotonic()
+        assert await c.batch_get_into(keys(2), addrs(dst, range(2)), BLOCK) == [False, False]
+        assert await c.batch_put_from(keys(2), addrs(src, range(2)), BLOCK) == 0
+        assert await c.longest_prefix(keys(3)) == 0
+        assert time.monotonic() - t0 < 2.0
+        await c.close()
+
+    asyncio.run(go())
