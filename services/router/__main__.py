@@ -1,0 +1,5 @@
+import sys
+
+from services.router import main
+
+sys.exit(main())

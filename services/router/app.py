@@ -1,0 +1,130 @@
+"""The router process: one event loop running the aiohttp app and the inbox loop."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from typing import Awaitable, Callable, Optional
+
+from aiohttp import web
+
+from common.config import ClusterConfig
+from common.mailbox import Mailbox
+from services.router.block_hashing import make_block_hasher
+from services.router.errors import ApiError
+from services.router.handlers import STATE, routes
+from services.router.state import RouterState
+from services.router.tokenizer import load_tokenizer
+
+log = logging.getLogger("services.router")
+
+MAX_BODY = 64 << 20  # token-id prompts of 128k tokens fit
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _http_error(exc: web.HTTPException, request: web.Request) -> ApiError:
+    if exc.status == 404:
+        return ApiError(404, f"no route for {request.method} {request.path}",
+                        code="not_found")
+    if exc.status == 405:
+        return ApiError(405, f"method {request.method} is not allowed on {request.path}",
+                        code="method_not_allowed")
+    if exc.status == 413:
+        return ApiError(413, f"the request body exceeds {MAX_BODY} bytes",
+                        code="request_too_large")
+    return ApiError(exc.status, exc.reason or "HTTP error", code=None)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error the client sees is OpenAI-shaped JSON; nothing escapes as a crash."""
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return err.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _http_error(exc, request).response()
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the server must survive any handler bug
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return ApiError(500, f"internal error: {type(exc).__name__}",
+                        code="internal_error").response()
+
+
+def build_app(state: RouterState) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY)
+    app[STATE] = state
+    app.add_routes(routes())
+    return app
+
+
+async def run(config: ClusterConfig, index: int = 0) -> None:
+    """Serve until cancelled: load the tokenizer, bind the inbox, listen on HTTP."""
+    tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
+    hasher = make_block_hasher(config)
+    mailbox = Mailbox(config.inbox("router"), "router")
+    state = RouterState(config, mailbox, tokenizer, hasher)
+    runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    inbox = asyncio.create_task(state.inbox_loop(), name="router-inbox")
+    try:
+        await web.TCPSite(runner, config.host, config.http_port).start()
+        log.info("router ready on http://%s:%d", config.host, config.http_port)
+        await inbox  # runs until cancelled; an exception here is fatal and logged
+    finally:
+        inbox.cancel()
+        await runner.cleanup()
+        mailbox.close()
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m services.router")
+    parser.add_argument("--config", help="cluster config (TOML); defaults otherwise")
+    parser.add_argument("--port", type=int, help="HTTP port (overrides http_port)")
+    parser.add_argument("--index", type=int, default=0, help="instance index (unused)")
+    parser.add_argument("--log-level", default=os.environ.get("CRESCENT_LOG", "INFO"))
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from common.service import setup_logging
+
+    args = parse_args(argv)
+    setup_logging("router", args.index, args.log_level)
+    try:
+        config = ClusterConfig.load(args.config)
+    except (OSError, ValueError, TypeError) as exc:
+        log.error("bad config: %s", exc)
+        return 2
+    if args.port is not None:
+        config.http_port = args.port
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    return _serve(config, args.index)
+
+
+def _serve(config: ClusterConfig, index: int) -> int:
+    async def _main() -> None:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        await run(config, index)
+
+    try:
+        asyncio.run(_main())
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        pass
+    except OSError as exc:  # e.g. the HTTP port or the inbox is taken
+        log.error("router failed: %s", exc)
+        return 1
+    return 0

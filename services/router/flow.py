@@ -1,0 +1,119 @@
+"""One request's life in the router after validation: submit, await events, account.
+
+Every wait has a deadline (``request_timeout_s``); a silent request becomes a 504 and is
+aborted at the conductor. Failures from the cluster become ``ApiError`` with the status the
+conductor chose (429 carries Retry-After).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator, Optional
+
+from common.protocol import RequestAccepted, RequestFailed, SubmitRequest, TokenDelta
+from services.router.errors import ApiError
+from services.router.state import RequestEvent, RouterState
+
+_PASS_THROUGH = {400, 413, 429, 500, 503, 504}
+
+
+def failure_error(msg: RequestFailed) -> ApiError:
+    status = msg.status if msg.status in _PASS_THROUGH else 500
+    retry = msg.retry_after_s if status in (429, 503) else None
+    if status == 429 and retry is None:
+        retry = 1.0
+    return ApiError(status, msg.message, code=msg.error_type, retry_after_s=retry)
+
+
+class RequestRun:
+    """Events of one submitted request, with deadlines and metrics."""
+
+    def __init__(self, state: RouterState, endpoint: str, req: SubmitRequest) -> None:
+        self.state = state
+        self.endpoint = endpoint
+        self.request_id = req.request_id
+        self.arrival = req.arrival_time
+        self.timeout = state.config.request_timeout_s
+        self.done = False
+        self.status = 500  # the HTTP status counted at the end
+        self._pending: Optional[TokenDelta] = None
+        self._last_token: Optional[float] = None
+        state.metrics.in_flight.inc()
+        try:
+            self.queue = state.submit(req)
+        except ConnectionError as exc:
+            self.done = True
+            self.finish(503)
+            raise ApiError(503, str(exc), code="conductor_unavailable") from exc
+
+    async def _next(self) -> RequestEvent:
+        try:
+            return await asyncio.wait_for(self.queue.get(), self.timeout)
+        except asyncio.TimeoutError:
+            self.state.abort(self.request_id, "router timeout")
+            self.done = True
+            raise ApiError(504, f"no response from the cluster within {self.timeout:g} s",
+                           code="timeout") from None
+
+    def _accepted(self, msg: RequestAccepted) -> None:
+        self.state.metrics.queue_time.observe(max(0.0, time.time() - self.arrival))
+
+    def _delta(self, msg: TokenDelta) -> None:
+        now = time.time()
+        metrics = self.state.metrics
+        if self._last_token is None:
+            metrics.ttft.observe(max(0.0, now - self.arrival))
+            metrics.generation_tokens.inc(len(msg.token_ids))
+        else:
+            metrics.observe_tokens(now - self._last_token, len(msg.token_ids))
+        self._last_token = now
+
+    async def wait_started(self) -> None:
+        """Return once the conductor accepted the request (or its first token came)."""
+        while True:
+            msg = await self._next()
+            if isinstance(msg, RequestFailed):
+                self.done = True
+                raise failure_error(msg)
+            if isinstance(msg, RequestAccepted):
+                self._accepted(msg)
+                return
+            self._pending = msg
+            return
+
+    async def deltas(self) -> AsyncIterator[TokenDelta]:
+        """Token deltas until the one with a finish reason; failures raise ``ApiError``."""
+        while True:
+            if self._pending is not None:
+                msg: RequestEvent = self._pending
+                self._pending = None
+            else:
+                msg = await self._next()
+            if isinstance(msg, RequestFailed):
+                self.done = True
+                raise failure_error(msg)
+            if isinstance(msg, RequestAccepted):
+                self._accepted(msg)
+                continue
+            self._delta(msg)
+            if msg.finish_reason is not None:
+                self.done = True
+            yield msg
+            if self.done:
+                return
+
+    def finish(self, status: int, usage: Optional[tuple[int, int]] = None,
+               abort_reason: str = "client disconnected") -> None:
+        """Count the request once; abort it at the conductor if it did not end."""
+        if not self.done:
+            self.state.abort(self.request_id, abort_reason)
+            self.done = True
+        self.state.close(self.request_id)
+        metrics = self.state.metrics
+        metrics.requests.labels(self.endpoint, str(status)).inc()
+        metrics.in_flight.dec()
+        if status == 200:
+            metrics.e2e.observe(max(0.0, time.time() - self.arrival))
+        if usage is not None:
+            metrics.prompt_tokens.inc(usage[0])
+            metrics.cached_tokens.inc(usage[1])

@@ -1,0 +1,202 @@
+"""HTTP handlers: the OpenAI generation endpoints and the service endpoints."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from common.protocol import SubmitRequest
+from services.router.errors import ApiError, invalid
+from services.router.flow import RequestRun
+from services.router.openai_format import DONE, ResponseBuilder, sse
+from services.router.state import RouterState
+from services.router.validation import GenerationRequest, parse_request
+
+log = logging.getLogger(__name__)
+
+STATE: web.AppKey[RouterState] = web.AppKey("state", RouterState)
+CLIENT_GONE = 499  # nginx's "client closed request", as a metrics label
+_LONG_TEXT = 20_000  # characters; longer prompts are tokenized off the event loop
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(obj),
+                        content_type="application/json")
+
+
+async def _read_json(request: web.Request) -> Any:
+    raw = await request.read()
+    if not raw:
+        raise invalid("the request body is empty", code="invalid_json")
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise invalid(f"the request body is not valid JSON: {exc}",
+                      code="invalid_json") from None
+
+
+def _tokenize(state: RouterState, req: GenerationRequest) -> list[int]:
+    tok = state.tokenizer
+    if req.kind == "chat":
+        return tok.encode_chat(req.messages or [])
+    if isinstance(req.prompt, str):
+        return tok.encode_text(req.prompt)
+    ids = list(req.prompt or [])
+    bad = [t for t in ids if not 0 <= t < tok.vocab_size]
+    if bad:
+        raise invalid(f"token id {bad[0]} is outside the vocabulary [0, {tok.vocab_size})",
+                      "prompt", "invalid_value")
+    return ids
+
+
+async def _prompt(state: RouterState, req: GenerationRequest) -> tuple[list[int], int]:
+    """Token ids of the prompt and the max_tokens to ask for; 400 when they do not fit."""
+    param = "messages" if req.kind == "chat" else "prompt"
+    size = sum(len(m["content"]) for m in req.messages or []) if req.kind == "chat" \
+        else len(req.prompt or "")
+    if size > _LONG_TEXT:
+        ids = await asyncio.to_thread(_tokenize, state, req)
+    else:
+        ids = _tokenize(state, req)
+    if not ids:
+        raise invalid("the prompt is empty", param, "invalid_value")
+    ctx = state.tokenizer.context_length
+    wanted = req.sampling.max_tokens
+    if len(ids) >= ctx or (wanted is not None and len(ids) + wanted > ctx):
+        raise invalid(f"This model's maximum context length is {ctx} tokens; the prompt has "
+                      f"{len(ids)} tokens and {wanted or 1} more were requested",
+                      param, "context_length_exceeded")
+    if wanted is None:
+        wanted = min(state.config.default_max_tokens, ctx - len(ids))
+    return ids, wanted
+
+
+def _builder(state: RouterState, req: GenerationRequest, request_id: str) -> ResponseBuilder:
+    tok = state.tokenizer
+    return ResponseBuilder(kind=req.kind, request_id=request_id, model=req.model,
+                           created=int(time.time()), token_text=lambda t: tok.decode([t]),
+                           want_logprobs=req.sampling.logprobs,
+                           include_usage=req.include_usage)
+
+
+async def _complete(run: RequestRun, out: ResponseBuilder) -> web.Response:
+    await run.wait_started()
+    async for delta in run.deltas():
+        out.absorb(delta)
+    return _json(out.response())
+
+
+async def _stream(request: web.Request, run: RequestRun, out: ResponseBuilder,
+                  ) -> web.StreamResponse:
+    """SSE; errors before the first byte are plain HTTP errors, after it error chunks."""
+    await run.wait_started()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    run.status = 200
+    try:
+        await _write_events(resp, run, out)
+        await resp.write(DONE)
+    except ConnectionResetError:
+        log.info("%s: client disconnected", run.request_id)
+        run.status = CLIENT_GONE
+    return resp
+
+
+async def _write_events(resp: web.StreamResponse, run: RequestRun,
+                        out: ResponseBuilder) -> None:
+    try:
+        if out.kind == "chat":
+            await resp.write(sse(out.role_chunk()))
+        async for delta in run.deltas():
+            chunk = out.absorb(delta)
+            if chunk is not None:
+                await resp.write(sse(chunk))
+        await resp.write(sse(out.finish_chunk()))
+        if out.include_usage:
+            await resp.write(sse(out.usage_chunk()))
+    except ApiError as err:
+        run.status = err.status
+        await resp.write(sse(err.body()))
+
+
+async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+    state = request.app[STATE]
+    endpoint = request.path
+    try:
+        req = parse_request(await _read_json(request), kind, state.config.model_name)
+        ids, max_tokens = await _prompt(state, req)
+    except ApiError as err:
+        state.metrics.requests.labels(endpoint, str(err.status)).inc()
+        raise
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    submit = SubmitRequest(request_id, ids, state.block_keys(ids),
+                           req.sampling.to_wire(max_tokens), time.time())
+    run = RequestRun(state, endpoint, submit)
+    out = _builder(state, req, request_id)
+    run.status = CLIENT_GONE  # unless something below sets the real outcome
+    try:
+        if req.stream:
+            return await _stream(request, run, out)
+        resp = await _complete(run, out)
+        run.status = 200
+        return resp
+    except ApiError as err:
+        run.status = err.status
+        raise
+    finally:
+        run.finish(run.status, (out.prompt_tokens, out.cached_tokens))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    card = {"id": state.config.model_name, "object": "model", "created": state.started,
+            "owned_by": "crescent", "max_model_len": state.tokenizer.context_length}
+    return _json({"object": "list", "data": [card]})
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.is_ready():
+        return _json({"status": "ok"})
+    age = state.status_age()
+    reason = ("no status from the conductor yet" if age is None
+              else "cluster not ready" if state.status is not None and not state.status.ready
+              else f"conductor status is stale ({age:.1f} s old)")
+    return _json({"status": "unavailable", "reason": reason}, status=503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    resp = web.Response(body=state.metrics.render())
+    resp.headers["Content-Type"] = state.metrics.CONTENT_TYPE
+    return resp
+
+
+async def debug_pools(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    status = state.status
+    return _json({"ready": bool(status and status.ready), "age_s": state.status_age(),
+                  "instances": list(status.instances) if status else []})
+
+
+def routes() -> list[web.RouteDef]:
+    return [web.post("/v1/chat/completions", chat_completions),
+            web.post("/v1/completions", completions),
+            web.get("/v1/models", models),
+            web.get("/health", health),
+            web.get("/metrics", metrics),
+            web.get("/debug/pools", debug_pools)]

@@ -1,0 +1,96 @@
+"""The router's state and inbox loop: one queue per live request, the latest ClusterStatus.
+
+The inbox loop dispatches by message type through one table; request events go to the
+queue of their request (dropped if the request is gone), ClusterStatus replaces the last.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+from common.config import ClusterConfig
+from common.mailbox import Mailbox
+from common.protocol import (AbortRequest, ClusterStatus, RequestAccepted, RequestFailed,
+                             SubmitRequest, TokenDelta)
+from services.router.metrics import RouterMetrics
+from services.router.tokenizer import PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+RequestEvent = Union[RequestAccepted, TokenDelta, RequestFailed]
+
+
+@dataclass
+class RouterState:
+    config: ClusterConfig
+    mailbox: Mailbox
+    tokenizer: PromptTokenizer
+    block_keys: Callable[[list[int]], list[str]]
+    metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    streams: dict[str, asyncio.Queue] = field(default_factory=dict)
+    status: Optional[ClusterStatus] = None
+    status_time: Optional[float] = None  # monotonic time the status arrived
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    # ------------------------------------------------------------ conductor side
+    @property
+    def conductor(self) -> str:
+        return self.config.inbox("conductor")
+
+    def submit(self, req: SubmitRequest) -> asyncio.Queue:
+        """Open the request's event queue, then hand the request to the conductor."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self.streams[req.request_id] = queue
+        if not self.mailbox.send(self.conductor, req):
+            self.streams.pop(req.request_id, None)
+            raise ConnectionError("the conductor's inbox is not accepting messages")
+        return queue
+
+    def abort(self, request_id: str, reason: str) -> None:
+        self.close(request_id)
+        self.mailbox.send(self.conductor, AbortRequest(request_id, reason))
+
+    def close(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
+
+    # ------------------------------------------------------------ readiness
+    def status_age(self) -> Optional[float]:
+        return None if self.status_time is None else time.monotonic() - self.status_time
+
+    def is_ready(self) -> bool:
+        age = self.status_age()
+        return (self.status is not None and self.status.ready and age is not None
+                and age < 3 * self.config.heartbeat_interval_s)
+
+    # ------------------------------------------------------------ inbox
+    def _on_request_event(self, msg: RequestEvent) -> None:
+        queue = self.streams.get(msg.request_id)
+        if queue is None:
+            log.debug("dropped %s for gone request %s", type(msg).__name__, msg.request_id)
+            return
+        queue.put_nowait(msg)
+
+    def _on_status(self, msg: ClusterStatus) -> None:
+        self.status = msg
+        self.status_time = time.monotonic()
+
+    def handlers(self) -> dict[type, Callable[[Any], None]]:
+        return {RequestAccepted: self._on_request_event, TokenDelta: self._on_request_event,
+                RequestFailed: self._on_request_event, ClusterStatus: self._on_status}
+
+    async def inbox_loop(self) -> None:
+        """Read the inbox forever; an unexpected message or handler error is logged."""
+        table = self.handlers()
+        while True:
+            msg = await self.mailbox.recv()
+            handler = table.get(type(msg))
+            if handler is None:
+                log.warning("router: no handler for %s; dropped", type(msg).__name__)
+                continue
+            try:
+                handler(msg)
+            except Exception:  # noqa: BLE001 - one bad message must not stop the loop
+                log.exception("router: handler for %s failed", type(msg).__name__)

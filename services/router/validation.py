@@ -1,0 +1,232 @@
+"""Validate OpenAI request bodies into a small typed request; every failure is a 400."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from services.router.errors import ApiError, invalid
+
+ROLES = ("system", "user", "assistant")
+MAX_STOP = 4
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: Optional[int] = None  # None: the server default, clamped to the context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+    logprobs: bool = False
+
+    def to_wire(self, max_tokens: int) -> dict:
+        return {"max_tokens": max_tokens, "temperature": self.temperature,
+                "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+                "stop": list(self.stop), "logprobs": self.logprobs, "ignore_eos": False}
+
+
+@dataclass
+class GenerationRequest:
+    """One validated request: either chat ``messages`` or a completion ``prompt``."""
+
+    kind: str  # "chat" | "completion"
+    model: str
+    sampling: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    messages: Optional[list[dict[str, str]]] = None
+    prompt: Optional[Union[str, list[int]]] = None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float,
+            lo_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_number(value):
+        raise invalid(f"'{name}' must be a number", name, "invalid_type")
+    if value < lo or value > hi or (lo_open and value == lo):
+        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise invalid(f"'{name}' must be in {bound}, got {value}", name, "invalid_value")
+    return float(value)
+
+
+def _max_tokens(body: dict) -> Optional[int]:
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value) or value < 1:
+        raise invalid(f"'{name}' must be an integer >= 1, got {value!r}", name,
+                      "invalid_value")
+    return value
+
+
+def _top_k(body: dict) -> int:
+    value = body.get("top_k")
+    if value is None:
+        return -1
+    if not _is_int(value) or (value != -1 and value < 1):
+        raise invalid(f"'top_k' must be -1 or an integer >= 1, got {value!r}", "top_k",
+                      "invalid_value")
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise invalid("'stop' must be a non-empty string or a list of them", "stop",
+                      "invalid_type")
+    if len(value) > MAX_STOP:
+        raise invalid(f"'stop' takes at most {MAX_STOP} strings", "stop", "invalid_value")
+    return value
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(f"'{name}' must be a boolean", name, "invalid_type")
+    return value
+
+
+def _seed(body: dict) -> Optional[int]:
+    value = body.get("seed")
+    if value is not None and not _is_int(value):
+        raise invalid("'seed' must be an integer", "seed", "invalid_type")
+    return value
+
+
+def _logprobs(body: dict, kind: str) -> bool:
+    value = body.get("logprobs")
+    if kind == "chat" or value is None or isinstance(value, bool):
+        return _bool(body, "logprobs")
+    if not _is_int(value) or not 0 <= value <= 5:  # legacy completions: top-N count
+        raise invalid("'logprobs' must be an integer in [0, 5]", "logprobs",
+                      "invalid_value")
+    return True
+
+
+def parse_sampling(body: dict, kind: str) -> SamplingParams:
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise invalid("only n=1 is supported", "n", "invalid_value")
+    return SamplingParams(
+        max_tokens=_max_tokens(body),
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=_top_k(body), seed=_seed(body), stop=_stop(body),
+        logprobs=_logprobs(body, kind))
+
+
+def _check_model(body: dict, served: str) -> str:
+    model = body.get("model")
+    if model is None:
+        return served
+    if model != served:
+        raise invalid(f"The model '{model}' does not exist; this server serves '{served}'",
+                      "model", "model_not_found")
+    return model
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise invalid("'stream_options' must be an object", "stream_options",
+                      "invalid_type")
+    if not stream:
+        raise invalid("'stream_options' is only allowed when 'stream' is true",
+                      "stream_options", "invalid_value")
+    return stream, _bool(options, "include_usage")
+
+
+def _content_text(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    param = f"messages[{index}].content"
+    if not isinstance(content, list):
+        raise invalid("message content must be a string or a list of text parts", param,
+                      "invalid_type")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" \
+                or not isinstance(part.get("text"), str):
+            raise invalid("only {\"type\": \"text\", \"text\": ...} parts are supported",
+                          param, "invalid_type")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def parse_messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise invalid("'messages' must be a non-empty list", "messages", "invalid_value")
+    out = []
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict):
+            raise invalid("each message must be an object", f"messages[{i}]",
+                          "invalid_type")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise invalid(f"role must be one of {', '.join(ROLES)}, got {role!r}",
+                          f"messages[{i}].role", "invalid_value")
+        if "content" not in msg or msg["content"] is None:
+            raise invalid("message content is required", f"messages[{i}].content",
+                          "invalid_value")
+        out.append({"role": role, "content": _content_text(msg["content"], i)})
+    return out
+
+
+def parse_prompt(value: Any) -> Union[str, list[int]]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one
+    if isinstance(value, str):
+        if not value:
+            raise invalid("'prompt' must not be empty", "prompt", "invalid_value")
+        return value
+    if isinstance(value, list) and value and all(_is_int(t) for t in value):
+        return value
+    if isinstance(value, list) and not value:
+        raise invalid("'prompt' must not be empty", "prompt", "invalid_value")
+    raise invalid("'prompt' must be a string or a list of token ids", "prompt",
+                  "invalid_type")
+
+
+def parse_request(body: Any, kind: str, served_model: str) -> GenerationRequest:
+    """Validate a chat (``kind="chat"``) or completion body; raise ``ApiError`` (400)."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    model = _check_model(body, served_model)
+    stream, include_usage = _stream_flags(body)
+    sampling = parse_sampling(body, kind)
+    req = GenerationRequest(kind=kind, model=model, sampling=sampling, stream=stream,
+                            include_usage=include_usage)
+    if kind == "chat":
+        if "messages" not in body:
+            raise invalid("'messages' is required", "messages", "missing_required_parameter")
+        req.messages = parse_messages(body["messages"])
+    else:
+        if "prompt" not in body:
+            raise invalid("'prompt' is required", "prompt", "missing_required_parameter")
+        req.prompt = parse_prompt(body["prompt"])
+    return req
+
+
+__all__ = ["ApiError", "GenerationRequest", "SamplingParams", "parse_request"]
