@@ -1,0 +1,28 @@
+"""Engine configuration and per-step inputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class EngineConfig:
+    model: str = "smollm2-135m"   # or a .gguf path, an HF dir, "dummy-tiny", "dummy-llama3-8b", ...
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int = 1024
+    prefill_chunk: int = 512
+    max_batch_size: int = 64
+    attention_backend: str = "auto"   # auto | sdpa | flash
+    seed: int = 0
+    num_layers: Optional[int] = None  # instantiate only the first N layers (huge dummies)
+    num_threads: Optional[int] = None  # torch intra-op threads; None keeps torch's default
+
+
+@dataclass(frozen=True)
+class DecodeInput:
+    """One running sequence in a decode step: feed `token_id` at `position`."""
+    token_id: int
+    position: int
+    block_table: list[int]

@@ -1,0 +1,175 @@
+"""The engine every worker runs: model + paged KV memory + block pool.
+
+Prefill computes one sequence (optionally past a cached prefix, in chunks, calling a
+per-layer hook); decode_step advances a batch of sequences of different lengths by one
+token each in one forward pass. Both write K/V into the caller's blocks.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from common.engine.config import DecodeInput, EngineConfig
+from common.engine.errors import EngineInputError, UnknownModelError
+from common.kv.block_keys import compute_block_keys, model_fingerprint
+from common.kv.block_pool import BlockPool
+from common.kv.memory import PagedKVMemory
+from common.model.attention import AttnMetadata, make_backend
+from common.model.config import ModelConfig
+from common.model.llama import LlamaModel, random_weights
+from common.model.loader import UnknownModelError as _LoaderUnknownModel
+from common.model.loader import load_model_source
+from common.model.tokenizer import ByteTokenizer, Tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LayerHookFn = Callable[[int, int, int], None]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        if config.dtype not in _DTYPES:
+            raise EngineInputError(f"unknown dtype {config.dtype!r} ({sorted(_DTYPES)})")
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.dtype = _DTYPES[config.dtype]
+        self.device = torch.device(config.device)
+        try:
+            model_config, weights, tok_spec = load_model_source(config.model, config.num_layers)
+        except _LoaderUnknownModel as e:
+            raise UnknownModelError(str(e)) from e
+        if not weights:
+            weights = random_weights(model_config, seed=0)
+        self.model_config: ModelConfig = model_config
+        self.model = LlamaModel(model_config, weights, self.dtype, self.device)
+        del weights
+        self.tokenizer = (Tokenizer(tok_spec) if tok_spec is not None
+                          else ByteTokenizer(model_config.vocab_size))
+        self.fingerprint: bytes = model_fingerprint(model_config)
+        self.kv = PagedKVMemory(config.num_blocks, model_config.num_layers, config.block_size,
+                                model_config.num_kv_heads, model_config.head_dim,
+                                self.dtype, self.device)
+        self.pool = BlockPool(config.num_blocks)
+        self.attention = make_backend(config.attention_backend, self.kv)
+
+    # ---- text -----------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode_tokens(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def block_keys(self, token_ids: Sequence[int]) -> list[bytes]:
+        return compute_block_keys(token_ids, self.config.block_size, self.fingerprint)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.config.block_size)
+
+    @property
+    def max_context(self) -> int:
+        return min(self.model_config.max_position_embeddings,
+                   self.config.num_blocks * self.config.block_size)
+
+    # ---- validation -----------------------------------------------------------------
+    def validate_prompt(self, token_ids: Sequence[int]) -> None:
+        if len(token_ids) == 0:
+            raise EngineInputError("prompt is empty: at least one token is required")
+        if len(token_ids) > self.max_context:
+            raise EngineInputError(f"prompt has {len(token_ids)} tokens, more than the context "
+                                   f"limit of {self.max_context}")
+        self._check_token_ids(token_ids)
+
+    def _check_token_ids(self, token_ids: Sequence[int]) -> None:
+        vocab = self.model_config.vocab_size
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise EngineInputError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+
+    def _check_block_table(self, block_table: Sequence[int], num_tokens: int) -> None:
+        need = self.blocks_needed(num_tokens)
+        if len(block_table) < need:
+            raise EngineInputError(f"block table has {len(block_table)} blocks; "
+                                   f"{num_tokens} tokens need {need}")
+        for b in block_table[:need]:
+            if not 0 <= b < self.config.num_blocks:
+                raise EngineInputError(f"block id {b} outside [0, {self.config.num_blocks})")
+
+    # ---- forward --------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, token_ids: list[int], block_table: list[int], num_cached_tokens: int = 0,
+                layer_hook: Optional[LayerHookFn] = None) -> torch.Tensor:
+        """Compute KV of token_ids[num_cached_tokens:] into block_table; logits [vocab] of
+        the last position. layer_hook(layer, start, end) runs after each layer of each chunk."""
+        self.validate_prompt(token_ids)
+        n = len(token_ids)
+        self._check_block_table(block_table, n)
+        if not 0 <= num_cached_tokens <= n:
+            raise EngineInputError(f"num_cached_tokens {num_cached_tokens} not in [0, {n}]")
+        start = min(num_cached_tokens, n - 1)  # the last token is always computed for logits
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        table = torch.tensor(block_table[:self.blocks_needed(n)], dtype=torch.long, device=self.device)
+        chunk = max(1, self.config.prefill_chunk)
+        hidden = None
+        for s in range(start, n, chunk):
+            e = min(s + chunk, n)
+            meta = self._prefill_meta(table, s, e)
+            hook = None if layer_hook is None else (lambda l, s=s, e=e: layer_hook(l, s, e))
+            hidden = self.model.forward(ids[s:e], meta, self.attention, hook)
+        assert hidden is not None
+        return self.model.logits(hidden[-1:])[0]
+
+    def _prefill_meta(self, table: torch.Tensor, start: int, end: int) -> AttnMetadata:
+        bs = self.config.block_size
+        positions = torch.arange(start, end, device=self.device)
+        nb = self.blocks_needed(end)
+        mask = None
+        if start > 0:
+            keys = torch.arange(nb * bs, device=self.device)
+            mask = (keys[None, :] <= positions[:, None])[None, None]
+        return AttnMetadata(
+            batch=1, q_len=end - start, positions=positions, slot_blocks=table[positions // bs],
+            block_tables=table[:nb][None], kv_lens=torch.tensor([end], dtype=torch.int32,
+                                                                device=self.device),
+            kv_lens_list=[end], mask=mask, fresh=start == 0)
+
+    @torch.inference_mode()
+    def decode_step(self, batch: list[DecodeInput]) -> torch.Tensor:
+        """Feed one token per sequence at its position; logits [B, vocab] (float32)."""
+        if not batch:
+            raise EngineInputError("decode_step needs at least one sequence")
+        if len(batch) > self.config.max_batch_size:
+            raise EngineInputError(f"batch of {len(batch)} exceeds max_batch_size "
+                                   f"{self.config.max_batch_size}")
+        for item in batch:
+            if not 0 <= item.position < self.max_context:
+                raise EngineInputError(f"position {item.position} outside context "
+                                       f"[0, {self.max_context})")
+            self._check_token_ids([item.token_id])
+            self._check_block_table(item.block_table, item.position + 1)
+        ids = torch.tensor([b.token_id for b in batch], dtype=torch.long, device=self.device)
+        meta = self._decode_meta(batch)
+        hidden = self.model.forward(ids, meta, self.attention)
+        return self.model.logits(hidden)
+
+    def _decode_meta(self, batch: list[DecodeInput]) -> AttnMetadata:
+        bs = self.config.block_size
+        nbs = [b.position // bs + 1 for b in batch]
+        width = max(nbs)
+        rows = [b.block_table[:nb] + [b.block_table[0]] * (width - nb) for b, nb in zip(batch, nbs)]
+        tables = torch.tensor(rows, dtype=torch.long, device=self.device)
+        pos_list = [b.position for b in batch]
+        positions = torch.tensor(pos_list, dtype=torch.long, device=self.device)
+        slots = torch.tensor([b.block_table[b.position // bs] for b in batch],
+                             dtype=torch.long, device=self.device)
+        keys = torch.arange(width * bs, device=self.device)
+        mask = (keys[None, :] <= positions[:, None])[:, None, None, :]
+        kv_lens = [p + 1 for p in pos_list]
+        return AttnMetadata(
+            batch=len(batch), q_len=1, positions=positions, slot_blocks=slots,
+            block_tables=tables, kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=self.device),
+            kv_lens_list=kv_lens, mask=mask)

@@ -1,0 +1,44 @@
+"""Chained block keys: the one function every process uses to name a KV block.
+
+key_i = xxh3_128(parent_key || model_fingerprint || int32-LE token ids of block i).
+Only full blocks get keys. Deterministic across processes and hosts (no Python hash()).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, is_dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import xxhash
+
+KEY_NBYTES = 16
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    return np.asarray(token_ids, dtype="<i4").tobytes()
+
+
+def compute_block_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    model_fingerprint: bytes,
+    parent: Optional[bytes] = None,
+) -> list[bytes]:
+    """Keys of the full blocks of `token_ids` (a trailing partial block gets none)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    keys: list[bytes] = []
+    prev = parent if parent is not None else b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        chunk = _token_bytes(token_ids[start:start + block_size])
+        prev = xxhash.xxh3_128(prev + model_fingerprint + chunk).digest()
+        keys.append(prev)
+    return keys
+
+
+def model_fingerprint(config: Any) -> bytes:
+    """16-byte fingerprint of a model config (a dataclass or a dict), stable across hosts."""
+    fields = asdict(config) if is_dataclass(config) else dict(config)
+    blob = json.dumps(fields, sort_keys=True, default=str).encode()
+    return xxhash.xxh3_128(b"crescent-model-v1" + blob).digest()

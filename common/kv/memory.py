@@ -1,0 +1,93 @@
+"""Paged KV memory: ONE preallocated tensor per worker.
+
+Layout [num_blocks, num_layers, 2 (k, v), block_size, num_kv_heads, head_dim], contiguous:
+one block (all layers) is one contiguous byte range (a store object) and one layer of one
+block is one contiguous piece (a layer-wise streaming unit). The transfer engine and the
+store read and write raw bytes at block_address / layer_address.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+class PagedKVMemory:
+    def __init__(self, num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
+        self.num_blocks = num_blocks
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        assert self.data.is_contiguous()
+        self.layer_nbytes = 2 * block_size * num_kv_heads * head_dim * self.data.element_size()
+        self.block_nbytes = num_layers * self.layer_nbytes
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def base_address(self) -> int:
+        return self.data.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def _check_block(self, block: int) -> None:
+        if not 0 <= block < self.num_blocks:
+            raise IndexError(f"block {block} out of range [0, {self.num_blocks})")
+
+    def block_address(self, block: int) -> int:
+        self._check_block(block)
+        return self.base_address + block * self.block_nbytes
+
+    def layer_address(self, block: int, layer: int) -> int:
+        self._check_block(block)
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+        return self.block_address(block) + layer * self.layer_nbytes
+
+    def layer_view(self, layer: int) -> torch.Tensor:
+        """[num_blocks, 2, block_size, kv_heads, head_dim] strided view of one layer."""
+        return self.data[:, layer]
+
+    def block_bytes(self, block: int) -> torch.Tensor:
+        """uint8 view of one whole block (all layers): a zero-copy handle on its bytes."""
+        self._check_block(block)
+        return self.data[block].view(-1).view(torch.uint8)
+
+    def layer_bytes(self, block: int, layer: int) -> torch.Tensor:
+        """uint8 view of one layer of one block."""
+        self._check_block(block)
+        return self.data[block, layer].reshape(-1).view(torch.uint8)
+
+    def write_tokens(self, layer: int, block_table: torch.Tensor, positions: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k/v [T, kv_heads, head_dim] of tokens at `positions` of a sequence or batch.
+
+        `block_table[i]` is the block holding token i's position (already looked up).
+        """
+        offsets = positions % self.block_size
+        self.data[block_table, layer, 0, offsets] = k.to(self.dtype)
+        self.data[block_table, layer, 1, offsets] = v.to(self.dtype)
+
+    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the blocks in `block_table` ([..., nb]) -> [..., nb*block_size, kvh, hd]."""
+        kv = self.data[:, layer].index_select(0, block_table.reshape(-1))
+        lead = block_table.shape[:-1]
+        nb = block_table.shape[-1]
+        kv = kv.view(*lead, nb, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        k = kv.select(-4, 0).reshape(*lead, nb * self.block_size, self.num_kv_heads, self.head_dim)
+        v = kv.select(-4, 1).reshape(*lead, nb * self.block_size, self.num_kv_heads, self.head_dim)
+        return k, v
+
+    def zero_blocks(self, blocks: Sequence[int]) -> None:
+        if blocks:
+            self.data[torch.as_tensor(list(blocks), dtype=torch.long)] = 0

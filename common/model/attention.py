@@ -1,0 +1,107 @@
+"""Attention over the paged KV memory. Backends: torch SDPA (CPU default) and flash-attn.
+
+Every backend first writes the new tokens' K/V into their slots, then attends over the
+sequence's blocks (gathered through its block table).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from common.kv.memory import PagedKVMemory
+
+
+@dataclass
+class AttnMetadata:
+    """One forward step: B sequences with q_len new tokens each (T = B * q_len)."""
+    batch: int
+    q_len: int
+    positions: torch.Tensor       # [T] absolute positions of the new tokens
+    slot_blocks: torch.Tensor     # [T] block id that holds each new token
+    block_tables: torch.Tensor    # [B, max_blocks] (padded with any valid block id)
+    kv_lens: torch.Tensor         # [B] context length after this step (int32)
+    kv_lens_list: list[int]
+    mask: Optional[torch.Tensor]  # [B, 1, q_len, S] True = attend; None = fresh causal
+    fresh: bool = False           # single sequence starting at 0: attend the new K/V directly
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttnMetadata) -> torch.Tensor: ...
+
+
+class SdpaAttention:
+    """torch scaled_dot_product_attention over K/V gathered with index_select."""
+
+    def __init__(self, kv: PagedKVMemory):
+        self.kv = kv
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttnMetadata) -> torch.Tensor:
+        t, heads, hd = q.shape
+        self.kv.write_tokens(layer, meta.slot_blocks, meta.positions, k, v)
+        b, ql = meta.batch, meta.q_len
+        qb = q.view(b, ql, heads, hd).transpose(1, 2)
+        if meta.fresh:
+            kk, vv = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)
+            out = F.scaled_dot_product_attention(qb, kk, vv, is_causal=True, enable_gqa=True)
+        else:
+            kk, vv = self.kv.gather(layer, meta.block_tables)
+            kk, vv = kk.to(q.dtype).transpose(1, 2), vv.to(q.dtype).transpose(1, 2)
+            out = F.scaled_dot_product_attention(qb, kk, vv, attn_mask=meta.mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(t, heads * hd)
+
+
+def flash_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class FlashAttention:
+    """flash_attn_with_kvcache on the paged memory (CUDA + flash_attn only).
+
+    flash-attn wants per-layer caches shaped [num_blocks, block_size, kv_heads, head_dim];
+    our layer views are strided slices of the one big tensor, which flash-attn accepts as
+    long as the last dim is contiguous and block_size is a multiple of 256 for paged mode
+    (older versions); otherwise we fall back to SDPA.
+    """
+
+    def __init__(self, kv: PagedKVMemory):
+        from flash_attn import flash_attn_with_kvcache
+
+        self.kv = kv
+        self._fn = flash_attn_with_kvcache
+        self._fallback = SdpaAttention(kv)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttnMetadata) -> torch.Tensor:
+        t, heads, hd = q.shape
+        if q.dtype not in (torch.float16, torch.bfloat16) or self.kv.block_size % 256:
+            return self._fallback(layer, q, k, v, meta)
+        self.kv.write_tokens(layer, meta.slot_blocks, meta.positions, k, v)
+        layer_kv = self.kv.layer_view(layer)
+        out = self._fn(
+            q.view(meta.batch, meta.q_len, heads, hd), layer_kv[:, 0], layer_kv[:, 1],
+            cache_seqlens=meta.kv_lens, block_table=meta.block_tables.to(torch.int32),
+            causal=True)
+        return out.reshape(t, heads * hd)
+
+
+def make_backend(name: str, kv: PagedKVMemory) -> AttentionBackend:
+    if name == "auto":
+        name = "flash" if flash_available() and kv.data.is_cuda else "sdpa"
+    if name == "sdpa":
+        return SdpaAttention(kv)
+    if name == "flash":
+        if not flash_available():
+            raise RuntimeError("attention_backend 'flash' needs CUDA and the flash_attn package")
+        return FlashAttention(kv)
+    raise ValueError(f"unknown attention_backend {name!r} (auto, sdpa, flash)")

@@ -1,0 +1,117 @@
+"""LLaMA-family decoder (RMSNorm, RoPE, GQA, SwiGLU) over a paged KV cache.
+
+Weights arrive as a dict in HF names; Q/K/V and gate/up are fused into one matmul each.
+Attention is delegated to a backend that writes/reads the paged KV memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from common.model.attention import AttentionBackend, AttnMetadata
+from common.model.config import ModelConfig
+from common.model.rope import apply_rope, cos_sin, inv_frequencies
+
+LayerHook = Callable[[int], None]
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    wqkv: torch.Tensor
+    wo: torch.Tensor
+    post_norm: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Seeded random weights in HF names (std 0.02 linears, unit norms)."""
+    gen = torch.Generator().manual_seed(seed)
+    d, i, hd = config.hidden_size, config.intermediate_size, config.head_dim
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * 0.02
+
+    w = {"model.embed_tokens.weight": rnd(config.vocab_size, d), "model.norm.weight": torch.ones(d)}
+    if not config.tie_word_embeddings:
+        w["lm_head.weight"] = rnd(config.vocab_size, d)
+    for layer in range(config.num_layers):
+        p = f"model.layers.{layer}."
+        w[p + "input_layernorm.weight"] = torch.ones(d)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(d)
+        w[p + "self_attn.q_proj.weight"] = rnd(config.num_heads * hd, d)
+        w[p + "self_attn.k_proj.weight"] = rnd(config.num_kv_heads * hd, d)
+        w[p + "self_attn.v_proj.weight"] = rnd(config.num_kv_heads * hd, d)
+        w[p + "self_attn.o_proj.weight"] = rnd(d, config.num_heads * hd)
+        w[p + "mlp.gate_proj.weight"] = rnd(i, d)
+        w[p + "mlp.up_proj.weight"] = rnd(i, d)
+        w[p + "mlp.down_proj.weight"] = rnd(d, i)
+    return w
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+        def get(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"checkpoint is missing weight {name!r}")
+            return weights[name].to(device=self.device, dtype=dtype)
+
+        self.embed = get("model.embed_tokens.weight")
+        self.norm = get("model.norm.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings else get("lm_head.weight")
+        self.layers = [self._layer(get, l) for l in range(config.num_layers)]
+        factors = weights.get("model.rope_freqs")
+        self.inv_freq = inv_frequencies(config, factors).to(self.device)
+
+    @staticmethod
+    def _layer(get: Callable[[str], torch.Tensor], layer: int) -> LayerWeights:
+        p = f"model.layers.{layer}."
+        return LayerWeights(
+            input_norm=get(p + "input_layernorm.weight"),
+            wqkv=torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),
+            wo=get(p + "self_attn.o_proj.weight"),
+            post_norm=get(p + "post_attention_layernorm.weight"),
+            w_gate_up=torch.cat([get(p + "mlp.gate_proj.weight"),
+                                 get(p + "mlp.up_proj.weight")]).contiguous(),
+            w_down=get(p + "mlp.down_proj.weight"))
+
+    def forward(self, token_ids: torch.Tensor, meta: AttnMetadata, attention: AttentionBackend,
+                layer_hook: Optional[LayerHook] = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the last layer (before the final norm)."""
+        cfg = self.config
+        h = self.embed.index_select(0, token_ids)
+        cos, sin = cos_sin(self.inv_freq, meta.positions, self.dtype)
+        nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+        t = h.shape[0]
+        for index, lw in enumerate(self.layers):
+            x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
+            q, k, v = F.linear(x, lw.wqkv).split([nq, nkv, nkv], dim=-1)
+            q = apply_rope(q.view(t, cfg.num_heads, hd), cos, sin)
+            k = apply_rope(k.view(t, cfg.num_kv_heads, hd), cos, sin)
+            o = attention(index, q, k, v.reshape(t, cfg.num_kv_heads, hd), meta)
+            h = h + F.linear(o, lw.wo)
+            x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(x, lw.w_gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, lw.w_down)
+            if layer_hook is not None:
+                layer_hook(index)
+        return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] of hidden states [N, hidden]."""
+        return F.linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()

