@@ -1,0 +1,182 @@
+"""The router over real sockets: HTTP in front, a scripted conductor behind its mailbox."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import pytest
+
+from common.protocol import ClusterStatus, RequestFailed, SubmitRequest
+from services.router.block_hashing import make_block_hasher
+from tests.router.fake_cluster import WORDS, FakeCluster, accepted, deltas
+from tests.router.http_client import get, post
+
+MODEL = "smollm2-135m"
+CHAT = "/v1/chat/completions"
+COMPL = "/v1/completions"
+USER = [{"role": "user", "content": "Say hello"}]
+
+
+def eventually(check: Callable[[], Any], timeout: float = 5.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+def choices(events: list) -> list:
+    return [e["choices"] for e in events if isinstance(e, dict)]
+
+
+def usage(prompt: int, completion: int = 3, cached: int = 16) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def test_models(router: str) -> None:
+    body = get(router, "/v1/models").json()
+    assert [m["id"] for m in body["data"]] == [MODEL]
+    assert body["object"] == "list" and body["data"][0]["object"] == "model"
+
+
+def test_chat_stream_exact_chunks_with_usage(router: str, fake: FakeCluster) -> None:
+    reply = post(router, CHAT, {"model": MODEL, "messages": USER, "stream": True,
+                                "stream_options": {"include_usage": True}})
+    assert reply.status == 200
+    assert reply.headers["content-type"].startswith("text/event-stream")
+    events = reply.events()
+    assert events[-1] == "[DONE]"
+    n_prompt = len(fake.submits()[-1].token_ids)
+    none = {"logprobs": None, "finish_reason": None, "index": 0}
+    assert choices(events) == [
+        [dict(none, delta={"role": "assistant", "content": ""})],
+        [dict(none, delta={"content": "Hello"})],
+        [dict(none, delta={"content": " world"})],
+        [dict(none, delta={"content": "!"})],
+        [dict(none, delta={}, finish_reason="stop")],
+        [],
+    ]
+    assert events[-2]["usage"] == usage(n_prompt)
+    assert all(e["usage"] is None for e in events[:-2])
+    assert {e["object"] for e in events[:-1]} == {"chat.completion.chunk"}
+    assert len({e["id"] for e in events[:-1]}) == 1
+    assert events[0]["id"] == fake.submits()[-1].request_id
+
+
+def test_chat_stream_without_usage(router: str) -> None:
+    events = post(router, CHAT, {"messages": USER, "stream": True}).events()
+    assert len(events) == 6 and events[-1] == "[DONE]"
+    assert all("usage" not in e for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_non_stream(router: str, fake: FakeCluster) -> None:
+    reply = post(router, CHAT, {"model": MODEL, "messages": USER})
+    assert reply.status == 200
+    body = reply.json()
+    n_prompt = len(fake.submits()[-1].token_ids)
+    assert body["object"] == "chat.completion" and body["model"] == MODEL
+    assert body["id"] == fake.submits()[-1].request_id
+    assert body["choices"] == [{"index": 0, "finish_reason": "stop", "logprobs": None,
+                                "message": {"role": "assistant", "content": "Hello world!"}}]
+    assert body["usage"] == usage(n_prompt)
+
+
+def test_completion_stream_and_non_stream(router: str, fake: FakeCluster) -> None:
+    events = post(router, COMPL, {"prompt": "Once upon", "stream": True,
+                                  "stream_options": {"include_usage": True}}).events()
+    none = {"logprobs": None, "finish_reason": None, "index": 0}
+    assert choices(events) == [[dict(none, text=w)] for w in WORDS] + [
+        [dict(none, text="", finish_reason="stop")], []]
+    assert {e["object"] for e in events[:-1]} == {"text_completion"}
+    body = post(router, COMPL, {"prompt": "Once upon"}).json()
+    assert body["object"] == "text_completion"
+    assert body["choices"] == [{"index": 0, "text": "Hello world!", "logprobs": None,
+                                "finish_reason": "stop"}]
+    assert body["usage"] == usage(len(fake.submits()[-1].token_ids))
+
+
+def test_submit_request_contents(router: str, fake: FakeCluster,
+                                 router_config: tuple) -> None:
+    ids = list(range(1, 41))
+    before = time.time()
+    post(router, COMPL, {"prompt": ids, "max_tokens": 5, "temperature": 0.5, "top_p": 0.9,
+                         "top_k": 40, "seed": 3, "stop": ["\n", "END"]})
+    sub: SubmitRequest = fake.submits()[-1]
+    assert sub.request_id.startswith("cmpl-") and len(sub.request_id) == 5 + 32
+    assert sub.token_ids == ids
+    assert sub.sampling == {"max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 40,
+                            "seed": 3, "stop": ["\n", "END"], "logprobs": False,
+                            "ignore_eos": False}
+    assert sub.block_keys == make_block_hasher(router_config[0])(ids)
+    assert len(sub.block_keys) == 2 and all(len(k) == 32 for k in sub.block_keys)
+    assert before <= sub.arrival_time <= time.time()
+    post(router, COMPL, {"prompt": "hi"})
+    assert fake.submits()[-1].sampling["max_tokens"] == 64  # the configured default
+
+
+def test_first_token_before_acceptance(router: str, fake: FakeCluster) -> None:
+    fake.script = lambda req: deltas(req, ["a", "b"], finish="length")
+    body = post(router, COMPL, {"prompt": "x"}).json()
+    assert body["choices"][0]["text"] == "ab"
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_logprobs(router: str, fake: FakeCluster) -> None:
+    fake.script = lambda req: [(0, accepted(req))] + deltas(req, ["A", "B"], logprobs=True)
+    body = post(router, CHAT, {"messages": USER, "logprobs": True}).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == [-0.5, -1.5]
+    assert all(isinstance(c["token"], str) and c["top_logprobs"] == [] for c in content)
+
+
+def test_rejection_429_with_retry_after(router: str, fake: FakeCluster) -> None:
+    fake.script = lambda req: [(0, RequestFailed(req.request_id, 429, "slo_violation",
+                                                 "TTFT SLO would be missed", 2.0))]
+    for stream in (False, True):
+        reply = post(router, CHAT, {"messages": USER, "stream": stream})
+        assert reply.status == 429
+        assert reply.headers["retry-after"] == "2"
+        assert reply.json() == {"error": {"message": "TTFT SLO would be missed",
+                                          "type": "rate_limit_error", "param": None,
+                                          "code": "slo_violation"}}
+
+
+@pytest.mark.parametrize("status,expected", [(503, 503), (500, 500), (418, 500)])
+def test_cluster_failures(router: str, fake: FakeCluster, status: int,
+                          expected: int) -> None:
+    fake.script = lambda req: [(0, RequestFailed(req.request_id, status, "boom", "no"))]
+    reply = post(router, COMPL, {"prompt": "x"})
+    assert reply.status == expected
+    assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_failure_mid_stream_is_an_error_chunk(router: str, fake: FakeCluster) -> None:
+    fake.script = lambda req: [(0, accepted(req))] + deltas(req, ["a", "b"])[:1] + [
+        (0.05, RequestFailed(req.request_id, 503, "worker_lost", "decode-0 died"))]
+    events = post(router, CHAT, {"messages": USER, "stream": True}).events()
+    assert events[1]["choices"][0]["delta"] == {"content": "a"}
+    assert events[2] == {"error": {"message": "decode-0 died", "type": "service_unavailable",
+                                   "param": None, "code": "worker_lost"}}
+    assert events[3:] == ["[DONE]"]
+
+
+def test_silence_is_504_and_aborts(router: str, fake: FakeCluster) -> None:
+    fake.script = lambda req: []
+    started = time.monotonic()
+    reply = post(router, COMPL, {"prompt": "x"})
+    assert reply.status == 504 and 1.4 < time.monotonic() - started < 5
+    assert reply.json()["error"]["code"] == "timeout"
+    abort = fake.wait_abort(fake.submits()[-1].request_id)
+    assert abort is not None and abort.reason == "router timeout"
+
+
+def test_silence_mid_stream_is_an_error_chunk(router: str, fake: FakeCluster) -> None:
+    fake.script = lambda req: [(0, accepted(req))] + deltas(req, ["a", "b"])[:1]
+    events = post(router, COMPL, {"prompt": "x", "stream": True}).events()
+    assert [e["choices"][0]["text"] for e in events[:1]] == ["a"]
+    assert events[1]["error"]["code"] == "timeout" and events[2] == "[DONE]"
+    assert fake.wait_abort(fake.submits()[-1].request_id) is not None

@@ -1,0 +1,94 @@
+"""Request validation and response formatting, in-process (no sockets, no tokenizer)."""
+from __future__ import annotations
+
+import pytest
+
+from common.protocol import TokenDelta
+from services.router.errors import ApiError
+from services.router.openai_format import ResponseBuilder
+from services.router.validation import parse_request
+
+MODEL = "smollm2-135m"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_chat_defaults() -> None:
+    req = parse_request(CHAT, "chat", MODEL)
+    assert req.messages == [{"role": "user", "content": "hi"}]
+    assert not req.stream and not req.include_usage
+    assert req.sampling.to_wire(7) == {
+        "max_tokens": 7, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "seed": None,
+        "stop": [], "logprobs": False, "ignore_eos": False}
+
+
+def test_chat_full_parameters() -> None:
+    body = dict(CHAT, max_completion_tokens=5, temperature=0, top_p=0.5, top_k=3, seed=7,
+                stop="x", n=1, stream=True, stream_options={"include_usage": True},
+                logprobs=True, messages=[{"role": "system", "content": [
+                    {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    req = parse_request(body, "chat", MODEL)
+    assert req.messages == [{"role": "system", "content": "ab"}]
+    assert req.stream and req.include_usage
+    assert req.sampling.to_wire(5) == {
+        "max_tokens": 5, "temperature": 0.0, "top_p": 0.5, "top_k": 3, "seed": 7,
+        "stop": ["x"], "logprobs": True, "ignore_eos": False}
+
+
+def test_completion_prompts() -> None:
+    assert parse_request({"prompt": "abc"}, "completion", MODEL).prompt == "abc"
+    assert parse_request({"prompt": [1, 2]}, "completion", MODEL).prompt == [1, 2]
+    assert parse_request({"prompt": ["abc"]}, "completion", MODEL).prompt == "abc"
+    assert parse_request({"prompt": "a", "logprobs": 2}, "completion",
+                         MODEL).sampling.logprobs is True
+
+
+@pytest.mark.parametrize("body,param,code", [
+    ({"messages": []}, "messages", "invalid_value"),
+    ({}, "messages", "missing_required_parameter"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "invalid_value"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "invalid_value"),
+    ({"messages": ["hi"]}, "messages[0]", "invalid_type"),
+    (dict(CHAT, model="gpt-4"), "model", "model_not_found"),
+    (dict(CHAT, max_tokens=0), "max_tokens", "invalid_value"),
+    (dict(CHAT, max_tokens=True), "max_tokens", "invalid_value"),
+    (dict(CHAT, max_completion_tokens=-1), "max_completion_tokens", "invalid_value"),
+    (dict(CHAT, top_p=0), "top_p", "invalid_value"),
+    (dict(CHAT, top_k=0), "top_k", "invalid_value"),
+    (dict(CHAT, stop=["a"] * 5), "stop", "invalid_value"),
+    (dict(CHAT, stop=[""]), "stop", "invalid_type"),
+    (dict(CHAT, n=3), "n", "invalid_value"),
+    (dict(CHAT, logprobs=1), "logprobs", "invalid_type"),
+    (dict(CHAT, stream_options={"include_usage": True}), "stream_options", "invalid_value"),
+])
+def test_chat_rejects(body: dict, param: str, code: str) -> None:
+    with pytest.raises(ApiError) as info:
+        parse_request(body, "chat", MODEL)
+    err = info.value
+    assert (err.status, err.param, err.code) == (400, param, code)
+    assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("prompt", ["", [], [1.5], {"a": 1}, [[1], [2]], None])
+def test_completion_rejects_bad_prompts(prompt: object) -> None:
+    with pytest.raises(ApiError) as info:
+        parse_request({"prompt": prompt}, "completion", MODEL)
+    assert info.value.param == "prompt"
+
+
+def _delta(text: str, n: int, finish: str | None = None) -> TokenDelta:
+    return TokenDelta("r", [n], text, [-1.0], finish, prompt_tokens=5, completion_tokens=n,
+                      cached_tokens=2)
+
+
+def test_builder_completion_logprobs_and_usage() -> None:
+    out = ResponseBuilder("completion", "r", MODEL, 1, token_text=lambda t: f"<{t}>",
+                          want_logprobs=True)
+    out.absorb(_delta("ab", 1))
+    out.absorb(_delta("c", 2, "length"))
+    body = out.response()
+    assert body["choices"] == [{"index": 0, "text": "abc", "finish_reason": "length",
+                                "logprobs": {"tokens": ["<1>", "<2>"],
+                                             "token_logprobs": [-1.0, -1.0],
+                                             "top_logprobs": None, "text_offset": [0, 3]}}]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 2}}
