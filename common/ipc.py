@@ -56,6 +56,8 @@ def _check(value: Any, hint: Any) -> bool:
         if not isinstance(value, list):
             return False
         inner = args[0] if args else Any
+        if inner is str or inner is bool:  # fast path: long key lists (store batches)
+            return all(type(v) is inner for v in value)
         return all(_check(v, inner) for v in value)
     if origin is dict:
         return isinstance(value, dict)
