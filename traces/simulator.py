@@ -93,7 +93,9 @@ class _Decode:
 
 class DisaggregatedSim:
     def __init__(self, trace: Sequence[TraceRequest], cost: CostModel, scheduler: str,
-                 sched_cfg: SchedulerConfig, cluster: ClusterConfig) -> None:
+                 sched_cfg: SchedulerConfig, cluster: ClusterConfig,
+                 predict_decode_time: bool = True) -> None:
+        self.predict_decode_time = predict_decode_time
         if sched_cfg.block_size != TRACE_BLOCK_TOKENS:
             raise ValueError("the simulator schedules 512-token trace blocks")
         self.trace, self.cost, self.cluster = trace, cost, cluster
@@ -147,7 +149,8 @@ class DisaggregatedSim:
                      + self.scheduler.prefill_seconds(info, cached))
         if req.output_length > 1:
             d = self._by_id[decision.decode_id]
-            d.incoming[req.index] = DecodeSlot(now + decision.predicted_ttft_s, _need(req))
+            d.incoming[req.index] = DecodeSlot(now + decision.predicted_ttft_s, _need(req),
+                                               self._decode_s(req, decision.predicted_tbt_s))
         p.queue.append(_Job(req, info, decision, predicted))
         p.queued_s += predicted
         if p.running is None:
@@ -194,10 +197,18 @@ class DisaggregatedSim:
                 return
             chosen = min(fitting, key=lambda d: (d.reserved, d.iid))
         chosen.reserved += need
-        chosen.running[req.index] = DecodeSlot(now, need)
+        chosen.running[req.index] = DecodeSlot(now, need, self._decode_s(req, None))
         chosen.pending.append((req, now))
         if not chosen.stepping:
             self._start_step(chosen, now)
+
+    def _decode_s(self, req: TraceRequest, tbt_s: Optional[float]) -> Optional[float]:
+        """Predicted decode duration from max_tokens (the trace's output length)."""
+        if not self.predict_decode_time:
+            return None
+        if tbt_s is None or tbt_s == float("inf"):
+            tbt_s = self.cost.decode_tbt_seconds(1, req.input_length)
+        return (req.output_length - 1) * tbt_s
 
     def _start_step(self, d: _Decode, now: float) -> None:
         for req, ready in d.pending:
@@ -223,5 +234,7 @@ def _need(req: TraceRequest) -> int:
 
 
 def simulate_disaggregated(trace: Sequence[TraceRequest], cost: CostModel, scheduler: str,
-                           sched_cfg: SchedulerConfig, cluster: ClusterConfig) -> SimResult:
-    return DisaggregatedSim(trace, cost, scheduler, sched_cfg, cluster).run()
+                           sched_cfg: SchedulerConfig, cluster: ClusterConfig,
+                           predict_decode_time: bool = True) -> SimResult:
+    """Replay ``trace``; ``predict_decode_time`` gives each decode slot max_tokens x TBT."""
+    return DisaggregatedSim(trace, cost, scheduler, sched_cfg, cluster, predict_decode_time).run()

@@ -3,8 +3,9 @@
 A decode instance *holds* a request when its KV (prompt + max_tokens) fits in free memory;
 its predicted TBT is the cost model's step time with the request added. Prediction-based
 early rejection looks at the decode load at the moment the request's prefill will end:
-requests predicted to finish prefill by then join (``incoming``), requests that have run
-longer than the typical decode time ``expected_decode_s`` leave (``running``).
+requests predicted to finish prefill by then join (``incoming``), and every request leaves
+once it has decoded for the typical decode time ``expected_decode_s`` (``running`` ones
+and ``incoming`` ones alike), or after its own ``DecodeSlot.decode_s`` when known.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from common.scheduling.cost import CostModel
-from common.scheduling.state import DecodeInstanceState, RequestInfo
+from common.scheduling.state import DecodeInstanceState, DecodeSlot, RequestInfo
 
 
 @dataclass(frozen=True)
@@ -36,14 +37,18 @@ def predicted_load(state: DecodeInstanceState, at_s: float, expected_decode_s: f
         return current_load(state)
     batch, tokens = 0, 0
     for slot in state.running:
-        if slot.start_s + expected_decode_s > at_s:
+        if slot.start_s + _duration(slot, expected_decode_s) > at_s:
             batch += 1
             tokens += slot.tokens
     for slot in state.incoming:
-        if slot.start_s <= at_s:
+        if slot.start_s <= at_s < slot.start_s + _duration(slot, expected_decode_s):
             batch += 1
             tokens += slot.tokens
     return DecodeLoad(batch, tokens, state.capacity_tokens)
+
+
+def _duration(slot: DecodeSlot, expected_decode_s: float) -> float:
+    return expected_decode_s if slot.decode_s is None else slot.decode_s
 
 
 @dataclass(frozen=True)

@@ -102,10 +102,13 @@ class DecodeSlot:
     """One request's KV footprint on a decode instance (for load prediction).
 
     ``start_s``: when it joined (running) or is predicted to join (incoming) decode.
+    ``decode_s``: its predicted decode duration (e.g. max_tokens x predicted TBT);
+    ``None`` = the typical decode time ``SchedulerConfig.expected_decode_s``.
     """
 
     start_s: float
     tokens: int
+    decode_s: Optional[float] = None
 
 
 @dataclass
