@@ -1,0 +1,63 @@
+"""transformers' own LlamaForCausalLM loaded from the same GGUF: the independent reference.
+
+transformers' GGUF path dequantizes and un-permutes Q/K with its own code. Preferred route:
+AutoModelForCausalLM.from_pretrained(dir, gguf_file=...) (needs `accelerate`); without
+accelerate we call the same loader (load_gguf_checkpoint) and build LlamaForCausalLM by hand.
+The loader takes ~1 minute on 2 cores, so its output state dict is cached on disk.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import torch
+
+from common.model.loader import _cache_key, cache_dir
+
+
+def load_hf_reference(gguf_path: str) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    base = os.path.join(cache_dir(), f"hfref-{_cache_key(gguf_path)}")
+    if os.path.isfile(base + ".json") and os.path.isfile(base + ".safetensors"):
+        from safetensors.torch import load_file
+
+        with open(base + ".json") as f:
+            cfg = json.load(f)
+        model = LlamaForCausalLM(LlamaConfig(**cfg))
+        model.load_state_dict(load_file(base + ".safetensors"), strict=False)
+    else:
+        model = _load_uncached(gguf_path)
+        _save(model, base)
+    model.tie_weights()
+    return model.eval().float()
+
+
+def _load_uncached(gguf_path: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    directory, name = os.path.split(gguf_path)
+    if importlib.util.find_spec("accelerate") is not None:
+        return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    cfg = dict(load_gguf_checkpoint(gguf_path, return_tensors=False)["config"])
+    cfg.pop("model_type", None)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    tensors = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model)["tensors"]
+    model.load_state_dict(tensors, strict=False)
+    return model
+
+
+def _save(model: torch.nn.Module, base: str) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(os.path.dirname(base), exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, base + ".safetensors.tmp")
+    os.replace(base + ".safetensors.tmp", base + ".safetensors")
+    cfg = model.config.to_dict()
+    with open(base + ".json.tmp", "w") as f:
+        json.dump(cfg, f)
+    os.replace(base + ".json.tmp", base + ".json")
