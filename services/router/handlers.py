@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from jinja2.exceptions import TemplateError
 
 from common.protocol import SubmitRequest
 from services.router.errors import ApiError, invalid
@@ -43,7 +44,10 @@ async def _read_json(request: web.Request) -> Any:
 def _tokenize(state: RouterState, req: GenerationRequest) -> list[int]:
     tok = state.tokenizer
     if req.kind == "chat":
-        return tok.encode_chat(req.messages or [])
+        try:
+            return tok.encode_chat(req.messages or [])
+        except TemplateError as exc:  # the model's template refuses these messages
+            raise invalid(f"chat template: {exc}", "messages", "invalid_value") from None
     if isinstance(req.prompt, str):
         return tok.encode_text(req.prompt)
     ids = list(req.prompt or [])

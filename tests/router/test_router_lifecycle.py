@@ -114,3 +114,20 @@ def test_official_openai_client(router: str, fake: FakeCluster) -> None:
         raise AssertionError("expected a 400")
     except openai.BadRequestError as exc:
         assert exc.code == "model_not_found"
+
+
+def test_concurrent_requests_do_not_mix(router: str, fake: FakeCluster) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    fake.script = lambda req: [(0, accepted(req))] + deltas(
+        req, [req.request_id[:8], req.request_id[8:]], delay=0.02)
+
+    def one(i: int) -> tuple[str, str]:
+        body = post(router, "/v1/completions", {"prompt": f"p{i}"}).json()
+        return body["id"], body["choices"][0]["text"]
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(48)))
+    assert all(rid == text for rid, text in results)
+    assert len({rid for rid, _ in results}) == 48
+    assert 'crescent_router_requests_in_flight 0.0' in get(router, "/metrics").body.decode()
