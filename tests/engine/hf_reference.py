@@ -25,8 +25,12 @@ def load_hf_reference(gguf_path: str) -> torch.nn.Module:
 
         with open(base + ".json") as f:
             cfg = json.load(f)
-        model = LlamaForCausalLM(LlamaConfig(**cfg))
-        model.load_state_dict(load_file(base + ".safetensors"), strict=False)
+        from transformers.initialization import no_init_weights
+
+        with no_init_weights():  # every weight comes from the file; skip the random init
+            model = LlamaForCausalLM(LlamaConfig(**cfg))
+        missing = model.load_state_dict(load_file(base + ".safetensors"), strict=False).missing_keys
+        assert set(missing) <= {"lm_head.weight"}, missing
     else:
         model = _load_uncached(gguf_path)
         _save(model, base)

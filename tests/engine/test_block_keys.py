@@ -1,0 +1,47 @@
+"""Block keys: chained, 16 bytes, full blocks only, deterministic across processes."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import xxhash
+
+from common.kv.block_keys import compute_block_keys, model_fingerprint
+from common.model.config import DUMMY_CONFIGS
+
+FP = b"\x07" * 16
+
+
+def test_keys_are_chained_xxh3_128() -> None:
+    toks = list(range(10))
+    keys = compute_block_keys(toks, 4, FP)
+    assert len(keys) == 2 and all(len(k) == 16 for k in keys)
+    k0 = xxhash.xxh3_128(FP + np.arange(4, dtype="<i4").tobytes()).digest()
+    k1 = xxhash.xxh3_128(k0 + FP + np.arange(4, 8, dtype="<i4").tobytes()).digest()
+    assert keys == [k0, k1]
+    assert compute_block_keys(toks[4:8], 4, FP, parent=k0) == [k1]
+
+
+def test_prefix_property_and_sensitivity() -> None:
+    a = compute_block_keys([1, 2, 3, 4, 5, 6, 7, 8], 4, FP)
+    b = compute_block_keys([1, 2, 3, 4, 5, 6, 7, 9], 4, FP)
+    c = compute_block_keys([0, 2, 3, 4, 5, 6, 7, 8], 4, FP)
+    assert a[0] == b[0] and a[1] != b[1]
+    assert a[1] != c[1]  # a change early changes every later key
+    assert compute_block_keys([1, 2, 3], 4, FP) == []
+    assert compute_block_keys([1, 2, 3, 4], 4, b"\x08" * 16) != a[:1]
+
+
+def test_fingerprint_stable_across_processes() -> None:
+    cfg = DUMMY_CONFIGS["dummy-tiny"]
+    code = ("from common.kv.block_keys import model_fingerprint, compute_block_keys;"
+            "from common.model.config import DUMMY_CONFIGS;"
+            "fp = model_fingerprint(DUMMY_CONFIGS['dummy-tiny']);"
+            "print(fp.hex(), compute_block_keys(list(range(32)), 16, fp)[1].hex())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONHASHSEED": "123"}, cwd=".").stdout.split()
+    fp = model_fingerprint(cfg)
+    assert out == [fp.hex(), compute_block_keys(list(range(32)), 16, fp)[1].hex()]
+    assert len(fp) == 16
+    assert model_fingerprint(DUMMY_CONFIGS["dummy-llama3-8b"]) != fp

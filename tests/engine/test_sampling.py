@@ -1,0 +1,71 @@
+"""Sampling and the generate helper on dummy-tiny."""
+from __future__ import annotations
+
+import torch
+
+from common.engine import Engine, SamplingParams, generate, generate_batch, sample
+
+
+def _logits() -> torch.Tensor:
+    return torch.tensor([[0.0, 3.0, 1.0, 2.5, -1.0], [2.0, 0.0, 0.0, 0.0, 1.9]])
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_greedy_and_logprobs() -> None:
+    p = SamplingParams(temperature=0, logprobs=True)
+    tokens, lps = sample(_logits(), [p, p], [None, None])
+    assert tokens == [1, 0]
+    expected = torch.log_softmax(_logits(), -1)
+    assert lps == [float(expected[0, 1]), float(expected[1, 0])]
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
+    for p in (SamplingParams(temperature=5.0, top_k=1), SamplingParams(temperature=5.0, top_p=1e-6)):
+        for seed in range(20):
+            assert sample(_logits(), [p, p], [_gen(seed), _gen(seed)])[0] == [1, 0]
+
+
+def test_top_k_and_top_p_restrict_the_support() -> None:
+    seen_k, seen_p = set(), set()
+    for seed in range(200):
+        seen_k.add(sample(_logits()[:1], [SamplingParams(top_k=2)], [_gen(seed)])[0][0])
+        # probs of row 0: token 1 ~0.52, token 3 ~0.32 -> top_p 0.6 keeps exactly {1, 3}
+        seen_p.add(sample(_logits()[:1], [SamplingParams(top_p=0.6)], [_gen(seed)])[0][0])
+    assert seen_k == {1, 3} and seen_p == {1, 3}
+
+
+def test_seed_reproducible(tiny: Engine) -> None:
+    p = SamplingParams(max_tokens=12, temperature=1.0, seed=42, ignore_eos=True)
+    a = generate(tiny, [5, 6, 7], p).token_ids
+    b = generate(tiny, [5, 6, 7], p).token_ids
+    c = generate(tiny, [5, 6, 7], SamplingParams(max_tokens=12, seed=43, ignore_eos=True)).token_ids
+    assert a == b and a != c and len(a) == 12
+
+
+def test_stop_token_and_length(tiny: Engine) -> None:
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    ref = generate(tiny, [5, 6, 7], greedy)
+    assert ref.finish_reason == "length" and len(ref.token_ids) == 10
+    third = ref.token_ids[2]
+    stopped = generate(tiny, [5, 6, 7], SamplingParams(
+        max_tokens=10, temperature=0, stop_token_ids=[third], ignore_eos=True))
+    first = ref.token_ids.index(third)
+    assert stopped.token_ids == ref.token_ids[:first + 1] and stopped.finish_reason == "stop"
+    assert stopped.text == tiny.decode_tokens(ref.token_ids[:first])
+    tiny.pool.check_integrity()
+    assert tiny.pool.num_used == 0
+
+
+def test_generate_batch_equals_one_by_one_and_reuses_prefix(tiny: Engine) -> None:
+    prompts = [[5 + i] * (3 + 5 * i) for i in range(4)]
+    p = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, logprobs=True)
+    alone = [generate(tiny, pr, p) for pr in prompts]
+    batch = generate_batch(tiny, prompts, [p] * 4)
+    assert [r.token_ids for r in batch] == [r.token_ids for r in alone]
+    for a, b in zip(alone, batch):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+    assert [r.num_cached_tokens for r in batch] == [0, 4, 12, 16]  # block_size 4, prompt blocks cached
+    tiny.pool.check_integrity()
