@@ -65,16 +65,22 @@ class TransferAgent:
         self.session_id = f"{self.config.hostname}:{self._engine.get_rpc_port()}"
         self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="transfer")
         self._lock = threading.Lock()
+        self._registered: dict[int, int] = {}
         self.bytes_moved = 0
         self.seconds_spent = 0.0
 
     def register(self, address: int, nbytes: int) -> None:
+        """Register a region once; registering the same region again is a no-op."""
+        if self._registered.get(address) == nbytes:
+            return
         rc = self._engine.register_memory(address, nbytes)
         if rc != 0:
             raise TransferError(f"register_memory({address:#x}, {nbytes}) failed (rc={rc})")
+        self._registered[address] = nbytes
 
     def unregister(self, address: int) -> None:
-        self._engine.unregister_memory(address)
+        if self._registered.pop(address, None) is not None:
+            self._engine.unregister_memory(address)
 
     def _run(self, write: bool, target: str, local: Sequence[int], remote: Sequence[int],
              lengths: Sequence[int]) -> int:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from typing import Callable, Optional
+
+import torch
 
 from common.config import ClusterConfig
-from common.engine import Engine, EngineConfig
+from common.engine import Engine, EngineConfig, SamplingParams
 from common.kv.events import BlockStored
 from common.mailbox import Mailbox
 from common.protocol import RegisterWorker, WorkerHeartbeat
@@ -80,3 +82,22 @@ class WorkerRuntime:
     def close(self) -> None:
         self.mail.close()
         self.transfer.close()
+
+
+def sampling_params_from_dict(d: dict) -> SamplingParams:
+    """The router's validated sampling dict → engine SamplingParams."""
+    top_k = d.get("top_k")
+    return SamplingParams(
+        max_tokens=int(d.get("max_tokens", 16)), temperature=float(d.get("temperature", 1.0)),
+        top_p=float(d.get("top_p", 1.0)), top_k=None if top_k in (None, -1, 0) else int(top_k),
+        seed=d.get("seed"), stop=list(d.get("stop") or []),
+        stop_token_ids=list(d.get("stop_token_ids") or []),
+        logprobs=bool(d.get("logprobs", False)), ignore_eos=bool(d.get("ignore_eos", False)))
+
+
+def make_generator(params: SamplingParams, stream: int) -> Optional[torch.Generator]:
+    """A seeded request's generator for one side of the handover: ``stream`` 0 samples the
+    first token (prefill), 1 the rest (decode). Same seed → same tokens, on any workers."""
+    if params.greedy or params.seed is None:
+        return None
+    return torch.Generator().manual_seed(int(params.seed) * 2 + stream)

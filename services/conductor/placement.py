@@ -6,6 +6,7 @@ Builds the policy's instance states from heartbeats and KV events, calls
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -26,6 +27,17 @@ class Placement:
     prefill_tokens: int  # tokens the prefill worker is predicted to compute
 
 
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "launch" / "profiles"
+
+
+def load_cost_model(name: str) -> CostModel:
+    """A named profile (common/scheduling), a JSON path, or launch/profiles/<name>.json."""
+    shipped = PROFILE_DIR / f"{name}.json"
+    if name not in CostModel.profile_names() and shipped.is_file():
+        return CostModel.from_json(shipped)
+    return CostModel.profile(name)
+
+
 class _KeySetIndex(PrefixIndex):
     """A PrefixIndex view over a worker's live key set (no copy per decision)."""
 
@@ -36,7 +48,7 @@ class _KeySetIndex(PrefixIndex):
 class Placer:
     def __init__(self, config: ClusterConfig, global_index: Optional[PrefixIndex] = None):
         self.config = config
-        self.cost = CostModel.profile(config.cost_profile)
+        self.cost = load_cost_model(config.cost_profile)
         self.policy = make_scheduler(config.scheduler, SchedulerConfig(
             kvcache_balancing_threshold=config.kvcache_balancing_threshold,
             ttft_slo_s=config.slo.ttft_s, tbt_slo_s=config.slo.tbt_s,

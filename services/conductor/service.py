@@ -22,6 +22,7 @@ from common.protocol import (
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.placement import Placement, Placer
 from services.conductor.registry import Registry
+from services.conductor.store_events import StoreEventFeed
 from services.conductor.tracker import Phase, Tracked, Tracker
 
 log = logging.getLogger("conductor")
@@ -232,7 +233,10 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
             await asyncio.sleep(config.heartbeat_interval_s)
             conductor.sweep()
 
-    tick = asyncio.create_task(ticker())
+    tasks = [asyncio.create_task(ticker())]
+    if config.use_store:
+        feed = StoreEventFeed(config.store_events_address, conductor.placer.global_index)
+        tasks.append(asyncio.create_task(feed.run()))
     log.info("conductor ready at %s (scheduler=%s)", config.inbox("conductor"),
              config.scheduler)
     try:
@@ -247,5 +251,6 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
             except Exception:  # one bad message must not stop the scheduler
                 log.exception("conductor: handling %s failed", type(msg).__name__)
     finally:
-        tick.cancel()
+        for t in tasks:
+            t.cancel()
         mail.close()

@@ -10,12 +10,12 @@ from typing import Any, Callable, Optional
 
 from common.config import ClusterConfig
 from common.engine import DecodeInput
-from common.engine.sampling import make_generator, sample, sampling_params_from_dict
+from common.engine.sampling import sample
 from common.protocol import (
     AbortRequest, BlocksReserved, KVFailed, KVReady, RequestFailed, RequestFinished,
     ReserveBlocks, ReserveFailed, TokenDelta,
 )
-from common.worker import WorkerRuntime
+from common.worker import WorkerRuntime, make_generator, sampling_params_from_dict
 from services.decode.detok import IncrementalText
 from services.decode.sequence import Reservation, Running
 
@@ -70,7 +70,7 @@ class DecodeWorker:
             last_token=msg.first_token, params=r.params, router_inbox=r.router_inbox,
             prompt_tokens=msg.prompt_tokens, cached_tokens=msg.cached_tokens,
             text=IncrementalText(self.engine.decode_tokens, r.params.stop),
-            generator=make_generator(r.params.seed, 1))
+            generator=make_generator(r.params, 1))
         self.running[seq.request_id] = seq
         self.accept(seq, msg.first_token, msg.first_logprob)
         self.wake.set()
@@ -114,7 +114,8 @@ class DecodeWorker:
         finish: Optional[str] = None
         delta = ""
         ids = [token]
-        if not p.ignore_eos and token in self._stop_ids(p):
+        if token in p.stop_token_ids or (
+                not p.ignore_eos and token in self.engine.model_config.eos_token_ids):
             finish, ids = "stop", []
         else:
             delta, hit = seq.text.add(token)
@@ -135,9 +136,6 @@ class DecodeWorker:
             completion_tokens=seq.generated, cached_tokens=seq.cached_tokens))
         if finish is not None:
             self.finish(seq, finish)
-
-    def _stop_ids(self, p: Any) -> set[int]:
-        return set(p.stop_token_ids) | set(self.engine.model_config.eos_token_ids)
 
     def finish(self, seq: Running, reason: str) -> None:
         if self.running.pop(seq.request_id, None) is not None:

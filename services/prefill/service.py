@@ -11,10 +11,10 @@ from typing import Any, Callable, Optional
 
 from common.config import ClusterConfig
 from common.engine.errors import EngineInputError
-from common.engine.sampling import make_generator, sample, sampling_params_from_dict
+from common.engine.sampling import sample
 from common.protocol import AbortRequest, KVFailed, KVReady, PrefillDone, PrefillTask, RequestFailed
 from common.transfer import TransferError
-from common.worker import WorkerRuntime
+from common.worker import WorkerRuntime, make_generator, sampling_params_from_dict
 from services.prefill.prefix import PrefixLoader
 from services.prefill.streaming import KVStream, RequestAborted
 
@@ -132,7 +132,7 @@ class PrefillWorker:
             self.current, self.current_id = None, None
         params = sampling_params_from_dict(task.sampling)
         tokens, logprobs = sample(logits.unsqueeze(0), [params],
-                                  [make_generator(params.seed, 0)])
+                                  [make_generator(params, 0)])
         return int(tokens[0]), logprobs[0], nbytes
 
 
