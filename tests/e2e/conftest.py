@@ -24,14 +24,19 @@ prefill_chunk = 64
 scheduler = "{scheduler}"
 heartbeat_interval_s = 0.2
 store_segment_bytes = 268435456
+
+[slo]
+ttft_s = {ttft}
+tbt_s = 30.0
 """
 
 
 def start_cluster(tmp: Path, http: int, base: int, prefill: int = 1, store: bool = True,
-                  scheduler: str = "load_balance") -> LocalCluster:
+                  scheduler: str = "load_balance", ttft_slo_s: float = 120.0) -> LocalCluster:
     cfg = tmp / "cluster.toml"
     cfg.write_text(BASE_CONFIG.format(http=http, base=base, prefill=prefill,
-                                      store=str(store).lower(), scheduler=scheduler))
+                                      store=str(store).lower(), scheduler=scheduler,
+                                      ttft=ttft_slo_s))
     cluster = LocalCluster(str(cfg), tmp / "logs")
     try:
         cluster.start(timeout_s=180)
