@@ -90,6 +90,7 @@ class PrefillDone:
     global_hit_tokens: int  # of those, loaded from the store
     prefill_seconds: float
     transfer_bytes: int
+    transfer_seconds: float = 0.0  # time the KV stream was in flight (overlaps compute)
 
 
 @message
@@ -123,6 +124,7 @@ class PrefillTask:
     decode_id: str
     decode_inbox: str
     decode_session: str
+    decode_kv_base: int
     decode_block_ids: list[int]
     deadline: float  # wall-clock time after which the work is abandoned
     router_inbox: str
@@ -181,6 +183,15 @@ class TokenDelta:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+
+
+@message
+class KVTransferReport:
+    """Conductor → router: KV bytes a request moved (for the router's /metrics)."""
+
+    kind: str  # "prefill_to_decode" | "store_get"
+    nbytes: int
+    seconds: float
 
 
 # ---------------------------------------------------------------- introspection

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from common.config import ClusterConfig
 from common.mailbox import Mailbox
 from common.protocol import (
-    AbortRequest, BlocksReserved, ClusterStatus, PrefillDone, PrefillTask, RegisterWorker,
+    AbortRequest, BlocksReserved, ClusterStatus, KVTransferReport, PrefillDone, PrefillTask, RegisterWorker,
     RequestAccepted, RequestFailed, RequestFinished, ReserveBlocks, ReserveFailed,
     SubmitRequest, WorkerHeartbeat,
 )
@@ -154,6 +154,8 @@ class Conductor:
         self.metrics.global_hit_tokens.inc(msg.global_hit_tokens)
         self.metrics.prompt_tokens.inc(msg.prompt_tokens)
         self.metrics.transfer_bytes.inc(msg.transfer_bytes)
+        self.mail.send(self.router_inbox, KVTransferReport(
+            "prefill_to_decode", msg.transfer_bytes, msg.transfer_seconds))
         self.placer.observe_prefill(msg)
 
     def on_finished(self, msg: RequestFinished) -> None:

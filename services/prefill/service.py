@@ -93,7 +93,7 @@ class PrefillWorker:
         if plan is None:
             raise PrefillFailure(503, "prefill_kv_full", "prefill KV memory is full")
         try:
-            first, logprob, nbytes = await self._compute_and_stream(task, plan.block_table,
+            first, logprob, stream = await self._compute_and_stream(task, plan.block_table,
                                                                     plan.cached_blocks)
         except BaseException:
             self.pool.free(plan.block_table)
@@ -105,11 +105,11 @@ class PrefillWorker:
                                                      len(tokens), cached_tokens))
         self.rt.mail.send(self.rt.conductor, PrefillDone(
             task.request_id, self.rt.instance_id, len(tokens), cached_tokens,
-            plan.global_blocks * bs, elapsed, nbytes))
+            plan.global_blocks * bs, elapsed, stream.bytes, stream.seconds))
         self.prefix.release(plan, keys)
 
     async def _compute_and_stream(self, task: PrefillTask, table: list[int],
-                                  cached_blocks: int) -> tuple[int, Optional[float], int]:
+                                  cached_blocks: int) -> tuple[int, Optional[float], KVStream]:
         rt = self.rt
         stream = KVStream(rt.transfer, self.stream_thread, self.engine.kv, table,
                           task.decode_block_ids, task.decode_session, task.decode_kv_base)
@@ -121,7 +121,7 @@ class PrefillWorker:
             logits = await loop.run_in_executor(
                 self.compute, lambda: self.engine.prefill(task.token_ids, table, num_cached,
                                                           layer_hook=stream.on_layer))
-            nbytes = await stream.wait(max(1.0, task.deadline - time.time()))
+            await stream.wait(max(1.0, task.deadline - time.time()))
         except RequestAborted as exc:
             stream.cancel()
             raise PrefillFailure(499, "aborted", "aborted during prefill") from exc
@@ -133,7 +133,7 @@ class PrefillWorker:
         params = sampling_params_from_dict(task.sampling)
         tokens, logprobs = sample(logits.unsqueeze(0), [params],
                                   [make_generator(params, 0)])
-        return int(tokens[0]), logprobs[0], nbytes
+        return int(tokens[0]), logprobs[0], stream
 
 
 async def run(config: ClusterConfig, index: int = 0) -> None:

@@ -7,6 +7,7 @@ layer's compute and land in order. ``wait`` collects them under a deadline.
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
@@ -33,6 +34,8 @@ class KVStream:
         self.base = remote_base
         self.futures: list[Future] = []
         self.bytes = 0
+        self.seconds = 0.0  # first write queued → last write done
+        self._started: Optional[float] = None
         self.aborted = False
 
     def _remote_layer(self, block: int, layer: int) -> int:
@@ -40,6 +43,8 @@ class KVStream:
 
     def _submit(self, src: list[int], dst: list[int], lengths: list[int]) -> None:
         self.bytes += sum(lengths)
+        if self._started is None:
+            self._started = time.perf_counter()
         self.futures.append(self.executor.submit(
             self.transfer.write, self.session, src, dst, lengths))
 
@@ -71,6 +76,8 @@ class KVStream:
             await asyncio.wait_for(asyncio.gather(*wrapped), timeout)
         except asyncio.TimeoutError as exc:
             raise TransferError(f"KV stream missed its {timeout:.1f}s deadline") from exc
+        if self._started is not None:
+            self.seconds = time.perf_counter() - self._started
         return self.bytes
 
     def cancel(self) -> Optional[int]:

@@ -13,8 +13,8 @@ from typing import Any, Callable, Optional, Union
 
 from common.config import ClusterConfig
 from common.mailbox import Mailbox
-from common.protocol import (AbortRequest, ClusterStatus, RequestAccepted, RequestFailed,
-                             SubmitRequest, TokenDelta)
+from common.protocol import (AbortRequest, ClusterStatus, KVTransferReport, RequestAccepted,
+                             RequestFailed, SubmitRequest, TokenDelta)
 from services.router.metrics import RouterMetrics
 from services.router.tokenizer import PromptTokenizer
 
@@ -77,9 +77,13 @@ class RouterState:
         self.status = msg
         self.status_time = time.monotonic()
 
+    def _on_kv_transfer(self, msg: KVTransferReport) -> None:
+        self.metrics.record_kv_transfer(msg.kind, msg.nbytes, msg.seconds)
+
     def handlers(self) -> dict[type, Callable[[Any], None]]:
         return {RequestAccepted: self._on_request_event, TokenDelta: self._on_request_event,
-                RequestFailed: self._on_request_event, ClusterStatus: self._on_status}
+                RequestFailed: self._on_request_event, ClusterStatus: self._on_status,
+                KVTransferReport: self._on_kv_transfer}
 
     async def inbox_loop(self) -> None:
         """Read the inbox forever; an unexpected message or handler error is logged."""

@@ -1,0 +1,148 @@
+"""The conductor's request state machine, driven in-process with a recording mailbox."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from common.config import ClusterConfig, SLOConfig
+from common.protocol import (
+    AbortRequest, BlocksReserved, ClusterStatus, PrefillDone, PrefillTask, RegisterWorker,
+    RequestAccepted, RequestFailed, RequestFinished, ReserveBlocks, ReserveFailed,
+    SubmitRequest, WorkerHeartbeat,
+)
+from services.conductor.service import Conductor
+
+
+class RecordingMail:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, Any]] = []
+
+    def send(self, address: str, msg: Any) -> bool:
+        self.sent.append((address, msg))
+        return True
+
+    def take(self) -> list[tuple[str, Any]]:
+        out, self.sent = self.sent, []
+        return [(a, m) for a, m in out if not isinstance(m, ClusterStatus)]
+
+
+def worker(role: str, i: int) -> RegisterWorker:
+    return RegisterWorker(f"{role}-{i}", role, f"tcp://w/{role}{i}", f"h:{i}", 4096, 1024,
+                          32, 32, 100, 16)
+
+
+def beat(role: str, i: int, free: int = 100, stored: list[str] | None = None) -> WorkerHeartbeat:
+    return WorkerHeartbeat(f"{role}-{i}", role, 0, 0, 0, 0, free, 100 - free, 100,
+                           stored or [], [], 1)
+
+
+def submit(rid: str, n: int = 40, keys: list[str] | None = None) -> SubmitRequest:
+    return SubmitRequest(rid, list(range(n)), keys or [], {"max_tokens": 8}, time.time())
+
+
+@pytest.fixture
+def conductor() -> tuple[Conductor, RecordingMail]:
+    cfg = ClusterConfig(scheduler="kvcache_centric", max_queue=2,
+                        slo=SLOConfig(ttft_s=1000, tbt_s=1000))
+    mail = RecordingMail()
+    c = Conductor(cfg, mail)  # type: ignore[arg-type]
+    for role, i in (("prefill", 0), ("prefill", 1), ("decode", 0)):
+        c.on_register(worker(role, i))
+        c.on_heartbeat(beat(role, i))
+    return c, mail
+
+
+def test_no_workers_is_503() -> None:
+    mail = RecordingMail()
+    c = Conductor(ClusterConfig(), mail)  # type: ignore[arg-type]
+    c.on_submit(submit("r"))
+    [(addr, msg)] = mail.take()
+    assert isinstance(msg, RequestFailed) and msg.status == 503
+
+
+def test_happy_path_reserve_prefill_finish(conductor) -> None:
+    c, mail = conductor
+    c.on_submit(submit("r1"))
+    sent = mail.take()
+    assert [type(m) for _, m in sent] == [ReserveBlocks, RequestAccepted]
+    assert sent[0][0] == "tcp://w/decode0"
+    c.on_reserved(BlocksReserved("r1", "decode-0", [5, 6, 7]))
+    [(addr, task)] = mail.take()
+    assert isinstance(task, PrefillTask) and task.decode_block_ids == [5, 6, 7]
+    assert task.decode_session == "h:0" and task.decode_kv_base == 4096
+    c.on_prefill_done(PrefillDone("r1", task.decode_id, 40, 0, 0, 0.1, 1000, 0.01))
+    c.on_finished(RequestFinished("r1", "decode-0", "stop"))
+    assert c.tracker.requests == {}
+    assert all(not w.assigned for w in c.registry.workers.values())
+
+
+def test_cache_aware_placement_prefers_holder_of_prefix(conductor) -> None:
+    c, mail = conductor
+    keys = [f"{i:032x}" for i in range(2)]
+    c.on_heartbeat(beat("prefill", 1, stored=keys))
+    c.on_submit(submit("r", n=40, keys=keys))
+    accepted = [m for _, m in mail.take() if isinstance(m, RequestAccepted)]
+    assert accepted[0].prefill_id == "prefill-1"
+
+
+def test_queue_full_is_429(conductor) -> None:
+    c, mail = conductor
+    for rid in ("a", "b", "c"):
+        c.on_submit(submit(rid))
+    failed = [m for _, m in mail.take() if isinstance(m, RequestFailed)]
+    assert [(m.request_id, m.status, m.retry_after_s) for m in failed] == [("c", 429, 1.0)]
+
+
+def test_reserve_failure_is_429_without_abort(conductor) -> None:
+    c, mail = conductor
+    c.on_submit(submit("r"))
+    mail.take()
+    c.on_reserve_failed(ReserveFailed("r", "decode-0", "full"))
+    [(addr, msg)] = mail.take()
+    assert isinstance(msg, RequestFailed) and msg.status == 429
+    assert c.tracker.requests == {}
+
+
+def test_abort_reaches_both_workers(conductor) -> None:
+    c, mail = conductor
+    c.on_submit(submit("r"))
+    c.on_reserved(BlocksReserved("r", "decode-0", [1]))
+    prefill = next(m.decode_id for _, m in mail.take() if isinstance(m, PrefillTask))
+    assert prefill == "decode-0"
+    c.on_abort(AbortRequest("r", "client disconnected"))
+    targets = sorted(a for a, m in mail.take() if isinstance(m, AbortRequest))
+    assert len(targets) == 2 and "tcp://w/decode0" in targets
+
+
+def test_late_reservation_after_abort_is_given_back(conductor) -> None:
+    c, mail = conductor
+    c.on_submit(submit("r"))
+    c.on_abort(AbortRequest("r"))
+    mail.take()
+    c.on_reserved(BlocksReserved("r", "decode-0", [1, 2]))
+    assert [(a, type(m)) for a, m in mail.take()] == [("tcp://w/decode0", AbortRequest)]
+
+
+def test_dead_worker_fails_its_requests(conductor) -> None:
+    c, mail = conductor
+    c.on_submit(submit("r"))
+    c.on_reserved(BlocksReserved("r", "decode-0", [1]))
+    mail.take()
+    now = time.monotonic()
+    for w in c.registry.workers.values():
+        w.last_seen = now if w.instance_id != "decode-0" else now - 60
+    c.sweep()
+    sent = mail.take()
+    failed = [m for a, m in sent if isinstance(m, RequestFailed)]
+    assert [(m.request_id, m.status, m.error_type) for m in failed] == [("r", 503, "worker_lost")]
+    assert "decode-0" not in c.registry.workers
+    assert c.tracker.requests == {}
+
+
+def test_reregistration_keeps_state(conductor) -> None:
+    c, _ = conductor
+    c.on_heartbeat(beat("prefill", 0, stored=["aa"]))
+    c.on_register(worker("prefill", 0))
+    assert c.registry.get("prefill-0").cached_keys == {"aa"}
