@@ -30,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-tokens", type=int, default=3_000_000, help="per prefill instance")
     p.add_argument("--pool-tokens", type=int, default=None, help="global pool (default: sum)")
     p.add_argument("--decode-capacity-tokens", type=int, default=None)
+    p.add_argument("--decode-max-batch", type=int, default=None,
+                   help="fixed max batch per decode instance (default: KV memory only)")
+    p.add_argument("--handoff", choices=("assigned", "any"), default="assigned",
+                   help="after prefill: the decode instance chosen at arrival, or any with room")
+    p.add_argument("--decode-time", choices=("mean", "fixed", "oracle"), default="mean",
+                   help="decode duration used by prediction-based admission")
     p.add_argument("--threshold", type=float, default=2.0, help="kvcache_balancing_threshold")
     p.add_argument("--ttft-slo", type=float, default=30.0)
     p.add_argument("--tbt-slo", type=float, default=0.1)
@@ -52,8 +58,8 @@ def run_from_args(args: argparse.Namespace) -> tuple[SimResult, dict[str, float]
     )
     if args.mode == "disagg":
         cluster = ClusterConfig(args.prefill, args.decode, args.cache_tokens, args.pool_tokens,
-                                args.decode_capacity_tokens)
-        res = simulate_disaggregated(trace, cost, args.scheduler, cfg, cluster)
+                                args.decode_capacity_tokens, args.decode_max_batch, args.handoff)
+        res = simulate_disaggregated(trace, cost, args.scheduler, cfg, cluster, args.decode_time)
     else:
         col = ColocatedConfig(args.instances, args.chunk, args.decode_capacity_tokens)
         res = simulate_colocated(trace, cost, args.scheduler, cfg, col)

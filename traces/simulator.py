@@ -2,13 +2,18 @@
 
 N prefill instances (FIFO queue each, an LRU cache of ``prefill_cache_tokens``), a global
 pool (the store: an LRU over ``global_pool_tokens``), M decode instances (continuous
-batching, KV memory of ``decode_capacity_tokens``). Each arrival is placed by a
+batching, KV memory of ``decode_capacity_tokens``, optionally a fixed ``decode_max_batch``).
+A decode instance takes a request handed over after prefill only if it holds it and, with
+a TBT SLO, its predicted TBT stays within the SLO; otherwise another one that can, else the
+request is rejected after its prefill (the prefill time is spent). Each arrival is placed by a
 ``common.scheduling`` Scheduler exactly as the conductor would; prefill time, transfers and
 decode steps come from the same CostModel. Blocks are the trace's 512-token blocks.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -36,6 +41,7 @@ from traces.metrics import (
 )
 
 _ARRIVAL, _PREFILL_DONE, _STEP_END = 0, 1, 2
+DECODE_TIME_MODES = ("mean", "fixed", "oracle")
 
 
 @dataclass
@@ -45,6 +51,10 @@ class ClusterConfig:
     prefill_cache_tokens: int = 3_000_000
     global_pool_tokens: Optional[int] = None      # None: num_prefill * prefill_cache_tokens
     decode_capacity_tokens: Optional[int] = None  # None: the cost model's kv_capacity_tokens
+    decode_max_batch: Optional[int] = None        # None: KV memory only bounds the batch
+    # After prefill the KV goes to the decode instance chosen at arrival ("assigned", the
+    # paper's Algorithm 1 picks both and streams KV to it), or to any that can take it ("any").
+    decode_handoff: str = "assigned"
 
 
 @dataclass
@@ -70,9 +80,10 @@ class _Prefill:
 
 
 class _Decode:
-    def __init__(self, iid: str, capacity: int) -> None:
+    def __init__(self, iid: str, capacity: int, max_batch: Optional[int]) -> None:
         self.iid = iid
         self.capacity = capacity
+        self.max_batch = max_batch
         self.reserved = 0
         self.batch = DecodeBatch()
         self.pending: list[tuple[TraceRequest, float]] = []
@@ -81,6 +92,8 @@ class _Decode:
         self.incoming: dict[int, DecodeSlot] = {}
 
     def fits(self, tokens: int) -> bool:
+        if self.max_batch is not None and len(self.running) >= self.max_batch:
+            return False
         return self.reserved + tokens <= self.capacity
 
     def state(self) -> DecodeInstanceState:
@@ -88,18 +101,24 @@ class _Decode:
             self.iid, self.batch.size + len(self.pending), self.reserved,
             (self.capacity - self.reserved) // TRACE_BLOCK_TOKENS, TRACE_BLOCK_TOKENS,
             running=list(self.running.values()), incoming=list(self.incoming.values()),
+            max_batch=self.max_batch,
         )
 
 
 class DisaggregatedSim:
     def __init__(self, trace: Sequence[TraceRequest], cost: CostModel, scheduler: str,
                  sched_cfg: SchedulerConfig, cluster: ClusterConfig,
-                 predict_decode_time: bool = True) -> None:
-        self.predict_decode_time = predict_decode_time
+                 decode_time: str = "mean") -> None:
+        if decode_time not in DECODE_TIME_MODES:
+            raise ValueError(f"decode_time must be one of {DECODE_TIME_MODES}")
+        self.decode_time = decode_time
         if sched_cfg.block_size != TRACE_BLOCK_TOKENS:
             raise ValueError("the simulator schedules 512-token trace blocks")
         self.trace, self.cost, self.cluster = trace, cost, cluster
-        self.scheduler = make_scheduler(scheduler, sched_cfg, cost)
+        # A private copy: "mean" mode updates expected_decode_s as decodes complete.
+        self.sched_cfg = dataclasses.replace(sched_cfg)
+        self.scheduler = make_scheduler(scheduler, self.sched_cfg, cost)
+        self._decode_sum, self._decode_n = 0.0, 0
         self.name = f"disagg/{scheduler}/{sched_cfg.admission}"
         cache_blocks = cluster.prefill_cache_tokens // TRACE_BLOCK_TOKENS
         pool_tokens = cluster.global_pool_tokens
@@ -108,7 +127,8 @@ class DisaggregatedSim:
         self.pool = LRUBlockCache(pool_tokens // TRACE_BLOCK_TOKENS)
         self.prefill = [_Prefill(f"P{i}", cache_blocks) for i in range(cluster.num_prefill)]
         capacity = cluster.decode_capacity_tokens or cost.kv_capacity_tokens
-        self.decode = [_Decode(f"D{i}", capacity) for i in range(cluster.num_decode)]
+        self.decode = [_Decode(f"D{i}", capacity, cluster.decode_max_batch)
+                       for i in range(cluster.num_decode)]
         self._by_id = {d.iid: d for d in self.decode}
         self._pidx = {p.iid: p for p in self.prefill}
         self.records = [RequestRecord(r.index, r.arrival_s) for r in trace]
@@ -190,23 +210,41 @@ class DisaggregatedSim:
         chosen = self._by_id[job.decision.decode_id]
         chosen.incoming.pop(req.index, None)
         need = _need(req)
-        if not chosen.fits(need):
+        if not self._takes(chosen, req, need):
+            if self.cluster.decode_handoff == "assigned":
+                rec.status = REJECTED_AFTER_PREFILL
+                rec.reason = "decode_full" if not chosen.fits(need) else "tbt_slo"
+                return
             fitting = [d for d in self.decode if d.fits(need)]
             if not fitting:
                 rec.status, rec.reason = REJECTED_AFTER_PREFILL, "decode_full"
                 return
-            chosen = min(fitting, key=lambda d: (d.reserved, d.iid))
+            chosen = min(fitting, key=lambda d: (self._tbt_with(d, req), d.iid))
+            if not self._takes(chosen, req, need):
+                rec.status, rec.reason = REJECTED_AFTER_PREFILL, "tbt_slo"
+                return
         chosen.reserved += need
         chosen.running[req.index] = DecodeSlot(now, need, self._decode_s(req, None))
         chosen.pending.append((req, now))
         if not chosen.stepping:
             self._start_step(chosen, now)
 
+    def _tbt_with(self, d: _Decode, req: TraceRequest) -> float:
+        return self.cost.decode_tbt_seconds(len(d.running) + 1, d.reserved + req.input_length)
+
+    def _takes(self, d: _Decode, req: TraceRequest, need: int) -> bool:
+        """The decode instance's own check at hand-over: room, and the TBT SLO kept."""
+        if not d.fits(need):
+            return False
+        slo = self.sched_cfg.tbt_slo_s
+        return slo is None or self._tbt_with(d, req) <= slo
+
     def _decode_s(self, req: TraceRequest, tbt_s: Optional[float]) -> Optional[float]:
-        """Predicted decode duration from max_tokens (the trace's output length)."""
-        if not self.predict_decode_time:
+        """Predicted decode duration: None (the learned typical one) or, with the "oracle"
+        mode, the trace's output length x TBT (output length is not known in practice)."""
+        if self.decode_time != "oracle":
             return None
-        if tbt_s is None or tbt_s == float("inf"):
+        if tbt_s is None or math.isinf(tbt_s):
             tbt_s = self.cost.decode_tbt_seconds(1, req.input_length)
         return (req.output_length - 1) * tbt_s
 
@@ -225,7 +263,13 @@ class DisaggregatedSim:
         for rid, tbt in d.batch.end_step(now):
             rec = self.records[rid]
             rec.status, rec.tbt_s, rec.finish_s = COMPLETED, tbt, now
-            d.reserved -= d.running.pop(rid).tokens
+            slot = d.running.pop(rid)
+            d.reserved -= slot.tokens
+            self._decode_sum += now - slot.start_s
+            self._decode_n += 1
+        if self.decode_time == "mean" and self._decode_n:
+            # The conductor's "typical decode time": mean of the decodes completed so far.
+            self.sched_cfg.expected_decode_s = self._decode_sum / self._decode_n
         self._start_step(d, now)
 
 
@@ -235,6 +279,13 @@ def _need(req: TraceRequest) -> int:
 
 def simulate_disaggregated(trace: Sequence[TraceRequest], cost: CostModel, scheduler: str,
                            sched_cfg: SchedulerConfig, cluster: ClusterConfig,
-                           predict_decode_time: bool = True) -> SimResult:
-    """Replay ``trace``; ``predict_decode_time`` gives each decode slot max_tokens x TBT."""
-    return DisaggregatedSim(trace, cost, scheduler, sched_cfg, cluster, predict_decode_time).run()
+                           decode_time: str = "mean") -> SimResult:
+    """Replay ``trace``.
+
+    ``decode_time`` is how prediction-based admission predicts when a request leaves
+    decode: "mean" (default) = the running mean of the decode durations completed so far
+    (starting from ``sched_cfg.expected_decode_s``), the paper's typical decode time;
+    "fixed" = ``sched_cfg.expected_decode_s`` throughout; "oracle" = the request's true
+    output length x predicted TBT (an oracle a real conductor does not have).
+    """
+    return DisaggregatedSim(trace, cost, scheduler, sched_cfg, cluster, decode_time).run()

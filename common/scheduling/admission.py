@@ -1,7 +1,7 @@
 """Decode-side choice and load prediction (plain and prediction-based early rejection).
 
-A decode instance *holds* a request when its KV (prompt + max_tokens) fits in free memory;
-its predicted TBT is the cost model's step time with the request added. Prediction-based
+A decode instance *holds* a request when its KV (prompt + max_tokens) fits in free memory
+and, if it has a fixed maximum batch, the batch has a free seat; its predicted TBT is the cost model's step time with the request added. Prediction-based
 early rejection looks at the decode load at the moment the request's prefill will end:
 requests predicted to finish prefill by then join (``incoming``), and every request leaves
 once it has decoded for the typical decode time ``expected_decode_s`` (``running`` ones
@@ -22,13 +22,17 @@ class DecodeLoad:
     batch_size: int
     context_tokens: int
     capacity_tokens: int
+    max_batch: Optional[int] = None   # None: only KV memory bounds the batch
 
     def fits(self, tokens: int) -> bool:
+        if self.max_batch is not None and self.batch_size + 1 > self.max_batch:
+            return False
         return self.context_tokens + tokens <= self.capacity_tokens
 
 
 def current_load(state: DecodeInstanceState) -> DecodeLoad:
-    return DecodeLoad(state.batch_size, state.total_context_tokens, state.capacity_tokens)
+    return DecodeLoad(state.batch_size, state.total_context_tokens, state.capacity_tokens,
+                      state.max_batch)
 
 
 def predicted_load(state: DecodeInstanceState, at_s: float, expected_decode_s: float) -> DecodeLoad:
@@ -44,7 +48,7 @@ def predicted_load(state: DecodeInstanceState, at_s: float, expected_decode_s: f
         if slot.start_s <= at_s < slot.start_s + _duration(slot, expected_decode_s):
             batch += 1
             tokens += slot.tokens
-    return DecodeLoad(batch, tokens, state.capacity_tokens)
+    return DecodeLoad(batch, tokens, state.capacity_tokens, state.max_batch)
 
 
 def _duration(slot: DecodeSlot, expected_decode_s: float) -> float:

@@ -113,7 +113,10 @@ class DecodeSlot:
 
 @dataclass
 class DecodeInstanceState:
-    """A decode instance: current batch, and the requests predicted to arrive."""
+    """A decode instance: current batch, and the requests predicted to arrive.
+
+    ``max_batch``: a fixed cap on concurrent sequences (``None``: KV memory only).
+    """
 
     instance_id: str
     batch_size: int
@@ -122,6 +125,7 @@ class DecodeInstanceState:
     block_size: int
     running: list[DecodeSlot] = field(default_factory=list)
     incoming: list[DecodeSlot] = field(default_factory=list)
+    max_batch: Optional[int] = None
 
     @property
     def capacity_tokens(self) -> int:

@@ -90,3 +90,14 @@ def test_predicted_load_counts_joins_and_leaves() -> None:
 def test_no_instances_rejected() -> None:
     d = sched("none").schedule(REQ, [], [decode("d0")], 0, 0.0)
     assert (d.accepted, d.reject_reason) == (False, "no_instances")
+
+
+def test_max_batch_bounds_the_decode_instance() -> None:
+    seats = DecodeInstanceState("d0", batch_size=2, total_context_tokens=10, free_blocks=1000,
+                                block_size=BLOCK, max_batch=2)
+    early = sched("early").schedule(REQ, [prefill("A", 0.0, 0)], [seats], 0, 0.0)
+    assert (early.accepted, early.reject_reason) == (False, "decode_full")
+    # Predicted: both seats are free again when this prefill ends (typical decode time 5 s).
+    seats.running = [DecodeSlot(0.0, 5), DecodeSlot(0.0, 5)]
+    pred = sched("predicted").schedule(REQ, [prefill("A", 8.0, 0)], [seats], 0, now=0.0)
+    assert pred.accepted

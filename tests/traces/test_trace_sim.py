@@ -122,3 +122,50 @@ def test_cli_main(tmp_path, capsys) -> None:
     assert rc == 0
     assert '"requests": 100.0' in capsys.readouterr().out
     assert len(list(tmp_path.glob("*.png"))) == 2
+
+
+def test_assigned_decode_rejects_after_prefill_when_its_seats_are_taken() -> None:
+    # One decode seat per instance. Request 0 takes D0's seat; request 1 was assigned to D0
+    # too (current load ignores requests still in prefill), so D0 rejects it after prefill
+    # ("assigned"), while "any" hands it to the free D1.
+    trace = [req(0, 0.0, (0,), out=200), req(1, 0.1, (1,), out=200)]
+    base = dict(num_prefill=2, num_decode=2, decode_max_batch=1)
+    assigned = simulate_disaggregated(trace, COST, "kvcache_centric", FREE, ClusterConfig(**base))
+    assert [r.status for r in assigned.records] == [COMPLETED, REJECTED_AFTER_PREFILL]
+    anyone = simulate_disaggregated(trace, COST, "kvcache_centric", FREE,
+                                    ClusterConfig(**base, decode_handoff="any"))
+    assert [r.status for r in anyone.records] == [COMPLETED, COMPLETED]
+
+
+def test_wasted_prefill_delays_the_next_request() -> None:
+    # One prefill instance and one decode seat: request 1 is prefilled, then rejected
+    # (seat taken), and request 2 waits behind its wasted prefill.
+    trace = [req(0, 0.0, (0,), out=500), req(1, 0.0, (1, 2)), req(2, 0.0, (3,))]
+    res = simulate_disaggregated(trace, COST, "kvcache_centric", FREE,
+                                 ClusterConfig(1, 1, decode_max_batch=1))
+    assert [r.status for r in res.records] == [COMPLETED, REJECTED_AFTER_PREFILL, REJECTED_AFTER_PREFILL]
+    assert res.records[2].ttft_s == pytest.approx(0.512 + 1.024 + 0.512)
+
+
+def test_typical_decode_time_is_learned_from_completed_decodes() -> None:
+    from traces.simulator import DisaggregatedSim
+    trace = [req(0, 0.0, (0,), out=11), req(1, 0.0, (1,), out=31)]
+    cfg = SchedulerConfig(ttft_slo_s=None, tbt_slo_s=None, admission="predicted", expected_decode_s=99.0)
+    sim = DisaggregatedSim(trace, COST, "kvcache_centric", cfg, ClusterConfig(2, 1))
+    sim.run()
+    # Both reach decode at 0.512 s; request 0 steps at once (10 x 10 ms = 0.1 s), request 1
+    # joins the next step (0.01 + 30 x 10 ms = 0.31 s): mean 0.205 s. Caller's config untouched.
+    assert sim.sched_cfg.expected_decode_s == pytest.approx(0.205)
+    assert cfg.expected_decode_s == 99.0
+
+
+def test_find_capacity_bisects_to_the_threshold_edge() -> None:
+    from traces.capacity import find_capacity
+    # Attainment falls linearly: 1.0 at speed 0 to 0.0 at speed 10 (0.9 at 1) for SLO a;
+    # SLO b twice as tolerant.
+    res = find_capacity(lambda s: {"a": 1 - s / 10, "b": 1 - s / 20}, ["a", "b"],
+                        threshold=0.9, start=1.0, rel_tol=0.01)
+    assert res.capacity["a"] == pytest.approx(1.0, rel=0.02)
+    assert res.capacity["b"] == pytest.approx(2.0, rel=0.02)
+    lo, hi = res.bracket["b"]
+    assert lo <= 2.0 <= hi
