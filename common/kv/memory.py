@@ -79,13 +79,15 @@ class PagedKVMemory:
         self.data[block_table, layer, 1, offsets] = v.to(self.dtype)
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the blocks in `block_table` ([..., nb]) -> [..., nb*block_size, kvh, hd]."""
-        kv = self.data[:, layer].index_select(0, block_table.reshape(-1))
-        lead = block_table.shape[:-1]
-        nb = block_table.shape[-1]
-        kv = kv.view(*lead, nb, 2, self.block_size, self.num_kv_heads, self.head_dim)
-        k = kv.select(-4, 0).reshape(*lead, nb * self.block_size, self.num_kv_heads, self.head_dim)
-        v = kv.select(-4, 1).reshape(*lead, nb * self.block_size, self.num_kv_heads, self.head_dim)
+        """K and V of the blocks in `block_table` ([..., nb]) -> [..., nb*block_size, kvh, hd].
+
+        One index_select per K and V; the results are contiguous, so the reshape is free.
+        """
+        flat = block_table.reshape(-1)
+        lead, nb = block_table.shape[:-1], block_table.shape[-1]
+        shape = (*lead, nb * self.block_size, self.num_kv_heads, self.head_dim)
+        k = self.data[:, layer, 0].index_select(0, flat).view(shape)
+        v = self.data[:, layer, 1].index_select(0, flat).view(shape)
         return k, v
 
     def zero_blocks(self, blocks: Sequence[int]) -> None:
