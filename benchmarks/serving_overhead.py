@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.config import ClusterConfig  # noqa: E402
 from common.mailbox import Mailbox  # noqa: E402
 from common.protocol import (  # noqa: E402
-    ClusterStatus, RegisterWorker, RequestAccepted, SubmitRequest, TokenDelta, WorkerHeartbeat,
+    ClusterStatus, RegisterWorker, RequestAccepted, RequestFailed, SubmitRequest, TokenDelta,
+    WorkerHeartbeat,
 )
 from launch.cluster import LocalCluster  # noqa: E402
 
@@ -44,6 +45,10 @@ scheduler = "{scheduler}"
 admission = "none"
 heartbeat_interval_s = 0.2
 heartbeat_timeout_s = 600
+
+[slo]
+ttft_s = 100000.0
+tbt_s = 100000.0
 """
 
 
@@ -79,9 +84,12 @@ async def token_overhead(cfg: ClusterConfig, tokens: int, step_s: float) -> list
     tasks = [asyncio.create_task(play_cluster()), asyncio.create_task(health())]
     url = f"http://{cfg.host}:{cfg.http_port}"
     async with httpx.AsyncClient(timeout=60) as client:
-        for _ in range(100):
-            if (await client.get(url + "/health")).status_code == 200:
-                break
+        for _ in range(600):  # the router loads its tokenizer first
+            try:
+                if (await client.get(url + "/health")).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
             await asyncio.sleep(0.1)
         body = {"model": cfg.model_name, "stream": True, "max_tokens": tokens,
                 "messages": [{"role": "user", "content": "hi"}]}
@@ -119,7 +127,7 @@ async def conductor_rate(cfg: ClusterConfig, n: int) -> float:
     got = 0
     while got < n:
         msg = await asyncio.wait_for(mail.recv(), 30)
-        if isinstance(msg, RequestAccepted):
+        if isinstance(msg, (RequestAccepted, RequestFailed)):  # a rejection is a decision too
             got += 1
     elapsed = time.perf_counter() - start
     mail.close()

@@ -43,6 +43,12 @@ def encode(msg: Any) -> bytes:
     return orjson.dumps(body)
 
 
+# JSON scalar types each hint accepts; a bool is never an int or a float here.
+_SCALAR_TYPES: dict[Any, set[type]] = {
+    int: {int}, float: {int, float}, str: {str}, bool: {bool},
+}
+
+
 def _check(value: Any, hint: Any) -> bool:
     if hint is Any:
         return True
@@ -56,8 +62,9 @@ def _check(value: Any, hint: Any) -> bool:
         if not isinstance(value, list):
             return False
         inner = args[0] if args else Any
-        if inner is str or inner is bool:  # fast path: long key lists (store batches)
-            return all(type(v) is inner for v in value)
+        allowed = _SCALAR_TYPES.get(inner)
+        if allowed is not None:  # fast path, at C speed: token ids, key lists
+            return set(map(type, value)) <= allowed
         return all(_check(v, inner) for v in value)
     if origin is dict:
         return isinstance(value, dict)

@@ -124,8 +124,8 @@ class Conductor:
         prefill = self.registry.get(t.prefill_id)
         if decode is None or prefill is None:
             return self.fail(t, 503, "worker_lost", "a worker left before prefill started")
-        t.phase = Phase.PREFILLING
-        t.phase_deadline = time.monotonic() + self.config.kv_wait_timeout_s
+        self.tracker.set_phase(t, Phase.PREFILLING,
+                               time.monotonic() + self.config.kv_wait_timeout_s)
         t.decode_blocks = msg.block_ids
         self.mail.send(prefill.info.inbox, PrefillTask(
             request_id=t.req.request_id, token_ids=t.req.token_ids, sampling=t.req.sampling,
@@ -145,7 +145,7 @@ class Conductor:
         t = self.tracker.get(msg.request_id)
         if t is None:
             return
-        t.phase = Phase.DECODING
+        self.tracker.set_phase(t, Phase.DECODING, t.phase_deadline)
         self._release_prefill(t)
         actual = time.time() - t.accepted_at
         self.metrics.actual_ttft.observe(actual)

@@ -30,23 +30,32 @@ class Tracked:
 class Tracker:
     def __init__(self) -> None:
         self.requests: dict[str, Tracked] = {}
+        self._before_decode: set[str] = set()  # admitted, KV not yet on a decode worker
 
     def add(self, t: Tracked) -> None:
         self.requests[t.req.request_id] = t
+        if t.phase is not Phase.DECODING:
+            self._before_decode.add(t.req.request_id)
 
     def get(self, request_id: str) -> Optional[Tracked]:
         return self.requests.get(request_id)
 
     def pop(self, request_id: str) -> Optional[Tracked]:
+        self._before_decode.discard(request_id)
         return self.requests.pop(request_id, None)
 
+    def set_phase(self, t: Tracked, phase: Phase, deadline: float) -> None:
+        t.phase, t.phase_deadline = phase, deadline
+        if phase is Phase.DECODING:
+            self._before_decode.discard(t.req.request_id)
+
     def waiting_for_prefill(self) -> int:
-        return sum(1 for t in self.requests.values() if t.phase is not Phase.DECODING)
+        return len(self._before_decode)
 
     def on_worker(self, instance_id: str) -> list[Tracked]:
         return [t for t in self.requests.values()
                 if instance_id in (t.prefill_id, t.decode_id)]
 
     def overdue(self, now: float) -> list[Tracked]:
-        return [t for t in self.requests.values()
-                if t.phase is not Phase.DECODING and now > t.phase_deadline]
+        return [t for rid in self._before_decode
+                if now > (t := self.requests[rid]).phase_deadline]
