@@ -47,9 +47,13 @@ class RequestRun:
             raise ApiError(503, str(exc), code="conductor_unavailable") from exc
 
     async def _next(self) -> RequestEvent:
+        queue = self.queue
+        if not queue.empty():  # the common case while streaming: no timer needed
+            return queue.get_nowait()
         try:
-            return await asyncio.wait_for(self.queue.get(), self.timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.timeout):
+                return await queue.get()
+        except TimeoutError:
             self.state.abort(self.request_id, "router timeout")
             self.done = True
             raise ApiError(504, f"no response from the cluster within {self.timeout:g} s",
