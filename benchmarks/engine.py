@@ -3,7 +3,8 @@
 Prefill: tokens/s of one prompt of 512 / 2048 tokens (engine: paged, prefill_chunk 512).
 Decode: tokens/s of B sequences (128-token prompts) advancing together for N steps
 (engine: decode_step continuous batching; transformers: generate() with a KV cache,
-decode time = time(N+1 new tokens) - time(1 new token)). Median of a few repeats.
+decode time = time(N+1 new tokens) - time(1 new token)). Median of a few repeats,
+engine and transformers runs interleaved so that background load hits both alike.
 Prints a table, then one line of JSON.
 """
 from __future__ import annotations
@@ -26,29 +27,25 @@ from common.model.loader import default_gguf_path  # noqa: E402
 PROMPT_LEN = 128
 
 
-def _median_time(fn: Callable[[], None], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def engine_prefill_tps(engine: Engine, n: int, repeats: int) -> float:
+def _timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def engine_prefill(engine: Engine, n: int) -> Callable[[], float]:
+    """A closure that prefills one n-token prompt and returns tokens/s."""
     ids = _tokens(n, n)
     blocks = engine.pool.allocate(engine.blocks_needed(n))
     engine.prefill(ids[:64], blocks)  # warm-up
-    t = _median_time(lambda: engine.prefill(ids, blocks), repeats)
-    engine.pool.free(blocks)
-    return n / t
+    return lambda: n / _timed(lambda: engine.prefill(ids, blocks))
 
 
-def engine_decode_tps(engine: Engine, batch: int, steps: int, repeats: int) -> float:
+def engine_decode(engine: Engine, batch: int, steps: int, repeats: int) -> Callable[[], float]:
     seqs = []
     for i in range(batch):
         ids = _tokens(PROMPT_LEN, 1000 + i)
@@ -63,32 +60,47 @@ def engine_decode_tps(engine: Engine, batch: int, steps: int, repeats: int) -> f
                 s[0], s[1] = tok, s[1] + 1
 
     run()  # warm-up
-    t = _median_time(run, repeats)
-    for _, _, blocks in seqs:
-        engine.pool.free(blocks)
-    return batch * steps / t
+    return lambda: batch * steps / _timed(run)
 
 
-@torch.inference_mode()
-def hf_prefill_tps(model: torch.nn.Module, n: int, repeats: int) -> float:
+def hf_prefill(model: torch.nn.Module, n: int) -> Callable[[], float]:
     ids = torch.tensor([_tokens(n, n)])
-    model(ids[:, :64])
-    return n / _median_time(lambda: model(ids, use_cache=True), repeats)
+    with torch.inference_mode():
+        model(ids[:, :64])
+
+    def run() -> float:
+        with torch.inference_mode():
+            return n / _timed(lambda: model(ids, use_cache=True))
+    return run
 
 
-@torch.inference_mode()
-def hf_decode_tps(model: torch.nn.Module, batch: int, steps: int, repeats: int) -> float:
+def hf_decode(model: torch.nn.Module, batch: int, steps: int) -> Callable[[], float]:
+    """generate() time of steps+1 new tokens minus that of 1 new token (the prefill)."""
     ids = torch.tensor([_tokens(PROMPT_LEN, 1000 + i) for i in range(batch)])
     mask = torch.ones_like(ids)
 
-    def gen(new: int) -> Callable[[], None]:
-        return lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new,
-                                      min_new_tokens=new, do_sample=False, pad_token_id=2)
+    def gen(new: int) -> float:
+        with torch.inference_mode():
+            return _timed(lambda: model.generate(
+                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                do_sample=False, pad_token_id=2))
 
-    gen(2)()
-    t_full = _median_time(gen(steps + 1), repeats)
-    t_first = _median_time(gen(1), repeats)
-    return batch * steps / max(t_full - t_first, 1e-9)
+    gen(2)
+    return lambda: batch * steps / max(gen(steps + 1) - gen(1), 1e-9)
+
+
+def measure(pairs: dict[str, list[Callable[[], float]]], repeats: int) -> dict[str, float]:
+    """Median of `repeats` runs; engine and transformers runs alternate (fair under load)."""
+    res: dict[str, float] = {}
+    for key, fns in pairs.items():
+        samples: list[list[float]] = [[] for _ in fns]
+        for _ in range(repeats):
+            for i, fn in enumerate(fns):
+                samples[i].append(fn())
+        res[key] = statistics.median(samples[0])
+        if len(fns) > 1:
+            res["hf_" + key] = statistics.median(samples[1])
+    return res
 
 
 def main() -> None:
@@ -100,19 +112,18 @@ def main() -> None:
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(num_blocks=1024))
     load_s = time.perf_counter() - t0
-    res: dict[str, float] = {}
-    res["prefill_tps_512"] = engine_prefill_tps(engine, 512, args.repeats)
-    res["prefill_tps_2048"] = engine_prefill_tps(engine, 2048, args.repeats)
-    for b in (1, 8, 32):
-        res[f"decode_tps_b{b}"] = engine_decode_tps(engine, b, args.steps, args.repeats)
+    hf = None
     if not args.no_hf:
         from tests.engine.hf_reference import load_hf_reference
 
         hf = load_hf_reference(default_gguf_path())
-        res["hf_prefill_tps_512"] = hf_prefill_tps(hf, 512, args.repeats)
-        res["hf_prefill_tps_2048"] = hf_prefill_tps(hf, 2048, args.repeats)
-        for b in (1, 8, 32):
-            res[f"hf_decode_tps_b{b}"] = hf_decode_tps(hf, b, args.steps, args.repeats)
+    pairs: dict[str, list[Callable[[], float]]] = {}
+    for n in (512, 2048):
+        pairs[f"prefill_tps_{n}"] = [engine_prefill(engine, n)] + ([hf_prefill(hf, n)] if hf else [])
+    for b in (1, 8, 32):
+        pairs[f"decode_tps_b{b}"] = [engine_decode(engine, b, args.steps, args.repeats)] + (
+            [hf_decode(hf, b, args.steps)] if hf else [])
+    res = measure(pairs, args.repeats)
     print(f"model smollm2-135m float32 | threads {torch.get_num_threads()} | load {load_s:.2f} s")
     print(f"{'metric':<18}{'engine':>10}{'transformers':>14}{'ratio':>8}")
     for key in [k for k in res if not k.startswith("hf_")]:
