@@ -50,12 +50,20 @@ def generate_batch(engine: Engine, prompts: Sequence[list[int]], params: Sequenc
         p.validate()
     for prompt in prompts:
         engine.validate_prompt(prompt)
-    seqs = [_start(engine, list(pr), sp, sampler) for pr, sp in zip(prompts, params)]
-    running = [s for s in seqs if s.finish is None]
-    while running:
-        for i in range(0, len(running), engine.config.max_batch_size):
-            _decode(engine, running[i:i + engine.config.max_batch_size])
-        running = [s for s in running if s.finish is None]
+    seqs: list[_Seq] = []
+    try:
+        for pr, sp in zip(prompts, params):
+            seqs.append(_start(engine, list(pr), sp, sampler))
+        running = [s for s in seqs if s.finish is None]
+        while running:
+            for i in range(0, len(running), engine.config.max_batch_size):
+                _decode(engine, running[i:i + engine.config.max_batch_size])
+            running = [s for s in running if s.finish is None]
+    finally:  # on any error, give every block back
+        for s in seqs:
+            if s.blocks:
+                engine.pool.free(s.blocks)
+                s.blocks = []
     return [_result(engine, s) for s in seqs]
 
 
@@ -63,10 +71,18 @@ def _start(engine: Engine, prompt: list[int], params: SamplingParams, sampler: S
     bs, pool = engine.config.block_size, engine.pool
     keys = engine.block_keys(prompt)
     cached = pool.match_prefix(keys[:(len(prompt) - 1) // bs])  # last token's block stays private
-    fresh = pool.allocate(engine.blocks_needed(len(prompt)) - len(cached))
+    try:
+        fresh = pool.allocate(engine.blocks_needed(len(prompt)) - len(cached))
+    except Exception:
+        pool.free(cached)
+        raise
     seq = _Seq(prompt, params, sampler.generator(params, engine.config.device),
                cached + fresh, len(cached) * bs)
-    logits = engine.prefill(prompt, seq.blocks, seq.num_cached)
+    try:
+        logits = engine.prefill(prompt, seq.blocks, seq.num_cached)
+    except Exception:
+        pool.free(seq.blocks)
+        raise
     pool.cache_full_blocks(seq.blocks[:len(keys)], keys)
     _accept(engine, seq, logits[None])
     return seq

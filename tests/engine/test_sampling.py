@@ -69,3 +69,17 @@ def test_generate_batch_equals_one_by_one_and_reuses_prefix(tiny: Engine) -> Non
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
     assert [r.num_cached_tokens for r in batch] == [0, 4, 12, 16]  # block_size 4, prompt blocks cached
     tiny.pool.check_integrity()
+
+
+def test_out_of_blocks_frees_everything(tiny: Engine) -> None:
+    from common.engine import OutOfBlocksError
+
+    prompts = [[5 + i] * 100 for i in range(4)]  # 25 blocks each, 64 in the pool
+    try:
+        generate_batch(tiny, prompts, [SamplingParams(max_tokens=2, temperature=0)] * 4)
+    except OutOfBlocksError as e:
+        assert "cannot allocate 25 KV blocks: only 14 of 64 free" in str(e)
+    else:
+        raise AssertionError("expected OutOfBlocksError")
+    tiny.pool.check_integrity()
+    assert tiny.pool.num_used == 0
