@@ -1,8 +1,9 @@
 """Inbox/outbox over ZeroMQ: each process binds one PULL and PUSHes to other inboxes."""
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import zmq
 import zmq.asyncio
@@ -50,3 +51,48 @@ class Mailbox:
             sock.close(0)
         if self.inbox is not None:
             self.inbox.close(0)
+
+
+class ServiceTaskDied(RuntimeError):
+    """A background task of a service (step loop, heartbeats) ended with an error."""
+
+
+async def serve_inbox(mail: Mailbox, handlers: dict[type, Callable[[Any], None]],
+                      tasks: Sequence[asyncio.Task] = ()) -> None:
+    """Dispatch inbox messages through ``handlers`` until cancelled.
+
+    A handler error is logged and the loop goes on (one bad message must not stop a
+    service). A background task that dies ends the service with ``ServiceTaskDied``, so
+    the process exits non-zero and its supervisor sees it.
+    """
+    main = asyncio.current_task()
+    died: list[BaseException] = []
+
+    def watch(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            died.append(task.exception())
+            log.error("%s: background task %s died: %r", mail.name, task.get_name(),
+                      task.exception())
+            if main is not None:
+                main.cancel()
+
+    for task in tasks:
+        task.add_done_callback(watch)
+    try:
+        while True:
+            msg = await mail.recv()
+            handler = handlers.get(type(msg))
+            if handler is None:
+                log.warning("%s: no handler for %s; dropped", mail.name, type(msg).__name__)
+                continue
+            try:
+                handler(msg)
+            except Exception:
+                log.exception("%s: handling %s failed", mail.name, type(msg).__name__)
+    except asyncio.CancelledError:
+        if died:
+            raise ServiceTaskDied(repr(died[0])) from died[0]
+        raise
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -13,11 +13,11 @@ import time
 from typing import Any, Callable
 
 from common.config import ClusterConfig
-from common.mailbox import Mailbox
+from common.mailbox import Mailbox, serve_inbox
 from common.protocol import (
-    AbortRequest, BlocksReserved, ClusterStatus, KVTransferReport, PrefillDone, PrefillTask, RegisterWorker,
-    RequestAccepted, RequestFailed, RequestFinished, ReserveBlocks, ReserveFailed,
-    SubmitRequest, WorkerHeartbeat,
+    AbortRequest, BlocksReserved, ClusterStatus, KVTransferReport, PrefillDone, PrefillTask,
+    RegisterWorker, RequestAccepted, RequestFailed, RequestFinished, ReserveBlocks,
+    ReserveFailed, SubmitRequest, WorkerHeartbeat,
 )
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.placement import Placement, Placer
@@ -242,17 +242,6 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
     log.info("conductor ready at %s (scheduler=%s)", config.inbox("conductor"),
              config.scheduler)
     try:
-        while True:
-            msg = await mail.recv()
-            handler = conductor.handlers.get(type(msg))
-            if handler is None:
-                log.warning("conductor: no handler for %s", type(msg).__name__)
-                continue
-            try:
-                handler(msg)
-            except Exception:  # one bad message must not stop the scheduler
-                log.exception("conductor: handling %s failed", type(msg).__name__)
+        await serve_inbox(mail, conductor.handlers, tasks)
     finally:
-        for t in tasks:
-            t.cancel()
         mail.close()

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from common.config import ClusterConfig
+from common.mailbox import serve_inbox
 from common.engine import DecodeInput
 from common.engine.sampling import sample
 from common.protocol import (
@@ -183,20 +184,6 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
     log.info("%s ready (inbox %s, %d KV blocks)", rt.instance_id, rt.inbox_address,
              rt.engine.kv.num_blocks)
     try:
-        while True:
-            msg = await rt.mail.recv()
-            handler = worker.handlers.get(type(msg))
-            if handler is None:
-                log.warning("no handler for %s", type(msg).__name__)
-                continue
-            try:
-                handler(msg)
-            except Exception:
-                log.exception("handling %s failed", type(msg).__name__)
-            for t in tasks:
-                if t.done() and t.exception() is not None:
-                    raise t.exception()
+        await serve_inbox(rt.mail, worker.handlers, tasks)
     finally:
-        for t in tasks:
-            t.cancel()
         rt.close()

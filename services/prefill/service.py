@@ -12,7 +12,10 @@ from typing import Any, Callable, Optional
 from common.config import ClusterConfig
 from common.engine.errors import EngineInputError
 from common.engine.sampling import sample
-from common.protocol import AbortRequest, KVFailed, KVReady, PrefillDone, PrefillTask, RequestFailed
+from common.mailbox import serve_inbox
+from common.protocol import (
+    AbortRequest, KVFailed, KVReady, PrefillDone, PrefillTask, RequestFailed,
+)
 from common.transfer import TransferError
 from common.worker import WorkerRuntime, make_generator, sampling_params_from_dict
 from services.prefill.prefix import PrefixLoader
@@ -144,18 +147,7 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
     log.info("%s ready (inbox %s, %d KV blocks, store %s)", rt.instance_id, rt.inbox_address,
              rt.engine.kv.num_blocks, "on" if prefix.store else "off")
     try:
-        while True:
-            msg = await rt.mail.recv()
-            handler = worker.handlers.get(type(msg))
-            if handler is None:
-                log.warning("no handler for %s", type(msg).__name__)
-                continue
-            try:
-                handler(msg)
-            except Exception:
-                log.exception("handling %s failed", type(msg).__name__)
+        await serve_inbox(rt.mail, worker.handlers, tasks)
     finally:
-        for t in tasks:
-            t.cancel()
         await prefix.close()
         rt.close()
