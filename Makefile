@@ -1,6 +1,6 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
-CONFIG ?=
+CONFIG ?= launch/configs/default.toml
 
 .PHONY: setup up test test-fast bench clean
 

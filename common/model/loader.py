@@ -78,13 +78,16 @@ def _load_gguf_cached(path: str) -> ModelSource:
     from common.model.gguf_loader import load_gguf
 
     config, weights, tok = load_gguf(path)
+    # Workers often start together: each writes its own temporary file, and the renames
+    # are atomic, so a reader never sees a half-written cache.
+    tmp = f".tmp{os.getpid()}"
     try:
         os.makedirs(cache_dir(), exist_ok=True)
-        save_file(weights, base + ".safetensors.tmp")
-        os.replace(base + ".safetensors.tmp", base + ".safetensors")
-        with open(base + ".json.tmp", "w") as f:
+        save_file(weights, base + ".safetensors" + tmp)
+        os.replace(base + ".safetensors" + tmp, base + ".safetensors")
+        with open(base + ".json" + tmp, "w") as f:
             json.dump({"config": config.to_dict(), "tokenizer": tok, "source": path}, f)
-        os.replace(base + ".json.tmp", base + ".json")
+        os.replace(base + ".json" + tmp, base + ".json")
     except OSError:
         pass  # a read-only cache only costs load time
     return config, weights, tok
