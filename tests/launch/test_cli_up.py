@@ -1,0 +1,66 @@
+"""`crescent up` starts every role, says where the API is, and Ctrl-C stops them all."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+
+CONFIG = """
+http_port = 19440
+base_port = 19900
+use_store = false
+decode_blocks = 256
+prefill_blocks = 256
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def test_up_serves_then_ctrl_c_stops_every_child(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.cli", "up", "--config", str(cfg),
+         "--log-dir", str(tmp_path / "logs")],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "ready" in line or not line:
+                break
+        assert "OpenAI API at http://127.0.0.1:19440/v1" in "".join(lines), lines
+        r = httpx.get("http://127.0.0.1:19440/v1/models", timeout=10)
+        assert r.json()["data"][0]["id"] == "smollm2-135m"
+        logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+        assert logs == ["conductor-0.log", "decode-0.log", "prefill-0.log", "router-0.log"]
+        pids = subprocess.run(["pgrep", "-f", f"services.* --config {cfg}"],
+                              capture_output=True, text=True).stdout.split()
+        kids = [int(p) for p in pids]
+        assert len(kids) == 4
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        time.sleep(0.5)
+        assert [k for k in kids if alive(k)] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
