@@ -63,8 +63,8 @@ class PrefixLoader:
         if rest is None:
             self.pool.free(cached)
             return None
-        return PrefixPlan(cached + rest, len(cached), len(loaded),
-                          max(in_store, len(cached)))
+        from_store = max(0, len(cached) - len(local))
+        return PrefixPlan(cached + rest, len(cached), from_store, max(in_store, len(cached)))
 
     async def _load(self, keys: list[bytes], have: int) -> tuple[list[int], int]:
         """Fetch blocks [have, n) from the store; returns (blocks loaded, n in store)."""
