@@ -18,14 +18,51 @@ from common.model.rope import apply_rope, cos_sin, inv_frequencies
 LayerHook = Callable[[int], None]
 
 
+class Linear:
+    """y = x @ weight.T. On CPU float32 the weight is pre-packed once into oneDNN's blocked
+    layout (the op inductor uses for frozen linears): for the small-M GEMMs of decode this
+    is 1.4-3x faster than F.linear (MKL), which repacks the weight on every call; results
+    differ only by float32 summation order. Elsewhere, or if packing fails its self-check,
+    plain F.linear on the original tensor.
+    """
+
+    BATCH_HINT = 32  # oneDNN picks its blocking for this M; any M works
+
+    def __init__(self, weight: torch.Tensor, pack: bool = True):
+        self.out_features, self.in_features = weight.shape
+        self.weight: Optional[torch.Tensor] = weight
+        self.packed: Optional[torch.Tensor] = None
+        if pack and _can_pack(weight):
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)
+                probe = torch.randn(3, self.in_features, generator=torch.Generator().manual_seed(0))
+                got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+                if torch.allclose(got, F.linear(probe, weight), rtol=1e-4, atol=1e-4):
+                    self.packed, self.weight = packed, None
+            except (RuntimeError, AttributeError):  # op missing in this torch build
+                pass
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None,
+                                                      "none", [], "")
+        return F.linear(x, self.weight)
+
+
+def _can_pack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    wqkv: torch.Tensor
-    wo: torch.Tensor
+    wqkv: Linear
+    wo: Linear
     post_norm: torch.Tensor
-    w_gate_up: torch.Tensor
-    w_down: torch.Tensor
+    w_gate_up: Linear
+    w_down: Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,7 +98,8 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 pack_weights: bool = True):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -73,22 +111,23 @@ class LlamaModel:
 
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings else get("lm_head.weight")
-        self.layers = [self._layer(get, l) for l in range(config.num_layers)]
+        self.lm_head = Linear(self.embed if config.tie_word_embeddings else get("lm_head.weight"),
+                              pack_weights)
+        self.layers = [self._layer(get, l, pack_weights) for l in range(config.num_layers)]
         factors = weights.get("model.rope_freqs")
         self.inv_freq = inv_frequencies(config, factors).to(self.device)
 
     @staticmethod
-    def _layer(get: Callable[[str], torch.Tensor], layer: int) -> LayerWeights:
+    def _layer(get: Callable[[str], torch.Tensor], layer: int, pack: bool) -> LayerWeights:
         p = f"model.layers.{layer}."
         return LayerWeights(
             input_norm=get(p + "input_layernorm.weight"),
-            wqkv=torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous(),
-            wo=get(p + "self_attn.o_proj.weight"),
+            wqkv=Linear(torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), pack),
+            wo=Linear(get(p + "self_attn.o_proj.weight"), pack),
             post_norm=get(p + "post_attention_layernorm.weight"),
-            w_gate_up=torch.cat([get(p + "mlp.gate_proj.weight"),
-                                 get(p + "mlp.up_proj.weight")]).contiguous(),
-            w_down=get(p + "mlp.down_proj.weight"))
+            w_gate_up=Linear(torch.cat([get(p + "mlp.gate_proj.weight"),
+                                        get(p + "mlp.up_proj.weight")]), pack),
+            w_down=Linear(get(p + "mlp.down_proj.weight"), pack))
 
     def forward(self, token_ids: torch.Tensor, meta: AttnMetadata, attention: AttentionBackend,
                 layer_hook: Optional[LayerHook] = None) -> torch.Tensor:
@@ -100,18 +139,18 @@ class LlamaModel:
         t = h.shape[0]
         for index, lw in enumerate(self.layers):
             x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
-            q, k, v = F.linear(x, lw.wqkv).split([nq, nkv, nkv], dim=-1)
+            q, k, v = lw.wqkv(x).split([nq, nkv, nkv], dim=-1)
             q = apply_rope(q.view(t, cfg.num_heads, hd), cos, sin)
             k = apply_rope(k.view(t, cfg.num_kv_heads, hd), cos, sin)
             o = attention(index, q, k, v.reshape(t, cfg.num_kv_heads, hd), meta)
-            h = h + F.linear(o, lw.wo)
+            h = h + lw.wo(o)
             x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, lw.w_gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, lw.w_down)
+            gate, up = lw.w_gate_up(x).chunk(2, dim=-1)
+            h = h + lw.w_down(F.silu(gate) * up)
             if layer_hook is not None:
                 layer_hook(index)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] of hidden states [N, hidden]."""
-        return F.linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        return self.lm_head(rms_norm(hidden, self.norm, self.config.rms_norm_eps)).float()
