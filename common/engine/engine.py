@@ -130,12 +130,19 @@ class Engine:
         mask = None
         if start > 0:
             keys = torch.arange(nb * bs, device=self.device)
-            mask = (keys[None, :] <= positions[:, None])[None, None]
+            mask = self._additive_mask(keys[None, :] <= positions[:, None])[None, None]
         return AttnMetadata(
             batch=1, q_len=end - start, positions=positions, slot_blocks=table[positions // bs],
             block_tables=table[:nb][None], kv_lens=torch.tensor([end], dtype=torch.int32,
                                                                 device=self.device),
-            kv_lens_list=[end], mask=mask, fresh=start == 0)
+            kv_lens_list=[end], mask=mask, fresh=start == 0,
+            slot_rows=self.kv.token_rows(table[positions // bs], positions))
+
+    def _additive_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """0 where attended, -inf elsewhere, built once per step: SDPA adds a float mask
+        directly, while a bool mask is converted to this again in every layer's call."""
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, float("-inf"))
 
     @torch.inference_mode()
     def decode_step(self, batch: list[DecodeInput]) -> torch.Tensor:
@@ -167,9 +174,9 @@ class Engine:
         slots = torch.tensor([b.block_table[b.position // bs] for b in batch],
                              dtype=torch.long, device=self.device)
         keys = torch.arange(width * bs, device=self.device)
-        mask = (keys[None, :] <= positions[:, None])[:, None, None, :]
+        mask = self._additive_mask(keys[None, :] <= positions[:, None])[:, None, None, :]
         kv_lens = [p + 1 for p in pos_list]
         return AttnMetadata(
             batch=len(batch), q_len=1, positions=positions, slot_blocks=slots,
             block_tables=tables, kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=self.device),
-            kv_lens_list=kv_lens, mask=mask)
+            kv_lens_list=kv_lens, mask=mask, slot_rows=self.kv.token_rows(slots, positions))

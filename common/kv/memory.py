@@ -7,7 +7,7 @@ store read and write raw bytes at block_address / layer_address.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -78,17 +78,45 @@ class PagedKVMemory:
         self.data[block_table, layer, 0, offsets] = k.to(self.dtype)
         self.data[block_table, layer, 1, offsets] = v.to(self.dtype)
 
-    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_rows(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Layer-0 K rows of tokens for write_rows: computed once per step, reused by layers.
+
+        A row is one token's [kv_heads, head_dim] in `data.view(-1, kv_heads, head_dim)`;
+        layer l's K row is `rows + 2*l*block_size`, its V row that plus block_size.
+        """
+        return (block_table * (self.num_layers * 2 * self.block_size)
+                + positions % self.block_size)
+
+    def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+        """write_tokens with the rows precomputed by token_rows (two index_copy_ calls)."""
+        flat = self.data.view(-1, self.num_kv_heads, self.head_dim)
+        r = rows + 2 * layer * self.block_size
+        flat.index_copy_(0, r, k.to(self.dtype))
+        flat.index_copy_(0, r + self.block_size, v.to(self.dtype))
+
+    def gather(self, layer: int, block_table: torch.Tensor,
+               out: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the blocks in `block_table` ([..., nb]) -> [..., nb*block_size, kvh, hd].
 
         One index_select per K and V; the results are contiguous, so the reshape is free.
+        `out`: two flat buffers of at least that many elements to gather into (reused
+        across layers and steps instead of allocating ~MBs per call).
         """
         flat = block_table.reshape(-1)
         lead, nb = block_table.shape[:-1], block_table.shape[-1]
         shape = (*lead, nb * self.block_size, self.num_kv_heads, self.head_dim)
-        k = self.data[:, layer, 0].index_select(0, flat).view(shape)
-        v = self.data[:, layer, 1].index_select(0, flat).view(shape)
-        return k, v
+        if out is None:
+            k = self.data[:, layer, 0].index_select(0, flat).view(shape)
+            v = self.data[:, layer, 1].index_select(0, flat).view(shape)
+            return k, v
+        n = flat.numel() * self.block_size * self.num_kv_heads * self.head_dim
+        rows = (flat.numel(), self.block_size, self.num_kv_heads, self.head_dim)
+        kb, vb = out[0][:n].view(rows), out[1][:n].view(rows)
+        torch.index_select(self.data[:, layer, 0], 0, flat, out=kb)
+        torch.index_select(self.data[:, layer, 1], 0, flat, out=vb)
+        return kb.view(shape), vb.view(shape)
 
     def zero_blocks(self, blocks: Sequence[int]) -> None:
         if blocks:

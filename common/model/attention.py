@@ -24,8 +24,10 @@ class AttnMetadata:
     block_tables: torch.Tensor    # [B, max_blocks] (padded with any valid block id)
     kv_lens: torch.Tensor         # [B] context length after this step (int32)
     kv_lens_list: list[int]
-    mask: Optional[torch.Tensor]  # [B, 1, q_len, S] True = attend; None = fresh causal
+    mask: Optional[torch.Tensor]  # [B, 1, q_len, S] additive (0 / -inf) or bool (True =
+    #                               attend); None = fresh causal
     fresh: bool = False           # single sequence starting at 0: attend the new K/V directly
+    slot_rows: Optional[torch.Tensor] = None  # [T] PagedKVMemory.token_rows (fast writes)
 
 
 class AttentionBackend(Protocol):
@@ -38,18 +40,30 @@ class SdpaAttention:
 
     def __init__(self, kv: PagedKVMemory):
         self.kv = kv
+        self._bufs: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def _gather_buffers(self, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._bufs is None or self._bufs[0].numel() < numel:
+            mk = lambda: torch.empty(numel, dtype=self.kv.dtype, device=self.kv.data.device)
+            self._bufs = (mk(), mk())
+        return self._bufs
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttnMetadata) -> torch.Tensor:
         t, heads, hd = q.shape
-        self.kv.write_tokens(layer, meta.slot_blocks, meta.positions, k, v)
+        if meta.slot_rows is not None:
+            self.kv.write_rows(layer, meta.slot_rows, k, v)
+        else:
+            self.kv.write_tokens(layer, meta.slot_blocks, meta.positions, k, v)
         b, ql = meta.batch, meta.q_len
         qb = q.view(b, ql, heads, hd).transpose(1, 2)
         if meta.fresh:
             kk, vv = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)
             out = F.scaled_dot_product_attention(qb, kk, vv, is_causal=True, enable_gqa=True)
         else:
-            kk, vv = self.kv.gather(layer, meta.block_tables)
+            kv = self.kv
+            numel = meta.block_tables.numel() * kv.block_size * kv.num_kv_heads * kv.head_dim
+            kk, vv = kv.gather(layer, meta.block_tables, self._gather_buffers(numel))
             kk, vv = kk.to(q.dtype).transpose(1, 2), vv.to(q.dtype).transpose(1, 2)
             out = F.scaled_dot_product_attention(qb, kk, vv, attn_mask=meta.mask, enable_gqa=True)
         return out.transpose(1, 2).reshape(t, heads * hd)

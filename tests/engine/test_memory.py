@@ -33,3 +33,24 @@ def test_write_and_gather_through_block_table() -> None:
     assert m.data[:, 0].abs().sum() == 0  # layer 0 untouched
     raw = m.layer_bytes(5, 1).view(torch.float32).view(2, 4, 2, 3)
     assert torch.equal(raw[0], k[:4])
+
+
+def test_write_rows_and_gather_into_buffers_match_reference() -> None:
+    m = PagedKVMemory(num_blocks=7, num_layers=3, block_size=4, num_kv_heads=2, head_dim=3)
+    ref = PagedKVMemory(num_blocks=7, num_layers=3, block_size=4, num_kv_heads=2, head_dim=3)
+    tables = torch.tensor([[6, 2, 0], [1, 4, 3]])
+    pos = torch.tensor([9, 5])
+    slots = tables[torch.arange(2), pos // 4]
+    rows = m.token_rows(slots, pos)
+    for layer in range(3):
+        k = torch.randn(2, 2, 3)
+        v = torch.randn(2, 2, 3)
+        m.write_rows(layer, rows, k, v)
+        ref.write_tokens(layer, slots, pos, k, v)
+    assert torch.equal(m.data, ref.data)
+    bufs = (torch.full((200,), float("nan")), torch.full((200,), float("nan")))
+    for layer in range(3):
+        kk, vv = m.gather(layer, tables, out=bufs)
+        rk, rv = ref.gather(layer, tables)
+        assert kk.shape == rk.shape == (2, 12, 2, 3)
+        assert torch.equal(kk, rk) and torch.equal(vv, rv)
