@@ -20,11 +20,15 @@ import json
 import os
 import statistics
 import sys
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
+import zmq
+import zmq.asyncio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -83,24 +87,69 @@ async def token_overhead(cfg: ClusterConfig, tokens: int, step_s: float) -> list
 
     tasks = [asyncio.create_task(play_cluster()), asyncio.create_task(health())]
     url = f"http://{cfg.host}:{cfg.http_port}"
-    async with httpx.AsyncClient(timeout=60) as client:
-        for _ in range(600):  # the router loads its tokenizer first
-            try:
-                if (await client.get(url + "/health")).status_code == 200:
+    await wait_healthy(url)
+    body = {"model": cfg.model_name, "stream": True, "max_tokens": tokens,
+            "messages": [{"role": "user", "content": "hi"}]}
+    # aiohttp's stream reader: a light client, so the client's own parsing adds little.
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/v1/chat/completions", json=body) as resp:
+            while True:
+                line = await resp.content.readline()
+                if not line:
                     break
-            except httpx.TransportError:
-                pass
-            await asyncio.sleep(0.1)
-        body = {"model": cfg.model_name, "stream": True, "max_tokens": tokens,
-                "messages": [{"role": "user", "content": "hi"}]}
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: {") and '"content":"x"' in line:
+                if line.startswith(b"data: {") and b'"content":"x"' in line:
                     arrived.append(time.perf_counter())
     for t in tasks:
         t.cancel()
     conductor.close()
     return [(a - s) * 1000 for s, a in zip(sent, arrived)]
+
+
+async def wait_healthy(url: str) -> None:
+    async with httpx.AsyncClient(timeout=5) as client:
+        for _ in range(600):  # the router loads its tokenizer first
+            try:
+                if (await client.get(url + "/health")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError("router never became healthy")
+
+
+async def _echo(inbox: str, reply: str) -> None:
+    """The far end of the floor measurement: PULL → PUSH back, nothing else."""
+    ctx = zmq.asyncio.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind(inbox)
+    push.connect(reply)
+    while True:
+        await push.send(await pull.recv())
+
+
+async def zmq_floor(samples: int = 300) -> list[float]:
+    """One-way latency of a bare ZeroMQ hop between two processes, right now (half the
+    round trip): what this machine's scheduling costs any hop, our code aside."""
+    inbox, reply = "tcp://127.0.0.1:18777", "tcp://127.0.0.1:18778"
+    echo = subprocess.Popen([sys.executable, __file__, "--echo", inbox, reply])
+    ctx = zmq.asyncio.Context()
+    out, back = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    back.bind(reply)
+    out.connect(inbox)
+    try:
+        await asyncio.sleep(1.0)
+        one_way = []
+        for _ in range(samples):
+            t = time.perf_counter()
+            await out.send(b"x" * 200)
+            await back.recv()
+            one_way.append((time.perf_counter() - t) * 500)
+            await asyncio.sleep(0.02)
+        return one_way
+    finally:
+        echo.kill()
+        out.close(0)
+        back.close(0)
 
 
 def register(mail: Mailbox, cfg: ClusterConfig, role: str, i: int) -> None:
@@ -150,6 +199,9 @@ def run_with(scheduler: str, only: list[str], fn) -> object:  # noqa: ANN001
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--echo"]:
+        asyncio.run(_echo(sys.argv[2], sys.argv[3]))
+        return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=400)
     ap.add_argument("--step-ms", type=float, default=20.0)
@@ -157,6 +209,7 @@ def main() -> int:
     args = ap.parse_args()
     over = run_with("load_balance", ["router"],
                     lambda cfg: token_overhead(cfg, args.tokens, args.step_ms / 1000))
+    floor = asyncio.run(zmq_floor())
     rates = {s: run_with(s, ["conductor"], lambda cfg: conductor_rate(cfg, args.decisions))
              for s in ("load_balance", "kvcache_centric")}
     p50, p99 = statistics.median(over), pct(over, 0.99)
@@ -164,10 +217,13 @@ def main() -> int:
     print(f"{'router path added latency per token, p50':<44} {p50:>8.3f} ms")
     print(f"{'router path added latency per token, p99':<44} {p99:>8.3f} ms")
     print(f"{'tokens measured':<44} {len(over):>10}")
+    print(f"{'floor: bare ZeroMQ hop between 2 processes, p50':<44} "
+          f"{statistics.median(floor):>8.3f} ms")
     for name, rate in rates.items():
         print(f"{'conductor decisions/s (' + name + ', 8P+8D)':<44} {rate:>10.0f}")
     print(json.dumps({"token_overhead_p50_ms": round(p50, 4),
                       "token_overhead_p99_ms": round(p99, 4),
+                      "zmq_hop_floor_p50_ms": round(statistics.median(floor), 4),
                       "conductor_decisions_per_s": round(rates["kvcache_centric"], 1),
                       "conductor_decisions_per_s_load_balance": round(rates["load_balance"], 1),
                       "cpu_count": os.cpu_count()}))
