@@ -37,6 +37,8 @@ class ConductorMetrics:
                                          "prompt tokens loaded from the KV pool", registry=r)
         self.transfer_bytes = Counter("crescent_kv_transfer_bytes",
                                       "KV bytes moved prefill → decode", registry=r)
+        self.cost_refits = Counter("crescent_conductor_cost_refits",
+                                   "prefill cost model replaced by an online refit", registry=r)
         self.workers = Gauge("crescent_workers", "live workers", ["role"], registry=r)
         self.in_flight = Gauge("crescent_conductor_in_flight", "admitted, unfinished",
                                registry=r)

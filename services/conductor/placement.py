@@ -16,6 +16,7 @@ from common.scheduling import (
     CostModel, DecodeInstanceState, PrefillInstanceState, PrefixIndex, RequestInfo,
     SchedulerConfig, make_scheduler,
 )
+from services.conductor.calibration import PrefillCalibrator
 from services.conductor.registry import Registry, WorkerState
 
 
@@ -55,6 +56,7 @@ class Placer:
             admission=config.admission, block_size=config.block_size,
         ), self.cost)
         self.global_index = global_index or PrefixIndex()
+        self.calibrator = PrefillCalibrator(self.cost)
 
     def _prefill_state(self, w: WorkerState) -> PrefillInstanceState:
         # Queue = what the worker reported plus what we assigned since its last beat.
@@ -88,5 +90,7 @@ class Placer:
         return Placement(d.prefill_id, d.decode_id, d.predicted_ttft_s,
                          max(len(req.token_ids) - cached, 1))
 
-    def observe_prefill(self, msg: PrefillDone) -> None:
-        """Actual prefill times (kept for metrics; online refit is future work)."""
+    def observe_prefill(self, msg: PrefillDone) -> bool:
+        """Feed a real prefill time to the online calibration; True if it refitted."""
+        return self.calibrator.observe(msg.prompt_tokens - msg.cached_tokens,
+                                       msg.cached_tokens, msg.prefill_seconds)

@@ -156,7 +156,8 @@ class Conductor:
         self.metrics.transfer_bytes.inc(msg.transfer_bytes)
         self.mail.send(self.router_inbox, KVTransferReport(
             "prefill_to_decode", msg.transfer_bytes, msg.transfer_seconds))
-        self.placer.observe_prefill(msg)
+        if self.placer.observe_prefill(msg):
+            self.metrics.cost_refits.inc()
 
     def on_finished(self, msg: RequestFinished) -> None:
         t = self.tracker.pop(msg.request_id)
