@@ -148,3 +148,19 @@ def test_client_disconnect_aborts_and_frees_blocks(cluster) -> None:
     assert all(p["used_blocks"] == 0 for p in pools)
     metrics = httpx.get(cluster.url + "/metrics", timeout=5).text
     assert "crescent_" in metrics
+
+
+def test_seeded_sampling_repeats_and_logprobs_come_back(cluster, no_leaks) -> None:
+    def ask(seed: int) -> dict:
+        r = httpx.post(cluster.url + "/v1/chat/completions", timeout=60, json={
+            "model": "smollm2-135m", "messages": PARIS, "max_tokens": 12, "temperature": 1.0,
+            "top_p": 0.9, "seed": seed, "logprobs": True})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    a, b = ask(7), ask(7)
+    assert a["message"]["content"] == b["message"]["content"]
+    lps = a["logprobs"]["content"]
+    assert lps and all(x["logprob"] <= 0.0 for x in lps)
+    outs = {ask(s)["message"]["content"] for s in (1, 2, 3, 4)}
+    assert len(outs) > 1, "different seeds should not all give the same sample"
