@@ -14,10 +14,18 @@ exact outcomes. Semantics (after Mooncake Store):
   starts a promotion back into DRAM.
 - Replicas of one object are on distinct nodes. A node silent for ``heartbeat_timeout_s``
   is dropped with all its replicas.
+- Hot objects get more replicas: when an object has been read at least
+  ``hot_read_threshold`` × (its DRAM replicas) times within the last ``hot_window_s`` and has
+  fewer than ``max_replicas`` DRAM replicas, the master allocates space on the least used
+  live node not holding it (without evicting: only a node below ``high_watermark``) and
+  sends that node a ``replicate`` command (copy from a ready replica's node). The new
+  replica is invisible and never evicted until ``replicate_done`` commits it; the object is
+  pinned (as if leased) meanwhile; a failure or ``put_timeout_s`` frees the space. Readers
+  get the ready replicas rotated round-robin per read, so load spreads over the copies.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -36,6 +44,9 @@ class MetadataConfig:
     evict_fraction: float = 0.1
     heartbeat_timeout_s: float = 5.0
     alignment: int = 64
+    hot_read_threshold: int = 4  # reads per DRAM replica within hot_window_s; 0: off
+    hot_window_s: float = 10.0
+    max_replicas: int = 2  # hot replication stops here (puts may ask for more)
 
 
 @dataclass(frozen=True)
@@ -52,7 +63,8 @@ class StoreMetadata:
         self.events = EventLog()
         self.commands: list[NodeCommand] = []  # drained by the service
         self.counters = {"evicted": 0, "offloaded": 0, "promoted": 0, "zombies": 0,
-                         "dead_nodes": 0, "hits": 0, "misses": 0}
+                         "dead_nodes": 0, "hits": 0, "misses": 0, "replications": 0,
+                         "replications_failed": 0}
 
     # ------------------------------------------------------------------ nodes
     def add_node(self, node_id: str, capacity: int, ssd_capacity: int,
@@ -101,7 +113,9 @@ class StoreMetadata:
                     continue
                 if rep.ready:  # an offload that never finished: keep the DRAM copy
                     self.offload_done(rep.node_id, obj.key, False, now)
-                elif rep in obj.replicas:  # a promotion that never finished
+                elif rep in obj.replicas:  # a promotion or replication that never finished
+                    if rep.source is not None:
+                        self.counters["replications_failed"] += 1
                     self._drop_replica(obj, rep)
         return dead, len(zombies)
 
@@ -132,6 +146,11 @@ class StoreMetadata:
             if dram or started:
                 obj.lease_until = max(obj.lease_until, now + self.config.lease_s)
                 self.objects.move_to_end(key)
+            if dram:
+                turn = obj.gets % len(dram)
+                obj.gets += 1
+                dram = dram[turn:] + dram[:turn]  # round-robin: spread readers over copies
+                self._count_read(obj, now)
             out.append([(r.node_id, r.offset or 0) for r in dram] or None)
         hits = sum(1 for x in out if x)
         self.counters["hits"] += hits
@@ -213,7 +232,7 @@ class StoreMetadata:
         obj = self.objects.get(key)
         rep = obj.replica(node_id, DRAM) if obj is not None else None
         ssd = obj.replica(node_id, SSD) if obj is not None else None
-        if obj is None or rep is None or rep.ready:
+        if obj is None or rep is None or rep.ready or rep.source is not None:
             return
         if ssd is not None:
             ssd.busy = False
@@ -222,6 +241,22 @@ class StoreMetadata:
             self.counters["promoted"] += 1
         else:
             self._drop_replica(obj, rep)
+
+    def replicate_done(self, node_id: str, key: str, offset: int, ok: bool) -> bool:
+        """The target node finished copying (ok) or gave up. Returns whether a replica was
+        committed; an answer for a replica already reclaimed (or another one) changes
+        nothing."""
+        obj = self.objects.get(key)
+        rep = obj.replica(node_id, DRAM) if obj is not None else None
+        if obj is None or rep is None or rep.source is None or rep.offset != offset:
+            return False
+        if not ok:
+            self.counters["replications_failed"] += 1
+            self._drop_replica(obj, rep)
+            return False
+        rep.ready, rep.busy, rep.source = True, False, None
+        self.counters["replications"] += 1
+        return True
 
     def drain_commands(self) -> list[NodeCommand]:
         commands, self.commands = self.commands, []
@@ -245,6 +280,49 @@ class StoreMetadata:
         if node.pressure_bytes() + need > self.config.high_watermark * node.capacity:
             self._evict(node, now)
         return node.allocator.allocate(size)
+
+    def _count_read(self, obj: StoreObject, now: float) -> None:
+        """Record a read; start a replication when the object is hot enough."""
+        cfg = self.config
+        if cfg.hot_read_threshold <= 0:
+            return
+        dram = [r for r in obj.replicas if r.tier == DRAM]
+        if len(dram) >= cfg.max_replicas:
+            obj.reads = None
+            return
+        if obj.reads is None:
+            obj.reads = deque(maxlen=cfg.hot_read_threshold * cfg.max_replicas)
+        reads = obj.reads
+        reads.append(now)
+        while reads and now - reads[0] > cfg.hot_window_s:
+            reads.popleft()
+        if len(reads) < cfg.hot_read_threshold * len(dram) or obj.replicating() is not None:
+            return
+        if self._start_replication(obj, now):
+            reads.clear()  # the next copy needs fresh evidence
+
+    def _start_replication(self, obj: StoreObject, now: float) -> bool:
+        sources = [r for r in obj.ready_dram() if r.node_id in self.nodes]
+        if not sources:
+            return False
+        holding = {r.node_id for r in obj.replicas}
+        limit = self.config.high_watermark
+        for node in sorted(self.nodes.values(), key=lambda n: n.pressure_bytes()):
+            if node.node_id in holding:
+                continue
+            if node.pressure_bytes() + node.allocator.round(obj.size) > limit * node.capacity:
+                continue  # a replica never evicts anything
+            offset = node.allocator.allocate(obj.size)
+            if offset is None:
+                continue
+            source = sources[0]
+            obj.replicas.append(Replica(node.node_id, DRAM, offset, busy=True,
+                                        deadline=now + self.config.put_timeout_s,
+                                        source=source.node_id))
+            self.commands.append(NodeCommand(node.node_id, "replicate", obj.key, offset,
+                                             obj.size, source.node_id, source.offset or 0))
+            return True
+        return False
 
     def _evict(self, node: NodeState, now: float) -> None:
         target = self.config.evict_fraction * node.capacity
@@ -314,7 +392,8 @@ class StoreMetadata:
 
     def _release(self, obj: StoreObject, rep: Replica) -> None:
         """Give back what a replica holds on its node (if the node is still known)."""
-        if rep.tier == DRAM and rep.busy and not rep.ready:  # a promotion target
+        if rep.tier == DRAM and rep.busy and not rep.ready and rep.source is None:
+            # a promotion target
             ssd = obj.replica(rep.node_id, SSD)
             if ssd is not None:
                 ssd.busy = False
@@ -368,4 +447,7 @@ class StoreMetadata:
         for obj in self.objects.values():
             nodes = [(r.node_id, r.tier) for r in obj.replicas]
             assert len(nodes) == len(set(nodes)), f"{obj.key}: duplicate replicas"
+            copies = [r for r in obj.replicas if r.source is not None]
+            assert len(copies) <= 1, f"{obj.key}: two replications in flight"
+            assert all(r.tier == DRAM and r.busy and not r.ready for r in copies)
             assert obj.replicas, f"{obj.key}: object without replicas"

@@ -20,7 +20,9 @@ class Replica:
 
     ``ready``: the bytes are there (a put committed, an offload or promotion finished).
     ``busy``: an operation moves this replica (offload source, promotion target, SSD file
-    being read); a busy replica is never evicted or freed by anyone but that operation.
+    being read, replication target); a busy replica is never evicted or freed by anyone but
+    that operation.
+    ``source``: for a replication target (busy, not ready), the node its bytes come from.
     """
 
     node_id: str
@@ -28,7 +30,8 @@ class Replica:
     offset: Optional[int] = None
     ready: bool = False
     busy: bool = False
-    deadline: float = 0.0  # for a busy promotion target: reclaimed after this
+    deadline: float = 0.0  # for a busy promotion/replication target: reclaimed after this
+    source: Optional[str] = None  # a replication target: copied from this node
 
 
 @dataclass
@@ -39,9 +42,18 @@ class StoreObject:
     complete: bool = False  # put_end committed it; readers see only complete objects
     put_deadline: float = 0.0  # an incomplete object past this is a zombie put
     lease_until: float = 0.0
+    reads: Optional[deque[float]] = None  # recent read times (hot-block detection)
+    gets: int = 0  # reads served: rotates the replica order handed to readers
 
     def leased(self, now: float) -> bool:
-        return self.lease_until > now
+        """Leased by a reader, or pinned as the source of a replication in flight."""
+        return self.lease_until > now or self.replicating() is not None
+
+    def replicating(self) -> Optional[Replica]:
+        for rep in self.replicas:
+            if rep.source is not None:
+                return rep
+        return None
 
     def replica(self, node_id: str, tier: str) -> Optional[Replica]:
         for rep in self.replicas:
@@ -80,10 +92,13 @@ class NodeCommand:
     """Work the master asks a node to do; the service turns these into wire messages."""
 
     node_id: str
-    kind: str  # "offload" (segment → SSD), "promote" (SSD → segment), "drop_ssd"
+    kind: str  # "offload" (segment → SSD), "promote" (SSD → segment), "drop_ssd",
+    #            "replicate" (another node's segment → this node's segment)
     key: str
     offset: int  # DRAM offset (unused for drop_ssd)
     size: int
+    source_node: str = ""  # replicate: copy from this node's segment ...
+    source_offset: int = 0  # ... at this offset
 
 
 @dataclass(frozen=True)

@@ -86,9 +86,10 @@ class NodeHeartbeat:
 @message
 class NodeCommandDone:
     node_id: str
-    op: str  # "offload" | "promote" | "drop_ssd"
+    op: str  # "offload" | "promote" | "drop_ssd" | "replicate"
     key: str
     ok: bool
+    offset: int = 0  # the command's offset (a replicate answer must match its replica)
 
 
 # ------------------------------------------------------------ to clients
@@ -159,7 +160,13 @@ class NodeAck:
 
 @message
 class NodeCommandMsg:
-    op: str  # "offload" (segment → SSD) | "promote" (SSD → segment) | "drop_ssd"
+    """``replicate``: copy ``size`` bytes from the ``source`` node's segment (its client info
+    as in replies, plus ``node_id``) at ``source_offset`` into this segment at ``offset``,
+    starting within ``start_within_s`` of receipt or not at all."""
+    op: str  # "offload" (segment → SSD) | "promote" (SSD → segment) | "drop_ssd" | "replicate"
     key: str
     offset: int
     size: int
+    source: Optional[dict[str, Any]] = None
+    source_offset: int = 0
+    start_within_s: float = 0.0

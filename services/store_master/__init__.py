@@ -24,6 +24,9 @@ class MasterConfig:
     evict_fraction: float = 0.1
     promote_wait_s: float = 2.0  # a get waits this long for SSD → DRAM promotions
     tick_s: float = 0.1
+    hot_read_threshold: int = 4  # reads per DRAM replica within hot_window_s → one more; 0: off
+    hot_window_s: float = 10.0
+    max_replicas: int = 2  # hot replication adds copies up to this many
 
 
 async def run(config: MasterConfig) -> None:
@@ -51,6 +54,10 @@ def parse_args(argv: Optional[list[str]] = None) -> MasterConfig:
     p.add_argument("--lease-s", type=float, default=d.lease_s)
     p.add_argument("--high-watermark", type=float, default=d.high_watermark)
     p.add_argument("--evict-fraction", type=float, default=d.evict_fraction)
+    p.add_argument("--hot-read-threshold", type=int, default=d.hot_read_threshold,
+                   help="reads per replica within --hot-window-s that add a replica (0: off)")
+    p.add_argument("--hot-window-s", type=float, default=d.hot_window_s)
+    p.add_argument("--max-replicas", type=int, default=d.max_replicas)
     a = p.parse_args(argv)
     address = f"tcp://127.0.0.1:{a.port}" if a.port else a.address
     return MasterConfig(address=address, events_address=a.events_address,
@@ -58,7 +65,9 @@ def parse_args(argv: Optional[list[str]] = None) -> MasterConfig:
                         heartbeat_interval_s=a.heartbeat_interval_s,
                         heartbeat_timeout_s=a.heartbeat_timeout_s,
                         put_timeout_s=a.put_timeout_s, lease_s=a.lease_s,
-                        high_watermark=a.high_watermark, evict_fraction=a.evict_fraction)
+                        high_watermark=a.high_watermark, evict_fraction=a.evict_fraction,
+                        hot_read_threshold=a.hot_read_threshold, hot_window_s=a.hot_window_s,
+                        max_replicas=a.max_replicas)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

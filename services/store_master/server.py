@@ -31,7 +31,9 @@ class MasterServer:
         self.md = StoreMetadata(MetadataConfig(
             put_timeout_s=config.put_timeout_s, lease_s=config.lease_s,
             high_watermark=config.high_watermark, evict_fraction=config.evict_fraction,
-            heartbeat_timeout_s=config.heartbeat_timeout_s))
+            heartbeat_timeout_s=config.heartbeat_timeout_s,
+            hot_read_threshold=config.hot_read_threshold, hot_window_s=config.hot_window_s,
+            max_replicas=config.max_replicas))
         self.metrics = MasterMetrics()
         self.ctx = zmq.asyncio.Context()
         self.sock = make_socket(self.ctx, zmq.ROUTER, config.address, bind=True)
@@ -102,8 +104,14 @@ class MasterServer:
     def _flush(self) -> None:
         """Send node commands the policy queued and publish fresh KV events."""
         for cmd in self.md.drain_commands():
-            self._send(cmd.node_id.encode(), p.NodeCommandMsg(cmd.kind, cmd.key, cmd.offset,
-                                                              cmd.size))
+            if cmd.kind == "replicate":
+                source = self.md.nodes.get(cmd.source_node)
+                info = dict(source.info, node_id=cmd.source_node) if source else None
+                msg = p.NodeCommandMsg(cmd.kind, cmd.key, cmd.offset, cmd.size, info,
+                                       cmd.source_offset, self.config.put_timeout_s / 2)
+            else:
+                msg = p.NodeCommandMsg(cmd.kind, cmd.key, cmd.offset, cmd.size)
+            self._send(cmd.node_id.encode(), msg)
         events = self.md.events.drain()
         if events and self.pub is not None:
             self.pub.send(encode(p.StoreEvents([[e.seq, e.kind, e.key] for e in events])))
@@ -207,6 +215,9 @@ class MasterServer:
             fut = self.promotions.pop((msg.node_id, msg.key), None)
             if fut is not None and not fut.done():
                 fut.set_result(msg.ok)
+        elif msg.op == "replicate":
+            if self.md.replicate_done(msg.node_id, msg.key, msg.offset, msg.ok):
+                log.info("hot object %s: new replica on %s", msg.key, msg.node_id)
         return None
 
     def close(self) -> None:

@@ -1,11 +1,14 @@
 """The node's loop: register, heartbeat, and run the master's tier commands.
 
 The segment is passive memory: clients read and write it through the transfer engine or a
-mapping of its file; this loop never touches KV bytes except to move them between tiers.
+mapping of its file; this loop never touches KV bytes except to move them between tiers
+and, for a hot object, to copy another node's replica into its own segment (``replicate``:
+one memmove when the source's segment file is mappable here, else a transfer-engine read).
 """
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import signal
@@ -41,6 +44,8 @@ class NodeServer:
                                                      protocol=config.protocol))
         self.transfer.register(self.segment.base, self.segment.nbytes)
         self.io = ThreadPoolExecutor(1, thread_name_prefix="ssd")  # keeps command order
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix="replicate")  # one: no map races
+        self.peers: dict[str, tuple[int, Optional[Segment]]] = {}  # shm path → (epoch, map)
         self.ctx = zmq.asyncio.Context()
         self.sock = make_socket(self.ctx, zmq.DEALER, config.master_address, bind=False,
                                 identity=self.node_id.encode())
@@ -106,8 +111,53 @@ class NodeServer:
 
     async def on_command(self, msg: p.NodeCommandMsg) -> None:
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self.io, self._run_command, msg)
+        if msg.op == "replicate":
+            start_by = time.monotonic() + msg.start_within_s
+            fut = loop.run_in_executor(self.copier, self._replicate, msg, start_by)
+        else:
+            fut = loop.run_in_executor(self.io, self._run_command, msg)
         fut.add_done_callback(lambda f: self._done(msg, f))
+
+    def _replicate(self, msg: p.NodeCommandMsg, start_by: float) -> bool:
+        """Copy a replica from the source node into this segment (blocking; copier thread).
+
+        Never starts after ``start_by``: the master reclaims the space after put_timeout_s
+        and a late copy could overwrite whatever was placed there since."""
+        src = msg.source
+        if (src is None or msg.offset + msg.size > self.segment.nbytes
+                or msg.source_offset + msg.size > int(src.get("segment_bytes", 0))):
+            return False
+        if time.monotonic() > start_by:
+            return False
+        try:
+            peer = self._peer(src)
+            dst = self.segment.base + msg.offset
+            if peer is not None:
+                ctypes.memmove(dst, peer.base + msg.source_offset, msg.size)
+                return True
+            self.transfer.read(src["session_id"], [dst], [src["base"] + msg.source_offset],
+                               [msg.size])
+            return True
+        except Exception as exc:  # TransferError, OSError, a malformed source
+            log.warning("replicate %s from %s failed: %s", msg.key, src.get("node_id"), exc)
+            return False
+
+    def _peer(self, info: dict[str, Any]) -> Optional[Segment]:
+        """Another node's segment file mapped here, if this host can open it."""
+        path = info.get("shm_path")
+        if not path or path == self.segment.path:
+            return None
+        cached = self.peers.get(path)
+        if cached is not None and cached[0] == info.get("epoch"):
+            return cached[1]
+        seg: Optional[Segment] = None
+        if os.path.exists(path):
+            try:
+                seg = Segment(int(info["segment_bytes"]), path)
+            except (OSError, ValueError) as exc:
+                log.info("cannot map %s (%s): using the transfer engine", path, exc)
+        self.peers[path] = (info.get("epoch", 0), seg)
+        return seg
 
     def _run_command(self, msg: p.NodeCommandMsg) -> bool:
         try:
@@ -126,13 +176,18 @@ class NodeServer:
         if msg.op == "drop_ssd":
             return
         try:
-            self.sock.send(encode(p.NodeCommandDone(self.node_id, msg.op, msg.key, ok)),
-                           flags=zmq.NOBLOCK)
+            self.sock.send(encode(p.NodeCommandDone(self.node_id, msg.op, msg.key, ok,
+                                                    msg.offset)), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("could not report %s of %s: %s", msg.op, msg.key, exc)
 
     def close(self) -> None:
         self.io.shutdown(wait=True)
+        self.copier.shutdown(wait=True)
+        for _, seg in self.peers.values():
+            if seg is not None:
+                seg.close()
+        self.peers.clear()
         self.sock.close(0)
         self.ctx.term()
         self.transfer.unregister(self.segment.base)

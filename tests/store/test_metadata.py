@@ -154,6 +154,101 @@ def test_ssd_full_drops_oldest_ssd_copy():
     md.check_integrity()
 
 
+def hot(md: StoreMetadata, key: str, reads: int, now: float = 1.0) -> list:
+    """``reads`` gets of ``key`` 0.1 s apart; returns the replicate commands they queued."""
+    for i in range(reads):
+        md.get([key], now + 0.1 * i)
+    return [c for c in md.drain_commands() if c.kind == "replicate"]
+
+
+def test_hot_object_gets_exactly_one_replica_on_another_node():
+    md = make(nodes=3)
+    put(md, ["cold", "h"])  # least used first: "cold" on n0, "h" on n1
+    src = md.objects["h"].replicas[0]
+    assert src.node_id == "n1"
+    assert hot(md, "h", 3) == []  # below the threshold (4 reads in 10 s)
+    (cmd,) = hot(md, "h", 1, now=1.3)  # the 4th read crosses it: exactly one command
+    assert (cmd.node_id, cmd.key, cmd.size, cmd.source_node, cmd.source_offset) == \
+        ("n2", "h", B, "n1", src.offset)  # n2: the least used node not holding "h"
+    md.check_integrity()
+    # in flight: invisible to readers, not removable, not evictable, one copy at a time
+    assert md.get(["h"], now=2.0)[0] == [[("n1", src.offset)]]
+    assert hot(md, "h", 8, now=2.0) == []
+    assert md.remove(["h"], now=100.0) == 0
+    assert md.nodes["n2"].allocator.used_bytes == B
+    assert md.replicate_done("n2", "h", cmd.offset + 64, True) is False  # not this replica
+    assert md.replicate_done("n2", "h", cmd.offset, True) is True
+    assert md.counters["replications"] == 1
+    md.check_integrity()
+    # readers now get both copies, alternating which comes first
+    firsts = [md.get(["h"], now=3.0 + i)[0][0][0][0] for i in range(4)]
+    assert sorted(firsts) == ["n1", "n1", "n2", "n2"] and firsts[0] != firsts[1]
+    assert all(len(md.get(["h"], now=4.0)[0][0]) == 2 for _ in range(2))
+    assert hot(md, "h", 20, now=5.0) == []  # max_replicas = 2: no more copies
+    assert md.replicate_done("n2", "h", cmd.offset, True) is False  # a duplicate answer
+    assert md.counters["replications"] == 1
+    md.check_integrity()
+
+
+def test_reads_outside_the_window_are_not_hot():
+    md = make(nodes=2)
+    put(md, ["h"])
+    for t in (1.0, 6.0, 11.5, 17.0, 22.5):  # never 4 reads within 10 s
+        md.get(["h"], now=t)
+    assert md.drain_commands() == []
+    assert hot(md, "h", 3, now=23.0) != []  # 22.5 + three more: hot
+
+
+def test_failed_or_timed_out_replication_frees_space():
+    md = make(nodes=2)
+    put(md, ["h"])
+    (cmd,) = hot(md, "h", 4)
+    other = cmd.node_id
+    assert md.nodes[other].allocator.used_bytes == B
+    assert md.replicate_done(other, "h", cmd.offset, False) is False
+    assert md.nodes[other].allocator.used_bytes == 0
+    assert md.counters["replications_failed"] == 1
+    assert [r.node_id for r in md.objects["h"].replicas] == [md.objects["h"].replicas[0].node_id]
+    md.check_integrity()
+    (cmd,) = hot(md, "h", 4, now=2.0)  # hot again (sent at 2.3); this one is never answered
+    for n in md.nodes:
+        md.heartbeat(n, 12.2)
+    md.reap(now=12.2)
+    assert md.nodes[other].allocator.used_bytes == B
+    for n in md.nodes:
+        md.heartbeat(n, 12.3)
+    md.reap(now=12.3)  # put_timeout_s after the command: reclaimed like a zombie put
+    assert md.nodes[other].allocator.used_bytes == 0
+    assert md.counters["replications_failed"] == 2
+    assert md.replicate_done(other, "h", cmd.offset, True) is False  # too late
+    assert md.exists(["h"]) == [True] and len(md.objects["h"].replicas) == 1
+    md.check_integrity()
+
+
+def test_no_replication_without_a_node_with_room():
+    md = make(nodes=1)
+    md.add_node("n1", 2 * B, 0, {}, now=0.0)
+    put(md, ["h"])  # on n0
+    put(md, ["x"])  # on n1: one more block would put it above 90 %
+    assert [md.objects[k].replicas[0].node_id for k in ("h", "x")] == ["n0", "n1"]
+    assert hot(md, "h", 8) == []  # no node below the watermark: no copy, nothing evicted
+    assert md.counters["evicted"] == 0 and md.exists(["x"]) == [True]
+    md.check_integrity()
+
+
+def test_source_death_mid_replication_keeps_the_copy_if_it_lands():
+    md = make(nodes=2)
+    put(md, ["h"])
+    src = md.objects["h"].replicas[0].node_id
+    (cmd,) = hot(md, "h", 4)
+    md.heartbeat(cmd.node_id, 4.0)
+    assert md.reap(now=4.0) == ([src], 0)
+    assert md.exists(["h"]) == [False]  # only the unfinished copy is left: not readable
+    assert md.replicate_done(cmd.node_id, "h", cmd.offset, True) is True
+    assert md.get(["h"], now=4.5)[0] == [[(cmd.node_id, cmd.offset)]]
+    md.check_integrity()
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["put", "start", "end", "get", "rm", "tick",
                                            "done"]),
@@ -185,4 +280,6 @@ def test_random_operations_keep_integrity(ops):
                     md.offload_done(c.node_id, c.key, flag, now)
                 elif c.kind == "promote":
                     md.promote_done(c.node_id, c.key, flag)
+                elif c.kind == "replicate":
+                    md.replicate_done(c.node_id, c.key, c.offset, flag)
         md.check_integrity()

@@ -156,3 +156,49 @@ def test_client_without_master_misses_within_deadline(transfer, buffers):
         await c.close()
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("shm", [True, False])  # the copy: memmove of a mapped file | TE read
+def test_hot_objects_replicate_and_survive_their_first_node(cluster, transfer, buffers, shm):
+    src, dst = buffers
+    address = cluster.master("--hot-read-threshold", "4", "--hot-window-s", "10",
+                             "--max-replicas", "2")
+    cluster.node("a", shm=shm)
+    cluster.node("b", shm=shm)
+
+    async def go() -> None:
+        c = await client_for(address, transfer, use_shm=shm)
+        ks = keys(4)
+        assert await c.batch_put_from(ks, addrs(src, range(4)), BLOCK, replica_num=1) == 4
+        stats = await c.master_stats()
+        assert {n: s["dram_used"] for n, s in stats["nodes"].items()} == \
+            {"a": 2 * BLOCK, "b": 2 * BLOCK}  # one replica each, spread over the nodes
+        for _ in range(3):
+            assert await c.batch_get_into(ks, addrs(dst, range(4)), BLOCK) == [True] * 4
+        await asyncio.sleep(0.3)
+        assert (await c.master_stats())["counters"]["replications"] == 0  # not hot yet
+        assert await c.batch_get_into(ks, addrs(dst, range(4)), BLOCK) == [True] * 4
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            stats = await c.master_stats()
+            if stats["counters"]["replications"] == 4:
+                break
+            await asyncio.sleep(0.05)
+        assert stats["counters"]["replications"] == 4
+        assert stats["counters"]["replications_failed"] == 0
+        assert {n: s["dram_used"] for n, s in stats["nodes"].items()} == \
+            {"a": 4 * BLOCK, "b": 4 * BLOCK}  # two replicas of each, on distinct nodes
+        for _ in range(6):  # max_replicas: no further copies (there is no third node anyway)
+            assert await c.batch_get_into(ks, addrs(dst, range(4)), BLOCK) == [True] * 4
+        assert (await c.master_stats())["counters"]["replications"] == 4
+        cluster.nodes["a"].kill()
+        cluster.nodes["a"].wait(5)
+        await asyncio.sleep(1.6)  # heartbeat timeout 1.0 s + reaper tick: "a" is dropped
+        stats = await c.master_stats()
+        assert list(stats["nodes"]) == ["b"] and stats["nodes"]["b"]["dram_used"] == 4 * BLOCK
+        dst[:] = 0
+        assert await c.batch_get_into(ks, addrs(dst, range(4)), BLOCK) == [True] * 4
+        assert all(same(src, dst, i, i) for i in range(4))  # byte-exact from the copies
+        await c.close()
+
+    asyncio.run(go())
