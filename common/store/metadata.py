@@ -25,11 +25,12 @@ exact outcomes. Semantics (after Mooncake Store):
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from common.store.allocator import OffsetAllocator
+from common.store.integrity import check_metadata
 from common.store.objects import (DRAM, SSD, EventLog, NodeCommand, NodeState, Replica,
                                   StoreObject)
 
@@ -290,16 +291,11 @@ class StoreMetadata:
         if len(dram) >= cfg.max_replicas:
             obj.reads = None
             return
-        if obj.reads is None:
-            obj.reads = deque(maxlen=cfg.hot_read_threshold * cfg.max_replicas)
-        reads = obj.reads
-        reads.append(now)
-        while reads and now - reads[0] > cfg.hot_window_s:
-            reads.popleft()
-        if len(reads) < cfg.hot_read_threshold * len(dram) or obj.replicating() is not None:
+        recent = obj.note_read(now, cfg.hot_window_s, cfg.hot_read_threshold * cfg.max_replicas)
+        if recent < cfg.hot_read_threshold * len(dram) or obj.replicating() is not None:
             return
         if self._start_replication(obj, now):
-            reads.clear()  # the next copy needs fresh evidence
+            obj.reads.clear()  # the next copy needs fresh evidence
 
     def _start_replication(self, obj: StoreObject, now: float) -> bool:
         sources = [r for r in obj.ready_dram() if r.node_id in self.nodes]
@@ -426,28 +422,4 @@ class StoreMetadata:
 
     def check_integrity(self) -> None:
         """Every DRAM replica owns exactly one allocation; usage counters add up."""
-        for node in self.nodes.values():
-            node.allocator.check_integrity()
-            owned = {}
-            ssd = 0
-            offloading = 0
-            for obj in self.objects.values():
-                for rep in obj.replicas:
-                    if rep.node_id != node.node_id:
-                        continue
-                    if rep.tier == SSD:
-                        ssd += obj.size
-                        continue
-                    assert rep.offset not in owned, f"two replicas at {rep.offset}"
-                    owned[rep.offset] = node.allocator.round(obj.size)
-                    offloading += obj.size if rep.busy and rep.ready else 0
-            assert owned == dict(node.allocator.used_ranges()), "allocations ≠ replicas"
-            assert ssd == node.ssd_used, f"ssd_used {node.ssd_used} ≠ {ssd}"
-            assert offloading == node.offloading_bytes, "offloading_bytes drifted"
-        for obj in self.objects.values():
-            nodes = [(r.node_id, r.tier) for r in obj.replicas]
-            assert len(nodes) == len(set(nodes)), f"{obj.key}: duplicate replicas"
-            copies = [r for r in obj.replicas if r.source is not None]
-            assert len(copies) <= 1, f"{obj.key}: two replications in flight"
-            assert all(r.tier == DRAM and r.busy and not r.ready for r in copies)
-            assert obj.replicas, f"{obj.key}: object without replicas"
+        check_metadata(self)

@@ -67,6 +67,16 @@ class StoreObject:
     def readable(self) -> bool:
         return self.complete and any(r.ready for r in self.replicas)
 
+    def note_read(self, now: float, window_s: float, keep: int) -> int:
+        """Record a read at ``now``; return how many reads fall within the window."""
+        if self.reads is None:
+            self.reads = deque(maxlen=keep)
+        reads = self.reads
+        reads.append(now)
+        while reads and now - reads[0] > window_s:
+            reads.popleft()
+        return len(reads)
+
 
 @dataclass
 class NodeState:
