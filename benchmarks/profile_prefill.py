@@ -75,7 +75,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--out", type=Path, default=Path("out/cost_cpu.json"))
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--bandwidth", type=float, default=2e9, help="measured transfer bytes/s")
+    ap.add_argument("--bandwidth", type=float, default=1e9,
+                    help="KV transfer bytes/s (TCP loopback through the transfer engine: ~1e9)")
     ap.add_argument("--quick", action="store_true", help="small grid (a smoke test)")
     args = ap.parse_args(argv)
     try:
@@ -84,11 +85,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ImportError as e:
         print(f"engine not available: {e}")
         return 2
-    engine = Engine(EngineConfig(model=args.model, num_blocks=1024))
     news = (16, 64, 256) if args.quick else (16, 64, 128, 256, 512, 1024)
     cacheds = (0, 256) if args.quick else (0, 256, 1024, 2048)
+    batches = (1, 4) if args.quick else (1, 4, 16)
+    contexts = (64, 512) if args.quick else (64, 512, 2048)
+    # Room for the largest decode batch at the longest context, and the longest prefill.
+    blocks = max(max(batches) * (max(contexts) // 16 + 2), (max(news) + max(cacheds)) // 16 + 2)
+    engine = Engine(EngineConfig(model=args.model, num_blocks=blocks))
     samples = profile_prefill(engine, news, cacheds, args.reps)
-    decode = profile_decode(engine, (1, 4) if args.quick else (1, 4, 16), (64, 512) if args.quick else (64, 512, 2048), args.reps)
+    decode = profile_decode(engine, batches, contexts, args.reps)
     mc = engine.model_config
     cost = CostModel(
         prefill=fit_prefill_cost(samples), decode=decode,
