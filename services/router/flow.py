@@ -72,18 +72,21 @@ class RequestRun:
             metrics.observe_tokens(now - self._last_token, len(msg.token_ids))
         self._last_token = now
 
+    def _screen(self, msg: RequestEvent) -> bool:
+        """Raise for a failure; record an acceptance (True); False for a token delta."""
+        if isinstance(msg, RequestFailed):
+            self.done = True
+            raise failure_error(msg)
+        if isinstance(msg, RequestAccepted):
+            self._accepted(msg)
+            return True
+        return False
+
     async def wait_started(self) -> None:
         """Return once the conductor accepted the request (or its first token came)."""
-        while True:
-            msg = await self._next()
-            if isinstance(msg, RequestFailed):
-                self.done = True
-                raise failure_error(msg)
-            if isinstance(msg, RequestAccepted):
-                self._accepted(msg)
-                return
-            self._pending = msg
-            return
+        msg = await self._next()
+        if not self._screen(msg):
+            self._pending = msg  # a token came first: keep it for deltas()
 
     async def deltas(self) -> AsyncIterator[TokenDelta]:
         """Token deltas until the one with a finish reason; failures raise ``ApiError``."""
@@ -93,11 +96,7 @@ class RequestRun:
                 self._pending = None
             else:
                 msg = await self._next()
-            if isinstance(msg, RequestFailed):
-                self.done = True
-                raise failure_error(msg)
-            if isinstance(msg, RequestAccepted):
-                self._accepted(msg)
+            if self._screen(msg):
                 continue
             self._delta(msg)
             if msg.finish_reason is not None:
