@@ -19,14 +19,21 @@ class IncrementalText:
         self.ids: list[int] = []
         self.text = ""  # all text so far (stop string excluded once found)
         self.sent = 0  # characters already emitted
+        self._start = 0  # ids[_start:] is the window re-decoded on each token
+        self._start_text = ""  # decode(ids[_start:_done]): the window's already-known text
+        self._done = 0  # ids[:_done] are in self.text
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Append one token; return (new text to emit, whether a stop string matched)."""
         self.ids.append(token_id)
-        full = self._decode(self.ids)
-        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more
+        window = self._decode(self.ids[self._start:])
+        if window.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more
             return "", False
-        self.text = full
+        self.text += window[len(self._start_text):]
+        # The next window starts where this one's new tokens began, so a token's text is
+        # always decoded with its predecessor (merges, leading spaces) and cost stays flat.
+        self._start, self._done = self._done, len(self.ids)
+        self._start_text = self._decode(self.ids[self._start:self._done])
         hit = self._find_stop()
         if hit is not None:
             self.text = self.text[:hit]
