@@ -40,6 +40,9 @@ class ConductorMetrics:
         self.cost_refits = Counter("crescent_conductor_cost_refits",
                                    "prefill cost model replaced by an online refit", registry=r)
         self.workers = Gauge("crescent_workers", "live workers", ["role"], registry=r)
+        self.typical_decode = Gauge("crescent_conductor_typical_decode_seconds",
+                                    "typical decode time the admission predicts with",
+                                    registry=r)
         self.in_flight = Gauge("crescent_conductor_in_flight", "admitted, unfinished",
                                registry=r)
 

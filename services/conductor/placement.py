@@ -1,7 +1,8 @@
 """Adapter between the conductor's live registry and the pure scheduling policy.
 
-Builds the policy's instance states from heartbeats and KV events, calls
-``Scheduler.schedule`` and turns its decision into a Placement (or a reject reason).
+Builds the policy's instance states from heartbeats, KV events and the conductor's own
+request tracker, calls ``Scheduler.schedule`` and turns its decision into a Placement (or
+a reject reason).
 """
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from typing import Optional, Union
 from common.config import ClusterConfig
 from common.protocol import PrefillDone, SubmitRequest
 from common.scheduling import (
-    CostModel, DecodeInstanceState, PrefillInstanceState, PrefixIndex, RequestInfo,
+    CostModel, DecodeInstanceState, DecodeSlot, PrefillInstanceState, PrefixIndex, RequestInfo,
     SchedulerConfig, make_scheduler,
 )
 from services.conductor.calibration import PrefillCalibrator
 from services.conductor.registry import Registry, WorkerState
+from services.conductor.tracker import Phase, Tracker
 
 
 @dataclass(frozen=True)
@@ -66,23 +68,32 @@ class Placer:
         return PrefillInstanceState(w.instance_id, queue_s, _KeySetIndex(w.cached_keys),
                                     queued_requests=len(w.assigned))
 
-    def _decode_state(self, w: WorkerState) -> DecodeInstanceState:
+    def _decode_state(self, w: WorkerState, tracker: Optional[Tracker],
+                      now: float) -> DecodeInstanceState:
         b = w.beat
         running = b.running if b else 0
         context = b.context_tokens if b else 0
         pending = len(w.assigned) - running
-        return DecodeInstanceState(
+        state = DecodeInstanceState(
             w.instance_id, batch_size=running + max(pending, 0), total_context_tokens=context,
             free_blocks=w.free_blocks, block_size=w.info.block_size)
+        if tracker is not None and self.policy.config.admission == "predicted":
+            state.running, state.incoming = decode_slots(w, tracker, now)
+        return state
 
-    def place(self, req: SubmitRequest, registry: Registry,
-              now: Optional[float] = None) -> Union[Placement, str]:
+    def max_tokens(self, req: SubmitRequest) -> int:
+        return int(req.sampling.get("max_tokens", self.config.default_max_tokens))
+
+    def place(self, req: SubmitRequest, registry: Registry, now: Optional[float] = None,
+              tracker: Optional[Tracker] = None) -> Union[Placement, str]:
+        """Place ``req``; ``now`` is wall-clock seconds, ``tracker`` feeds the decode slots."""
+        now = time.time() if now is None else now
         prefill = [self._prefill_state(w) for w in registry.by_role("prefill")]
-        decode = [self._decode_state(w) for w in registry.by_role("decode")]
-        max_tokens = int(req.sampling.get("max_tokens", self.config.default_max_tokens))
-        info = RequestInfo(req.request_id, req.block_keys, len(req.token_ids), max_tokens)
+        decode = [self._decode_state(w, tracker, now) for w in registry.by_role("decode")]
+        info = RequestInfo(req.request_id, req.block_keys, len(req.token_ids),
+                           self.max_tokens(req))
         global_len = self.global_index.prefix_len(req.block_keys)
-        d = self.policy.schedule(info, prefill, decode, global_len, now or time.time())
+        d = self.policy.schedule(info, prefill, decode, global_len, now)
         if not d.accepted or d.prefill_id is None or d.decode_id is None:
             return f"{d.reject_reason}: predicted TTFT {d.predicted_ttft_s:.2f}s, " \
                    f"TBT {d.predicted_tbt_s * 1000:.0f}ms"
@@ -94,3 +105,25 @@ class Placer:
         """Feed a real prefill time to the online calibration; True if it refitted."""
         return self.calibrator.observe(msg.prompt_tokens - msg.cached_tokens,
                                        msg.cached_tokens, msg.prefill_seconds)
+
+
+def decode_slots(w: WorkerState, tracker: Tracker,
+                 now: float) -> tuple[list[DecodeSlot], list[DecodeSlot]]:
+    """(running, incoming) slots of the requests assigned to decode worker ``w``.
+
+    Running: decoding since PrefillDone. Incoming: predicted to join at accept + predicted
+    TTFT, but not before ``now`` (a late prefill has not started decoding yet).
+    """
+    running: list[DecodeSlot] = []
+    incoming: list[DecodeSlot] = []
+    for rid in w.assigned:
+        t = tracker.get(rid)
+        if t is None:
+            continue
+        if t.phase is Phase.DECODING:
+            start = t.decode_started_at if t.decode_started_at is not None else now
+            running.append(DecodeSlot(start, t.decode_tokens))
+        else:
+            incoming.append(DecodeSlot(max(t.accepted_at + t.predicted_ttft_s, now),
+                                       t.decode_tokens))
+    return running, incoming

@@ -31,13 +31,16 @@ RESERVE_TIMEOUT_S = 10.0
 
 
 class Conductor:
-    def __init__(self, config: ClusterConfig, mailbox: Mailbox) -> None:
+    def __init__(self, config: ClusterConfig, mailbox: Mailbox,
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.mail = mailbox
+        self.clock = clock  # wall clock of placement, accept, decode start and finish
         self.registry = Registry(config.heartbeat_timeout_s)
         self.tracker = Tracker()
         self.placer = Placer(config)
         self.metrics = ConductorMetrics()
+        self.metrics.typical_decode.set(self.placer.policy.decode_durations.mean())
         self.router_inbox = config.inbox("router")
         self.handlers: dict[type, Callable[[Any], None]] = {
             RegisterWorker: self.on_register,
@@ -83,7 +86,7 @@ class Conductor:
             return self.reject(req, 429, "queue_full", "server is at capacity; retry later",
                                retry_after=1.0)
         start = time.perf_counter()
-        decision = self.placer.place(req, self.registry, time.time())
+        decision = self.placer.place(req, self.registry, self.clock(), self.tracker)
         self.metrics.decision_seconds.observe(time.perf_counter() - start)
         if isinstance(decision, str):
             return self.reject(req, 429, "slo_violation", decision, retry_after=2.0)
@@ -94,15 +97,16 @@ class Conductor:
         prefill = self.registry.get(p.prefill_id)
         assert decode is not None and prefill is not None
         now = time.monotonic()
+        max_tokens = self.placer.max_tokens(req)
         tracked = Tracked(req=req, prefill_id=p.prefill_id, decode_id=p.decode_id,
                           phase=Phase.RESERVING, phase_deadline=now + RESERVE_TIMEOUT_S,
-                          predicted_ttft_s=p.predicted_ttft_s, accepted_at=time.time(),
-                          prefill_tokens=p.prefill_tokens)
+                          predicted_ttft_s=p.predicted_ttft_s, accepted_at=self.clock(),
+                          prefill_tokens=p.prefill_tokens,
+                          decode_tokens=len(req.token_ids) + max_tokens)
         self.tracker.add(tracked)
         prefill.assigned.add(req.request_id)
         prefill.pending_tokens += p.prefill_tokens
         decode.assigned.add(req.request_id)
-        max_tokens = int(req.sampling.get("max_tokens", self.config.default_max_tokens))
         self.mail.send(decode.info.inbox, ReserveBlocks(
             request_id=req.request_id, prompt_tokens=len(req.token_ids), max_tokens=max_tokens,
             sampling=req.sampling, router_inbox=self.router_inbox,
@@ -146,8 +150,9 @@ class Conductor:
         if t is None:
             return
         self.tracker.set_phase(t, Phase.DECODING, t.phase_deadline)
+        t.decode_started_at = self.clock()
         self._release_prefill(t)
-        actual = time.time() - t.accepted_at
+        actual = t.decode_started_at - t.accepted_at
         self.metrics.actual_ttft.observe(actual)
         self.metrics.ttft_error.observe(actual - t.predicted_ttft_s)
         self.metrics.cached_tokens.inc(msg.cached_tokens)
@@ -167,6 +172,10 @@ class Conductor:
         decode = self.registry.get(t.decode_id)
         if decode is not None:
             decode.assigned.discard(msg.request_id)
+        if t.decode_started_at is not None:
+            policy = self.placer.policy
+            policy.observe_decode(self.clock() - t.decode_started_at)
+            self.metrics.typical_decode.set(policy.decode_durations.mean())
         self.metrics.finished.labels(reason=msg.finish_reason).inc()
 
     def on_failed(self, msg: RequestFailed) -> None:

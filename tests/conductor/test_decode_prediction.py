@@ -1,0 +1,147 @@
+"""Live prediction-based admission: the conductor's tracker feeds the decode slots, and
+finished decodes feed the policy's duration history. Driven with a fake wall clock."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from common.config import ClusterConfig, SLOConfig
+from common.protocol import (
+    BlocksReserved, ClusterStatus, PrefillDone, RegisterWorker, RequestAccepted, RequestFailed,
+    RequestFinished, SubmitRequest, WorkerHeartbeat,
+)
+from common.scheduling import DecodeSlot
+from common.scheduling.decode_time import DecodeDurations
+from services.conductor.placement import decode_slots
+from services.conductor.service import Conductor
+
+PROMPT, MAX_TOKENS = 40, 8  # each request may hold 48 tokens of KV on decode
+BLOCK = 16
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Mail:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, address: str, msg: Any) -> bool:
+        if not isinstance(msg, ClusterStatus):
+            self.sent.append(msg)
+        return True
+
+    def last(self, rid: str) -> Any:
+        return [m for m in self.sent if getattr(m, "request_id", None) == rid][-1]
+
+
+def register(c: Conductor, role: str, free: int = 100) -> None:
+    c.on_register(RegisterWorker(f"{role}-0", role, f"tcp://w/{role}", "h:0", 4096, 1024,
+                                 32, 32, 100, BLOCK))
+    beat(c, role, free)
+
+
+def beat(c: Conductor, role: str, free: int, running: int = 0, context: int = 0) -> None:
+    c.on_heartbeat(WorkerHeartbeat(f"{role}-0", role, 0, 0, running, context, free,
+                                   100 - free, 100, [], [], 1))
+
+
+def submit(c: Conductor, rid: str) -> None:
+    c.on_submit(SubmitRequest(rid, list(range(PROMPT)), [], {"max_tokens": MAX_TOKENS}, 0.0))
+
+
+def make(admission: str) -> tuple[Conductor, Mail, Clock]:
+    cfg = ClusterConfig(scheduler="kvcache_centric", admission=admission,
+                        slo=SLOConfig(ttft_s=1000, tbt_s=1000))
+    mail, clock = Mail(), Clock()
+    c = Conductor(cfg, mail, clock=clock)  # type: ignore[arg-type]
+    register(c, "prefill")
+    return c, mail, clock
+
+
+def start_decoding(c: Conductor, clock: Clock, rid: str, at: float) -> None:
+    c.on_reserved(BlocksReserved(rid, "decode-0", [1, 2, 3]))
+    clock.t = at
+    c.on_prefill_done(PrefillDone(rid, "decode-0", PROMPT, 0, 0, 0.1, 1000, 0.01))
+
+
+@pytest.mark.parametrize("admission, accepted", [("predicted", True), ("early", False)])
+def test_running_decode_predicted_gone_frees_room(admission: str, accepted: bool) -> None:
+    c, mail, clock = make(admission)
+    register(c, "decode")
+    submit(c, "r1")
+    start_decoding(c, clock, "r1", at=1001.0)
+    # r1 now holds the decode worker: room for 72 tokens, 40 of them r1's context.
+    beat(c, "decode", free=2, running=1, context=PROMPT)
+    # 20 s later, past the 10 s typical decode (the prior), r1 is predicted gone; the
+    # current load still counts it (40 + 48 > 72).
+    clock.t = 1021.0
+    submit(c, "r2")
+    msg = mail.last("r2")
+    if accepted:
+        assert isinstance(msg, RequestAccepted) and msg.decode_id == "decode-0"
+    else:
+        assert isinstance(msg, RequestFailed) and "decode_full" in msg.message
+
+
+@pytest.mark.parametrize("admission, accepted", [("predicted", False), ("early", True)])
+def test_incoming_request_counts_when_its_prefill_ends_first(admission: str,
+                                                             accepted: bool) -> None:
+    c, mail, clock = make(admission)
+    register(c, "decode", free=4)  # room for 64 tokens, nothing running
+    submit(c, "r1")
+    r1 = mail.last("r1")
+    assert isinstance(r1, RequestAccepted) and r1.predicted_ttft_s < 1
+    # r1 (still reserving) joins decode before r2's prefill (queued behind r1's) ends,
+    # and is still decoding then (TTFTs < 1 s, far below the 10 s prior): 48 + 48 > 64.
+    # The current load has no context yet.
+    clock.t = 1001.0
+    submit(c, "r2")
+    msg = mail.last("r2")
+    if accepted:
+        assert isinstance(msg, RequestAccepted)
+    else:
+        assert isinstance(msg, RequestFailed) and "decode_full" in msg.message
+
+
+def test_decode_slots_from_tracker() -> None:
+    c, mail, clock = make("predicted")
+    register(c, "decode")
+    submit(c, "a")
+    submit(c, "b")
+    start_decoding(c, clock, "a", at=1003.0)
+    ttft_b = c.tracker.get("b").predicted_ttft_s
+    running, incoming = decode_slots(c.registry.get("decode-0"), c.tracker, now=1004.0)
+    assert running == [DecodeSlot(1003.0, PROMPT + MAX_TOKENS)]
+    assert incoming == [DecodeSlot(max(1000.0 + ttft_b, 1004.0), PROMPT + MAX_TOKENS)]
+
+
+def test_finished_decode_feeds_the_history_and_gauge() -> None:
+    c, mail, clock = make("predicted")
+    register(c, "decode")
+    c.placer.policy.decode_durations = DecodeDurations(10.0, min_samples=1)
+    history = c.placer.policy.decode_durations
+    submit(c, "r")
+    start_decoding(c, clock, "r", at=1002.0)
+    clock.t = 1005.5
+    c.on_finished(RequestFinished("r", "decode-0", "stop"))
+    assert history.samples == 1
+    assert history.mean() == pytest.approx(3.5)
+    gauge = c.metrics.registry.get_sample_value("crescent_conductor_typical_decode_seconds")
+    assert gauge == pytest.approx(3.5)
+
+
+def test_finish_before_decode_adds_no_sample() -> None:
+    c, mail, clock = make("predicted")
+    register(c, "decode")
+    submit(c, "r")
+    c.on_finished(RequestFinished("r", "decode-0", "abort"))
+    assert c.placer.policy.decode_durations.samples == 0
+    gauge = c.metrics.registry.get_sample_value("crescent_conductor_typical_decode_seconds")
+    assert gauge == 10.0  # the prior: SchedulerConfig.expected_decode_s
