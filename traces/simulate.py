@@ -10,7 +10,7 @@ from common.scheduling import SCHEDULERS, CostModel, SchedulerConfig
 from traces.colocated import ColocatedConfig, simulate_colocated
 from traces.loader import default_trace_path, load_trace, trace_stats
 from traces.metrics import SimResult, plot_results
-from traces.simulator import ClusterConfig, simulate_disaggregated
+from traces.simulator import DECODE_TIME_MODES, ClusterConfig, simulate_disaggregated
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,8 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fixed max batch per decode instance (default: KV memory only)")
     p.add_argument("--handoff", choices=("assigned", "any"), default="assigned",
                    help="after prefill: the decode instance chosen at arrival, or any with room")
-    p.add_argument("--decode-time", choices=("mean", "fixed", "oracle"), default="mean",
+    p.add_argument("--decode-time", choices=DECODE_TIME_MODES, default="empirical",
                    help="decode duration used by prediction-based admission")
+    p.add_argument("--decode-slowdown", type=float, default=1.0,
+                   help="decode steps this many times slower than the profile's")
     p.add_argument("--threshold", type=float, default=2.0, help="kvcache_balancing_threshold")
     p.add_argument("--ttft-slo", type=float, default=30.0)
     p.add_argument("--tbt-slo", type=float, default=0.1)
@@ -49,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 def run_from_args(args: argparse.Namespace) -> tuple[SimResult, dict[str, float]]:
     trace = load_trace(args.trace, limit=args.limit, speed=args.speed)
     cost = CostModel.profile(args.profile)
+    if args.decode_slowdown != 1.0:
+        cost = cost.with_decode_slowdown(args.decode_slowdown)
     admit = not args.no_slo_admission
     cfg = SchedulerConfig(
         kvcache_balancing_threshold=args.threshold,

@@ -41,7 +41,7 @@ from traces.metrics import (
 )
 
 _ARRIVAL, _PREFILL_DONE, _STEP_END = 0, 1, 2
-DECODE_TIME_MODES = ("mean", "fixed", "oracle")
+DECODE_TIME_MODES = ("empirical", "mean", "fixed", "oracle")
 
 
 @dataclass
@@ -97,28 +97,32 @@ class _Decode:
         return self.reserved + tokens <= self.capacity
 
     def state(self) -> DecodeInstanceState:
+        """What the conductor sees, as the live one does: the batch and the KV of requests
+        running here plus those already assigned here and still in prefill (a live decode
+        worker reserves their blocks at assignment); for prediction, the slot lists."""
+        incoming = list(self.incoming.values())
+        assigned_tokens = sum(slot.tokens for slot in incoming)
+        used = self.reserved + assigned_tokens
         return DecodeInstanceState(
-            self.iid, self.batch.size + len(self.pending), self.reserved,
-            (self.capacity - self.reserved) // TRACE_BLOCK_TOKENS, TRACE_BLOCK_TOKENS,
-            running=list(self.running.values()), incoming=list(self.incoming.values()),
-            max_batch=self.max_batch,
+            self.iid, self.batch.size + len(self.pending) + len(incoming), used,
+            max(self.capacity - used, 0) // TRACE_BLOCK_TOKENS, TRACE_BLOCK_TOKENS,
+            running=list(self.running.values()), incoming=incoming, max_batch=self.max_batch,
         )
 
 
 class DisaggregatedSim:
     def __init__(self, trace: Sequence[TraceRequest], cost: CostModel, scheduler: str,
                  sched_cfg: SchedulerConfig, cluster: ClusterConfig,
-                 decode_time: str = "mean") -> None:
+                 decode_time: str = "empirical") -> None:
         if decode_time not in DECODE_TIME_MODES:
             raise ValueError(f"decode_time must be one of {DECODE_TIME_MODES}")
         self.decode_time = decode_time
         if sched_cfg.block_size != TRACE_BLOCK_TOKENS:
             raise ValueError("the simulator schedules 512-token trace blocks")
         self.trace, self.cost, self.cluster = trace, cost, cluster
-        # A private copy: "mean" mode updates expected_decode_s as decodes complete.
-        self.sched_cfg = dataclasses.replace(sched_cfg)
+        survival = "uniform" if decode_time == "mean" else sched_cfg.decode_survival
+        self.sched_cfg = dataclasses.replace(sched_cfg, decode_survival=survival)
         self.scheduler = make_scheduler(scheduler, self.sched_cfg, cost)
-        self._decode_sum, self._decode_n = 0.0, 0
         self.name = f"disagg/{scheduler}/{sched_cfg.admission}"
         cache_blocks = cluster.prefill_cache_tokens // TRACE_BLOCK_TOKENS
         pool_tokens = cluster.global_pool_tokens
@@ -265,11 +269,9 @@ class DisaggregatedSim:
             rec.status, rec.tbt_s, rec.finish_s = COMPLETED, tbt, now
             slot = d.running.pop(rid)
             d.reserved -= slot.tokens
-            self._decode_sum += now - slot.start_s
-            self._decode_n += 1
-        if self.decode_time == "mean" and self._decode_n:
-            # The conductor's "typical decode time": mean of the decodes completed so far.
-            self.sched_cfg.expected_decode_s = self._decode_sum / self._decode_n
+            if self.decode_time in ("empirical", "mean"):
+                # The conductor's history of decode durations, as the live one keeps it.
+                self.scheduler.observe_decode(now - slot.start_s)
         self._start_step(d, now)
 
 
@@ -279,13 +281,15 @@ def _need(req: TraceRequest) -> int:
 
 def simulate_disaggregated(trace: Sequence[TraceRequest], cost: CostModel, scheduler: str,
                            sched_cfg: SchedulerConfig, cluster: ClusterConfig,
-                           decode_time: str = "mean") -> SimResult:
+                           decode_time: str = "empirical") -> SimResult:
     """Replay ``trace``.
 
     ``decode_time`` is how prediction-based admission predicts when a request leaves
-    decode: "mean" (default) = the running mean of the decode durations completed so far
-    (starting from ``sched_cfg.expected_decode_s``), the paper's typical decode time;
-    "fixed" = ``sched_cfg.expected_decode_s`` throughout; "oracle" = the request's true
-    output length x predicted TBT (an oracle a real conductor does not have).
+    decode: "empirical" (default) = the survival function of the decode durations completed
+    so far (``common.scheduling.decode_time``); "mean" = the paper's single typical decode
+    time, the mean of those durations; "fixed" = ``sched_cfg.expected_decode_s``
+    throughout; "oracle" = the request's true output length x predicted TBT (an oracle a
+    real conductor does not have). Before 32 decodes have completed, "empirical" and
+    "mean" use ``sched_cfg.expected_decode_s``.
     """
     return DisaggregatedSim(trace, cost, scheduler, sched_cfg, cluster, decode_time).run()

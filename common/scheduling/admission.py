@@ -1,11 +1,14 @@
 """Decode-side choice and load prediction (plain and prediction-based early rejection).
 
 A decode instance *holds* a request when its KV (prompt + max_tokens) fits in free memory
-and, if it has a fixed maximum batch, the batch has a free seat; its predicted TBT is the cost model's step time with the request added. Prediction-based
-early rejection looks at the decode load at the moment the request's prefill will end:
-requests predicted to finish prefill by then join (``incoming``), and every request leaves
-once it has decoded for the typical decode time ``expected_decode_s`` (``running`` ones
-and ``incoming`` ones alike), or after its own ``DecodeSlot.decode_s`` when known.
+and, if it has a fixed maximum batch, the batch has a free seat; its predicted TBT is the
+cost model's step time with the request added. Prediction-based early rejection looks at
+the decode load at the moment ``at_s`` the request's prefill will end: each request running
+on the instance, and each one predicted to finish prefill by then (``incoming``), counts
+with the probability that it is still decoding at ``at_s`` (``DecodeDurations``: the
+empirical survival of recent decode durations, or the paper's uniform typical time), or
+exactly when its own ``DecodeSlot.decode_s`` is known. Batch size and context are thus
+expected values.
 """
 from __future__ import annotations
 
@@ -14,13 +17,14 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from common.scheduling.cost import CostModel
+from common.scheduling.decode_time import DecodeDurations
 from common.scheduling.state import DecodeInstanceState, DecodeSlot, RequestInfo
 
 
 @dataclass(frozen=True)
 class DecodeLoad:
-    batch_size: int
-    context_tokens: int
+    batch_size: float        # an expected value when predicted
+    context_tokens: float
     capacity_tokens: int
     max_batch: Optional[int] = None   # None: only KV memory bounds the batch
 
@@ -35,24 +39,29 @@ def current_load(state: DecodeInstanceState) -> DecodeLoad:
                       state.max_batch)
 
 
-def predicted_load(state: DecodeInstanceState, at_s: float, expected_decode_s: float) -> DecodeLoad:
-    """Decode load of ``state`` at time ``at_s`` (falls back to now without slot lists)."""
+def predicted_load(state: DecodeInstanceState, at_s: float, now_s: float,
+                   durations: DecodeDurations) -> DecodeLoad:
+    """Expected decode load of ``state`` at ``at_s`` (falls back to now without slot lists)."""
     if not state.running and not state.incoming:
         return current_load(state)
-    batch, tokens = 0, 0
+    batch, tokens = 0.0, 0.0
     for slot in state.running:
-        if slot.start_s + _duration(slot, expected_decode_s) > at_s:
-            batch += 1
-            tokens += slot.tokens
+        p = _alive(slot, at_s, max(now_s - slot.start_s, 0.0), at_s - now_s, durations)
+        batch += p
+        tokens += p * slot.tokens
     for slot in state.incoming:
-        if slot.start_s <= at_s < slot.start_s + _duration(slot, expected_decode_s):
-            batch += 1
-            tokens += slot.tokens
+        if slot.start_s <= at_s:
+            p = _alive(slot, at_s, 0.0, at_s - slot.start_s, durations)
+            batch += p
+            tokens += p * slot.tokens
     return DecodeLoad(batch, tokens, state.capacity_tokens, state.max_batch)
 
 
-def _duration(slot: DecodeSlot, expected_decode_s: float) -> float:
-    return expected_decode_s if slot.decode_s is None else slot.decode_s
+def _alive(slot: DecodeSlot, at_s: float, elapsed_s: float, horizon_s: float,
+           durations: DecodeDurations) -> float:
+    if slot.decode_s is not None:
+        return 1.0 if at_s < slot.start_s + slot.decode_s else 0.0
+    return durations.still_running(elapsed_s, horizon_s)
 
 
 @dataclass(frozen=True)

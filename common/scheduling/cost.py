@@ -115,6 +115,17 @@ class CostModel:
         d = self.decode
         return max(d.d0 + d.d_batch * batch_size + d.d_ctx * total_context_tokens, 0.0)
 
+    def with_decode_slowdown(self, factor: float) -> "CostModel":
+        """The same model with every decode step ``factor`` times slower (a decode pool of
+        slower or fewer accelerators); prefill and transfers unchanged."""
+        if factor <= 0:
+            raise ValueError("factor must be positive")
+        d = self.decode
+        decode = DecodeCoefficients(d.d0 * factor, d.d_batch * factor, d.d_ctx * factor)
+        return CostModel(self.prefill, decode, self.kv_bytes_per_token,
+                         self.transfer_bandwidth_bytes_per_s, self.kv_capacity_tokens,
+                         f"{self.name}/decode-x{factor:g}")
+
     def transfer_seconds(self, nbytes: float) -> float:
         if nbytes <= 0:
             return 0.0

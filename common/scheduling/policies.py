@@ -18,6 +18,7 @@ from common.scheduling.admission import (
     predicted_load,
 )
 from common.scheduling.cost import CostModel
+from common.scheduling.decode_time import DecodeDurations
 from common.scheduling.state import (
     DecodeInstanceState,
     PrefillInstanceState,
@@ -50,6 +51,12 @@ class Scheduler(ABC):
         bandwidth = config.transfer_bandwidth_bytes_per_s or cost.transfer_bandwidth_bytes_per_s
         self._block_bytes = kv_bytes * config.block_size
         self._bandwidth = bandwidth
+        self.decode_durations = DecodeDurations(
+            config.expected_decode_s, uniform=config.decode_survival == "uniform")
+
+    def observe_decode(self, seconds: float) -> None:
+        """A decode finished after ``seconds``: history for prediction-based admission."""
+        self.decode_durations.observe(seconds)
 
     # --- the cost of running a request on one prefill instance ----------------------
     def transfer_seconds(self, blocks: int) -> float:
@@ -81,13 +88,16 @@ class Scheduler(ABC):
         choice = self.choose_prefill(req, prefill, local, best_len)
         return self._admit(req, prefill[choice.index], decode, choice, now)
 
+    def _decode_retry(self) -> float:
+        return max(1.0, self.decode_durations.mean() / 2)
+
     def _admit(self, req: RequestInfo, p: PrefillInstanceState,
                decode: Sequence[DecodeInstanceState], choice: PrefillChoice,
                now: float) -> ScheduleDecision:
         cfg = self.config
         if cfg.admission == "predicted":
             at = now + choice.ttft_s
-            loads = [predicted_load(d, at, cfg.expected_decode_s) for d in decode]
+            loads = [predicted_load(d, at, now, self.decode_durations) for d in decode]
         else:
             loads = [current_load(d) for d in decode]
         checks_decode = cfg.admission != "none"
@@ -96,19 +106,15 @@ class Scheduler(ABC):
         if cfg.ttft_slo_s is not None and ttft > cfg.ttft_slo_s:
             return _reject("ttft_slo", ttft, tbt, retry_after_s=max(1.0, ttft - cfg.ttft_slo_s))
         if checks_decode and dchoice.index is None:
-            return _reject("decode_full", ttft, tbt, retry_after_s=_decode_retry(cfg.expected_decode_s))
+            return _reject("decode_full", ttft, tbt, retry_after_s=self._decode_retry())
         if checks_decode and cfg.tbt_slo_s is not None and tbt > cfg.tbt_slo_s:
-            return _reject("tbt_slo", ttft, tbt, retry_after_s=_decode_retry(cfg.expected_decode_s))
+            return _reject("tbt_slo", ttft, tbt, retry_after_s=self._decode_retry())
         assert dchoice.index is not None
         return ScheduleDecision(
             accepted=True, prefill_id=p.instance_id, decode_id=decode[dchoice.index].instance_id,
             prefix_blocks_local=choice.local_blocks, prefix_blocks_to_fetch=choice.fetch_blocks,
             predicted_ttft_s=ttft, predicted_tbt_s=tbt,
         )
-
-
-def _decode_retry(expected_decode_s: float) -> float:
-    return max(1.0, expected_decode_s / 2)
 
 
 def _reject(reason: str, ttft: float, tbt: float, retry_after_s: float) -> ScheduleDecision:

@@ -154,6 +154,7 @@ class ScheduleDecision:
 
 
 ADMISSION_MODES = ("none", "early", "predicted")
+DECODE_SURVIVAL_MODELS = ("empirical", "uniform")
 
 
 @dataclass
@@ -164,6 +165,10 @@ class SchedulerConfig:
     after prefill); "early" also rejects when the current decode load cannot meet the
     TBT SLO or hold the request; "predicted" does so on the decode load predicted for the
     moment the request's prefill ends. A ``None`` SLO disables that check.
+    ``expected_decode_s``: the typical decode time before any decode has been observed.
+    ``decode_survival``: how "predicted" ages decodes once it has history: "empirical"
+    (the survival function of recent decode durations) or "uniform" (the paper's single
+    typical time, the mean of recent durations); see ``decode_time.py``.
     ``kv_bytes_per_token``/``transfer_bandwidth_bytes_per_s``: ``None`` = the cost model's.
     """
 
@@ -176,7 +181,10 @@ class SchedulerConfig:
     transfer_bandwidth_bytes_per_s: Optional[float] = None
     seed: int = 0
     expected_decode_s: float = 10.0
+    decode_survival: str = "empirical"
 
     def __post_init__(self) -> None:
         if self.admission not in ADMISSION_MODES:
             raise ValueError(f"admission must be one of {ADMISSION_MODES}")
+        if self.decode_survival not in DECODE_SURVIVAL_MODELS:
+            raise ValueError(f"decode_survival must be one of {DECODE_SURVIVAL_MODELS}")

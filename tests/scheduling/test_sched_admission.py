@@ -11,6 +11,7 @@ from common.scheduling import (
     make_scheduler,
     predicted_load,
 )
+from common.scheduling.decode_time import DecodeDurations
 from tests_sched_helpers import BLOCK, cost, decode, prefill
 
 REQ = RequestInfo("r", block_keys=list(range(10)), prompt_tokens=1000, max_tokens=100)
@@ -83,8 +84,26 @@ def test_predicted_load_counts_joins_and_leaves() -> None:
     d = DecodeInstanceState("d0", 2, 700, free_blocks=10, block_size=BLOCK,
                             running=[DecodeSlot(0.0, 300), DecodeSlot(4.0, 400)],
                             incoming=[DecodeSlot(6.0, 50), DecodeSlot(9.0, 60)])
-    load = predicted_load(d, at_s=7.0, expected_decode_s=5.0)
+    # The paper's rule before any history: every decode lasts the typical 5 s.
+    load = predicted_load(d, at_s=7.0, now_s=4.0, durations=DecodeDurations(prior_s=5.0))
     assert (load.batch_size, load.context_tokens, load.capacity_tokens) == (2, 450, 1700)
+
+
+def test_predicted_load_weights_slots_by_their_survival() -> None:
+    # History: decodes of 2, 4, 6 and 8 s. At now=10 a request that joined at 6 has run 4 s
+    # (survivors: 6 and 8 s, 2 of 4); 3 s later it is still running with P(D > 7 | D > 4)
+    # = 1/2. One incoming at 11 survives 2 s with P(D > 2) = 3/4 (D = 2 is not > 2).
+    hist = DecodeDurations(prior_s=5.0, min_samples=4)
+    for seconds in (2.0, 4.0, 6.0, 8.0):
+        hist.observe(seconds)
+    d = DecodeInstanceState("d0", 1, 100, free_blocks=10, block_size=BLOCK,
+                            running=[DecodeSlot(6.0, 100)], incoming=[DecodeSlot(11.0, 40)])
+    load = predicted_load(d, at_s=13.0, now_s=10.0, durations=hist)
+    assert load.batch_size == pytest.approx(0.5 + 0.75)
+    assert load.context_tokens == pytest.approx(50 + 30)
+    # A slot whose own duration is known is counted exactly.
+    d.incoming = [DecodeSlot(11.0, 40, decode_s=1.5)]
+    assert predicted_load(d, 13.0, 10.0, hist).batch_size == pytest.approx(0.5)
 
 
 def test_no_instances_rejected() -> None:
