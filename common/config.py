@@ -41,6 +41,7 @@ class ClusterConfig:
     default_max_tokens: int = 256
     scheduler: str = "load_balance"  # random | round_robin | load_balance | local_cache_aware | kvcache_centric
     admission: str = "early"  # none | early | predicted
+    expected_decode_s: float = 10.0  # "predicted": typical decode time until 32 decodes finished
     kvcache_balancing_threshold: float = 2.0
     cost_profile: str = "cpu-smollm2-135m"  # a named profile or a coefficients JSON file
     slo: SLOConfig = field(default_factory=SLOConfig)

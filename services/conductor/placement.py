@@ -56,6 +56,7 @@ class Placer:
             kvcache_balancing_threshold=config.kvcache_balancing_threshold,
             ttft_slo_s=config.slo.ttft_s, tbt_slo_s=config.slo.tbt_s,
             admission=config.admission, block_size=config.block_size,
+            expected_decode_s=config.expected_decode_s,
         ), self.cost)
         self.global_index = global_index or PrefixIndex()
         self.calibrator = PrefillCalibrator(self.cost)

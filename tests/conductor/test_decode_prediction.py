@@ -145,3 +145,10 @@ def test_finish_before_decode_adds_no_sample() -> None:
     assert c.placer.policy.decode_durations.samples == 0
     gauge = c.metrics.registry.get_sample_value("crescent_conductor_typical_decode_seconds")
     assert gauge == 10.0  # the prior: SchedulerConfig.expected_decode_s
+
+
+def test_configured_typical_decode_time_is_the_prior() -> None:
+    from services.conductor.placement import Placer
+    placer = Placer(ClusterConfig(admission="predicted", expected_decode_s=4.0))
+    assert placer.policy.decode_durations.mean() == 4.0
+    assert placer.policy.config.expected_decode_s == 4.0
