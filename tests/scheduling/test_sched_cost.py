@@ -64,3 +64,14 @@ def test_llama3_70b_profile_anchors() -> None:
 def test_unknown_profile() -> None:
     with pytest.raises(KeyError):
         CostModel.profile("gpt-5-on-a-toaster")
+
+
+def test_decode_slowdown_scales_decode_steps_only() -> None:
+    base = CostModel.profile("llama3-70b-8xa800")
+    slow = base.with_decode_slowdown(4.0)
+    assert slow.decode_tbt_seconds(8, 100_000) == pytest.approx(4.0 * base.decode_tbt_seconds(8, 100_000))
+    assert slow.prefill_seconds(1000, 500) == base.prefill_seconds(1000, 500)
+    assert slow.kv_transfer_seconds(512) == base.kv_transfer_seconds(512)
+    assert slow.name == "llama3-70b-8xa800/decode-x4"
+    with pytest.raises(ValueError):
+        base.with_decode_slowdown(0.0)

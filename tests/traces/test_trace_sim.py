@@ -138,6 +138,10 @@ def test_cli_main(tmp_path, capsys) -> None:
     assert rc == 0
     assert '"requests": 100.0' in capsys.readouterr().out
     assert len(list(tmp_path.glob("*.png"))) == 2
+    rc = simulate_main(["--trace", str(TRACE), "--limit", "100", "--json", "--admission",
+                        "predicted", "--decode-slowdown", "4.75", "--decode-time", "mean"])
+    assert rc == 0
+    assert '"name": "disagg/kvcache_centric/predicted"' in capsys.readouterr().out
 
 
 def test_decode_choice_counts_requests_still_in_prefill() -> None:
