@@ -28,6 +28,7 @@ class DecodeDurations:
         self.uniform = uniform
         self._recent: deque[float] = deque(maxlen=window)
         self._sorted: list[float] = []
+        self._sum = 0.0   # of the window, so mean() is O(1) on the admission path
 
     def observe(self, seconds: float) -> None:
         """A decode finished after ``seconds`` (from joining decode to its last token)."""
@@ -35,8 +36,10 @@ class DecodeDurations:
         if len(self._recent) == self._recent.maxlen:
             old = self._recent[0]
             del self._sorted[bisect.bisect_left(self._sorted, old)]
+            self._sum -= old
         self._recent.append(seconds)
         bisect.insort(self._sorted, seconds)
+        self._sum += seconds
 
     @property
     def samples(self) -> int:
@@ -48,7 +51,7 @@ class DecodeDurations:
 
     def mean(self) -> float:
         """The typical decode time: the mean of the window, or the prior before it is learned."""
-        return sum(self._sorted) / len(self._sorted) if self.learned else self.prior_s
+        return self._sum / len(self._sorted) if self.learned else self.prior_s
 
     def _step(self) -> bool:
         return self.uniform or not self.learned
@@ -68,9 +71,10 @@ class DecodeDurations:
         """
         if horizon_s <= 0:
             return 1.0
+        elapsed_s = max(elapsed_s, 0.0)
         if self._step():   # the paper's rule: gone t_d after joining
-            return 1.0 if max(elapsed_s, 0.0) + horizon_s < self.mean() else 0.0
-        alive = self.survival(max(elapsed_s, 0.0))
+            return 1.0 if elapsed_s + horizon_s < self.mean() else 0.0
+        alive = self.survival(elapsed_s)
         if alive <= 0.0:
             return 1.0
-        return self.survival(max(elapsed_s, 0.0) + horizon_s) / alive
+        return self.survival(elapsed_s + horizon_s) / alive
