@@ -26,3 +26,18 @@ class DecodeInput:
     token_id: int
     position: int
     block_table: list[int]
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One prompt's slice in a step: compute tokens [start, end) of ``token_ids`` (the
+    whole prompt) into ``block_table``; earlier positions' KV is already there."""
+    token_ids: list[int]
+    start: int
+    end: int
+    block_table: list[int]
+
+    @property
+    def last(self) -> bool:
+        """This chunk ends the prompt: the step returns logits of its last token."""
+        return self.end == len(self.token_ids)

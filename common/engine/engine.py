@@ -11,7 +11,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from common.engine.config import DecodeInput, EngineConfig
+from common.engine.config import DecodeInput, EngineConfig, PrefillChunk
 from common.engine.errors import EngineInputError, UnknownModelError
 from common.kv.block_keys import compute_block_keys, model_fingerprint
 from common.kv.block_pool import BlockPool
@@ -111,17 +111,67 @@ class Engine:
         if not 0 <= num_cached_tokens <= n:
             raise EngineInputError(f"num_cached_tokens {num_cached_tokens} not in [0, {n}]")
         start = min(num_cached_tokens, n - 1)  # the last token is always computed for logits
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        table = torch.tensor(block_table[:self.blocks_needed(n)], dtype=torch.long, device=self.device)
         chunk = max(1, self.config.prefill_chunk)
-        hidden = None
+        logits: Optional[torch.Tensor] = None
         for s in range(start, n, chunk):
             e = min(s + chunk, n)
-            meta = self._prefill_meta(table, s, e)
             hook = None if layer_hook is None else (lambda l, s=s, e=e: layer_hook(l, s, e))
-            hidden = self.model.forward(ids[s:e], meta, self.attention, hook)
-        assert hidden is not None
-        return self.model.logits(hidden[-1:])[0]
+            logits = self._forward([PrefillChunk(token_ids, s, e, block_table)], [], hook)[0][0]
+        assert logits is not None
+        return logits
+
+    @torch.inference_mode()
+    def step(self, chunks: Sequence[PrefillChunk] = (), decodes: Sequence[DecodeInput] = (),
+             layer_hook: Optional[Callable[[int], None]] = None,
+             ) -> tuple[list[Optional[torch.Tensor]], Optional[torch.Tensor]]:
+        """One mixed forward (Sarathi-style): prefill chunks of several prompts and one
+        token of each decoding sequence. The linear layers run once over all tokens.
+
+        Returns (logits [vocab] per chunk, None unless the chunk ends its prompt;
+        decode logits [len(decodes), vocab] or None). Prompts must have been validated
+        (``validate_prompt``) when they were admitted; ranges and tables are checked here.
+        layer_hook(layer) runs after each layer."""
+        if not chunks and not decodes:
+            raise EngineInputError("a step needs at least one prefill chunk or decode")
+        for c in chunks:
+            if not 0 <= c.start < c.end <= len(c.token_ids):
+                raise EngineInputError(f"chunk [{c.start}, {c.end}) outside a prompt of "
+                                       f"{len(c.token_ids)} tokens")
+            self._check_block_table(c.block_table, c.end)
+        self._check_decodes(decodes)
+        return self._forward(chunks, decodes, layer_hook)
+
+    def _forward(self, chunks: Sequence[PrefillChunk], decodes: Sequence[DecodeInput],
+                 layer_hook: Optional[Callable[[int], None]],
+                 ) -> tuple[list[Optional[torch.Tensor]], Optional[torch.Tensor]]:
+        ids: list[int] = []
+        parts: list[tuple[int, int, AttnMetadata]] = []
+        for c in chunks:
+            table = torch.tensor(c.block_table[:self.blocks_needed(c.end)], dtype=torch.long,
+                                 device=self.device)
+            parts.append((len(ids), len(ids) + c.end - c.start,
+                          self._prefill_meta(table, c.start, c.end)))
+            ids += c.token_ids[c.start:c.end]
+        if decodes:
+            parts.append((len(ids), len(ids) + len(decodes), self._decode_meta(decodes)))
+            ids += [d.token_id for d in decodes]
+        meta = parts[0][2] if len(parts) == 1 else _mixed_meta(parts)
+        hidden = self.model.forward(torch.tensor(ids, dtype=torch.long, device=self.device),
+                                    meta, self.attention, layer_hook)
+        # Logits only where a token is sampled: the last token of finished prompts, and
+        # every decode row; one lm_head call for all of them.
+        rows = [e - 1 for (_, e, _), c in zip(parts, chunks) if c.last]
+        first_decode = len(rows)
+        if decodes:
+            start = parts[-1][0]
+            rows += range(start, start + len(decodes))
+        logits = self.model.logits(hidden[rows]) if rows else None
+        out: list[Optional[torch.Tensor]] = []
+        i = 0
+        for c in chunks:
+            out.append(logits[i] if c.last else None)
+            i += c.last
+        return out, (logits[first_decode:] if decodes else None)
 
     def _prefill_meta(self, table: torch.Tensor, start: int, end: int) -> AttnMetadata:
         bs = self.config.block_size
@@ -144,11 +194,15 @@ class Engine:
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(~allowed, float("-inf"))
 
-    @torch.inference_mode()
     def decode_step(self, batch: list[DecodeInput]) -> torch.Tensor:
         """Feed one token per sequence at its position; logits [B, vocab] (float32)."""
         if not batch:
             raise EngineInputError("decode_step needs at least one sequence")
+        logits = self.step(decodes=batch)[1]
+        assert logits is not None
+        return logits
+
+    def _check_decodes(self, batch: Sequence[DecodeInput]) -> None:
         if len(batch) > self.config.max_batch_size:
             raise EngineInputError(f"batch of {len(batch)} exceeds max_batch_size "
                                    f"{self.config.max_batch_size}")
@@ -158,12 +212,8 @@ class Engine:
                                        f"[0, {self.max_context})")
             self._check_token_ids([item.token_id])
             self._check_block_table(item.block_table, item.position + 1)
-        ids = torch.tensor([b.token_id for b in batch], dtype=torch.long, device=self.device)
-        meta = self._decode_meta(batch)
-        hidden = self.model.forward(ids, meta, self.attention)
-        return self.model.logits(hidden)
 
-    def _decode_meta(self, batch: list[DecodeInput]) -> AttnMetadata:
+    def _decode_meta(self, batch: Sequence[DecodeInput]) -> AttnMetadata:
         bs = self.config.block_size
         nbs = [b.position // bs + 1 for b in batch]
         width = max(nbs)
@@ -180,3 +230,16 @@ class Engine:
             batch=len(batch), q_len=1, positions=positions, slot_blocks=slots,
             block_tables=tables, kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=self.device),
             kv_lens_list=kv_lens, mask=mask, slot_rows=self.kv.token_rows(slots, positions))
+
+
+def _mixed_meta(parts: list[tuple[int, int, AttnMetadata]]) -> AttnMetadata:
+    """Metadata of a mixed step: the new tokens of every part (for RoPE and the one KV
+    write per layer) and the parts themselves (attention runs per part)."""
+    metas = [m for _, _, m in parts]
+    cat = lambda name: torch.cat([getattr(m, name) for m in metas])  # noqa: E731
+    rows = None if any(m.slot_rows is None for m in metas) else cat("slot_rows")
+    return AttnMetadata(
+        batch=len(parts), q_len=0, positions=cat("positions"), slot_blocks=cat("slot_blocks"),
+        block_tables=torch.empty(0, dtype=torch.long), kv_lens=cat("kv_lens"),
+        kv_lens_list=[n for m in metas for n in m.kv_lens_list], mask=None,
+        slot_rows=rows, parts=parts)

@@ -28,6 +28,10 @@ class AttnMetadata:
     #                               attend); None = fresh causal
     fresh: bool = False           # single sequence starting at 0: attend the new K/V directly
     slot_rows: Optional[torch.Tensor] = None  # [T] PagedKVMemory.token_rows (fast writes)
+    # A mixed step (Sarathi-style: prefill chunks of several prompts and a decode batch in
+    # one forward): ``parts`` are (first token, end token, metadata of that part). The
+    # linear layers run once over all T tokens; attention runs once per part.
+    parts: Optional[list[tuple[int, int, "AttnMetadata"]]] = None
 
 
 class AttentionBackend(Protocol):
@@ -50,11 +54,19 @@ class SdpaAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttnMetadata) -> torch.Tensor:
-        t, heads, hd = q.shape
         if meta.slot_rows is not None:
             self.kv.write_rows(layer, meta.slot_rows, k, v)
         else:
             self.kv.write_tokens(layer, meta.slot_blocks, meta.positions, k, v)
+        if meta.parts is None:
+            return self._attend(layer, q, k, v, meta)
+        return torch.cat([self._attend(layer, q[s:e], k[s:e], v[s:e], part)
+                          for s, e, part in meta.parts])
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttnMetadata) -> torch.Tensor:
+        """Attention of one uniform part whose new K/V are already in the paged memory."""
+        t, heads, hd = q.shape
         b, ql = meta.batch, meta.q_len
         qb = q.view(b, ql, heads, hd).transpose(1, 2)
         if meta.fresh:
@@ -100,6 +112,9 @@ class FlashAttention:
         t, heads, hd = q.shape
         if q.dtype not in (torch.float16, torch.bfloat16) or self.kv.block_size % 256:
             return self._fallback(layer, q, k, v, meta)
+        if meta.parts is not None:
+            return torch.cat([self(layer, q[s:e], k[s:e], v[s:e], part)
+                              for s, e, part in meta.parts])
         self.kv.write_tokens(layer, meta.slot_blocks, meta.positions, k, v)
         layer_kv = self.kv.layer_view(layer)
         out = self._fn(
