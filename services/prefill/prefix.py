@@ -50,6 +50,17 @@ class PrefixLoader:
     async def acquire(self, tokens: list[int], keys: list[bytes]) -> Optional[PrefixPlan]:
         """Reference every block the prompt needs; None if the pool cannot hold it."""
         need = -(-len(tokens) // self.bs)
+        cached, from_store, in_store = await self.lookup(tokens, keys)
+        rest = self.pool.try_allocate(need - len(cached))
+        if rest is None:
+            self.pool.free(cached)
+            return None
+        return PrefixPlan(cached + rest, len(cached), from_store, in_store)
+
+    async def lookup(self, tokens: list[int], keys: list[bytes]) -> tuple[list[int], int, int]:
+        """The prompt's longest cached prefix, referenced: the local cache first, then the
+        store. Returns (blocks, how many came from the store now, first block index not
+        known to be in the store). At least one token is always left to compute."""
         local = self.pool.match_prefix(keys)
         loaded: list[int] = []
         in_store = len(local)
@@ -59,12 +70,8 @@ class PrefixLoader:
         # At least one token must be computed to produce the first token's logits.
         while cached and len(cached) * self.bs >= len(tokens):
             self.pool.free([cached.pop()])
-        rest = self.pool.try_allocate(need - len(cached))
-        if rest is None:
-            self.pool.free(cached)
-            return None
         from_store = max(0, len(cached) - len(local))
-        return PrefixPlan(cached + rest, len(cached), from_store, max(in_store, len(cached)))
+        return cached, from_store, max(in_store, len(cached))
 
     async def _load(self, keys: list[bytes], have: int) -> tuple[list[int], int]:
         """Fetch blocks [have, n) from the store; returns (blocks loaded, n in store)."""
