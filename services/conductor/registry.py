@@ -8,6 +8,11 @@ from typing import Optional
 from common.protocol import RegisterWorker, WorkerHeartbeat
 
 
+# Which registered roles serve a role the scheduler asks for.
+SERVES = {"prefill": ("prefill", "colocated"), "decode": ("decode", "colocated")}
+ROLES = ("prefill", "decode", "colocated")
+
+
 @dataclass
 class WorkerState:
     info: RegisterWorker
@@ -60,7 +65,9 @@ class Registry:
         return dead
 
     def by_role(self, role: str) -> list[WorkerState]:
-        return [w for w in self.workers.values() if w.info.role == role]
+        """Workers that serve ``role``; a colocated worker serves both prefill and decode."""
+        roles = SERVES.get(role, (role,))
+        return [w for w in self.workers.values() if w.info.role in roles]
 
     def get(self, instance_id: str) -> Optional[WorkerState]:
         return self.workers.get(instance_id)

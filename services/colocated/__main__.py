@@ -1,0 +1,9 @@
+import sys
+
+from common.cpu import apply_from_env
+
+apply_from_env("colocated", torch_threads=True)  # before any thread exists; see common/cpu.py
+
+from services.colocated import main  # noqa: E402
+
+sys.exit(main())

@@ -1,0 +1,226 @@
+"""The colocated worker: one engine that prefills and decodes in the same steps.
+
+The in-project baseline for disaggregation, and the right deployment for one small box.
+It is a decode worker (reservations, continuous batching, streaming, aborts and the
+sweep are inherited) that also takes the PrefillTasks the conductor addresses to it and
+runs Sarathi-style steps: each step feeds one token of every running sequence it serves
+(at most ``max_batch_size``, taking turns beyond that) and fills the rest of a token
+budget with chunks of waiting prompts, oldest first, in one forward pass. A prompt's
+cached prefix (local cache, then the store) is reused; no KV moves between processes.
+
+Per request: ReserveBlocks → BlocksReserved (as a decode worker) → PrefillTask → the
+reservation's leading blocks are swapped for the cached prefix → chunks → the last chunk
+samples the first token → PrefillDone to the conductor, and the sequence joins the batch.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from common.config import ClusterConfig
+from common.engine import DecodeInput
+from common.engine.config import PrefillChunk
+from common.engine.errors import EngineInputError
+from common.engine.sampling import sample
+from common.mailbox import serve_inbox
+from common.protocol import AbortRequest, PrefillDone, PrefillTask, RequestFailed
+from common.worker import WorkerRuntime, make_generator
+from services.decode.sequence import Reservation
+from services.decode.service import DecodeWorker
+from services.decode.turns import Turns
+from services.prefill.prefix import PrefixLoader, PrefixPlan
+
+log = logging.getLogger("colocated")
+
+
+@dataclass
+class Prefilling:
+    """A prompt being computed into its own reservation, chunk by chunk."""
+
+    task: PrefillTask
+    reservation: Reservation  # blocks: the cached prefix, then the reserved rest
+    keys: list[bytes]
+    done: int  # tokens whose KV is in the blocks: the cached prefix, then computed chunks
+    cached_tokens: int
+    global_tokens: int  # of the cached, loaded from the store for this request
+    stored_from: int  # first block index not known to be in the store
+    started: float  # perf_counter when the task arrived
+    aborted: bool = False
+
+    @property
+    def remaining(self) -> int:
+        return len(self.task.token_ids) - self.done
+
+
+def plan_chunks(prefilling: list[Prefilling], budget: int) -> list[tuple[Prefilling, int]]:
+    """(prompt, tokens to compute) for one step: oldest prompts first, within ``budget``.
+
+    A prompt that does not fit whole takes what is left of the budget (a chunk); the next
+    step continues it. Pure, for tests."""
+    out: list[tuple[Prefilling, int]] = []
+    for p in prefilling:
+        if budget <= 0:
+            break
+        if p.aborted or p.remaining <= 0:
+            continue
+        n = min(p.remaining, budget)
+        out.append((p, n))
+        budget -= n
+    return out
+
+
+class ColocatedWorker(DecodeWorker):
+    def __init__(self, rt: WorkerRuntime, prefix: PrefixLoader) -> None:
+        super().__init__(rt)
+        self.prefix = prefix
+        self.prefilling: list[Prefilling] = []  # arrival order
+        self.budget = max(1, rt.config.token_budget)
+        self._admitting: set[asyncio.Task] = set()
+        self.handlers[PrefillTask] = self.on_task
+        self.handlers[AbortRequest] = self.on_abort
+
+    # ------------------------------------------------------------ prompts
+    def on_task(self, task: PrefillTask) -> None:
+        r = self.reserved.get(task.request_id)
+        if r is None:  # aborted or expired meanwhile; the conductor has been told
+            log.debug("prefill task %s without a reservation", task.request_id)
+            return
+        try:
+            self.engine.validate_prompt(task.token_ids)
+        except EngineInputError as exc:
+            del self.reserved[task.request_id]
+            self._release(r.request_id, r.blocks, "invalid")
+            self.rt.mail.send(self.rt.conductor, RequestFailed(
+                task.request_id, 400, "invalid_request_error", str(exc)))
+            return
+        job = asyncio.create_task(self._admit(task, time.perf_counter()))
+        self._admitting.add(job)
+        job.add_done_callback(self._admitting.discard)
+
+    async def _admit(self, task: PrefillTask, started: float) -> None:
+        """Find the cached prefix (the store lookup awaits), then queue the prompt."""
+        tokens = task.token_ids
+        keys = self.engine.block_keys(tokens)
+        cached, from_store, in_store = await self.prefix.lookup(tokens, keys)
+        r = self.reserved.pop(task.request_id, None)
+        if r is None or r.aborted:  # aborted or expired during the lookup
+            self.pool.free(cached)
+            if r is not None:
+                self._release(r.request_id, r.blocks, "abort")
+            return
+        k = len(cached)
+        self.pool.free(r.blocks[:k])
+        r.blocks = cached + r.blocks[k:]
+        bs = self.engine.config.block_size
+        self.prefilling.append(Prefilling(task, r, keys, k * bs, k * bs, from_store * bs,
+                                          in_store, started))
+        self.wake.set()
+
+    def on_abort(self, msg: AbortRequest) -> None:
+        # Nothing else writes into a colocated reservation: free it at once.
+        r = self.reserved.pop(msg.request_id, None)
+        if r is not None:
+            self._release(r.request_id, r.blocks, "abort")
+        for p in self.prefilling:
+            if p.task.request_id == msg.request_id:
+                p.aborted = True  # freed between steps, never under a running step
+        super().on_abort(msg)
+
+    def _drop_aborted(self) -> None:
+        now = time.time()
+        keep: list[Prefilling] = []
+        for p in self.prefilling:
+            if p.aborted:
+                self._release(p.task.request_id, p.reservation.blocks, "abort")
+            elif now > p.task.deadline:
+                self._release(p.task.request_id, p.reservation.blocks, "timeout")
+                self.rt.mail.send(self.rt.conductor, RequestFailed(
+                    p.task.request_id, 504, "timeout", "prefill missed its deadline"))
+            else:
+                keep.append(p)
+        self.prefilling = keep
+        for seq in [s for s in self.running.values() if s.aborted]:
+            self.finish(seq, "abort")
+
+    def _prefilled(self, p: Prefilling, logits) -> None:  # noqa: ANN001 (a logits row)
+        """The prompt's last chunk ran: publish its blocks, report, start decoding."""
+        r, task = p.reservation, p.task
+        full = len(p.keys)
+        self.pool.cache_full_blocks(r.blocks[:full], p.keys)
+        if self.prefix.store is not None and p.stored_from < full:
+            # The put reads the blocks after this returns: hold a reference of its own.
+            held = self.pool.match_prefix(p.keys)
+            self.prefix.release(PrefixPlan(held, 0, 0, p.stored_from), p.keys[:len(held)])
+        tokens, logprobs = sample(logits.unsqueeze(0), [r.params],
+                                  [make_generator(r.params, 0)])
+        prompt = len(task.token_ids)
+        self.rt.mail.send(self.rt.conductor, PrefillDone(
+            task.request_id, self.rt.instance_id, prompt, p.cached_tokens, p.global_tokens,
+            time.perf_counter() - p.started, 0, 0.0))
+        self.start(r, int(tokens[0]), logprobs[0], prompt, p.cached_tokens)
+
+    # ------------------------------------------------------------ steps
+    async def step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        max_batch = self.engine.config.max_batch_size
+        turns = Turns()
+        while True:
+            self._drop_aborted()
+            if not self.running and not self.prefilling:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            batch = [self.running[rid] for rid in turns.next_batch(self.running, max_batch)]
+            planned = plan_chunks(self.prefilling, self.budget - len(batch))
+            chunks = [PrefillChunk(p.task.token_ids, p.done, p.done + n, p.reservation.blocks)
+                      for p, n in planned]
+            inputs = [DecodeInput(s.last_token, s.position, s.blocks) for s in batch]
+            try:
+                per_chunk, logits = await loop.run_in_executor(
+                    self.compute, lambda: self.engine.step(chunks, inputs))
+            except EngineInputError as exc:  # a bug, not load: fail the prompts, keep serving
+                log.exception("colocated step failed")
+                for p, _ in planned:
+                    p.aborted = True
+                    self.rt.mail.send(self.rt.conductor, RequestFailed(
+                        p.task.request_id, 500, "internal_error", f"prefill failed: {exc}"))
+                continue
+            if logits is not None:
+                self.advance(batch, logits)
+            for (p, n), row in zip(planned, per_chunk):
+                p.done += n
+                if row is not None and not p.aborted:
+                    self.prefilling.remove(p)
+                    self._prefilled(p, row)
+            await asyncio.sleep(0)  # let the inbox in between steps
+
+    def load(self) -> tuple[int, int, int, int]:
+        queued = len(self.reserved) + len(self.prefilling)
+        tokens = sum(p.remaining for p in self.prefilling)
+        context = sum(s.context_tokens for s in self.running.values())
+        return queued, tokens, len(self.running), context
+
+
+async def run(config: ClusterConfig, index: int = 0) -> None:
+    rt = WorkerRuntime(config, "colocated", index)
+    prefix = await PrefixLoader.create(rt)
+    worker = ColocatedWorker(rt, prefix)
+
+    async def sweeper() -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            worker.sweep()
+
+    tasks = [asyncio.create_task(c) for c in
+             (worker.step_loop(), rt.heartbeat_loop(worker.load), sweeper())]
+    log.info("%s ready (inbox %s, %d KV blocks, budget %d tokens/step, store %s)",
+             rt.instance_id, rt.inbox_address, rt.engine.kv.num_blocks, worker.budget,
+             "on" if prefix.store else "off")
+    try:
+        await serve_inbox(rt.mail, worker.handlers, tasks)
+    finally:
+        await prefix.close()
+        rt.close()
