@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from common.cpu import CpuConfig
+
 
 @dataclass
 class SLOConfig:
@@ -53,6 +55,7 @@ class ClusterConfig:
     store_segment_bytes: int = 256 << 20
     store_ssd_bytes: int = 0
     store_ssd_dir: Optional[str] = None
+    cpu: CpuConfig = field(default_factory=CpuConfig)  # [cpu]: per-role cores, threads
 
     # --------------------------------------------------------------- topology
     def inbox(self, role: str, index: int = 0) -> str:
@@ -95,6 +98,8 @@ class ClusterConfig:
         data = dict(data)
         if "slo" in data:
             data["slo"] = SLOConfig(**data["slo"])
+        if "cpu" in data:
+            data["cpu"] = CpuConfig(**data["cpu"])
         return cls(**data)
 
     @classmethod

@@ -24,6 +24,7 @@ def engine_config(config: ClusterConfig, role: str) -> EngineConfig:
         block_size=config.block_size,
         num_blocks=config.prefill_blocks if role == "prefill" else config.decode_blocks,
         prefill_chunk=config.prefill_chunk, max_batch_size=config.max_batch_size,
+        num_threads=config.cpu.threads(role),  # None: as pinned at start (common/cpu.py)
     )
 
 

@@ -1,7 +1,8 @@
 """Start, watch and stop a whole local Crescent cluster as separate processes.
 
 Used by ``crescent up`` and by the end-to-end tests. Every child gets the same config
-file; each one logs to ``<log_dir>/<role>-<index>.log``.
+file; each one logs to ``<log_dir>/<role>-<index>.log``. Each child also gets its CPU
+core set and thread count in its environment (common/cpu.py) and pins itself at start.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from common.config import ClusterConfig
+from common.cpu import ENV_CPUS, ENV_THREADS, CpuPlan, plan_cores, plan_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -67,6 +69,7 @@ class LocalCluster:
     def __init__(self, config_path: Optional[str], log_dir: str | Path) -> None:
         self.config_path = config_path
         self.config = ClusterConfig.load(config_path)
+        plan_cores(self.plan(), self.config.cpu, os.sched_getaffinity(0))  # fail fast
         self.log_dir = Path(log_dir)
         self.children: list[Child] = []
 
@@ -87,6 +90,14 @@ class LocalCluster:
         order.append(("router", 0))
         return order
 
+    def cpu_plan(self, role: str, index: int) -> Optional[CpuPlan]:
+        """The cores and threads of one child (None: affinity off). The whole start plan is
+        divided at once, so a child spawned again later gets the same cores as before."""
+        processes = self.plan()
+        if (role, index) not in processes:
+            processes.append((role, index))
+        return plan_cores(processes, self.config.cpu, os.sched_getaffinity(0)).get((role, index))
+
     def spawn(self, role: str, index: int) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{role}-{index}.log"
@@ -94,6 +105,11 @@ class LocalCluster:
         cmd += service_args(role, index, self.config, self.config_path)
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        env.pop(ENV_CPUS, None)  # never inherit a plan from the launcher's own environment
+        env.pop(ENV_THREADS, None)
+        plan = self.cpu_plan(role, index)
+        if plan is not None:
+            env.update(plan_env(plan))
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     cwd=REPO, start_new_session=True)

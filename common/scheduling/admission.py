@@ -2,13 +2,15 @@
 
 A decode instance *holds* a request when its KV (prompt + max_tokens) fits in free memory
 and, if it has a fixed maximum batch, the batch has a free seat; its predicted TBT is the
-cost model's step time with the request added. Prediction-based early rejection looks at
-the decode load at the moment ``at_s`` the request's prefill will end: each request running
-on the instance, and each one predicted to finish prefill by then (``incoming``), counts
-with the probability that it is still decoding at ``at_s`` (``DecodeDurations``: the
-empirical survival of recent decode durations, or the paper's uniform typical time), or
-exactly when its own ``DecodeSlot.decode_s`` is known. Batch size and context are thus
-expected values.
+cost model's time between two tokens with the request added, in turns of at most
+``step_batch`` sequences per step when the instance has such a limit (the worker serves a
+larger batch in turns; see ``CostModel.decode_tbt_seconds``). Prediction-based early
+rejection looks at the decode load at the moment ``at_s`` the request's prefill will end:
+each request running on the instance, and each one predicted to finish prefill by then
+(``incoming``), counts with the probability that it is still decoding at ``at_s``
+(``DecodeDurations``: the empirical survival of recent decode durations, or the paper's
+uniform typical time), or exactly when its own ``DecodeSlot.decode_s`` is known. Batch
+size and context are thus expected values.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class DecodeLoad:
     context_tokens: float
     capacity_tokens: int
     max_batch: Optional[int] = None   # None: only KV memory bounds the batch
+    step_batch: Optional[int] = None  # most sequences per step; beyond it, turns
 
     def fits(self, tokens: int) -> bool:
         if self.max_batch is not None and self.batch_size + 1 > self.max_batch:
@@ -36,7 +39,7 @@ class DecodeLoad:
 
 def current_load(state: DecodeInstanceState) -> DecodeLoad:
     return DecodeLoad(state.batch_size, state.total_context_tokens, state.capacity_tokens,
-                      state.max_batch)
+                      state.max_batch, state.step_batch)
 
 
 def predicted_load(state: DecodeInstanceState, at_s: float, now_s: float,
@@ -54,7 +57,7 @@ def predicted_load(state: DecodeInstanceState, at_s: float, now_s: float,
             p = _alive(slot, at_s, 0.0, at_s - slot.start_s, durations)
             batch += p
             tokens += p * slot.tokens
-    return DecodeLoad(batch, tokens, state.capacity_tokens, state.max_batch)
+    return DecodeLoad(batch, tokens, state.capacity_tokens, state.max_batch, state.step_batch)
 
 
 def _alive(slot: DecodeSlot, at_s: float, elapsed_s: float, horizon_s: float,
@@ -87,7 +90,8 @@ def choose_decode(
         fits = load.fits(need)
         if require_fit and not fits:
             continue
-        tbt = cost.decode_tbt_seconds(load.batch_size + 1, load.context_tokens + req.prompt_tokens)
+        tbt = cost.decode_tbt_seconds(load.batch_size + 1, load.context_tokens + req.prompt_tokens,
+                                      load.step_batch)
         ranked.append((not fits, tbt, i))
     if not ranked:
         return DecodeChoice(None, math.inf)

@@ -8,16 +8,20 @@ request::
 (linear layers scale with ``n``; causal attention with ``n*c + n^2/2``; ``c_cached`` covers
 loading cached KV when it is not overlapped). Decode time between tokens (TBT) of one batch
 step is ``d0 + d_batch*B + d_ctx*K`` for batch size ``B`` and ``K`` context tokens in the
-batch (weights read once per step, KV read per token, per-sequence compute). Transfer time
+batch (weights read once per step, KV read per token, per-sequence compute). A worker that
+steps at most ``M`` sequences at once serves a larger batch in ``R = ceil(B/M)`` turns, so a
+sequence waits ``R*d0 + d_batch*B + d_ctx*K`` between tokens (the per-step cost is paid R
+times; the per-sequence and per-token costs once). Transfer time
 is ``bytes / bandwidth``. Formulas and the named profiles are written down in
 docs/simulator.md.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -111,9 +115,15 @@ class CostModel:
         t = p.c0 + p.c_new * n + p.c_cached * c + p.c_new_cached * n * c + p.c_new_sq * n * n
         return max(t, 0.0)
 
-    def decode_tbt_seconds(self, batch_size: int, total_context_tokens: int) -> float:
+    def decode_tbt_seconds(self, batch_size: float, total_context_tokens: float,
+                           step_batch: Optional[int] = None) -> float:
+        """Seconds between two tokens of one sequence in a batch of ``batch_size``;
+        ``step_batch``: the most sequences one step runs (None: all of them)."""
         d = self.decode
-        return max(d.d0 + d.d_batch * batch_size + d.d_ctx * total_context_tokens, 0.0)
+        turns = 1
+        if step_batch is not None and batch_size > step_batch:
+            turns = math.ceil(batch_size / step_batch)
+        return max(turns * d.d0 + d.d_batch * batch_size + d.d_ctx * total_context_tokens, 0.0)
 
     def with_decode_slowdown(self, factor: float) -> "CostModel":
         """The same model with every decode step ``factor`` times slower (a decode pool of

@@ -116,6 +116,8 @@ class DecodeInstanceState:
     """A decode instance: current batch, and the requests predicted to arrive.
 
     ``max_batch``: a fixed cap on concurrent sequences (``None``: KV memory only).
+    ``step_batch``: the most sequences one decode step runs (the live worker's
+    ``max_batch_size``); beyond it sequences take turns and TBT grows (``None``: no limit).
     """
 
     instance_id: str
@@ -126,6 +128,7 @@ class DecodeInstanceState:
     running: list[DecodeSlot] = field(default_factory=list)
     incoming: list[DecodeSlot] = field(default_factory=list)
     max_batch: Optional[int] = None
+    step_batch: Optional[int] = None
 
     @property
     def capacity_tokens(self) -> int:

@@ -47,7 +47,7 @@ class Prefilling:
     cached_tokens: int
     global_tokens: int  # of the cached, loaded from the store for this request
     stored_from: int  # first block index not known to be in the store
-    started: float  # perf_counter when the task arrived
+    started: Optional[float] = None  # perf_counter of its first step (prefill time)
     aborted: bool = False
 
     @property
@@ -96,11 +96,11 @@ class ColocatedWorker(DecodeWorker):
             self.rt.mail.send(self.rt.conductor, RequestFailed(
                 task.request_id, 400, "invalid_request_error", str(exc)))
             return
-        job = asyncio.create_task(self._admit(task, time.perf_counter()))
+        job = asyncio.create_task(self._admit(task))
         self._admitting.add(job)
         job.add_done_callback(self._admitting.discard)
 
-    async def _admit(self, task: PrefillTask, started: float) -> None:
+    async def _admit(self, task: PrefillTask) -> None:
         """Find the cached prefix (the store lookup awaits), then queue the prompt."""
         tokens = task.token_ids
         keys = self.engine.block_keys(tokens)
@@ -116,7 +116,7 @@ class ColocatedWorker(DecodeWorker):
         r.blocks = cached + r.blocks[k:]
         bs = self.engine.config.block_size
         self.prefilling.append(Prefilling(task, r, keys, k * bs, k * bs, from_store * bs,
-                                          in_store, started))
+                                          in_store))
         self.wake.set()
 
     def on_abort(self, msg: AbortRequest) -> None:
@@ -159,7 +159,7 @@ class ColocatedWorker(DecodeWorker):
         prompt = len(task.token_ids)
         self.rt.mail.send(self.rt.conductor, PrefillDone(
             task.request_id, self.rt.instance_id, prompt, p.cached_tokens, p.global_tokens,
-            time.perf_counter() - p.started, 0, 0.0))
+            time.perf_counter() - (p.started or time.perf_counter()), 0, 0.0))
         self.start(r, int(tokens[0]), logprobs[0], prompt, p.cached_tokens)
 
     # ------------------------------------------------------------ steps
@@ -175,6 +175,8 @@ class ColocatedWorker(DecodeWorker):
                 continue
             batch = [self.running[rid] for rid in turns.next_batch(self.running, max_batch)]
             planned = plan_chunks(self.prefilling, self.budget - len(batch))
+            for p, _ in planned:
+                p.started = p.started or time.perf_counter()
             chunks = [PrefillChunk(p.task.token_ids, p.done, p.done + n, p.reservation.blocks)
                       for p, n in planned]
             inputs = [DecodeInput(s.last_token, s.position, s.blocks) for s in batch]

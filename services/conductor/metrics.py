@@ -1,7 +1,15 @@
-"""Conductor metrics (prometheus-client), served on its own port."""
+"""Conductor metrics (prometheus-client), served on its own port with ``/debug/ttft``."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import threading
+from typing import Any, Callable, Iterable
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from services.conductor.ttft_log import TTFTLog, TTFTRecord
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -29,6 +37,10 @@ class ConductorMetrics:
                                     "actual − predicted TTFT",
                                     buckets=(-5, -1, -0.25, -0.05, 0, 0.05, 0.25, 1, 5),
                                     registry=r)
+        self.ttft_rel_error = Histogram(
+            "crescent_conductor_ttft_rel_error", "(predicted − actual) / actual prefill TTFT",
+            buckets=(-0.9, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2, 5), registry=r)
+        self.ttft_log = TTFTLog()
         self.prompt_tokens = Counter("crescent_prompt_tokens", "prompt tokens prefilled",
                                      registry=r)
         self.cached_tokens = Counter("crescent_cached_tokens",
@@ -46,10 +58,41 @@ class ConductorMetrics:
         self.in_flight = Gauge("crescent_conductor_in_flight", "admitted, unfinished",
                                registry=r)
 
-    def serve(self, port: int, host: str) -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+    def observe_ttft(self, rec: TTFTRecord) -> None:
+        """One request's predicted vs actual (accept → KV on decode) TTFT."""
+        self.actual_ttft.observe(rec.actual_prefill_ttft_s)
+        self.ttft_error.observe(rec.actual_prefill_ttft_s - rec.predicted_ttft_s)
+        if rec.rel_error is not None:
+            self.ttft_rel_error.observe(rec.rel_error)
+        self.ttft_log.record(rec)
+
+    def serve(self, port: int, host: str) -> ThreadingWSGIServer:
+        """Prometheus text on every path but ``/debug/ttft`` (JSON), in a daemon thread.
+        Port 0 picks a free port (``server.server_port``)."""
+        server = make_server(host, port, self.wsgi_app(), ThreadingWSGIServer,
+                             handler_class=_QuietHandler)
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+        return server
+
+    def wsgi_app(self) -> Callable[[dict, Callable], Iterable[bytes]]:
+        metrics = make_wsgi_app(self.registry)
+
+        def app(environ: dict[str, Any], start_response: Callable) -> Iterable[bytes]:
+            if environ.get("PATH_INFO") != "/debug/ttft":
+                return metrics(environ, start_response)
+            body = orjson.dumps(self.ttft_log.snapshot())
+            start_response("200 OK", [("Content-Type", "application/json"),
+                                      ("Content-Length", str(len(body)))])
+            return [body]
+
+        return app
 
     def update_gauges(self, registry, tracker) -> None:  # noqa: ANN001 (avoid import cycle)
         for role in ("prefill", "decode"):
             self.workers.labels(role=role).set(len(registry.by_role(role)))
         self.in_flight.set(len(tracker.requests))
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass  # one line per scrape would drown the conductor's log

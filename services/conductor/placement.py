@@ -77,7 +77,8 @@ class Placer:
         pending = len(w.assigned) - running
         state = DecodeInstanceState(
             w.instance_id, batch_size=running + max(pending, 0), total_context_tokens=context,
-            free_blocks=w.free_blocks, block_size=w.info.block_size)
+            free_blocks=w.free_blocks, block_size=w.info.block_size,
+            step_batch=self.config.max_batch_size)
         if tracker is not None and self.policy.config.admission == "predicted":
             state.running, state.incoming = decode_slots(w, tracker, now)
         return state

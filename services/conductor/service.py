@@ -24,6 +24,7 @@ from services.conductor.placement import Placement, Placer
 from services.conductor.registry import Registry
 from services.conductor.store_events import StoreEventFeed
 from services.conductor.tracker import Phase, Tracked, Tracker
+from services.conductor.ttft_log import TTFTRecord
 
 log = logging.getLogger("conductor")
 
@@ -152,9 +153,9 @@ class Conductor:
         self.tracker.set_phase(t, Phase.DECODING, t.phase_deadline)
         t.decode_started_at = self.clock()
         self._release_prefill(t)
-        actual = t.decode_started_at - t.accepted_at
-        self.metrics.actual_ttft.observe(actual)
-        self.metrics.ttft_error.observe(actual - t.predicted_ttft_s)
+        self.metrics.observe_ttft(TTFTRecord(
+            t.req.request_id, t.accepted_at, t.predicted_ttft_s,
+            t.decode_started_at - t.accepted_at, len(t.req.token_ids), t.prefill_tokens))
         self.metrics.cached_tokens.inc(msg.cached_tokens)
         self.metrics.global_hit_tokens.inc(msg.global_hit_tokens)
         self.metrics.prompt_tokens.inc(msg.prompt_tokens)

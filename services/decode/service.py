@@ -19,6 +19,7 @@ from common.protocol import (
 from common.worker import WorkerRuntime, make_generator, sampling_params_from_dict
 from services.decode.detok import IncrementalText
 from services.decode.sequence import Reservation, Running
+from services.decode.turns import Turns
 
 log = logging.getLogger("decode")
 
@@ -145,6 +146,7 @@ class DecodeWorker:
     async def step_loop(self) -> None:
         loop = asyncio.get_running_loop()
         max_batch = self.engine.config.max_batch_size
+        turns = Turns()  # beyond max_batch sequences take turns (services/decode/turns.py)
         while True:
             for seq in [s for s in self.running.values() if s.aborted]:
                 self.finish(seq, "abort")
@@ -152,7 +154,7 @@ class DecodeWorker:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
-            batch = list(self.running.values())[:max_batch]
+            batch = [self.running[rid] for rid in turns.next_batch(self.running, max_batch)]
             inputs = [DecodeInput(s.last_token, s.position, s.blocks) for s in batch]
             logits = await loop.run_in_executor(self.compute, self.engine.decode_step, inputs)
             tokens, logprobs = sample(logits, [s.params for s in batch],

@@ -1,0 +1,30 @@
+"""Which prompt chunks a colocated step computes within its token budget."""
+from __future__ import annotations
+
+from common.protocol import PrefillTask
+from services.colocated.service import Prefilling, plan_chunks
+from services.decode.sequence import Reservation
+
+
+def job(rid: str, n: int, done: int = 0, aborted: bool = False) -> Prefilling:
+    task = PrefillTask(request_id=rid, token_ids=list(range(n)), sampling={}, decode_id="c",
+                       decode_inbox="tcp://c", decode_session="h:1", decode_kv_base=0,
+                       decode_block_ids=[], deadline=0.0, router_inbox="tcp://r")
+    r = Reservation(rid, [], n, None, "tcp://r", 0.0)  # type: ignore[arg-type]
+    return Prefilling(task, r, [], done, done, 0, 0, aborted=aborted)
+
+
+def test_oldest_first_and_the_last_one_is_chunked() -> None:
+    a, b, c = job("a", 100, done=40), job("b", 50), job("c", 80)
+    assert [(p.task.request_id, n) for p, n in plan_chunks([a, b, c], 128)] == [
+        ("a", 60), ("b", 50), ("c", 18)]
+
+
+def test_aborted_and_finished_prompts_take_no_budget() -> None:
+    a, b, c = job("a", 30, aborted=True), job("b", 20, done=20), job("c", 200)
+    assert [(p.task.request_id, n) for p, n in plan_chunks([a, b, c], 64)] == [("c", 64)]
+
+
+def test_no_budget_no_chunks() -> None:
+    assert plan_chunks([job("a", 10)], 0) == []
+    assert plan_chunks([job("a", 10)], -3) == []
