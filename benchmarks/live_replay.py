@@ -1,0 +1,405 @@
+"""Live replay: real clusters under a scaled Mooncake trace, driven by NVIDIA AIPerf.
+
+For every cluster configuration and every rate, a fresh cluster is started from
+launch/configs/default.toml plus the configuration's overrides, AIPerf replays the same
+trace slice at that rate on a fixed schedule (streaming chat), the router's and the
+conductor's ``/metrics`` are scraped, and the cluster is stopped. Metrics are computed
+here from AIPerf's per-request records (benchmarks/replay_metrics.py), not taken from
+its summary: TTFT, ITL, E2E, TBT as in the paper (mean of a request's longest 10 % gaps),
+goodput within the TTFT and TBT SLOs, 429s, errors, prefix-hit rate.
+
+AIPerf is the optional ``bench`` extra. Its pins (pyzmq, orjson, rich, ...) conflict with
+Crescent's, so this script runs it as a CLI from its own venv, ``.venv-bench``, which it
+creates on first use (``--no-install`` to refuse); ``--aiperf PATH`` picks another one.
+The model's tokenizer is exported as an HF hub cache entry so AIPerf loads it with
+``HF_HUB_OFFLINE=1``: nothing is downloaded at run time.
+
+    python benchmarks/live_replay.py [--configs disagg-store,disagg-nostore,colocated]
+        [--rates 0.5,1,2] [--requests 100] [--seed 0] [--base-port 19800]
+        [--py-spy 30]   # also profile every service process for 30 s of each run
+
+Prints one table, saves TTFT/TBT CDF plots (PNG) and ends with one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.live_profile import Profiler  # noqa: E402
+from benchmarks.replay_metrics import (  # noqa: E402
+    RequestResult, conversation_slice, metric_totals, parse_record, ratio, scale_trace,
+    slice_stats, summarize,
+)
+from common.config import ClusterConfig  # noqa: E402
+from launch.cluster import ClusterError, LocalCluster  # noqa: E402
+from traces.loader import default_trace_path  # noqa: E402
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "disagg-store": {},
+    "disagg-nostore": {"use_store": False},
+    "colocated": {"mode": "colocated"},
+}
+BENCH_VENV = REPO / ".venv-bench"
+AIPERF_SPEC = "aiperf==0.13.0"
+INSTALL_HINT = (f"python -m venv .venv-bench && .venv-bench/bin/pip install '{AIPERF_SPEC}' "
+                "(or `pip install -e .[bench]` in an environment of its own: aiperf pins "
+                "older pyzmq/orjson than Crescent)")
+
+
+class ReplayError(RuntimeError):
+    """One (configuration, rate) could not be measured; the others go on."""
+
+
+# --------------------------------------------------------------------------- aiperf
+def find_aiperf(explicit: Optional[str] = None, install: bool = False) -> Optional[Path]:
+    """The aiperf CLI: ``explicit``, .venv-bench's, or this interpreter's; with
+    ``install``, .venv-bench is created and aiperf installed there when none exists."""
+    candidates = [Path(explicit)] if explicit else [
+        BENCH_VENV / "bin" / "aiperf", Path(sys.executable).parent / "aiperf"]
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    if explicit or not install:
+        return None
+    print(f"aiperf not found; installing {AIPERF_SPEC} into {BENCH_VENV} (one time; its "
+          "pins conflict with Crescent's, so it gets a venv of its own)", file=sys.stderr)
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(BENCH_VENV)], check=True,
+                       timeout=300)
+        subprocess.run([str(BENCH_VENV / "bin" / "python"), "-m", "pip", "install", "-q",
+                        AIPERF_SPEC], check=True, timeout=1200)
+    except (subprocess.SubprocessError, OSError) as exc:
+        print(f"installing aiperf failed ({exc}); install it by hand: {INSTALL_HINT}",
+              file=sys.stderr)
+        return None
+    return find_aiperf(str(BENCH_VENV / "bin" / "aiperf"))
+
+
+@dataclass(frozen=True)
+class TokenizerExport:
+    hub_cache: Path  # HF_HUB_CACHE for AIPerf
+    repo_id: str     # --tokenizer
+
+
+def export_tokenizer(model: str, model_name: str, dest: Path) -> TokenizerExport:
+    """Write the engine's tokenizer (the GGUF's, via the router's loader) as an HF hub
+    cache snapshot: ``hub/models--crescent--<name>/snapshots/<rev>/tokenizer*.json``.
+
+    A cache entry rather than a plain directory: AIPerf 0.13 in offline mode resolves
+    every tokenizer name through ``snapshot_download(local_files_only=True)``, which
+    rejects filesystem paths. The snapshot directory itself is a valid HF tokenizer dir.
+    """
+    from services.router.tokenizer import load_model_meta
+
+    config, spec = load_model_meta(model)
+    if spec is None:
+        raise ReplayError(f"model {model!r} has a byte tokenizer; AIPerf needs an HF one")
+    files = {
+        "tokenizer.json": spec["tokenizer_json"],
+        "tokenizer_config.json": json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": spec.get("bos_token"), "eos_token": spec.get("eos_token"),
+            "add_bos_token": bool(spec.get("add_bos_token")),
+            "chat_template": spec.get("chat_template"),
+            "model_max_length": config.max_position_embeddings}, indent=1),
+    }
+    digest = hashlib.sha1()
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + files[name].encode())
+    rev = digest.hexdigest()
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in model_name)
+    entry = dest / "hub" / f"models--crescent--{safe}"
+    snapshot = entry / "snapshots" / rev
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (snapshot / name).write_text(text)
+    (entry / "refs").mkdir(exist_ok=True)
+    (entry / "refs" / "main").write_text(rev)
+    return TokenizerExport(dest / "hub", f"crescent/{safe}")
+
+
+def run_aiperf(aiperf: Path, url: str, model_name: str, trace_path: Path,
+               tok: TokenizerExport, artifact_dir: Path, seed: int,
+               request_timeout_s: float, extra_inputs: tuple[str, ...] = ()
+               ) -> list[RequestResult]:
+    """Replay ``trace_path`` on a fixed schedule; one result per trace row.
+    ``extra_inputs`` (``key:value``) go into every request body."""
+    rows = [json.loads(line) for line in trace_path.read_text().splitlines() if line]
+    deadline_s = rows[-1]["timestamp"] / 1000 + request_timeout_s + 180
+    cmd = [str(aiperf), "profile", "--model", model_name, "--endpoint-type", "chat",
+           "--streaming", "--url", url, "--input-file", str(trace_path),
+           "--custom-dataset-type", "mooncake_trace", "--isl-block-size", "16",
+           "--fixed-schedule", "--tokenizer", tok.repo_id, "--random-seed", str(seed),
+           "--output-artifact-dir", str(artifact_dir), "--ui-type", "none",
+           "--no-server-metrics", "--no-gpu-telemetry", "--workers-max", "1",
+           "--record-processors", "1", "--request-timeout-seconds", str(request_timeout_s)]
+    for item in extra_inputs:
+        cmd += ["--extra-inputs", item]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               HF_HUB_CACHE=str(tok.hub_cache), HF_HUB_DISABLE_TELEMETRY="1")
+    artifact_dir.mkdir(parents=True, exist_ok=True)
+    log_path = artifact_dir / "aiperf_stdout.log"
+    with open(log_path, "wb") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                  timeout=deadline_s)
+        except subprocess.TimeoutExpired as exc:
+            raise ReplayError(f"aiperf ran past {deadline_s:.0f}s; see {log_path}") from exc
+    export = artifact_dir / "profile_export.jsonl"
+    if proc.returncode != 0 or not export.is_file():
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-25:])
+        raise ReplayError(f"aiperf exited with {proc.returncode}; {log_path}:\n{tail}")
+    results = [parse_record(json.loads(line))
+               for line in export.read_text().splitlines() if line.strip()]
+    missing = len(rows) - len(results)
+    return results + [RequestResult(error_code=-1, error="missing from AIPerf export")] * max(0, missing)
+
+
+# --------------------------------------------------------------------------- cluster
+def cluster_config_data(name: str, http_port: int, base_toml: Optional[Path] = None) -> dict:
+    """default.toml + the configuration's overrides + ports, validated like the services
+    will validate it: an unknown key (a mode this checkout lacks) is a ReplayError."""
+    if name not in CONFIGS:
+        raise ReplayError(f"unknown configuration {name!r}; known: {', '.join(CONFIGS)}")
+    with open(base_toml or REPO / "launch" / "configs" / "default.toml", "rb") as fh:
+        data = tomllib.load(fh)
+    data.update(CONFIGS[name], http_port=http_port, base_port=http_port + 10)
+    try:
+        ClusterConfig.from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise ReplayError(f"configuration {name!r} is not supported by this checkout "
+                          f"({exc})") from exc
+    return data
+
+
+def to_toml(data: dict[str, Any]) -> str:
+    """Flat scalars first, then one level of tables: all ClusterConfig needs."""
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return json.dumps(v)
+        raise ReplayError(f"cannot write {v!r} as TOML")
+    lines = [f"{k} = {value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for k, table in data.items():
+        if isinstance(table, dict):
+            lines += ["", f"[{k}]"] + [f"{tk} = {value(tv)}" for tk, tv in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+def scrape(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.read().decode()
+    except OSError as exc:
+        print(f"warning: cannot scrape {url}: {exc}", file=sys.stderr)
+        return ""
+
+
+def server_side(router: str, conductor: str) -> dict[str, Optional[float]]:
+    """Prefix hits, predicted vs actual TTFT and KV transfer times from /metrics."""
+    r, c = metric_totals(router), metric_totals(conductor)
+    pred = ratio(c.get("crescent_conductor_predicted_ttft_seconds_sum"),
+                 c.get("crescent_conductor_predicted_ttft_seconds_count"))
+    actual = ratio(c.get("crescent_conductor_actual_prefill_ttft_seconds_sum"),
+                   c.get("crescent_conductor_actual_prefill_ttft_seconds_count"))
+    return {
+        "prefix_hit": ratio(r.get("crescent_router_cached_prompt_tokens_total"),
+                            r.get("crescent_router_prompt_tokens_total")),
+        "global_hit": ratio(c.get("crescent_global_cache_hit_tokens_total"),
+                            c.get("crescent_prompt_tokens_total")),
+        "pred_ttft_mean_s": pred, "actual_prefill_ttft_mean_s": actual,
+        # Per-request predictions are not exposed; this is the error of the means.
+        "pred_ttft_rel_err_of_means": ratio(pred - actual, actual)
+        if pred is not None and actual else None,
+        "kv_transfer_mean_s": ratio(r.get("crescent_kv_transfer_seconds_sum"),
+                                    r.get("crescent_kv_transfer_seconds_count")),
+    }
+
+
+def bench_one(args: argparse.Namespace, name: str, rate: float, rows: list[dict],
+              aiperf: Path, tok: TokenizerExport, out: Path) -> dict[str, Any]:
+    run_dir = out / f"{name}-r{rate:g}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = cluster_config_data(name, args.base_port)
+    cfg_path = run_dir / "cluster.toml"
+    cfg_path.write_text(to_toml(data))
+    trace = scale_trace(rows, rate, args.seed, max_output=args.max_output,
+                        arrivals=args.arrivals)
+    trace_path = run_dir / "trace.jsonl"
+    trace_path.write_text("".join(json.dumps(r) + "\n" for r in trace))
+    cluster = LocalCluster(str(cfg_path), run_dir / "logs")
+    config = cluster.config
+    profiler = Profiler(run_dir / "profile", args.py_spy, args.py_spy_delay)
+    t0 = time.time()
+    try:
+        cluster.start(timeout_s=args.start_timeout)
+        profiler.start([(c.name, c.proc.pid) for c in cluster.children])
+        results = run_aiperf(aiperf, cluster.url, config.model_name, trace_path, tok,
+                             run_dir / "aiperf", args.seed, args.request_timeout)
+        router = scrape(cluster.url + "/metrics")
+        conductor = scrape(f"http://{config.host}:{config.base_port + 3}/metrics")
+    except ClusterError as exc:
+        raise ReplayError(f"cluster failed: {exc}") from exc
+    finally:
+        profile = profiler.finish()
+        cluster.stop()
+    (run_dir / "metrics_router.txt").write_text(router)
+    (run_dir / "metrics_conductor.txt").write_text(conductor)
+    summary = summarize(results, args.ttft_slo, args.tbt_slo)
+    row = {"config": name, "rate": rate, "wall_s": round(time.time() - t0, 1),
+           **summary.to_dict(), **server_side(router, conductor)}
+    if profile:
+        row["profile"] = profile
+    row["_ttft"] = sorted(r.ttft_s for r in results if r.ok)
+    row["_tbt"] = sorted(r.tbt_s for r in results if r.ok and r.gaps_s)
+    return row
+
+
+# --------------------------------------------------------------------------- output
+COLUMNS = [("config", "config", "{}"), ("rate", "rate", "{:g}"),
+           ("ttft_p50_s", "TTFT p50", "{:.2f}"), ("ttft_p90_s", "p90", "{:.2f}"),
+           ("ttft_p99_s", "p99", "{:.2f}"), ("itl_mean_s", "ITL ms", "{:.0f}"),
+           ("tbt_p90_s", "TBT p90", "{:.2f}"), ("e2e_p50_s", "E2E p50", "{:.2f}"),
+           ("e2e_p90_s", "p90", "{:.2f}"), ("e2e_p99_s", "p99", "{:.2f}"),
+           ("goodput", "goodput", "{}"), ("rejected_429", "429", "{}"),
+           ("errors", "err", "{}"), ("prefix_hit", "hit", "{:.0%}"),
+           ("pred_ttft_rel_err_of_means", "pred err", "{:+.0%}")]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def cell(row: dict, key: str, fmt: str) -> str:
+        v = row.get(key)
+        if v is None:
+            return "-"
+        return fmt.format(v * 1000 if key == "itl_mean_s" else v)
+    body = [[h for _, h, _ in COLUMNS]]
+    for row in rows:
+        body.append([cell(row, k, f) for k, _, f in COLUMNS] if "error" not in row
+                    else [row["config"], f"{row['rate']:g}", f"FAILED: {row['error'][:90]}"])
+    widths = [max(len(r[i]) for r in body if i < len(r) and len(r) == len(COLUMNS))
+              for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(c.rjust(w) if len(r) == len(COLUMNS) else c
+                               for c, w in zip(r, widths)) for r in body)
+
+
+def plot(rows: list[dict[str, Any]], rates: list[float], out: Path) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for key, label in (("_ttft", "TTFT (s)"), ("_tbt", "TBT: mean of longest 10% gaps (s)")):
+        fig, axes = plt.subplots(1, len(rates), figsize=(4.5 * len(rates), 3.6), squeeze=False)
+        for ax, rate in zip(axes[0], rates):
+            for row in rows:
+                xs = row.get(key) or []
+                if row["rate"] == rate and xs:
+                    ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=row["config"])
+            ax.set_title(f"{rate:g} req/s")
+            ax.set_xlabel(label)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        axes[0][0].set_ylabel("CDF of completed requests")
+        fig.tight_layout()
+        path = out / f"live_replay{key}_cdf.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(str(path))
+    return paths
+
+
+# --------------------------------------------------------------------------- main
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--rates", default="0.5,1,2", help="requests/s, comma-separated")
+    p.add_argument("--requests", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0, help="arrivals and AIPerf's prompts")
+    p.add_argument("--base-port", type=int, default=19800,
+                   help="router HTTP port; the cluster's inboxes start at +10")
+    p.add_argument("--trace", default=str(default_trace_path(REPO)))
+    p.add_argument("--arrivals", choices=("poisson", "trace"), default="poisson",
+                   help="poisson: redrawn at the rate; trace: the slice's own, stretched")
+    p.add_argument("--max-output", type=int, default=80, help="cap on output tokens")
+    p.add_argument("--ttft-slo", type=float, default=2.0)
+    p.add_argument("--tbt-slo", type=float, default=0.2)
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--start-timeout", type=float, default=180.0)
+    p.add_argument("--out", default=None, help="default: out/live_replay/<UTC time>")
+    p.add_argument("--aiperf", default=None, help="path of an aiperf CLI")
+    p.add_argument("--no-install", action="store_true", help="never create .venv-bench")
+    p.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS",
+                   help="py-spy record every service process for this long in each run")
+    p.add_argument("--py-spy-delay", type=float, default=10.0,
+                   help="seconds after the cluster is up before profiling starts")
+    args = p.parse_args(argv)
+    args.config_names = [c for c in args.configs.split(",") if c]
+    args.rate_list = [float(r) for r in args.rates.split(",") if r]
+    if args.requests < 1 or not args.rate_list or min(args.rate_list) <= 0:
+        p.error("--requests must be >= 1 and every rate > 0")
+    unknown = [c for c in args.config_names if c not in CONFIGS]
+    if unknown:
+        p.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    aiperf = find_aiperf(args.aiperf, install=not args.no_install)
+    if aiperf is None:
+        print(f"aiperf is required (the `bench` extra): {INSTALL_HINT}", file=sys.stderr)
+        return 2
+    started = datetime.now(timezone.utc)
+    out = Path(args.out or REPO / "out" / "live_replay" / started.strftime("%Y%m%dT%H%M%SZ"))
+    out.mkdir(parents=True, exist_ok=True)
+    base = ClusterConfig.from_dict(cluster_config_data("disagg-store", args.base_port))
+    tok = export_tokenizer(base.model, base.model_name, out / "tokenizer")
+    with open(args.trace, "rb") as fh:
+        trace_rows = [json.loads(line) for line in fh if line.strip()]
+    rows = conversation_slice(trace_rows, args.requests)
+    stats = slice_stats(scale_trace(rows, 1.0, args.seed, max_output=args.max_output))
+    print(f"slice: {stats['requests']} requests, mean input {stats['mean_input']:.0f} tokens "
+          f"(+ chat template), mean max output {stats['mean_output']:.1f}, "
+          f"{stats['block_reuse']:.0%} of prompt blocks seen earlier in the slice; "
+          f"out: {out}", flush=True)
+    results: list[dict[str, Any]] = []
+    for name in args.config_names:
+        for rate in args.rate_list:
+            print(f"[{datetime.now().strftime('%H:%M:%S')}] {name} @ {rate:g} req/s ...",
+                  flush=True)
+            try:
+                results.append(bench_one(args, name, rate, rows, aiperf, tok, out))
+            except Exception as exc:  # noqa: BLE001 - one run failing must not stop the rest
+                msg = str(exc) if isinstance(exc, ReplayError) else f"{type(exc).__name__}: {exc}"
+                print(f"  FAILED: {msg}", file=sys.stderr, flush=True)
+                results.append({"config": name, "rate": rate, "error": msg})
+    print(table(results))
+    plots = plot([r for r in results if "error" not in r], args.rate_list, out)
+    print("plots: " + ", ".join(plots))
+    clean = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results]
+    print(json.dumps({"bench": "live_replay", "started": started.isoformat(timespec="seconds"),
+                      "requests": args.requests, "seed": args.seed, "slice": stats,
+                      "ttft_slo_s": args.ttft_slo, "tbt_slo_s": args.tbt_slo,
+                      "out": str(out), "plots": plots, "results": clean}))
+    return 1 if any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
