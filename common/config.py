@@ -26,6 +26,8 @@ class ClusterConfig:
     model: str = "smollm2-135m"
     served_model_name: Optional[str] = None  # name in /v1/models; default: the model's name
     dtype: str = "float32"
+    kv_dtype: str = "auto"  # paged KV storage: auto (= dtype) | float32 | bfloat16 | float16
+    kv_path: str = "auto"  # prefill → decode KV: auto (shm on one host) | shm | transfer_engine
     device: str = "cpu"
     host: str = "127.0.0.1"
     http_port: int = 8000

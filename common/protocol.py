@@ -26,6 +26,8 @@ class RegisterWorker:
     num_layers: int
     num_blocks: int
     block_size: int
+    kv_shm_path: Optional[str] = None  # the KV memory as a /dev/shm file same-host peers map
+    host_id: Optional[str] = None  # hostname/boot id: who can map kv_shm_path
 
 
 @message
@@ -128,6 +130,8 @@ class PrefillTask:
     decode_block_ids: list[int]
     deadline: float  # wall-clock time after which the work is abandoned
     router_inbox: str
+    decode_shm_path: Optional[str] = None  # set: same-host prefill may write KV there
+    decode_host_id: Optional[str] = None
 
 
 # ---------------------------------------------------------------- to a decode worker

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from common.config import ClusterConfig
 from common.engine import Engine, EngineConfig, SamplingParams
 from common.kv.events import BlockStored
+from common.kv.shm_kv import close_at_exit, host_id, worker_segment
 from common.mailbox import Mailbox
 from common.protocol import RegisterWorker, WorkerHeartbeat
 from common.transfer import TransferAgent, TransferConfig
@@ -20,7 +22,8 @@ log = logging.getLogger(__name__)
 
 def engine_config(config: ClusterConfig, role: str) -> EngineConfig:
     return EngineConfig(
-        model=config.model, dtype=config.dtype, device=config.device,
+        model=config.model, dtype=config.dtype, kv_dtype=config.kv_dtype,
+        device=config.device,
         block_size=config.block_size,
         num_blocks=config.prefill_blocks if role == "prefill" else config.decode_blocks,
         prefill_chunk=config.prefill_chunk, max_batch_size=config.max_batch_size,
@@ -37,7 +40,9 @@ class WorkerRuntime:
         self.instance_id = config.instance_id(role, index)
         self.inbox_address = config.inbox(role, index)
         self.conductor = config.inbox("conductor")
-        self.engine = Engine(engine_config(config, role))
+        shm = worker_segment(self.instance_id, config.kv_path, config.device)
+        self.engine = Engine(replace(engine_config(config, role), kv_shm_path=shm))
+        close_at_exit(self.engine.kv)
         self.mail = Mailbox(self.inbox_address, self.instance_id)
         self.transfer = TransferAgent(TransferConfig(hostname=config.host,
                                                      protocol=config.transfer_protocol))
@@ -52,7 +57,8 @@ class WorkerRuntime:
             transfer_session=self.transfer.session_id, kv_base=kv.base_address,
             block_nbytes=kv.block_nbytes, layer_nbytes=kv.layer_nbytes,
             num_layers=self.engine.model_config.num_layers, num_blocks=kv.num_blocks,
-            block_size=self.engine.config.block_size)
+            block_size=self.engine.config.block_size, kv_shm_path=kv.shm_path,
+            host_id=host_id())
 
     def heartbeat(self, queued: int, queued_tokens: int, running: int,
                   context_tokens: int) -> WorkerHeartbeat:
@@ -83,6 +89,7 @@ class WorkerRuntime:
     def close(self) -> None:
         self.mail.close()
         self.transfer.close()
+        self.engine.kv.close()
 
 
 def sampling_params_from_dict(d: dict) -> SamplingParams:

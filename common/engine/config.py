@@ -9,6 +9,8 @@ from typing import Optional
 class EngineConfig:
     model: str = "smollm2-135m"   # or a .gguf path, an HF dir, "dummy-tiny", "dummy-llama3-8b", ...
     dtype: str = "float32"
+    kv_dtype: str = "auto"  # paged KV storage dtype; auto = dtype (see common/kv/memory.py)
+    kv_shm_path: Optional[str] = None  # back the paged KV with this new /dev/shm file
     device: str = "cpu"
     block_size: int = 16
     num_blocks: int = 1024

@@ -15,7 +15,7 @@ from common.engine.config import DecodeInput, EngineConfig, PrefillChunk
 from common.engine.errors import EngineInputError, UnknownModelError
 from common.kv.block_keys import compute_block_keys, model_fingerprint
 from common.kv.block_pool import BlockPool
-from common.kv.memory import PagedKVMemory
+from common.kv.memory import KV_DTYPES, PagedKVMemory, resolve_kv_dtype
 from common.model.attention import AttnMetadata, make_backend
 from common.model.config import ModelConfig
 from common.model.llama import LlamaModel, random_weights
@@ -35,6 +35,10 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.dtype = _DTYPES[config.dtype]
+        try:
+            self.kv_dtype: str = resolve_kv_dtype(config.dtype, config.kv_dtype)
+        except ValueError as exc:
+            raise EngineInputError(str(exc)) from exc
         self.device = torch.device(config.device)
         try:
             model_config, weights, tok_spec = load_model_source(config.model, config.num_layers)
@@ -47,10 +51,10 @@ class Engine:
         del weights
         self.tokenizer = (Tokenizer(tok_spec) if tok_spec is not None
                           else ByteTokenizer(model_config.vocab_size))
-        self.fingerprint: bytes = model_fingerprint(model_config)
+        self.fingerprint: bytes = model_fingerprint(model_config, self.kv_dtype)
         self.kv = PagedKVMemory(config.num_blocks, model_config.num_layers, config.block_size,
                                 model_config.num_kv_heads, model_config.head_dim,
-                                self.dtype, self.device)
+                                KV_DTYPES[self.kv_dtype], self.device, config.kv_shm_path)
         self.pool = BlockPool(config.num_blocks)
         self.attention = make_backend(config.attention_backend, self.kv)
 

@@ -1,6 +1,7 @@
 """Chained block keys: the one function every process uses to name a KV block.
 
-key_i = xxh3_128(parent_key || model_fingerprint || int32-LE token ids of block i).
+key_i = xxh3_128(parent_key || model_fingerprint || int32-LE token ids of block i), where
+the fingerprint covers the model config and the KV dtype.
 Only full blocks get keys. Deterministic across processes and hosts (no Python hash()).
 """
 from __future__ import annotations
@@ -37,8 +38,11 @@ def compute_block_keys(
     return keys
 
 
-def model_fingerprint(config: Any) -> bytes:
-    """16-byte fingerprint of a model config (a dataclass or a dict), stable across hosts."""
+def model_fingerprint(config: Any, kv_dtype: str = "float32") -> bytes:
+    """16-byte fingerprint of a model config (a dataclass or a dict) and the dtype its KV
+    is stored in, stable across hosts: blocks of one prompt in different KV dtypes are
+    different bytes, so they get different keys and never mix in the pool or the store.
+    Every process that names blocks (engine, router) must pass the same resolved dtype."""
     fields = asdict(config) if is_dataclass(config) else dict(config)
     blob = json.dumps(fields, sort_keys=True, default=str).encode()
-    return xxhash.xxh3_128(b"crescent-model-v1" + blob).digest()
+    return xxhash.xxh3_128(b"crescent-model-v1" + blob + b"|kv:" + kv_dtype.encode()).digest()

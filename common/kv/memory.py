@@ -4,18 +4,38 @@ Layout [num_blocks, num_layers, 2 (k, v), block_size, num_kv_heads, head_dim], c
 one block (all layers) is one contiguous byte range (a store object) and one layer of one
 block is one contiguous piece (a layer-wise streaming unit). The transfer engine and the
 store read and write raw bytes at block_address / layer_address.
+
+The tensor is stored in the KV dtype (``kv_dtype``, possibly narrower than the compute
+dtype: writes cast, readers cast back). With ``shm_path`` it lives in a file in /dev/shm
+created here exclusively, so a same-host peer can map it and write KV with a plain tensor
+copy (common/kv/shm_kv.py); the addresses and layout are the same either way.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence
 
 import torch
+
+from common.store.shm import Segment
+
+log = logging.getLogger(__name__)
+
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_kv_dtype(compute_dtype: str, kv_dtype: str) -> str:
+    """The KV dtype's name: ``"auto"`` means the compute dtype. Raises on unknown names."""
+    name = compute_dtype if kv_dtype == "auto" else kv_dtype
+    if name not in KV_DTYPES:
+        raise ValueError(f"unknown KV dtype {kv_dtype!r} (auto or one of {sorted(KV_DTYPES)})")
+    return name
 
 
 class PagedKVMemory:
     def __init__(self, num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", shm_path: Optional[str] = None):
         self.num_blocks = num_blocks
         self.num_layers = num_layers
         self.block_size = block_size
@@ -23,10 +43,36 @@ class PagedKVMemory:
         self.head_dim = head_dim
         self.dtype = dtype
         shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
-        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.segment: Optional[Segment] = None
+        if shm_path is not None:
+            if torch.device(device).type != "cpu":
+                raise ValueError(f"a shared-memory KV segment is host memory, not {device}")
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            try:
+                self.segment = Segment(nbytes, shm_path, create=True)  # exclusive, zeroed
+            except OSError as exc:  # e.g. a small /dev/shm: peers use the transfer engine
+                log.warning("KV memory not shared: cannot create %s (%d MiB): %s",
+                            shm_path, nbytes >> 20, exc)
+        if self.segment is None:
+            self.data = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            raw = torch.frombuffer(self.segment.view(0, self.segment.nbytes), dtype=torch.uint8)
+            self.data = raw.view(dtype).view(shape)
         assert self.data.is_contiguous()
         self.layer_nbytes = 2 * block_size * num_kv_heads * head_dim * self.data.element_size()
         self.block_nbytes = num_layers * self.layer_nbytes
+
+    @property
+    def shm_path(self) -> Optional[str]:
+        """The /dev/shm file same-host peers may map; None for private memory."""
+        return self.segment.path if self.segment is not None else None
+
+    def close(self) -> None:
+        """Unlink the shared file (the mapping itself lives until the process exits, since
+        the model's tensors still point into it). Idempotent; a no-op for private memory."""
+        if self.segment is not None:
+            self.segment.close(unlink=True)
+            self.segment = None
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -24,7 +24,11 @@ class Segment:
             fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
             try:
                 if create:
-                    os.ftruncate(fd, nbytes)
+                    try:  # reserve now: a full tmpfs fails here, not with SIGBUS on a write
+                        os.posix_fallocate(fd, 0, nbytes)
+                    except OSError:
+                        os.unlink(path)
+                        raise
                 elif os.fstat(fd).st_size < nbytes:
                     raise OSError(f"{path} is smaller than {nbytes} bytes")
                 self._mm = mmap.mmap(fd, nbytes, flags=flags)

@@ -129,6 +129,12 @@ class Conductor:
         prefill = self.registry.get(t.prefill_id)
         if decode is None or prefill is None:
             return self.fail(t, 503, "worker_lost", "a worker left before prefill started")
+        p, d = prefill.info, decode.info
+        if (p.block_nbytes, p.layer_nbytes) != (d.block_nbytes, d.layer_nbytes):
+            return self.fail(t, 500, "kv_layout_mismatch", (
+                f"{p.instance_id} writes {p.block_nbytes}-byte KV blocks, {d.instance_id} "
+                f"holds {d.block_nbytes}-byte ones: workers must agree on model, block_size "
+                "and kv_dtype"))
         self.tracker.set_phase(t, Phase.PREFILLING,
                                time.monotonic() + self.config.kv_wait_timeout_s)
         t.decode_blocks = msg.block_ids
@@ -138,7 +144,8 @@ class Conductor:
             decode_session=decode.info.transfer_session, decode_kv_base=decode.info.kv_base,
             decode_block_ids=msg.block_ids,
             deadline=time.time() + self.config.kv_wait_timeout_s,
-            router_inbox=self.router_inbox))
+            router_inbox=self.router_inbox, decode_shm_path=d.kv_shm_path,
+            decode_host_id=d.host_id))
 
     def on_reserve_failed(self, msg: ReserveFailed) -> None:
         t = self.tracker.get(msg.request_id)

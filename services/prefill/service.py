@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 from common.config import ClusterConfig
 from common.engine.errors import EngineInputError
 from common.engine.sampling import sample
+from common.kv.shm_kv import host_id
 from common.mailbox import serve_inbox
 from common.protocol import (
     AbortRequest, KVFailed, KVReady, PrefillDone, PrefillTask, RequestFailed,
@@ -19,7 +20,7 @@ from common.protocol import (
 from common.transfer import TransferError
 from common.worker import WorkerRuntime, make_generator, sampling_params_from_dict
 from services.prefill.prefix import PrefixLoader
-from services.prefill.streaming import KVStream, RequestAborted
+from services.prefill.streaming import KVPaths, KVStream, RequestAborted
 
 log = logging.getLogger("prefill")
 
@@ -43,6 +44,7 @@ class PrefillWorker:
         self.current_id: Optional[str] = None
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="prefill")
         self.stream_thread = ThreadPoolExecutor(1, thread_name_prefix="kv-stream")
+        self.kv_paths = KVPaths(rt.config.kv_path, self.engine.kv, host_id())
         self.handlers: dict[type, Callable[[Any], None]] = {
             PrefillTask: self.on_task,
             AbortRequest: self.on_abort,
@@ -114,8 +116,8 @@ class PrefillWorker:
     async def _compute_and_stream(self, task: PrefillTask, table: list[int],
                                   cached_blocks: int) -> tuple[int, Optional[float], KVStream]:
         rt = self.rt
-        stream = KVStream(rt.transfer, self.stream_thread, self.engine.kv, table,
-                          task.decode_block_ids, task.decode_session, task.decode_kv_base)
+        stream = self.kv_paths.open(rt.transfer, self.stream_thread, self.engine.kv, table,
+                                    task)
         self.current, self.current_id = stream, task.request_id
         stream.send_whole_blocks(cached_blocks)
         num_cached = cached_blocks * self.engine.config.block_size
@@ -125,6 +127,7 @@ class PrefillWorker:
                 self.compute, lambda: self.engine.prefill(task.token_ids, table, num_cached,
                                                           layer_hook=stream.on_layer))
             await stream.wait(max(1.0, task.deadline - time.time()))
+            self.kv_paths.done(stream)
         except RequestAborted as exc:
             stream.cancel()
             raise PrefillFailure(499, "aborted", "aborted during prefill") from exc

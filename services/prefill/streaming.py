@@ -3,16 +3,27 @@
 The engine calls ``on_layer`` after each layer of each chunk (in the compute thread);
 the writes for that layer are queued on one FIFO thread so they overlap with the next
 layer's compute and land in order. ``wait`` collects them under a deadline.
+
+Two paths, same semantics: the transfer engine (any host: one batch write of the layer's
+pieces) and shared memory (same host: one tensor copy per layer into the decode worker's
+mapped segment, see common/kv/shm_kv.py). ``KVPaths`` picks one per request.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional
+from typing import Callable, Optional
 
 from common.kv.memory import PagedKVMemory
+from common.kv.shm_kv import KV_PATHS, PeerKV, PeerKVMaps
+from common.protocol import PrefillTask
 from common.transfer import TransferAgent, TransferError
+
+log = logging.getLogger(__name__)
+
+SHM, TRANSFER_ENGINE = "shm", "transfer_engine"
 
 
 class RequestAborted(Exception):
@@ -22,7 +33,7 @@ class RequestAborted(Exception):
 class KVStream:
     def __init__(self, transfer: TransferAgent, executor: ThreadPoolExecutor,
                  kv: PagedKVMemory, local_blocks: list[int], remote_blocks: list[int],
-                 remote_session: str, remote_base: int) -> None:
+                 remote_session: str, remote_base: int, shm: Optional[PeerKV] = None) -> None:
         if len(remote_blocks) < len(local_blocks):
             raise ValueError("decode reserved fewer blocks than the prompt needs")
         self.transfer = transfer
@@ -32,6 +43,8 @@ class KVStream:
         self.remote = remote_blocks
         self.session = remote_session
         self.base = remote_base
+        self.shm = shm
+        self.path = SHM if shm is not None else TRANSFER_ENGINE
         self.futures: list[Future] = []
         self.bytes = 0
         self.seconds = 0.0  # first write queued → last write done
@@ -41,28 +54,41 @@ class KVStream:
     def _remote_layer(self, block: int, layer: int) -> int:
         return self.base + block * self.kv.block_nbytes + layer * self.kv.layer_nbytes
 
-    def _submit(self, src: list[int], dst: list[int], lengths: list[int]) -> None:
-        self.bytes += sum(lengths)
+    def _queue(self, nbytes: int, job: Callable[[], int]) -> None:
+        self.bytes += nbytes
         if self._started is None:
             self._started = time.perf_counter()
-        self.futures.append(self.executor.submit(
-            self.transfer.write, self.session, src, dst, lengths))
+        self.futures.append(self.executor.submit(_as_transfer_error, job))
+
+    def _submit(self, src: list[int], dst: list[int], lengths: list[int]) -> None:
+        self._queue(sum(lengths), lambda: self.transfer.write(self.session, src, dst, lengths))
 
     def send_whole_blocks(self, count: int) -> None:
         """The first ``count`` blocks (a cached prefix): all layers at once."""
         if count <= 0:
             return
         n = self.kv.block_nbytes
-        self._submit([self.kv.block_address(b) for b in self.local[:count]],
-                     [self.base + b * n for b in self.remote[:count]], [n] * count)
+        local, remote = self.local[:count], self.remote[:count]
+        if self.shm is not None:
+            shm = self.shm
+            self._queue(n * count, lambda: shm.write_blocks(local, remote))
+            return
+        self._submit([self.kv.block_address(b) for b in local],
+                     [self.base + b * n for b in remote], [n] * count)
 
     def on_layer(self, layer: int, start: int, end: int) -> None:
         """Engine hook: tokens [start, end) of ``layer`` were just written."""
         if self.aborted:
             raise RequestAborted()
         bs = self.kv.block_size
-        first, last = start // bs, (end - 1) // bs
-        blocks = range(first, last + 1)
+        blocks = range(start // bs, (end - 1) // bs + 1)
+        if self.shm is not None:
+            shm = self.shm
+            local = [self.local[i] for i in blocks]
+            remote = [self.remote[i] for i in blocks]
+            self._queue(self.kv.layer_nbytes * len(blocks),
+                        lambda: shm.write_layer(local, remote, layer))
+            return
         self._submit([self.kv.layer_address(self.local[i], layer) for i in blocks],
                      [self._remote_layer(self.remote[i], layer) for i in blocks],
                      [self.kv.layer_nbytes] * len(blocks))
@@ -75,7 +101,8 @@ class KVStream:
         try:
             await asyncio.wait_for(asyncio.gather(*wrapped), timeout)
         except asyncio.TimeoutError as exc:
-            raise TransferError(f"KV stream missed its {timeout:.1f}s deadline") from exc
+            raise TransferError(f"KV stream ({self.path}) missed its {timeout:.1f}s "
+                                "deadline") from exc
         if self._started is not None:
             self.seconds = time.perf_counter() - self._started
         return self.bytes
@@ -85,3 +112,59 @@ class KVStream:
         for f in self.futures:
             f.cancel()
         return None
+
+
+def _as_transfer_error(job: Callable[[], int]) -> int:
+    """Run one write; a bad block id or a broken mapping fails the stream like a failed
+    transfer (the caller reports kv_transfer_failed) instead of as an internal error."""
+    try:
+        return job()
+    except TransferError:
+        raise
+    except (IndexError, ValueError, RuntimeError, OSError) as exc:
+        raise TransferError(f"KV write failed: {exc}") from exc
+
+
+class KVPaths:
+    """Which path a request's KV takes to its decode worker.
+
+    ``mode``: "transfer_engine" always; "auto" shared memory when the decode worker
+    advertised a segment and runs on this host (same ``host_id``); "shm" shared memory
+    whenever a segment is advertised (the host check skipped). Either falls back to the
+    transfer engine, with a warning, when the segment cannot be mapped.
+    """
+
+    def __init__(self, mode: str, kv: PagedKVMemory, host_id: str) -> None:
+        if mode not in KV_PATHS:
+            raise ValueError(f"kv_path must be one of {KV_PATHS}, got {mode!r}")
+        self.mode = mode
+        self.host_id = host_id
+        self.maps = PeerKVMaps(kv)
+        self.bytes: dict[str, int] = {SHM: 0, TRANSFER_ENGINE: 0}
+        self.streams: dict[str, int] = {SHM: 0, TRANSFER_ENGINE: 0}
+
+    def peer(self, task: PrefillTask) -> Optional[PeerKV]:
+        if self.mode == TRANSFER_ENGINE or not task.decode_shm_path:
+            return None
+        if self.mode == "auto" and task.decode_host_id != self.host_id:
+            return None
+        return self.maps.get(task.decode_id, task.decode_shm_path)
+
+    def open(self, transfer: TransferAgent, executor: ThreadPoolExecutor, kv: PagedKVMemory,
+             table: list[int], task: PrefillTask) -> KVStream:
+        """The stream for ``task`` on the path chosen for its decode worker."""
+        return KVStream(transfer, executor, kv, table, task.decode_block_ids,
+                        task.decode_session, task.decode_kv_base, shm=self.peer(task))
+
+    def done(self, stream: KVStream) -> None:
+        """Account a finished stream by path (what /debug and the logs report)."""
+        self.bytes[stream.path] += stream.bytes
+        self.streams[stream.path] += 1
+        if self.streams[stream.path] == 1:
+            log.info("first KV stream via %s: %d bytes in %.3fs", stream.path, stream.bytes,
+                     stream.seconds)
+        log.debug("KV stream via %s: %d bytes in %.3fs", stream.path, stream.bytes,
+                  stream.seconds)
+
+    def close(self) -> None:
+        self.maps.close()

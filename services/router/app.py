@@ -11,6 +11,7 @@ from typing import Awaitable, Callable, Optional
 from aiohttp import web
 
 from common.config import ClusterConfig
+from common.kv.memory import resolve_kv_dtype
 from common.mailbox import Mailbox
 from services.router.block_hashing import make_block_hasher
 from services.router.errors import ApiError
@@ -66,7 +67,8 @@ def build_app(state: RouterState) -> web.Application:
 async def run(config: ClusterConfig, index: int = 0) -> None:
     """Serve until cancelled: load the tokenizer, bind the inbox, listen on HTTP."""
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
-    hasher = make_block_hasher(config.block_size, tokenizer.model_config)
+    hasher = make_block_hasher(config.block_size, tokenizer.model_config,
+                               resolve_kv_dtype(config.dtype, config.kv_dtype))
     mailbox = Mailbox(config.inbox("router"), "router")
     state = RouterState(config, mailbox, tokenizer, hasher)
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)

@@ -13,9 +13,11 @@ from common.model.config import ModelConfig
 BlockHasher = Callable[[list[int]], list[str]]
 
 
-def make_block_hasher(block_size: int, model_config: ModelConfig) -> BlockHasher:
-    """``token_ids → [hex key of each full block]``."""
-    fingerprint = model_fingerprint(model_config)
+def make_block_hasher(block_size: int, model_config: ModelConfig,
+                      kv_dtype: str = "float32") -> BlockHasher:
+    """``token_ids → [hex key of each full block]`` (``kv_dtype``: the workers' resolved
+    KV dtype, part of the fingerprint)."""
+    fingerprint = model_fingerprint(model_config, kv_dtype)
 
     def block_keys(token_ids: list[int]) -> list[str]:
         return [k.hex() for k in compute_block_keys(token_ids, block_size, fingerprint)]

@@ -1,0 +1,172 @@
+"""KV streaming prefill → decode: the shared-memory path writes exactly the bytes the
+transfer engine (real, TCP loopback) writes; path choice and fallback."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from common.kv.memory import PagedKVMemory
+from common.kv.shm_kv import PeerKV
+from common.protocol import PrefillTask
+from common.transfer import TransferAgent, TransferError
+from services.prefill.streaming import KVPaths, KVStream, RequestAborted
+
+DIMS = dict(num_layers=4, block_size=16, num_kv_heads=3, head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def agents():
+    a, b = TransferAgent(), TransferAgent()
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.fixture
+def shm_dir(tmp_path):
+    """Segments in a test-owned directory of the same tmpfs when there is one."""
+    d = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
+    return d
+
+
+def decode_memory(path: str, num_blocks: int = 12, dtype=torch.float32) -> PagedKVMemory:
+    kv = PagedKVMemory(num_blocks, **DIMS, dtype=dtype, shm_path=path)
+    assert kv.shm_path == path
+    return kv
+
+
+def prefill_memory(num_blocks: int = 10, dtype=torch.float32) -> PagedKVMemory:
+    kv = PagedKVMemory(num_blocks, **DIMS, dtype=dtype)
+    kv.data.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(7)))
+    return kv
+
+
+def task(decode_path: str | None, host: str | None, decode_id: str = "decode-0",
+         blocks: list[int] | None = None, session: str = "", base: int = 0) -> PrefillTask:
+    return PrefillTask(request_id="r", token_ids=[1], sampling={}, decode_id=decode_id,
+                       decode_inbox="tcp://127.0.0.1:1", decode_session=session,
+                       decode_kv_base=base, decode_block_ids=blocks or [], deadline=0.0,
+                       router_inbox="tcp://127.0.0.1:2", decode_shm_path=decode_path,
+                       decode_host_id=host)
+
+
+def stream_prompt(stream: KVStream, cached_blocks: int, n_tokens: int, chunk: int) -> int:
+    """What a prefill does: the cached prefix whole, then every layer of every chunk."""
+    stream.send_whole_blocks(cached_blocks)
+    start = cached_blocks * DIMS["block_size"]
+    for s in range(start, n_tokens, chunk):
+        for layer in range(DIMS["num_layers"]):
+            stream.on_layer(layer, s, min(s + chunk, n_tokens))
+    return asyncio.run(stream.wait(30.0))
+
+
+def test_shm_path_writes_exactly_the_bytes_the_transfer_engine_writes(agents, shm_dir) -> None:
+    a, b = agents
+    src = prefill_memory()
+    a.register(src.base_address, src.nbytes)
+    d_te = decode_memory(f"{shm_dir}/crescent-kv-test-te-{os.getpid()}")
+    d_shm = decode_memory(f"{shm_dir}/crescent-kv-test-shm-{os.getpid()}")
+    b.register(d_te.base_address, d_te.nbytes)
+    local, remote = [9, 2, 5, 0, 7, 3], [11, 4, 0, 6, 1, 8]  # scattered, not sorted
+    pool = ThreadPoolExecutor(1)
+    try:
+        te = KVStream(a, pool, src, local, remote, b.session_id, d_te.base_address)
+        peer = PeerKV(d_shm.shm_path, src)
+        shm = KVStream(a, pool, src, local, remote, "", 0, shm=peer)
+        assert (te.path, shm.path) == ("transfer_engine", "shm")
+        # 2 cached blocks, then 90 tokens in chunks of 20 (chunks straddle blocks).
+        n_te = stream_prompt(te, 2, 90, 20)
+        n_shm = stream_prompt(shm, 2, 90, 20)
+        assert n_te == n_shm == te.bytes == shm.bytes
+        assert torch.equal(d_te.data, d_shm.data)
+        # Exactly the prompt's blocks, every layer; nothing else touched.
+        want = torch.zeros_like(d_te.data)
+        want[remote] = src.data[local]
+        assert torch.equal(d_shm.data, want)
+        assert shm.seconds > 0 and te.seconds > 0
+        peer.close()
+    finally:
+        pool.shutdown()
+        a.unregister(src.base_address)
+        b.unregister(d_te.base_address)
+        d_te.close()
+        d_shm.close()
+
+
+def test_bfloat16_kv_streams_half_the_bytes_identically(shm_dir) -> None:
+    src = prefill_memory(dtype=torch.bfloat16)
+    dst = decode_memory(f"{shm_dir}/crescent-kv-test-bf16-{os.getpid()}", dtype=torch.bfloat16)
+    f32 = PagedKVMemory(1, **DIMS)
+    assert src.block_nbytes * 2 == f32.block_nbytes
+    pool = ThreadPoolExecutor(1)
+    try:
+        stream = KVStream(None, pool, src, [3, 1], [5, 2], "", 0,  # type: ignore[arg-type]
+                          shm=PeerKV(dst.shm_path, src))
+        assert stream_prompt(stream, 0, 32, 32) == 2 * src.block_nbytes
+        assert torch.equal(dst.data[[5, 2]], src.data[[3, 1]])
+    finally:
+        pool.shutdown()
+        dst.close()
+
+
+def test_bad_remote_block_fails_the_stream_like_a_transfer(shm_dir) -> None:
+    src = prefill_memory()
+    dst = decode_memory(f"{shm_dir}/crescent-kv-test-bad-{os.getpid()}", num_blocks=4)
+    pool = ThreadPoolExecutor(1)
+    try:
+        stream = KVStream(None, pool, src, [0], [4], "", 0,  # type: ignore[arg-type]
+                          shm=PeerKV(dst.shm_path, src))
+        stream.on_layer(0, 0, 16)
+        with pytest.raises(TransferError, match=r"remote block 4 outside \[0, 4\)"):
+            asyncio.run(stream.wait(5.0))
+        stream.cancel()
+        with pytest.raises(RequestAborted):
+            stream.on_layer(1, 0, 16)
+    finally:
+        pool.shutdown()
+        dst.close()
+
+
+def test_layout_mismatch_is_not_mapped(shm_dir) -> None:
+    src = prefill_memory()
+    other = PagedKVMemory(5, num_layers=3, block_size=16, num_kv_heads=3, head_dim=64,
+                          shm_path=f"{shm_dir}/crescent-kv-test-layout-{os.getpid()}")
+    try:
+        with pytest.raises(OSError, match="KV layouts differ"):
+            PeerKV(other.shm_path, src)
+    finally:
+        other.close()
+
+
+def test_path_choice_and_fallback(shm_dir, caplog) -> None:
+    src = prefill_memory()
+    path = f"{shm_dir}/crescent-kv-test-choice-{os.getpid()}"
+    dst = decode_memory(path)
+    try:
+        auto = KVPaths("auto", src, host_id="h1")
+        assert auto.peer(task(path, "h1")) is not None  # same host: mapped
+        assert auto.peer(task(path, "h1")) is auto.peer(task(path, "h1"))  # mapped once
+        assert auto.peer(task(path, "h2", decode_id="decode-1")) is None  # other host
+        assert auto.peer(task(None, "h1")) is None  # nothing advertised
+        assert KVPaths("transfer_engine", src, "h1").peer(task(path, "h1")) is None
+        assert KVPaths("shm", src, "h1").peer(task(path, "h2")) is not None  # host check off
+        with caplog.at_level(logging.WARNING):
+            missing = task(path + "-gone", "h1", decode_id="decode-2", blocks=[3])
+            assert auto.peer(missing) is None  # cannot be opened: transfer engine
+        assert "using the transfer engine" in caplog.text
+        stream = auto.open(None, None, src, [0], missing)  # type: ignore[arg-type]
+        assert stream.path == "transfer_engine"
+        # The decode worker restarted with a new file: the new one is mapped.
+        dst2 = decode_memory(path + "-2")
+        assert auto.peer(task(path + "-2", "h1")).path == path + "-2"
+        dst2.close()
+        auto.close()
+        with pytest.raises(ValueError, match="kv_path must be one of"):
+            KVPaths("tcp", src, "h1")
+    finally:
+        dst.close()
