@@ -40,6 +40,11 @@ class ClusterConfig:
     prefill_blocks: int = 1024
     decode_blocks: int = 2048
     prefill_chunk: int = 512
+    # "disaggregated": prefill and decode pools; "colocated": colocated_workers workers that
+    # each prefill and decode in the same steps (the in-project baseline; one small box).
+    mode: str = "disaggregated"
+    colocated_workers: int = 1
+    token_budget: int = 256  # tokens per step: a colocated step; a prefill worker's batch
     max_batch_size: int = 64
     max_queue: int = 256  # admission: requests waiting for prefill, cluster-wide
     default_max_tokens: int = 256
@@ -72,6 +77,9 @@ class ClusterConfig:
             port = self.base_port + 10 + self.prefill_workers + index
         elif role == "store_node":
             port = self.base_port + 10 + self.prefill_workers + self.decode_workers + index
+        elif role == "colocated":
+            port = (self.base_port + 10 + self.prefill_workers + self.decode_workers
+                    + self.store_nodes + index)
         else:
             raise ValueError(f"unknown role {role!r}")
         return f"tcp://{self.host}:{port}"
@@ -102,6 +110,8 @@ class ClusterConfig:
             data["slo"] = SLOConfig(**data["slo"])
         if "cpu" in data:
             data["cpu"] = CpuConfig(**data["cpu"])
+        if data.get("mode", "disaggregated") not in ("disaggregated", "colocated"):
+            raise ValueError(f"mode must be 'disaggregated' or 'colocated', not {data['mode']!r}")
         return cls(**data)
 
     @classmethod

@@ -85,8 +85,11 @@ class LocalCluster:
             order.append(("store_master", 0))
             order += [("store_node", i) for i in range(c.store_nodes)]
         order.append(("conductor", 0))
-        order += [("prefill", i) for i in range(c.prefill_workers)]
-        order += [("decode", i) for i in range(c.decode_workers)]
+        if c.mode == "colocated":
+            order += [("colocated", i) for i in range(c.colocated_workers)]
+        else:
+            order += [("prefill", i) for i in range(c.prefill_workers)]
+            order += [("decode", i) for i in range(c.decode_workers)]
         order.append(("router", 0))
         return order
 

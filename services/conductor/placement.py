@@ -61,13 +61,33 @@ class Placer:
         self.global_index = global_index or PrefixIndex()
         self.calibrator = PrefillCalibrator(self.cost)
 
-    def _prefill_state(self, w: WorkerState) -> PrefillInstanceState:
-        # Queue = what the worker reported plus what we assigned since its last beat.
-        reported = w.beat.queued_tokens if w.beat else 0
-        tokens = max(reported, w.pending_tokens)
-        queue_s = self.cost.prefill_seconds(tokens, 0) if tokens else 0.0
+    def _prefill_state(self, w: WorkerState, tracker: Optional[Tracker],
+                       now: float) -> PrefillInstanceState:
+        if tracker is not None:
+            queue_s = self.queue_seconds(w, tracker, now)
+        else:  # no tracker (tests of the policy alone): the worker's reported queue
+            tokens = max(w.beat.queued_tokens if w.beat else 0, w.pending_tokens)
+            queue_s = self.cost.prefill_seconds(tokens, 0) if tokens else 0.0
         return PrefillInstanceState(w.instance_id, queue_s, _KeySetIndex(w.cached_keys),
                                     queued_requests=len(w.assigned))
+
+    def queue_seconds(self, w: WorkerState, tracker: Tracker, now: float) -> float:
+        """Predicted time until prefill worker ``w`` has computed what it was given: the
+        sum of each waiting request's own prefill time (not the time of one prompt as
+        long as all of them: attention is quadratic per prompt, and that overestimated a
+        queue of ten prompts about twice), less what the oldest, probably computing now,
+        has predictably done already."""
+        waiting = [t for t in map(tracker.get, w.assigned)
+                   if t is not None and t.phase is not Phase.DECODING]
+        if not waiting:
+            return 0.0
+        costs = [self.cost.prefill_seconds(t.prefill_tokens,
+                                           len(t.req.token_ids) - t.prefill_tokens)
+                 for t in waiting]
+        oldest = min(range(len(waiting)), key=lambda i: waiting[i].accepted_at)
+        o = waiting[oldest]
+        started = o.accepted_at + o.predicted_ttft_s - costs[oldest]
+        return sum(costs) - min(costs[oldest], max(0.0, now - started))
 
     def _decode_state(self, w: WorkerState, tracker: Optional[Tracker],
                       now: float) -> DecodeInstanceState:
@@ -90,7 +110,7 @@ class Placer:
               tracker: Optional[Tracker] = None) -> Union[Placement, str]:
         """Place ``req``; ``now`` is wall-clock seconds, ``tracker`` feeds the decode slots."""
         now = time.time() if now is None else now
-        prefill = [self._prefill_state(w) for w in registry.by_role("prefill")]
+        prefill = [self._prefill_state(w, tracker, now) for w in registry.by_role("prefill")]
         decode = [self._decode_state(w, tracker, now) for w in registry.by_role("decode")]
         info = RequestInfo(req.request_id, req.block_keys, len(req.token_ids),
                            self.max_tokens(req))
@@ -100,7 +120,11 @@ class Placer:
             return f"{d.reject_reason}: predicted TTFT {d.predicted_ttft_s:.2f}s, " \
                    f"TBT {d.predicted_tbt_s * 1000:.0f}ms"
         cached = (d.prefix_blocks_local + d.prefix_blocks_to_fetch) * self.config.block_size
-        return Placement(d.prefill_id, d.decode_id, d.predicted_ttft_s,
+        decode_id = d.decode_id
+        chosen = registry.get(d.prefill_id)
+        if chosen is not None and chosen.info.role == "colocated":
+            decode_id = d.prefill_id  # a colocated worker decodes what it prefills
+        return Placement(d.prefill_id, decode_id, d.predicted_ttft_s,
                          max(len(req.token_ids) - cached, 1))
 
     def observe_prefill(self, msg: PrefillDone) -> bool:

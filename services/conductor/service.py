@@ -21,7 +21,7 @@ from common.protocol import (
 )
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.placement import Placement, Placer
-from services.conductor.registry import Registry
+from services.conductor.registry import ROLES, Registry
 from services.conductor.store_events import StoreEventFeed
 from services.conductor.tracker import Phase, Tracked, Tracker
 from services.conductor.ttft_log import TTFTRecord
@@ -57,7 +57,7 @@ class Conductor:
 
     # ------------------------------------------------------------ registry
     def on_register(self, msg: RegisterWorker) -> None:
-        if msg.role not in ("prefill", "decode"):
+        if msg.role not in ROLES:
             log.warning("ignoring registration with role %r", msg.role)
             return
         self.registry.register(msg)

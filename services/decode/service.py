@@ -8,6 +8,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
+import torch
+
 from common.config import ClusterConfig
 from common.mailbox import serve_inbox
 from common.engine import DecodeInput
@@ -67,14 +69,19 @@ class DecodeWorker:
         if r.aborted:
             self._release(r.request_id, r.blocks, "abort")
             return
+        self.start(r, msg.first_token, msg.first_logprob, msg.prompt_tokens, msg.cached_tokens)
+
+    def start(self, r: Reservation, first_token: int, first_logprob: Optional[float],
+              prompt_tokens: int, cached_tokens: int) -> None:
+        """The prompt's KV is in ``r.blocks``: join the batch with the first token."""
         seq = Running(
-            request_id=r.request_id, blocks=r.blocks, position=msg.prompt_tokens,
-            last_token=msg.first_token, params=r.params, router_inbox=r.router_inbox,
-            prompt_tokens=msg.prompt_tokens, cached_tokens=msg.cached_tokens,
+            request_id=r.request_id, blocks=r.blocks, position=prompt_tokens,
+            last_token=first_token, params=r.params, router_inbox=r.router_inbox,
+            prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
             text=IncrementalText(self.engine.decode_tokens, r.params.stop),
             generator=make_generator(r.params, 1))
         self.running[seq.request_id] = seq
-        self.accept(seq, msg.first_token, msg.first_logprob)
+        self.accept(seq, first_token, first_logprob)
         self.wake.set()
 
     def on_kv_failed(self, msg: KVFailed) -> None:
@@ -157,15 +164,18 @@ class DecodeWorker:
             batch = [self.running[rid] for rid in turns.next_batch(self.running, max_batch)]
             inputs = [DecodeInput(s.last_token, s.position, s.blocks) for s in batch]
             logits = await loop.run_in_executor(self.compute, self.engine.decode_step, inputs)
-            tokens, logprobs = sample(logits, [s.params for s in batch],
-                                      [s.generator for s in batch])
-            for seq, tok, lp in zip(batch, tokens, logprobs):
-                if seq.aborted:
-                    self.finish(seq, "abort")
-                    continue
-                seq.position += 1
-                self.accept(seq, int(tok), lp)
+            self.advance(batch, logits)
             await asyncio.sleep(0)  # let the inbox in between steps
+
+    def advance(self, batch: list[Running], logits: torch.Tensor) -> None:
+        """Sample one token for each sequence of a step and stream it."""
+        tokens, logprobs = sample(logits, [s.params for s in batch], [s.generator for s in batch])
+        for seq, tok, lp in zip(batch, tokens, logprobs):
+            if seq.aborted:
+                self.finish(seq, "abort")
+                continue
+            seq.position += 1
+            self.accept(seq, int(tok), lp)
 
     def load(self) -> tuple[int, int, int, int]:
         context = sum(s.context_tokens for s in self.running.values())

@@ -24,7 +24,7 @@ prefill_chunk = 64
 scheduler = "{scheduler}"
 heartbeat_interval_s = 0.2
 store_segment_bytes = 268435456
-
+{extra}
 [slo]
 ttft_s = {ttft}
 tbt_s = 30.0
@@ -32,11 +32,13 @@ tbt_s = 30.0
 
 
 def start_cluster(tmp: Path, http: int, base: int, prefill: int = 1, store: bool = True,
-                  scheduler: str = "load_balance", ttft_slo_s: float = 120.0) -> LocalCluster:
+                  scheduler: str = "load_balance", ttft_slo_s: float = 120.0,
+                  extra: str = "") -> LocalCluster:
+    """``extra``: more top-level TOML lines (e.g. 'mode = "colocated"')."""
     cfg = tmp / "cluster.toml"
     cfg.write_text(BASE_CONFIG.format(http=http, base=base, prefill=prefill,
                                       store=str(store).lower(), scheduler=scheduler,
-                                      ttft=ttft_slo_s))
+                                      ttft=ttft_slo_s, extra=extra))
     cluster = LocalCluster(str(cfg), tmp / "logs")
     try:
         cluster.start(timeout_s=180)

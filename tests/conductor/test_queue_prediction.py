@@ -1,0 +1,65 @@
+"""The predicted prefill queue of a worker: each waiting request's own prefill time, less
+what the oldest has predictably computed already; and a colocated worker decodes what it
+prefills."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from common.config import ClusterConfig, SLOConfig
+from common.protocol import SubmitRequest
+from services.conductor.service import Conductor
+from services.conductor.tracker import Phase
+from tests.conductor.test_conductor import RecordingMail, beat, worker
+
+
+def submit(rid: str, n: int) -> SubmitRequest:
+    return SubmitRequest(rid, list(range(n)), [], {"max_tokens": 8}, time.time())
+
+
+@pytest.fixture
+def conductor() -> Conductor:
+    cfg = ClusterConfig(scheduler="load_balance", slo=SLOConfig(ttft_s=1000, tbt_s=1000))
+    c = Conductor(cfg, RecordingMail(), clock=lambda: 1000.0)  # type: ignore[arg-type]
+    for role in ("prefill", "decode"):
+        c.on_register(worker(role, 0))
+        c.on_heartbeat(beat(role, 0))
+    return c
+
+
+def test_queue_is_the_sum_of_each_requests_prefill(conductor: Conductor) -> None:
+    cost = conductor.placer.cost
+    conductor.on_submit(submit("a", 300))
+    conductor.on_submit(submit("b", 500))
+    a, b = conductor.tracker.get("a"), conductor.tracker.get("b")
+    assert a is not None and b is not None
+    ca, cb = cost.prefill_seconds(300, 0), cost.prefill_seconds(500, 0)
+    assert a.predicted_ttft_s == pytest.approx(ca)  # nothing queued before it
+    assert b.predicted_ttft_s == pytest.approx(ca + cb)
+    w = conductor.registry.get("prefill-0")
+    assert w is not None
+    placer, tracker = conductor.placer, conductor.tracker
+    # At accept time nothing of "a" is done; half-way through it, half of it is.
+    assert placer.queue_seconds(w, tracker, 1000.0) == pytest.approx(ca + cb)
+    assert placer.queue_seconds(w, tracker, 1000.0 + ca / 2) == pytest.approx(ca / 2 + cb)
+    # Late (a took longer than predicted): never less than the requests not yet begun.
+    assert placer.queue_seconds(w, tracker, 1000.0 + 10 * ca) == pytest.approx(cb)
+    # Once "a" decodes it no longer counts.
+    tracker.set_phase(a, Phase.DECODING, 0)
+    assert placer.queue_seconds(w, tracker, 1000.0) == pytest.approx(cb)
+
+
+def test_a_colocated_worker_decodes_what_it_prefills() -> None:
+    cfg = ClusterConfig(scheduler="kvcache_centric", slo=SLOConfig(ttft_s=1000, tbt_s=1000))
+    mail = RecordingMail()
+    c = Conductor(cfg, mail, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    for i in (0, 1):
+        c.on_register(worker("colocated", i))
+        c.on_heartbeat(beat("colocated", i))
+    assert c.ready()
+    assert len(c.registry.by_role("prefill")) == len(c.registry.by_role("decode")) == 2
+    for k in range(6):
+        c.on_submit(submit(f"r{k}", 100 + 50 * k))
+        t = c.tracker.get(f"r{k}")
+        assert t is not None and t.prefill_id == t.decode_id
