@@ -75,7 +75,7 @@ class Placer:
         """Predicted time until prefill worker ``w`` has computed what it was given: the
         sum of each waiting request's own prefill time (not the time of one prompt as
         long as all of them: attention is quadratic per prompt, and that overestimated a
-        queue of ten prompts about twice), less what the oldest, probably computing now,
+        queue of ten prompts about twice), less what the first, probably computing now,
         has predictably done already."""
         waiting = [t for t in map(tracker.get, w.assigned)
                    if t is not None and t.phase is not Phase.DECODING]
@@ -84,10 +84,10 @@ class Placer:
         costs = [self.cost.prefill_seconds(t.prefill_tokens,
                                            len(t.req.token_ids) - t.prefill_tokens)
                  for t in waiting]
-        oldest = min(range(len(waiting)), key=lambda i: waiting[i].accepted_at)
-        o = waiting[oldest]
-        started = o.accepted_at + o.predicted_ttft_s - costs[oldest]
-        return sum(costs) - min(costs[oldest], max(0.0, now - started))
+        # The one predicted to start first is the one computing now (FIFO worker).
+        starts = [t.accepted_at + t.predicted_ttft_s - c for t, c in zip(waiting, costs)]
+        first = min(range(len(waiting)), key=starts.__getitem__)
+        return sum(costs) - min(costs[first], max(0.0, now - starts[first]))
 
     def _decode_state(self, w: WorkerState, tracker: Optional[Tracker],
                       now: float) -> DecodeInstanceState:
