@@ -2,8 +2,9 @@
 
 A worker's paged KV tensor lives in a /dev/shm file (``PagedKVMemory(shm_path=...)``); it
 advertises the file and its host identity when it registers. A prefill worker on the same
-host maps the decode worker's file once (``PeerKVMaps``) and writes each layer's KV into
-the reserved blocks with one tensor copy per layer instead of a TCP loopback transfer.
+host maps the decode worker's file once (``PeerKVMaps``) and copies each layer's KV into
+the reserved blocks (one job per layer, one memmove per piece) instead of sending it
+through the transfer engine's TCP loopback.
 The transfer engine still registers the same memory for peers on other hosts.
 
 Files are named ``crescent-kv-<instance>-<pid>``: created exclusively, unlinked when the
@@ -16,14 +17,14 @@ import logging
 import os
 import re
 import socket
-import threading
 from functools import lru_cache
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from common.kv.memory import PagedKVMemory
-from common.store.shm import Segment
+from common.store.shm import Segment, copy_many
+from common.transfer import coalesce
 
 log = logging.getLogger(__name__)
 
@@ -101,23 +102,16 @@ def close_at_exit(kv: PagedKVMemory) -> None:
     atexit.register(kv.close)
 
 
-_single = threading.local()
-
-
-def _one_thread() -> None:
-    """Copies run on the stream thread next to the compute thread: keep them to one core
-    (torch's OpenMP thread count is per calling thread)."""
-    if not getattr(_single, "set", False):
-        torch.set_num_threads(1)
-        _single.set = True
-
-
 class PeerKV:
     """A same-host peer's KV segment mapped here, in the local memory's layout.
 
-    ``rows`` indexes one layer of one block: row ``block * num_layers + layer``; ``blocks``
-    one whole block. Copies are tensor ops (index_select into a reused buffer, then
-    index_copy_), one per layer or per set of whole blocks.
+    Writes are ``memmove``s of whole contiguous pieces (one layer of one block, or whole
+    blocks, adjacent pieces merged), issued per layer from the stream thread with the GIL
+    released: one copy of each byte, no temporary, no OpenMP team next to the compute
+    thread's (two tensor ops per layer — index_select into a buffer, then index_copy_ —
+    moved each byte twice and ran 1.5x slower in benchmarks/kv_path.py). Every block id is
+    bounds-checked before any address is formed. ``rows``/``blocks`` are tensor views of
+    the mapping (for checks and tests).
     """
 
     def __init__(self, path: str, local: PagedKVMemory) -> None:
@@ -129,49 +123,52 @@ class PeerKV:
         self.local = local
         self.num_blocks = size // local.block_nbytes
         self.segment = Segment(size, path)
-        raw = torch.frombuffer(self.segment.view(0, size), dtype=torch.uint8).view(local.dtype)
-        nl = local.num_layers
-        self.rows = raw.view(self.num_blocks * nl, -1)
+        # Held by every copy while it runs: the mapping cannot be unmapped under it.
+        self._view: Optional[memoryview] = self.segment.view(0, size)
+        raw = torch.frombuffer(self._view, dtype=torch.uint8).view(local.dtype)
+        self.rows = raw.view(self.num_blocks * local.num_layers, -1)
         self.blocks = raw.view(self.num_blocks, -1)
-        self._src_rows = local.data.view(local.num_blocks * nl, -1)
-        self._src_blocks = local.data.view(local.num_blocks, -1)
-        self._buf: Optional[torch.Tensor] = None
 
-    def _check(self, local: list[int], remote: list[int]) -> None:
+    def _check(self, local: Sequence[int], remote: Sequence[int]) -> None:
         if len(local) != len(remote):
             raise ValueError(f"{len(local)} local blocks for {len(remote)} remote ones")
-        for b in remote:
-            if not 0 <= b < self.num_blocks:
-                raise IndexError(f"remote block {b} outside [0, {self.num_blocks})")
+        if local and (min(local) < 0 or max(local) >= self.local.num_blocks):
+            raise IndexError(f"local blocks {list(local)} outside [0, {self.local.num_blocks})")
+        if remote and (min(remote) < 0 or max(remote) >= self.num_blocks):
+            bad = next(b for b in remote if not 0 <= b < self.num_blocks)
+            raise IndexError(f"remote block {bad} outside [0, {self.num_blocks})")
 
-    def _copy(self, src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor,
-              dst_idx: torch.Tensor) -> int:
-        _one_thread()
-        n = src_idx.numel() * src.shape[1]
-        if self._buf is None or self._buf.numel() < n:
-            self._buf = torch.empty(n, dtype=src.dtype)
-        buf = self._buf[:n].view(src_idx.numel(), src.shape[1])
-        torch.index_select(src, 0, src_idx, out=buf)
-        dst.index_copy_(0, dst_idx, buf)
-        return n * src.element_size()
+    def _copy(self, local: Sequence[int], remote: Sequence[int], offset: int, n: int) -> int:
+        """memmove ``n`` bytes at ``offset`` in each local block to the same offset in the
+        matching peer block; adjacent pieces merged."""
+        self._check(local, remote)
+        view = self._view  # keeps the mapping alive until this copy is done
+        if view is None:
+            raise OSError(f"{self.path} is no longer mapped")
+        bn = self.local.block_nbytes
+        src0, dst0 = self.local.base_address + offset, self.segment.base + offset
+        src = [src0 + b * bn for b in local]
+        dst = [dst0 + b * bn for b in remote]
+        if n == bn:
+            src, dst, lengths = coalesce(src, dst, [n] * len(src))
+            return copy_many(list(zip(dst, src, lengths)))
+        return copy_many([(d, s, n) for s, d in zip(src, dst)])
 
-    def write_layer(self, local: list[int], remote: list[int], layer: int) -> int:
+    def write_layer(self, local: Sequence[int], remote: Sequence[int], layer: int) -> int:
         """Layer ``layer`` of local blocks → the same layer of the peer's blocks. Bytes."""
-        self._check(local, remote)
-        nl = self.local.num_layers
-        lo = torch.tensor(local, dtype=torch.long) * nl + layer
-        rm = torch.tensor(remote, dtype=torch.long) * nl + layer
-        return self._copy(self._src_rows, self.rows, lo, rm)
+        if not 0 <= layer < self.local.num_layers:
+            raise IndexError(f"layer {layer} outside [0, {self.local.num_layers})")
+        ln = self.local.layer_nbytes
+        return self._copy(local, remote, layer * ln, ln)
 
-    def write_blocks(self, local: list[int], remote: list[int]) -> int:
+    def write_blocks(self, local: Sequence[int], remote: Sequence[int]) -> int:
         """Whole blocks (every layer) → the peer's blocks. Bytes."""
-        self._check(local, remote)
-        return self._copy(self._src_blocks, self.blocks, torch.tensor(local, dtype=torch.long),
-                          torch.tensor(remote, dtype=torch.long))
+        return self._copy(local, remote, 0, self.local.block_nbytes)
 
     def close(self) -> None:
+        """Unmap (deferred to the last running copy, if one still runs)."""
         self.rows = self.blocks = torch.empty(0)
-        self._buf = None
+        self._view = None
         self.segment.close()
 
 

@@ -94,15 +94,26 @@ class KVStream:
                      [self.kv.layer_nbytes] * len(blocks))
 
     async def wait(self, timeout: float) -> int:
-        """All queued writes done; raises TransferError on failure or deadline."""
+        """All queued writes done; raises TransferError on failure or deadline.
+
+        The writes run in order on one thread, so the last one done means all are done:
+        wait for the last pending one (one wake-up of the event loop, not one per layer),
+        then for whatever a pool of several threads may still run."""
         if not self.futures:
             return 0
-        wrapped = [asyncio.wrap_future(f) for f in self.futures]
-        try:
-            await asyncio.wait_for(asyncio.gather(*wrapped), timeout)
-        except asyncio.TimeoutError as exc:
-            raise TransferError(f"KV stream ({self.path}) missed its {timeout:.1f}s "
-                                "deadline") from exc
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        pending = [f for f in self.futures if not f.done()]
+        while pending:
+            left = deadline - loop.time()
+            done, _ = await asyncio.wait([asyncio.wrap_future(pending[-1])],
+                                         timeout=max(0.0, left))
+            if not done:
+                raise TransferError(f"KV stream ({self.path}) missed its {timeout:.1f}s "
+                                    "deadline")
+            pending = [f for f in pending if not f.done()]
+        for f in self.futures:
+            f.result()  # the first failed write, in order, raises here
         if self._started is not None:
             self.seconds = time.perf_counter() - self._started
         return self.bytes

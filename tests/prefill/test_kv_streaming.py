@@ -170,3 +170,48 @@ def test_path_choice_and_fallback(shm_dir, caplog) -> None:
             KVPaths("tcp", src, "h1")
     finally:
         dst.close()
+
+
+class SlowPeer:
+    """A peer whose writes take longer than the stream's deadline."""
+
+    def write_layer(self, local: list[int], remote: list[int], layer: int) -> int:
+        import time
+        time.sleep(0.5)
+        return 1
+
+    def write_blocks(self, local: list[int], remote: list[int]) -> int:
+        return 1
+
+
+def test_wait_has_a_deadline_on_the_shm_path_too() -> None:
+    src = prefill_memory()
+    pool = ThreadPoolExecutor(1)
+    try:
+        stream = KVStream(None, pool, src, [0], [0], "", 0,  # type: ignore[arg-type]
+                          shm=SlowPeer())  # type: ignore[arg-type]
+        stream.on_layer(0, 0, 16)
+        stream.on_layer(1, 0, 16)
+        with pytest.raises(TransferError, match=r"KV stream \(shm\) missed its 0.3s deadline"):
+            asyncio.run(stream.wait(0.3))
+        stream.cancel()
+    finally:
+        pool.shutdown()
+
+
+def test_a_closed_mapping_refuses_writes(shm_dir) -> None:
+    src = prefill_memory()
+    dst = decode_memory(f"{shm_dir}/crescent-kv-test-closed-{os.getpid()}")
+    try:
+        peer = PeerKV(dst.shm_path, src)
+        assert peer.write_layer([1], [2], 0) == src.layer_nbytes
+        assert torch.equal(dst.data[2, 0], src.data[1, 0])
+        with pytest.raises(IndexError, match=r"local blocks \[10\] outside \[0, 10\)"):
+            peer.write_blocks([10], [0])
+        with pytest.raises(IndexError, match=r"layer 4 outside \[0, 4\)"):
+            peer.write_layer([0], [0], 4)
+        peer.close()
+        with pytest.raises(OSError, match="no longer mapped"):
+            peer.write_layer([1], [2], 0)
+    finally:
+        dst.close()
