@@ -22,6 +22,7 @@ from typing import Optional
 
 from common.config import ClusterConfig
 from common.engine import DecodeInput
+from common.engine.batching import plan_chunks
 from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
 from common.engine.sampling import sample
@@ -53,23 +54,6 @@ class Prefilling:
     @property
     def remaining(self) -> int:
         return len(self.task.token_ids) - self.done
-
-
-def plan_chunks(prefilling: list[Prefilling], budget: int) -> list[tuple[Prefilling, int]]:
-    """(prompt, tokens to compute) for one step: oldest prompts first, within ``budget``.
-
-    A prompt that does not fit whole takes what is left of the budget (a chunk); the next
-    step continues it. Pure, for tests."""
-    out: list[tuple[Prefilling, int]] = []
-    for p in prefilling:
-        if budget <= 0:
-            break
-        if p.aborted or p.remaining <= 0:
-            continue
-        n = min(p.remaining, budget)
-        out.append((p, n))
-        budget -= n
-    return out
 
 
 class ColocatedWorker(DecodeWorker):

@@ -1,15 +1,29 @@
 """The prefill worker: reuses cached prefixes (local pool, then the global KV pool),
 computes the rest in chunks, streams each layer's KV into the decode worker's blocks,
-samples the first token and hands the request over."""
+samples the first token and hands the request over.
+
+Several prompts are computed together: each step is one forward pass over chunks of the
+admitted prompts, oldest first, up to ``token_budget`` tokens (``Engine.step``). A prompt
+is admitted (its blocks referenced, its cached prefix streamed) while the prompts already
+admitted leave room in the next step, so a short prompt behind a long one's last chunk
+starts in the same step. The KV of every chunk of every prompt streams layer by layer to
+its own decode worker while the next layer computes.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Coroutine, Optional
+
+import torch
 
 from common.config import ClusterConfig
+from common.engine.batching import plan_chunks
+from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
 from common.engine.sampling import sample
 from common.kv.shm_kv import host_id
@@ -19,10 +33,12 @@ from common.protocol import (
 )
 from common.transfer import TransferError
 from common.worker import WorkerRuntime, make_generator, sampling_params_from_dict
-from services.prefill.prefix import PrefixLoader
+from services.prefill.prefix import PrefixLoader, PrefixPlan
 from services.prefill.streaming import KVPaths, KVStream, RequestAborted
 
 log = logging.getLogger("prefill")
+
+SETTLE_TIMEOUT_S = 5.0  # a failed stream's in-flight write finishes before blocks are freed
 
 
 class PrefillFailure(Exception):
@@ -31,58 +47,79 @@ class PrefillFailure(Exception):
         self.status, self.kind = status, kind
 
 
+@dataclass
+class Job:
+    """An admitted prompt: its blocks, its KV stream, and how far it has been computed."""
+
+    task: PrefillTask
+    keys: list[bytes]
+    plan: PrefixPlan
+    stream: KVStream
+    done: int  # tokens whose KV is in plan.block_table (cached prefix, then chunks)
+    compute_s: float = 0.0  # its share of the steps it was computed in
+    aborted: bool = False
+
+    @property
+    def remaining(self) -> int:
+        return len(self.task.token_ids) - self.done
+
+
 class PrefillWorker:
     def __init__(self, rt: WorkerRuntime, prefix: PrefixLoader) -> None:
         self.rt = rt
         self.engine = rt.engine
         self.pool = rt.engine.pool
         self.prefix = prefix
-        self.queue: asyncio.Queue[PrefillTask] = asyncio.Queue()
-        self.queued_tokens = 0
-        self.aborted: set[str] = set()
-        self.current: Optional[KVStream] = None
-        self.current_id: Optional[str] = None
+        self.budget = max(1, rt.config.token_budget)
+        self.waiting: deque[PrefillTask] = deque()
+        self.jobs: list[Job] = []  # admitted and computing, oldest first
+        self.aborted: set[str] = set()  # aborts seen for tasks not admitted yet
+        self.wake = asyncio.Event()
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="prefill")
         self.stream_thread = ThreadPoolExecutor(1, thread_name_prefix="kv-stream")
         self.kv_paths = KVPaths(rt.config.kv_path, self.engine.kv, host_id())
+        self._finishing: set[asyncio.Task] = set()
         self.handlers: dict[type, Callable[[Any], None]] = {
             PrefillTask: self.on_task,
             AbortRequest: self.on_abort,
         }
 
+    # ------------------------------------------------------------ inbox
     def on_task(self, task: PrefillTask) -> None:
-        self.queue.put_nowait(task)
-        self.queued_tokens += len(task.token_ids)
+        self.waiting.append(task)
+        self.wake.set()
 
     def on_abort(self, msg: AbortRequest) -> None:
-        self.aborted.add(msg.request_id)
-        if self.current is not None and self.current_id == msg.request_id:
-            self.current.aborted = True
+        for job in self.jobs:
+            if job.task.request_id == msg.request_id:
+                job.aborted = job.stream.aborted = True  # dropped between steps
+                return
+        if any(t.request_id == msg.request_id for t in self.waiting):
+            self.aborted.add(msg.request_id)
 
     def load(self) -> tuple[int, int, int, int]:
-        return self.queue.qsize(), self.queued_tokens, 0, 0
+        tokens = sum(len(t.token_ids) for t in self.waiting)
+        tokens += sum(j.remaining for j in self.jobs)
+        return len(self.waiting) + len(self.jobs), tokens, 0, 0
 
-    async def serve(self) -> None:
-        while True:
-            task = await self.queue.get()
-            self.queued_tokens -= len(task.token_ids)
+    # ------------------------------------------------------------ admission
+    async def admit(self) -> None:
+        """Admit waiting prompts, oldest first, while the next step has room for them."""
+        while self.waiting and sum(j.remaining for j in self.jobs) < self.budget:
+            task = self.waiting[0]
             try:
-                await self.handle(task)
+                job = await self._start(task)
             except PrefillFailure as exc:
-                self.fail(task, exc.status, exc.kind, str(exc))
-            except Exception as exc:  # a bug in one request must not stop the worker
-                log.exception("prefill of %s failed", task.request_id)
-                self.fail(task, 500, "internal_error", f"prefill failed: {exc}")
-            finally:
+                self.waiting.popleft()
                 self.aborted.discard(task.request_id)
+                self.fail(task, exc.status, exc.kind, str(exc))
+                continue
+            if job is None:  # KV memory is full until a running prompt finishes
+                return
+            self.waiting.popleft()
+            self.jobs.append(job)
 
-    def fail(self, task: PrefillTask, status: int, kind: str, message: str) -> None:
-        self.rt.mail.send(task.decode_inbox, KVFailed(task.request_id, kind))
-        if kind != "aborted":
-            self.rt.mail.send(self.rt.conductor, RequestFailed(task.request_id, status, kind,
-                                                               message))
-
-    async def handle(self, task: PrefillTask) -> None:
+    async def _start(self, task: PrefillTask) -> Optional[Job]:
         if task.request_id in self.aborted:
             raise PrefillFailure(499, "aborted", "aborted before prefill")
         if time.time() > task.deadline:
@@ -92,54 +129,122 @@ class PrefillWorker:
             self.engine.validate_prompt(tokens)
         except EngineInputError as exc:
             raise PrefillFailure(400, "invalid_request_error", str(exc)) from exc
-        start = time.perf_counter()
         keys = self.engine.block_keys(tokens)
         plan = await self.prefix.acquire(tokens, keys)
         if plan is None:
+            if self.jobs or self._finishing:
+                return None
             raise PrefillFailure(503, "prefill_kv_full", "prefill KV memory is full")
         try:
-            first, logprob, stream = await self._compute_and_stream(task, plan.block_table,
-                                                                    plan.cached_blocks)
-        except BaseException:
+            stream = self.kv_paths.open(self.rt.transfer, self.stream_thread, self.engine.kv,
+                                        plan.block_table, task)
+        except ValueError as exc:  # the decode side reserved too few blocks
             self.pool.free(plan.block_table)
-            raise
-        elapsed = time.perf_counter() - start
-        bs = self.engine.config.block_size
-        cached_tokens = plan.cached_blocks * bs
-        self.rt.mail.send(task.decode_inbox, KVReady(task.request_id, first, logprob,
-                                                     len(tokens), cached_tokens))
-        self.rt.mail.send(self.rt.conductor, PrefillDone(
-            task.request_id, self.rt.instance_id, len(tokens), cached_tokens,
-            plan.global_blocks * bs, elapsed, stream.bytes, stream.seconds))
-        self.prefix.release(plan, keys)
+            raise PrefillFailure(500, "internal_error", str(exc)) from exc
+        stream.send_whole_blocks(plan.cached_blocks)
+        done = min(plan.cached_blocks * self.engine.config.block_size, len(tokens) - 1)
+        return Job(task, keys, plan, stream, done)
 
-    async def _compute_and_stream(self, task: PrefillTask, table: list[int],
-                                  cached_blocks: int) -> tuple[int, Optional[float], KVStream]:
-        rt = self.rt
-        stream = self.kv_paths.open(rt.transfer, self.stream_thread, self.engine.kv, table,
-                                    task)
-        self.current, self.current_id = stream, task.request_id
-        stream.send_whole_blocks(cached_blocks)
-        num_cached = cached_blocks * self.engine.config.block_size
-        loop = asyncio.get_running_loop()
+    # ------------------------------------------------------------ steps
+    async def serve(self) -> None:
+        while True:
+            await self.admit()
+            self._drop_failed()
+            if self.jobs:
+                await self.step()
+                continue
+            self.wake.clear()
+            if self.waiting:  # waiting for KV memory: a finishing prompt frees some
+                await asyncio.sleep(0.01)
+            else:
+                await self.wake.wait()
+
+    async def step(self) -> None:
+        """One forward over chunks of the admitted prompts; hand over those it ends."""
+        planned = plan_chunks(self.jobs, self.budget)
+        chunks = [PrefillChunk(j.task.token_ids, j.done, j.done + n, j.plan.block_table)
+                  for j, n in planned]
+        ranges = [(j.stream, j.done, j.done + n) for j, n in planned]
+
+        def on_layer(layer: int) -> None:  # in the compute thread
+            for stream, start, end in ranges:
+                if not stream.aborted:
+                    try:
+                        stream.on_layer(layer, start, end)
+                    except RequestAborted:  # aborted this instant: dropped after the step
+                        pass
+
+        started = time.perf_counter()
         try:
-            logits = await loop.run_in_executor(
-                self.compute, lambda: self.engine.prefill(task.token_ids, table, num_cached,
-                                                          layer_hook=stream.on_layer))
-            await stream.wait(max(1.0, task.deadline - time.time()))
-            self.kv_paths.done(stream)
-        except RequestAborted as exc:
-            stream.cancel()
-            raise PrefillFailure(499, "aborted", "aborted during prefill") from exc
+            rows = (await asyncio.get_running_loop().run_in_executor(
+                self.compute, lambda: self.engine.step(chunks, (), on_layer)))[0]
+        except EngineInputError as exc:  # a bug, not load: fail these, keep serving
+            log.exception("prefill step failed")
+            for job, _ in planned:
+                job.aborted = True
+                self.rt.mail.send(self.rt.conductor, RequestFailed(
+                    job.task.request_id, 500, "internal_error", f"prefill failed: {exc}"))
+            return
+        step_s = time.perf_counter() - started
+        total = sum(n for _, n in planned)
+        for (job, n), row in zip(planned, rows):
+            job.done += n
+            job.compute_s += step_s * n / total
+            if row is not None and not job.aborted:
+                self.jobs.remove(job)
+                self._spawn(self.finish(job, row))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    def _drop_failed(self) -> None:
+        """Aborted prompts and prompts past their deadline leave between steps."""
+        now = time.time()
+        for job in [j for j in self.jobs if j.aborted or now > j.task.deadline]:
+            self.jobs.remove(job)
+            failure = (PrefillFailure(499, "aborted", "aborted during prefill") if job.aborted
+                       else PrefillFailure(504, "timeout", "prefill missed its deadline"))
+            self._spawn(self.give_up(job, failure))
+
+    async def give_up(self, job: Job, failure: PrefillFailure) -> None:
+        """Stop the stream and let its in-flight write finish (it reads our blocks and
+        writes the decode worker's), then free the blocks and tell both sides."""
+        job.stream.cancel()
+        pending = [asyncio.wrap_future(f) for f in job.stream.futures if not f.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=SETTLE_TIMEOUT_S)
+        self.pool.free(job.plan.block_table)
+        self.fail(job.task, failure.status, failure.kind, str(failure))
+
+    async def finish(self, job: Job, logits: torch.Tensor) -> None:
+        """The prompt's last chunk ran: wait for its KV to land, sample, hand over."""
+        task = job.task
+        try:
+            await job.stream.wait(max(1.0, task.deadline - time.time()))
         except TransferError as exc:
-            stream.cancel()
-            raise PrefillFailure(503, "kv_transfer_failed", str(exc)) from exc
-        finally:
-            self.current, self.current_id = None, None
+            return await self.give_up(job, PrefillFailure(503, "kv_transfer_failed", str(exc)))
+        if job.aborted:
+            return await self.give_up(job, PrefillFailure(499, "aborted", "aborted"))
+        self.kv_paths.done(job.stream)
         params = sampling_params_from_dict(task.sampling)
-        tokens, logprobs = sample(logits.unsqueeze(0), [params],
-                                  [make_generator(params, 0)])
-        return int(tokens[0]), logprobs[0], stream
+        tokens, logprobs = sample(logits.unsqueeze(0), [params], [make_generator(params, 0)])
+        bs = self.engine.config.block_size
+        cached_tokens = job.plan.cached_blocks * bs
+        prompt = len(task.token_ids)
+        self.rt.mail.send(task.decode_inbox, KVReady(task.request_id, int(tokens[0]),
+                                                     logprobs[0], prompt, cached_tokens))
+        self.rt.mail.send(self.rt.conductor, PrefillDone(
+            task.request_id, self.rt.instance_id, prompt, cached_tokens,
+            job.plan.global_blocks * bs, job.compute_s, job.stream.bytes, job.stream.seconds))
+        self.prefix.release(job.plan, job.keys)
+
+    def fail(self, task: PrefillTask, status: int, kind: str, message: str) -> None:
+        self.rt.mail.send(task.decode_inbox, KVFailed(task.request_id, kind))
+        if kind != "aborted":
+            self.rt.mail.send(self.rt.conductor, RequestFailed(task.request_id, status, kind,
+                                                               message))
 
 
 async def run(config: ClusterConfig, index: int = 0) -> None:
@@ -147,8 +252,9 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
     prefix = await PrefixLoader.create(rt)
     worker = PrefillWorker(rt, prefix)
     tasks = [asyncio.create_task(c) for c in (worker.serve(), rt.heartbeat_loop(worker.load))]
-    log.info("%s ready (inbox %s, %d KV blocks, store %s)", rt.instance_id, rt.inbox_address,
-             rt.engine.kv.num_blocks, "on" if prefix.store else "off")
+    log.info("%s ready (inbox %s, %d KV blocks, budget %d tokens/step, store %s)",
+             rt.instance_id, rt.inbox_address, rt.engine.kv.num_blocks, worker.budget,
+             "on" if prefix.store else "off")
     try:
         await serve_inbox(rt.mail, worker.handlers, tasks)
     finally:

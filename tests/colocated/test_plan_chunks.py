@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from common.protocol import PrefillTask
-from services.colocated.service import Prefilling, plan_chunks
+from common.engine.batching import plan_chunks
+from services.colocated.service import Prefilling
 from services.decode.sequence import Reservation
 
 

@@ -1,0 +1,32 @@
+"""Which prompt chunks one step computes within a token budget (both the colocated
+worker's mixed steps and the prefill worker's batches use it)."""
+from __future__ import annotations
+
+from typing import Protocol, Sequence, TypeVar
+
+
+class Prompt(Protocol):
+    @property
+    def remaining(self) -> int: ...  # tokens still to compute
+
+    aborted: bool
+
+
+P = TypeVar("P", bound=Prompt)
+
+
+def plan_chunks(prompts: Sequence[P], budget: int) -> list[tuple[P, int]]:
+    """(prompt, tokens to compute) for one step: oldest prompts first, within ``budget``.
+
+    A prompt that does not fit whole takes what is left of the budget (a chunk); the next
+    step continues it. Aborted and finished prompts take nothing."""
+    out: list[tuple[P, int]] = []
+    for p in prompts:
+        if budget <= 0:
+            break
+        if p.aborted or p.remaining <= 0:
+            continue
+        n = min(p.remaining, budget)
+        out.append((p, n))
+        budget -= n
+    return out
