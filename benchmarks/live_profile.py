@@ -20,6 +20,9 @@ from benchmarks.replay_metrics import top_self_functions
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_HZ = 50  # low: six samplers share two cores with the cluster they measure
+# py-spy names files relative to sys.path: this repository's frames read "(services/...".
+OWN_CODE = tuple(f"({pkg}/" for pkg in ("common", "services", "launch", "traces")) + \
+    (str(REPO) + "/",)
 
 
 def find_py_spy() -> Optional[str]:
@@ -93,4 +96,4 @@ def summarize_profile(collapsed: str, seconds: float, k: int = 8) -> dict[str, A
     return {"samples": samples, "busy": round(samples / (SAMPLE_HZ * seconds), 3),
             "top_leaf": [[f, round(s, 3)] for f, s in top_self_functions(collapsed, k)],
             "top_own": [[f, round(s, 3)]
-                        for f, s in top_self_functions(collapsed, k, within=str(REPO))]}
+                        for f, s in top_self_functions(collapsed, k, within=OWN_CODE)]}

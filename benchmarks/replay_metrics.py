@@ -257,13 +257,13 @@ _LINE_NO = re.compile(r":\d+\)$")
 
 
 def top_self_functions(collapsed: str, k: int = 10,
-                       within: Optional[str] = None) -> list[tuple[str, float]]:
+                       within: Sequence[str] = ()) -> list[tuple[str, float]]:
     """Collapsed stacks (py-spy ``--format raw``: ``frame;frame;leaf count``) → the ``k``
     leaf functions with the largest share of samples, largest first (ties by name).
 
     A frame ``func (file.py:12)`` counts as ``func (file.py)``: lines of one function add
-    up. With ``within`` (a path fragment), a stack counts for its deepest frame whose text
-    contains it (where our code spends the time, library calls included), or for
+    up. With ``within`` (path fragments), a stack counts for its deepest frame whose text
+    contains one of them (where our code spends the time, library calls included), or for
     ``(elsewhere)`` when none does.
     """
     leaves: Counter[str] = Counter()
@@ -273,8 +273,8 @@ def top_self_functions(collapsed: str, k: int = 10,
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
-        if within is not None:
-            frames = [f for f in frames if within in f] or ["(elsewhere)"]
+        if within:
+            frames = [f for f in frames if any(w in f for w in within)] or ["(elsewhere)"]
         leaves[_LINE_NO.sub(")", frames[-1])] += int(count)
         total += int(count)
     ranked = sorted(leaves.items(), key=lambda kv: (-kv[1], kv[0]))[:k]

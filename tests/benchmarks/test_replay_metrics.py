@@ -178,5 +178,7 @@ def test_top_self_functions_merges_lines_and_finds_own_frames() -> None:
                  "MainThread;a (/repo/y.py:1);c (/repo/y.py:9);d (torch/f.py:3) 4\n")
     assert top_self_functions(collapsed) == [("b (x.py)", 0.5), ("d (torch/f.py)", 0.5)]
     assert top_self_functions(collapsed, k=1) == [("b (x.py)", 0.5)]
-    assert top_self_functions(collapsed, within="/repo/") == [
+    assert top_self_functions(collapsed, within=("/repo/",)) == [
         ("(elsewhere)", 0.5), ("c (/repo/y.py)", 0.5)]
+    assert top_self_functions(collapsed, within=("/repo/", "(x.py")) == [
+        ("b (x.py)", 0.5), ("c (/repo/y.py)", 0.5)]
