@@ -233,6 +233,20 @@ def server_side(router: str, conductor: str) -> dict[str, Optional[float]]:
     }
 
 
+def prediction_errors(debug_ttft: str) -> dict[str, Optional[float]]:
+    """Per-request predicted vs actual TTFT from the conductor's /debug/ttft: the median
+    relative error (predicted − actual) / actual, its median absolute value, and the share
+    of requests predicted within 25 %. "Actual" is accept → KV on the decode worker."""
+    try:
+        summary = json.loads(debug_ttft)["summary"]
+    except (ValueError, KeyError, TypeError):
+        return {"pred_median_rel_err": None, "pred_median_abs_rel_err": None,
+                "pred_within_25pct": None}
+    return {"pred_median_rel_err": summary.get("median_rel_error"),
+            "pred_median_abs_rel_err": summary.get("median_abs_rel_error"),
+            "pred_within_25pct": summary.get("within_25pct")}
+
+
 def bench_one(args: argparse.Namespace, name: str, rate: float, rows: list[dict],
               aiperf: Path, tok: TokenizerExport, out: Path) -> dict[str, Any]:
     run_dir = out / f"{name}-r{rate:g}"
@@ -255,6 +269,7 @@ def bench_one(args: argparse.Namespace, name: str, rate: float, rows: list[dict]
                              run_dir / "aiperf", args.seed, args.request_timeout)
         router = scrape(cluster.url + "/metrics")
         conductor = scrape(f"http://{config.host}:{config.base_port + 3}/metrics")
+        ttft_log = scrape(f"http://{config.host}:{config.base_port + 3}/debug/ttft")
     except ClusterError as exc:
         raise ReplayError(f"cluster failed: {exc}") from exc
     finally:
@@ -262,9 +277,11 @@ def bench_one(args: argparse.Namespace, name: str, rate: float, rows: list[dict]
         cluster.stop()
     (run_dir / "metrics_router.txt").write_text(router)
     (run_dir / "metrics_conductor.txt").write_text(conductor)
+    (run_dir / "ttft_predictions.json").write_text(ttft_log)
     summary = summarize(results, args.ttft_slo, args.tbt_slo)
     row = {"config": name, "rate": rate, "wall_s": round(time.time() - t0, 1),
-           **summary.to_dict(), **server_side(router, conductor)}
+           **summary.to_dict(), **server_side(router, conductor),
+           **prediction_errors(ttft_log)}
     if profile:
         row["profile"] = profile
     row["_ttft"] = sorted(r.ttft_s for r in results if r.ok)
@@ -280,7 +297,8 @@ COLUMNS = [("config", "config", "{}"), ("rate", "rate", "{:g}"),
            ("e2e_p90_s", "p90", "{:.2f}"), ("e2e_p99_s", "p99", "{:.2f}"),
            ("goodput", "goodput", "{}"), ("rejected_429", "429", "{}"),
            ("errors", "err", "{}"), ("prefix_hit", "hit", "{:.0%}"),
-           ("pred_ttft_rel_err_of_means", "pred err", "{:+.0%}")]
+           ("pred_median_rel_err", "pred err p50", "{:+.0%}"),
+           ("pred_median_abs_rel_err", "|err| p50", "{:.0%}")]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
