@@ -7,8 +7,9 @@ the reserved blocks (one job per layer, one memmove per piece) instead of sendin
 through the transfer engine's TCP loopback.
 The transfer engine still registers the same memory for peers on other hosts.
 
-Files are named ``crescent-kv-<instance>-<pid>``: created exclusively, unlinked when the
-worker closes, at exit, and by the next worker that finds one whose process is gone.
+Files are named ``crescent-kv-<hostname>-<instance>-<pid>``: created exclusively, unlinked
+when the worker closes, at exit, and by the next worker on this host that finds one whose
+process is gone.
 """
 from __future__ import annotations
 
@@ -44,11 +45,17 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def _prefix() -> str:
+    """File names carry the hostname: containers that share /dev/shm but not a pid
+    namespace never sweep each other's segments."""
+    return f"crescent-kv-{socket.gethostname()}-"
+
+
 def segment_path(instance_id: str, directory: str = SHM_DIR) -> Optional[str]:
     """Where this process's KV segment goes; None where there is no such directory."""
     if not os.path.isdir(directory):
         return None
-    return os.path.join(directory, f"crescent-kv-{instance_id}-{os.getpid()}")
+    return os.path.join(directory, f"{_prefix()}{instance_id}-{os.getpid()}")
 
 
 def _alive(pid: int) -> bool:
@@ -70,7 +77,7 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
         return removed
     for name in names:
         m = _NAME.match(name)
-        if m is None or _alive(int(m.group(1))):
+        if m is None or not name.startswith(_prefix()) or _alive(int(m.group(1))):
             continue
         try:
             os.unlink(os.path.join(directory, name))
@@ -109,7 +116,7 @@ class PeerKV:
     blocks, adjacent pieces merged), issued per layer from the stream thread with the GIL
     released: one copy of each byte, no temporary, no OpenMP team next to the compute
     thread's (two tensor ops per layer — index_select into a buffer, then index_copy_ —
-    moved each byte twice and ran 1.5x slower in benchmarks/kv_path.py). Every block id is
+    move each byte twice and ran ~2x slower in benchmarks/kv_path.py). Every block id is
     bounds-checked before any address is formed. ``rows``/``blocks`` are tensor views of
     the mapping (for checks and tests).
     """

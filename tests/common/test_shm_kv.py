@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -61,7 +62,8 @@ def test_worker_segment_follows_kv_path_and_device() -> None:
     assert worker_segment("decode-0", "transfer_engine", "cpu") is None
     assert worker_segment("decode-0", "auto", "cuda") is None
     assert worker_segment("decode-0", "shm", "cpu") == segment_path("decode-0")
-    assert segment_path("decode-0") == f"/dev/shm/crescent-kv-decode-0-{os.getpid()}"
+    host = socket.gethostname()
+    assert segment_path("decode-0") == f"/dev/shm/crescent-kv-{host}-decode-0-{os.getpid()}"
     with pytest.raises(ValueError, match="kv_path must be one of"):
         worker_segment("decode-0", "rdma", "cpu")
     assert host_id() == host_id() and "/" in host_id()
@@ -90,7 +92,8 @@ def _child(tag: str, hang: bool) -> tuple[subprocess.Popen, str]:
 def test_cleaned_at_exit_and_after_a_kill() -> None:
     proc, path = _child("exit", hang=False)
     assert proc.wait(30) == 0
-    assert path.startswith("/dev/shm/crescent-kv-test-exit-") and not os.path.exists(path)
+    assert path.startswith(f"/dev/shm/crescent-kv-{socket.gethostname()}-test-exit-")
+    assert not os.path.exists(path)
 
     proc, path = _child("kill", hang=True)
     try:
@@ -101,5 +104,10 @@ def test_cleaned_at_exit_and_after_a_kill() -> None:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     assert os.path.exists(path)  # SIGKILL: no chance to clean up
-    assert path.rsplit("/", 1)[1] in sweep_stale()  # the next worker's sweep
-    assert not os.path.exists(path)
+    other = f"/dev/shm/crescent-kv-not-{socket.gethostname()}-decode-0-{proc.pid}"
+    open(other, "wb").close()  # another container's, same dead pid: not ours to remove
+    try:
+        assert path.rsplit("/", 1)[1] in sweep_stale()  # the next worker's sweep
+        assert not os.path.exists(path) and os.path.exists(other)
+    finally:
+        os.unlink(other)

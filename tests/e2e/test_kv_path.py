@@ -84,6 +84,6 @@ def test_shm_and_transfer_engine_paths_give_identical_greedy_outputs(tmp_path: P
     assert "first KV stream via transfer_engine" not in shm_log
     assert "first KV stream via transfer_engine" in te_log
     assert "via shm" not in te_log
-    mapped = re.search(r"over shared memory \((/dev/shm/crescent-kv-decode-0-\d+),", shm_log)
+    mapped = re.search(r"over shared memory \((/dev/shm/crescent-kv-\S+-decode-0-\d+),", shm_log)
     assert mapped is not None, shm_log[-2000:]
     assert not Path(mapped.group(1)).exists()  # the decode worker unlinked it on stop
