@@ -6,6 +6,10 @@ Decode: tokens/s of B sequences (128-token prompts) advancing together for N ste
 decode time = time(N+1 new tokens) - time(1 new token)). Median of a few repeats,
 engine and transformers runs interleaved so that background load hits both alike.
 Prints a table, then one line of JSON.
+
+``--variants float32/float32,float32/bfloat16,bfloat16/bfloat16`` instead compares engines
+of different compute/KV dtypes side by side (runs interleaved, no transformers): prefill
+512, decode at batch 8 and 32, KV bytes per token.
 """
 from __future__ import annotations
 
@@ -103,12 +107,42 @@ def measure(pairs: dict[str, list[Callable[[], float]]], repeats: int) -> dict[s
     return res
 
 
+def compare_variants(spec: str, steps: int, repeats: int) -> None:
+    """One engine per ``compute/kv`` dtype pair; the same workloads, interleaved."""
+    variants = [tuple(v.split("/")) for v in spec.split(",")]
+    engines = {f"{c}/{k}": Engine(EngineConfig(num_blocks=1024, dtype=c, kv_dtype=k))
+               for c, k in variants}
+    pairs: dict[str, list[Callable[[], float]]] = {"prefill_tps_512": [
+        engine_prefill(e, 512) for e in engines.values()]}
+    for b in (8, 32):
+        pairs[f"decode_tps_b{b}"] = [engine_decode(e, b, steps, repeats) for e in engines.values()]
+    res: dict[str, float] = {}
+    for key, fns in pairs.items():
+        samples: list[list[float]] = [[] for _ in fns]
+        for _ in range(repeats):
+            for i, fn in enumerate(fns):
+                samples[i].append(fn())
+        for name, xs in zip(engines, samples):
+            res[f"{key}[{name}]"] = statistics.median(xs)
+    for name, e in engines.items():
+        res[f"kv_bytes_per_token[{name}]"] = e.kv.block_nbytes / e.config.block_size
+    names = list(engines)
+    print(f"model smollm2-135m | threads {torch.get_num_threads()} | compute/kv dtype")
+    print(f"{'metric':<20}" + "".join(f"{n:>20}" for n in names))
+    for key in list(pairs) + ["kv_bytes_per_token"]:
+        print(f"{key:<20}" + "".join(f"{res[f'{key}[{n}]']:>20.1f}" for n in names))
+    print(json.dumps({k: round(v, 2) for k, v in res.items()}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers twins")
+    ap.add_argument("--variants", help="compute/kv dtype pairs to compare, comma separated")
     args = ap.parse_args()
+    if args.variants:
+        return compare_variants(args.variants, args.steps, args.repeats)
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(num_blocks=1024))
     load_s = time.perf_counter() - t0
