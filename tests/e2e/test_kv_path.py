@@ -28,6 +28,7 @@ prefill_chunk = 64
 heartbeat_interval_s = 0.2
 store_segment_bytes = 67108864
 kv_path = "{kv_path}"
+kv_dtype = "{kv_dtype}"
 
 [slo]
 ttft_s = 120.0
@@ -56,11 +57,12 @@ def _chat(url: str, max_tokens: int) -> str:
     return r.json()["choices"][0]["message"]["content"]
 
 
-def _serve(tmp: Path, kv_path: str) -> tuple[list[str], str]:
+def _serve(tmp: Path, kv_path: str, kv_dtype: str = "auto") -> tuple[list[str], str]:
     """Run the prompts on a fresh cluster; its outputs and its prefill worker's log."""
-    cfg = tmp / f"{kv_path}.toml"
-    cfg.write_text(CONFIG.format(http=HTTP, base=BASE, kv_path=kv_path))
-    cluster = LocalCluster(str(cfg), tmp / f"logs-{kv_path}")
+    name = f"{kv_path}-{kv_dtype}"
+    cfg = tmp / f"{name}.toml"
+    cfg.write_text(CONFIG.format(http=HTTP, base=BASE, kv_path=kv_path, kv_dtype=kv_dtype))
+    cluster = LocalCluster(str(cfg), tmp / f"logs-{name}")
     try:
         cluster.start(timeout_s=180)
         story, n = _completion(cluster.url, STORY, 12)
@@ -71,7 +73,7 @@ def _serve(tmp: Path, kv_path: str) -> tuple[list[str], str]:
         outputs = [_chat(cluster.url, 16), story, story2]
     finally:
         cluster.stop()
-    return outputs, (tmp / f"logs-{kv_path}" / "prefill-0.log").read_text(errors="replace")
+    return outputs, (tmp / f"logs-{name}" / "prefill-0.log").read_text(errors="replace")
 
 
 def test_shm_and_transfer_engine_paths_give_identical_greedy_outputs(tmp_path: Path) -> None:
@@ -87,3 +89,15 @@ def test_shm_and_transfer_engine_paths_give_identical_greedy_outputs(tmp_path: P
     mapped = re.search(r"over shared memory \((/dev/shm/crescent-kv-\S+-decode-0-\d+),", shm_log)
     assert mapped is not None, shm_log[-2000:]
     assert not Path(mapped.group(1)).exists()  # the decode worker unlinked it on stop
+
+
+def test_bfloat16_kv_across_processes(tmp_path: Path) -> None:
+    """Half the bytes per block through the shm path, the prefix cache and the store."""
+    out, log = _serve(tmp_path, "auto", "bfloat16")
+    assert "Paris" in out[0]
+    assert all(text.strip() for text in out[1:])
+    streamed = re.search(r"first KV stream via shm: (\d+) bytes", log)
+    assert streamed is not None, log[-2000:]
+    # STORY is 33 blocks; a bfloat16 block is 30 layers x (K, V) x 16 x 3 heads x 64 x 2 bytes
+    # (the float32 run streams 24,330,240 bytes for it).
+    assert int(streamed.group(1)) == 33 * 30 * 2 * 16 * 3 * 64 * 2

@@ -9,6 +9,7 @@ from common.engine import DecodeInput, Engine, EngineConfig, SamplingParams, gen
 from common.engine.errors import EngineInputError
 from common.kv.block_keys import model_fingerprint
 from common.kv.memory import resolve_kv_dtype
+from services.router.block_hashing import make_block_hasher
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The capital of Germany is",
@@ -107,3 +108,13 @@ def test_kv_dtype_is_part_of_the_block_keys(smol: Engine, bf16: Engine) -> None:
     assert smol.fingerprint == model_fingerprint(mc, "float32") == model_fingerprint(mc)
     assert bf16.fingerprint == model_fingerprint(mc, "bfloat16")
     assert model_fingerprint(mc, "float16") not in (smol.fingerprint, bf16.fingerprint)
+
+
+def test_router_names_blocks_like_the_workers(smol: Engine, bf16: Engine) -> None:
+    """The router hashes prompts with the cluster's resolved KV dtype, so its keys are the
+    ones the workers publish in KV events (cache-aware placement depends on it)."""
+    ids = list(range(7, 7 + 50))
+    for engine, kv in ((smol, resolve_kv_dtype("float32", "auto")),
+                       (bf16, resolve_kv_dtype("float32", "bfloat16"))):
+        hasher = make_block_hasher(16, engine.model_config, kv)
+        assert hasher(ids) == [k.hex() for k in engine.block_keys(ids)]
