@@ -12,6 +12,7 @@ import torch
 from common.config import ClusterConfig
 from common.engine import Engine, EngineConfig, SamplingParams
 from common.kv.events import BlockStored
+from common.kv.memory import resolve_kv_dtype
 from common.kv.shm_kv import close_at_exit, host_id, worker_segment
 from common.mailbox import Mailbox
 from common.protocol import RegisterWorker, WorkerHeartbeat
@@ -22,7 +23,9 @@ log = logging.getLogger(__name__)
 
 def engine_config(config: ClusterConfig, role: str) -> EngineConfig:
     return EngineConfig(
-        model=config.model, dtype=config.dtype, kv_dtype=config.kv_dtype,
+        model=config.model,
+        dtype=(config.prefill_dtype or config.dtype) if role == "prefill" else config.dtype,
+        kv_dtype=resolve_kv_dtype(config.dtype, config.kv_dtype),  # one KV dtype for all
         device=config.device,
         block_size=config.block_size,
         num_blocks=config.prefill_blocks if role == "prefill" else config.decode_blocks,

@@ -61,7 +61,7 @@ class ColocatedWorker(DecodeWorker):
         super().__init__(rt)
         self.prefix = prefix
         self.prefilling: list[Prefilling] = []  # arrival order
-        self.budget = max(1, rt.config.token_budget)
+        self.budget = rt.config.step_budget(rt.role)
         self._admitting: set[asyncio.Task] = set()
         self.handlers[PrefillTask] = self.on_task
         self.handlers[AbortRequest] = self.on_abort

@@ -70,7 +70,7 @@ class PrefillWorker:
         self.engine = rt.engine
         self.pool = rt.engine.pool
         self.prefix = prefix
-        self.budget = max(1, rt.config.token_budget)
+        self.budget = rt.config.step_budget(rt.role)
         self.waiting: deque[PrefillTask] = deque()
         self.jobs: list[Job] = []  # admitted and computing, oldest first
         self.aborted: set[str] = set()  # aborts seen for tasks not admitted yet
