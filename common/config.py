@@ -49,9 +49,10 @@ class ClusterConfig:
     mode: str = "disaggregated"
     colocated_workers: int = 1
     # Tokens per engine step: a prefill worker's batch of prompt chunks, or a colocated
-    # step (its decodes + prompt chunks). None: 256 for a prefill worker; 64 for a colocated
-    # worker, whose every step is also a decode step (a 64-token chunk beside a batch of 8
-    # keeps its step near 0.2 s on 2 CPU cores: Sarathi sizes the budget from the TBT SLO).
+    # step (its decodes + prompt chunks). None: 256 for a prefill worker; 128 for a
+    # colocated worker, whose every step is also a decode step: Sarathi sizes the budget
+    # from the TBT SLO, but on a CPU small chunks waste weight reads (64 halved its prefill
+    # throughput on 2 cores and doubled TTFT; benchmarks/live_replay.py, BENCHMARKS.md).
     token_budget: Optional[int] = None
     max_batch_size: int = 64
     max_queue: int = 256  # admission: requests waiting for prefill, cluster-wide
@@ -75,7 +76,7 @@ class ClusterConfig:
     def step_budget(self, role: str) -> int:
         if self.token_budget is not None:
             return max(1, self.token_budget)
-        return 64 if role == "colocated" else 256
+        return 128 if role == "colocated" else 256
 
     # --------------------------------------------------------------- topology
     def inbox(self, role: str, index: int = 0) -> str:
