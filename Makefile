@@ -21,6 +21,8 @@ bench: setup
 	$(PY) benchmarks/store.py
 	$(PY) benchmarks/serving_overhead.py
 	$(PY) benchmarks/simulate_paper.py
+	$(PY) benchmarks/kv_path.py
+	$(PY) benchmarks/live_replay.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
