@@ -26,11 +26,10 @@ from common.engine.batching import plan_chunks
 from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
 from common.engine.sampling import sample
-from common.mailbox import serve_inbox
 from common.protocol import AbortRequest, PrefillDone, PrefillTask, RequestFailed
 from common.worker import WorkerRuntime, make_generator
 from services.decode.sequence import Reservation
-from services.decode.service import DecodeWorker
+from services.decode.service import DecodeWorker, serve_worker
 from services.decode.turns import Turns
 from services.prefill.prefix import PrefixLoader, PrefixPlan
 
@@ -194,19 +193,11 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
     rt = WorkerRuntime(config, "colocated", index)
     prefix = await PrefixLoader.create(rt)
     worker = ColocatedWorker(rt, prefix)
-
-    async def sweeper() -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            worker.sweep()
-
-    tasks = [asyncio.create_task(c) for c in
-             (worker.step_loop(), rt.heartbeat_loop(worker.load), sweeper())]
     log.info("%s ready (inbox %s, %d KV blocks, budget %d tokens/step, store %s)",
              rt.instance_id, rt.inbox_address, rt.engine.kv.num_blocks, worker.budget,
              "on" if prefix.store else "off")
     try:
-        await serve_inbox(rt.mail, worker.handlers, tasks)
+        await serve_worker(rt, worker)
     finally:
         await prefix.close()
         rt.close()

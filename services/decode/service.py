@@ -182,10 +182,9 @@ class DecodeWorker:
         return len(self.reserved), 0, len(self.running), context
 
 
-async def run(config: ClusterConfig, index: int = 0) -> None:
-    rt = WorkerRuntime(config, "decode", index)
-    worker = DecodeWorker(rt)
-
+async def serve_worker(rt: WorkerRuntime, worker: DecodeWorker) -> None:
+    """Run a decode worker (or a colocated one) until cancelled: its steps, heartbeats,
+    the sweep of reservations whose KV never came, and the inbox."""
     async def sweeper() -> None:
         while True:
             await asyncio.sleep(0.5)
@@ -193,9 +192,15 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
 
     tasks = [asyncio.create_task(c) for c in
              (worker.step_loop(), rt.heartbeat_loop(worker.load), sweeper())]
+    await serve_inbox(rt.mail, worker.handlers, tasks)
+
+
+async def run(config: ClusterConfig, index: int = 0) -> None:
+    rt = WorkerRuntime(config, "decode", index)
+    worker = DecodeWorker(rt)
     log.info("%s ready (inbox %s, %d KV blocks)", rt.instance_id, rt.inbox_address,
              rt.engine.kv.num_blocks)
     try:
-        await serve_inbox(rt.mail, worker.handlers, tasks)
+        await serve_worker(rt, worker)
     finally:
         rt.close()

@@ -15,14 +15,6 @@ def test_coalesce_merges_only_adjacent_pairs() -> None:
     assert coalesce([], [], []) == ([], [], [])
 
 
-@pytest.fixture(scope="module")
-def agents():
-    a, b = TransferAgent(), TransferAgent()
-    yield a, b
-    a.close()
-    b.close()
-
-
 def test_write_and_read_are_byte_exact(agents) -> None:
     a, b = agents
     src = torch.arange(1 << 18, dtype=torch.int32)

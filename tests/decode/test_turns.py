@@ -5,7 +5,6 @@ import asyncio
 import math
 import time
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
@@ -13,6 +12,7 @@ from common.engine import Engine, EngineConfig
 from common.protocol import KVReady, ReserveBlocks, TokenDelta
 from services.decode.service import DecodeWorker
 from services.decode.turns import Turns
+from tests.conductor.test_conductor import RecordingMail
 
 
 def test_first_steps_exact() -> None:
@@ -56,15 +56,6 @@ def test_joins_queue_behind_and_leavers_drop_out() -> None:
     assert t.next_batch([], 2) == [] and len(t) == 0
     with pytest.raises(ValueError, match="max_batch must be positive"):
         t.next_batch(["a"], 0)
-
-
-class RecordingMail:
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, Any]] = []
-
-    def send(self, address: str, msg: Any) -> bool:
-        self.sent.append((address, msg))
-        return True
 
 
 def test_decode_worker_serves_every_sequence_within_ceil_n_over_max_steps() -> None:

@@ -19,14 +19,6 @@ from services.prefill.streaming import KVPaths, KVStream, RequestAborted
 DIMS = dict(num_layers=4, block_size=16, num_kv_heads=3, head_dim=64)
 
 
-@pytest.fixture(scope="module")
-def agents():
-    a, b = TransferAgent(), TransferAgent()
-    yield a, b
-    a.close()
-    b.close()
-
-
 @pytest.fixture
 def shm_dir(tmp_path):
     """Segments in a test-owned directory of the same tmpfs when there is one."""
