@@ -90,7 +90,7 @@ def test_decode_worker_serves_every_sequence_within_ceil_n_over_max_steps() -> N
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
-    asyncio.run(run_steps(3))
+    asyncio.run(run_steps(4))  # the 4th step begins only after the 3rd's tokens went out
     assert stepped[:3] == [[0, 1], [2, 3], [4, 0]]
     tokens = {f"r{i}": 0 for i in range(5)}
     for _, msg in mail.sent:
