@@ -97,14 +97,20 @@ def measure(pairs: dict[str, list[Callable[[], float]]], repeats: int) -> dict[s
     """Median of `repeats` runs; engine and transformers runs alternate (fair under load)."""
     res: dict[str, float] = {}
     for key, fns in pairs.items():
-        samples: list[list[float]] = [[] for _ in fns]
-        for _ in range(repeats):
-            for i, fn in enumerate(fns):
-                samples[i].append(fn())
-        res[key] = statistics.median(samples[0])
+        medians = interleaved_medians(fns, repeats)
+        res[key] = medians[0]
         if len(fns) > 1:
-            res["hf_" + key] = statistics.median(samples[1])
+            res["hf_" + key] = medians[1]
     return res
+
+
+def interleaved_medians(fns: list[Callable[[], float]], repeats: int) -> list[float]:
+    """Median of each fn over `repeats` rounds; each round runs every fn once, in turn."""
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            samples[i].append(fn())
+    return [statistics.median(xs) for xs in samples]
 
 
 def compare_variants(spec: str, steps: int, repeats: int) -> None:
@@ -118,12 +124,8 @@ def compare_variants(spec: str, steps: int, repeats: int) -> None:
         pairs[f"decode_tps_b{b}"] = [engine_decode(e, b, steps, repeats) for e in engines.values()]
     res: dict[str, float] = {}
     for key, fns in pairs.items():
-        samples: list[list[float]] = [[] for _ in fns]
-        for _ in range(repeats):
-            for i, fn in enumerate(fns):
-                samples[i].append(fn())
-        for name, xs in zip(engines, samples):
-            res[f"{key}[{name}]"] = statistics.median(xs)
+        for name, median in zip(engines, interleaved_medians(fns, repeats)):
+            res[f"{key}[{name}]"] = median
     for name, e in engines.items():
         res[f"kv_bytes_per_token[{name}]"] = e.kv.block_nbytes / e.config.block_size
     names = list(engines)

@@ -11,6 +11,7 @@ from one 16-token text block per hash id (``--isl-block-size 16``).
 """
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -254,6 +255,41 @@ def ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
 
 # --------------------------------------------------------------------------- profiles
 _LINE_NO = re.compile(r":\d+\)$")
+
+
+def server_side(router: str, conductor: str) -> dict[str, Optional[float]]:
+    """Prefix hits, predicted vs actual TTFT and KV transfer times from /metrics."""
+    r, c = metric_totals(router), metric_totals(conductor)
+    pred = ratio(c.get("crescent_conductor_predicted_ttft_seconds_sum"),
+                 c.get("crescent_conductor_predicted_ttft_seconds_count"))
+    actual = ratio(c.get("crescent_conductor_actual_prefill_ttft_seconds_sum"),
+                   c.get("crescent_conductor_actual_prefill_ttft_seconds_count"))
+    return {
+        "prefix_hit": ratio(r.get("crescent_router_cached_prompt_tokens_total"),
+                            r.get("crescent_router_prompt_tokens_total")),
+        "global_hit": ratio(c.get("crescent_global_cache_hit_tokens_total"),
+                            c.get("crescent_prompt_tokens_total")),
+        "pred_ttft_mean_s": pred, "actual_prefill_ttft_mean_s": actual,
+        # Per-request predictions are not exposed; this is the error of the means.
+        "pred_ttft_rel_err_of_means": ratio(pred - actual, actual)
+        if pred is not None and actual else None,
+        "kv_transfer_mean_s": ratio(r.get("crescent_kv_transfer_seconds_sum"),
+                                    r.get("crescent_kv_transfer_seconds_count")),
+    }
+
+
+def prediction_errors(debug_ttft: str) -> dict[str, Optional[float]]:
+    """Per-request predicted vs actual TTFT from the conductor's /debug/ttft: the median
+    relative error (predicted − actual) / actual, its median absolute value, and the share
+    of requests predicted within 25 %. "Actual" is accept → KV on the decode worker."""
+    try:
+        summary = json.loads(debug_ttft)["summary"]
+    except (ValueError, KeyError, TypeError):
+        return {"pred_median_rel_err": None, "pred_median_abs_rel_err": None,
+                "pred_within_25pct": None}
+    return {"pred_median_rel_err": summary.get("median_rel_error"),
+            "pred_median_abs_rel_err": summary.get("median_abs_rel_error"),
+            "pred_within_25pct": summary.get("within_25pct")}
 
 
 def top_self_functions(collapsed: str, k: int = 10,
