@@ -63,7 +63,6 @@ class ColocatedWorker(DecodeWorker):
         self.budget = rt.config.step_budget(rt.role)
         self._admitting: set[asyncio.Task] = set()
         self.handlers[PrefillTask] = self.on_task
-        self.handlers[AbortRequest] = self.on_abort
 
     # ------------------------------------------------------------ prompts
     def on_task(self, task: PrefillTask) -> None:
