@@ -35,20 +35,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.config import ClusterConfig  # noqa: E402
 from common.mailbox import Mailbox  # noqa: E402
 from common.protocol import (  # noqa: E402
-    ClusterStatus, RegisterWorker, RequestAccepted, RequestFailed, SubmitRequest, TokenDelta,
-    WorkerHeartbeat,
+    ClusterStatus, RegisterWorker, RequestAccepted, RequestFailed, RequestRejected,
+    SubmitRequest, TokenDelta, WorkerHeartbeat, WorkerLoad,
 )
+from common.sampling_params import SamplingParams  # noqa: E402
 from launch.cluster import LocalCluster  # noqa: E402
 
 CONFIG = """
 http_port = 18800
 base_port = 18900
-use_store = false
 max_queue = 1000000
 scheduler = "{scheduler}"
 admission = "none"
 heartbeat_interval_s = 0.2
 heartbeat_timeout_s = 600
+
+[store]
+enabled = false
 
 [slo]
 ttft_s = 100000.0
@@ -155,7 +158,7 @@ async def zmq_floor(samples: int = 300) -> list[float]:
 def register(mail: Mailbox, cfg: ClusterConfig, role: str, i: int) -> None:
     mail.send(cfg.inbox("conductor"), RegisterWorker(
         f"{role}-{i}", role, f"tcp://127.0.0.1:{19990 - i}", "127.0.0.1:1", 0, 1 << 20,
-        1 << 15, 30, 100_000, 16))
+        1 << 15, 100_000, 16))
 
 
 async def conductor_rate(cfg: ClusterConfig, n: int) -> float:
@@ -164,7 +167,7 @@ async def conductor_rate(cfg: ClusterConfig, n: int) -> float:
         for i in range(8):
             register(mail, cfg, role, i)
             mail.send(cfg.inbox("conductor"), WorkerHeartbeat(
-                f"{role}-{i}", role, 0, 0, 0, 0, 100_000, 0, 100_000,
+                f"{role}-{i}", role, WorkerLoad(), 100_000, 0, 100_000,
                 [f"{k:032x}" for k in range(i * 100, i * 100 + 50)] if role == "prefill" else [],
                 [], 1))
     await asyncio.sleep(1.0)
@@ -172,11 +175,11 @@ async def conductor_rate(cfg: ClusterConfig, n: int) -> float:
     start = time.perf_counter()
     for i in range(n):
         mail.send(cfg.inbox("conductor"), SubmitRequest(
-            f"r{i}", list(range(640)), keys, {"max_tokens": 16}, time.time()))
+            f"r{i}", list(range(640)), keys, SamplingParams(max_tokens=16), time.time()))
     got = 0
     while got < n:
         msg = await asyncio.wait_for(mail.recv(), 30)
-        if isinstance(msg, (RequestAccepted, RequestFailed)):  # a rejection is a decision too
+        if isinstance(msg, (RequestAccepted, RequestFailed, RequestRejected)):  # all decisions
             got += 1
     elapsed = time.perf_counter() - start
     mail.close()

@@ -1,24 +1,55 @@
 """One config object for the whole cluster: sizes, ports, timeouts, policy.
 
-The socket topology is written down here once: every process binds one PULL inbox at
-``inbox(role, index)``; nothing else binds except the router's HTTP port and the store.
-A TOML file (``crescent up --config FILE``) overrides any field; see launch/configs/.
+The socket topology is written down here once (``inbox``, ``port``): every process binds
+one inbox at ``inbox(role, index)``; the only other bound ports are the fixed ones in
+``FIXED_PORTS``. A TOML file (``crescent up --config FILE``) overrides any field, and
+``--set key=value`` one field of one process (common/service.py); see launch/configs/.
 """
 from __future__ import annotations
 
 import dataclasses
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from common.cpu import CpuConfig
+from common.store.metadata import MetadataConfig
+
+# Ports at fixed offsets from ``base_port``; the per-instance inboxes start at +10.
+FIXED_PORTS = {"router": 0, "conductor": 1, "store_master": 2, "conductor_http": 3,
+               "store_master_http": 4, "store_events": 5}
+FIRST_INSTANCE_PORT = 10
+# Keys that moved into a table, so an old config fails with the new name.
+MOVED_KEYS = {"use_store": "store.enabled", "store_nodes": "store.nodes",
+              "store_segment_bytes": "store.segment_bytes", "store_ssd_bytes": "store.ssd_bytes",
+              "store_ssd_dir": "store.ssd_dir"}
 
 
 @dataclass
 class SLOConfig:
     ttft_s: float = 30.0
     tbt_s: float = 0.3
+
+
+@dataclass
+class StoreConfig:
+    """The ``[store]`` table: the global KV pool's nodes and its master's policy. Every
+    store setting lives here; the store services read nothing else."""
+
+    enabled: bool = True
+    nodes: int = 1
+    segment_bytes: int = 256 << 20  # DRAM segment of each node
+    ssd_bytes: int = 0  # SSD tier of each node (0: none)
+    ssd_dir: Optional[str] = None  # node i uses <ssd_dir>/node-<i>
+    shm_dir: Optional[str] = "/dev/shm"  # segment file (None: anonymous, transfer engine only)
+    heartbeat_interval_s: float = 0.5  # the master tells nodes to beat this often
+    register_deadline_s: float = 10.0  # a node exits if the master is unreachable this long
+    node_timeout_s: float = 2.0  # one register exchange of a node
+    promote_wait_s: float = 2.0  # a get waits this long for SSD → DRAM promotions
+    tick_s: float = 0.1  # the master's reaper period
+    policy: MetadataConfig = field(default_factory=MetadataConfig)  # [store.policy]
 
 
 @dataclass
@@ -38,8 +69,6 @@ class ClusterConfig:
     base_port: int = 7500  # inbox ports are allocated from here; see inbox()
     prefill_workers: int = 1
     decode_workers: int = 1
-    store_nodes: int = 1
-    use_store: bool = True
     block_size: int = 16
     prefill_blocks: int = 1024
     decode_blocks: int = 2048
@@ -68,9 +97,7 @@ class ClusterConfig:
     heartbeat_timeout_s: float = 5.0
     kv_wait_timeout_s: float = 60.0  # decode frees reserved blocks if KV has not landed
     request_timeout_s: float = 600.0  # router gives up on a silent request
-    store_segment_bytes: int = 256 << 20
-    store_ssd_bytes: int = 0
-    store_ssd_dir: Optional[str] = None
+    store: StoreConfig = field(default_factory=StoreConfig)  # [store]: the global KV pool
     cpu: CpuConfig = field(default_factory=CpuConfig)  # [cpu]: per-role cores, threads
 
     def step_budget(self, role: str) -> int:
@@ -79,29 +106,32 @@ class ClusterConfig:
         return 128 if role == "colocated" else 256
 
     # --------------------------------------------------------------- topology
+    def port(self, name: str) -> int:
+        """A fixed port: one of ``FIXED_PORTS`` (the router's HTTP port is ``http_port``)."""
+        if name not in FIXED_PORTS:
+            raise ValueError(f"unknown port {name!r}; one of {sorted(FIXED_PORTS)}")
+        return self.base_port + FIXED_PORTS[name]
+
     def inbox(self, role: str, index: int = 0) -> str:
-        """The PULL address of a process. Ports: router, conductor, store master, then
-        prefill workers, decode workers and store nodes in order."""
-        offsets = {"router": 0, "conductor": 1, "store_master": 2}
-        if role in offsets:
-            port = self.base_port + offsets[role]
-        elif role == "prefill":
-            port = self.base_port + 10 + index
-        elif role == "decode":
-            port = self.base_port + 10 + self.prefill_workers + index
-        elif role == "store_node":
-            port = self.base_port + 10 + self.prefill_workers + self.decode_workers + index
-        elif role == "colocated":
-            port = (self.base_port + 10 + self.prefill_workers + self.decode_workers
-                    + self.store_nodes + index)
-        else:
+        """The inbox address of a process: the fixed ports for the singletons, then one
+        port per prefill worker, decode worker, store node and colocated worker in order."""
+        if role in ("router", "conductor", "store_master"):
+            return f"tcp://{self.host}:{self.port(role)}"
+        counts = {"prefill": self.prefill_workers, "decode": self.decode_workers,
+                  "store_node": self.store.nodes, "colocated": self.colocated_workers}
+        if role not in counts:
             raise ValueError(f"unknown role {role!r}")
+        port = self.base_port + FIRST_INSTANCE_PORT + index
+        for earlier in counts:
+            if earlier == role:
+                break
+            port += counts[earlier]
         return f"tcp://{self.host}:{port}"
 
     @property
     def store_events_address(self) -> str:
         """The store master's PUB socket of KV events (the conductor subscribes)."""
-        return f"tcp://{self.host}:{self.base_port + 5}"
+        return f"tcp://{self.host}:{self.port('store_events')}"
 
     def instance_id(self, role: str, index: int) -> str:
         return f"{role}-{index}"
@@ -115,28 +145,55 @@ class ClusterConfig:
     # --------------------------------------------------------------- loading
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ClusterConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown config keys: {sorted(unknown)}")
-        data = dict(data)
-        if "slo" in data:
-            data["slo"] = SLOConfig(**data["slo"])
-        if "cpu" in data:
-            data["cpu"] = CpuConfig(**data["cpu"])
+        moved = sorted(set(data) & set(MOVED_KEYS))
+        if moved:
+            raise ValueError("config keys moved: " + ", ".join(
+                f"{k} is now {MOVED_KEYS[k]} ([store] table)" for k in moved))
         if data.get("prefill_dtype") not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"prefill_dtype must be float32, bfloat16 or float16, not "
                              f"{data['prefill_dtype']!r}")
         if data.get("mode", "disaggregated") not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be 'disaggregated' or 'colocated', not {data['mode']!r}")
-        return cls(**data)
+        return _build(cls, data, "")
 
     @classmethod
-    def load(cls, path: Optional[str]) -> "ClusterConfig":
-        if not path:
-            return cls()
-        with open(path, "rb") as fh:
-            return cls.from_dict(tomllib.load(fh))
+    def load(cls, path: Optional[str],
+             overrides: Optional[dict[str, Any]] = None) -> "ClusterConfig":
+        """The TOML file at ``path`` (None: defaults) with ``overrides`` laid over it."""
+        data: dict[str, Any] = {}
+        if path:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        return cls.from_dict(merge(data, overrides or {}))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _build(cls: type, data: dict[str, Any], table: str) -> Any:
+    """``cls(**data)`` with its dataclass-typed fields built from nested tables; an unknown
+    key is an error that names its table."""
+    if not isinstance(data, dict):
+        raise ValueError(f"[{table}] must be a table, not {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        where = f" in [{table}]" if table else ""
+        raise ValueError(f"unknown config keys{where}: {sorted(unknown)}")
+    kwargs = dict(data)
+    for name, value in data.items():
+        if dataclasses.is_dataclass(hints[name]):
+            kwargs[name] = _build(hints[name], value, f"{table}.{name}".lstrip("."))
+    return cls(**kwargs)
+
+
+def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``override`` laid over it, table by table (for ``--set``)."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out

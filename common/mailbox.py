@@ -1,9 +1,20 @@
-"""Inbox/outbox over ZeroMQ: each process binds one PULL and PUSHes to other inboxes."""
+"""Inboxes over ZeroMQ and the one loop every service serves them with.
+
+Three kinds of inbox, one loop (``serve_inbox``):
+
+- ``Mailbox``: a bound PULL inbox plus PUSH outboxes to other inboxes: one-way messages
+  between the serving processes (router, conductor, workers).
+- ``RouterInbox``: a bound ROUTER: request/reply with DEALER clients (the store master).
+  Its handlers take ``(sender, msg)`` and the reply they return goes back to the sender.
+- ``DealerLink``: a DEALER connected to one ROUTER (a store node's link to its master).
+  Its handlers take ``msg``; the message they return is sent to the peer.
+"""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import zmq
 import zmq.asyncio
@@ -46,6 +57,12 @@ class Mailbox:
             if msg is not None:
                 return msg
 
+    async def next(self) -> tuple[None, Any]:
+        return None, await self.recv()
+
+    def reply(self, sender: Optional[bytes], msg: Any) -> None:
+        log.error("%s: a PULL inbox cannot reply; %s dropped", self.name, type(msg).__name__)
+
     def close(self) -> None:
         for sock in self._out.values():
             sock.close(0)
@@ -53,17 +70,83 @@ class Mailbox:
             self.inbox.close(0)
 
 
+class RouterInbox:
+    """A bound ROUTER socket: every message comes with its sender's identity."""
+
+    def __init__(self, address: str, name: str) -> None:
+        self.name = name
+        self.sock = make_socket(zmq.asyncio.Context.instance(), zmq.ROUTER, address, bind=True)
+
+    async def next(self) -> tuple[bytes, Any]:
+        """(sender, next valid message); malformed frames are logged and dropped."""
+        while True:
+            frames = await self.sock.recv_multipart()
+            msg = try_decode(frames[-1], self.name) if len(frames) == 2 else None
+            if msg is not None:
+                return frames[0], msg
+
+    def reply(self, sender: bytes, msg: Any) -> None:
+        """Send ``msg`` to ``sender`` without blocking; a gone or slow peer loses it."""
+        try:
+            self.sock.send_multipart([sender, encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH (ROUTER_MANDATORY) or EAGAIN
+            log.warning("%s: %s to %r dropped: %s", self.name, type(msg).__name__, sender, exc)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class DealerLink:
+    """A DEALER connected to one ROUTER peer, under a fixed identity."""
+
+    def __init__(self, address: str, name: str, identity: bytes) -> None:
+        self.name = name
+        self.sock = make_socket(zmq.asyncio.Context.instance(), zmq.DEALER, address,
+                                bind=False, identity=identity)
+
+    async def send(self, msg: Any) -> None:
+        await self.sock.send(encode(msg))
+
+    async def request(self, msg: Any, timeout_s: float) -> Optional[Any]:
+        """Send ``msg``, then the next valid message within ``timeout_s`` (None: none)."""
+        await self.send(msg)
+        if await self.sock.poll(timeout_s * 1000):
+            return try_decode(await self.sock.recv(), self.name)
+        return None
+
+    async def next(self) -> tuple[None, Any]:
+        while True:
+            msg = try_decode(await self.sock.recv(), self.name)
+            if msg is not None:
+                return None, msg
+
+    def reply(self, sender: Optional[bytes], msg: Any) -> None:
+        try:
+            self.sock.send(encode(msg), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("%s: %s dropped: %s", self.name, type(msg).__name__, exc)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+Inbox = Union[Mailbox, RouterInbox, DealerLink]
+
+
 class ServiceTaskDied(RuntimeError):
     """A background task of a service (step loop, heartbeats) ended with an error."""
 
 
-async def serve_inbox(mail: Mailbox, handlers: dict[type, Callable[[Any], None]],
-                      tasks: Sequence[asyncio.Task] = ()) -> None:
+async def serve_inbox(inbox: Inbox, handlers: dict[type, Callable[..., Any]],
+                      tasks: Sequence[asyncio.Task] = (),
+                      after: Optional[Callable[[Any], None]] = None) -> None:
     """Dispatch inbox messages through ``handlers`` until cancelled.
 
-    A handler error is logged and the loop goes on (one bad message must not stop a
-    service). A background task that dies ends the service with ``ServiceTaskDied``, so
-    the process exits non-zero and its supervisor sees it.
+    A handler takes ``msg`` (``(sender, msg)`` on a ``RouterInbox``) and may be a
+    coroutine; what it returns, if not None, is the reply (see the module doc). ``after``
+    runs after every handled message. A handler error is logged and the loop goes on (one
+    bad message must not stop a service). A background task that dies ends the service
+    with ``ServiceTaskDied``, so the process exits non-zero and its supervisor sees it.
     """
     main = asyncio.current_task()
     died: list[BaseException] = []
@@ -71,7 +154,7 @@ async def serve_inbox(mail: Mailbox, handlers: dict[type, Callable[[Any], None]]
     def watch(task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
             died.append(task.exception())
-            log.error("%s: background task %s died: %r", mail.name, task.get_name(),
+            log.error("%s: background task %s died: %r", inbox.name, task.get_name(),
                       task.exception())
             if main is not None:
                 main.cancel()
@@ -80,15 +163,21 @@ async def serve_inbox(mail: Mailbox, handlers: dict[type, Callable[[Any], None]]
         task.add_done_callback(watch)
     try:
         while True:
-            msg = await mail.recv()
+            sender, msg = await inbox.next()
             handler = handlers.get(type(msg))
             if handler is None:
-                log.warning("%s: no handler for %s; dropped", mail.name, type(msg).__name__)
+                log.warning("%s: no handler for %s; dropped", inbox.name, type(msg).__name__)
                 continue
             try:
-                handler(msg)
+                reply = handler(msg) if sender is None else handler(sender, msg)
+                if inspect.isawaitable(reply):
+                    reply = await reply
+                if reply is not None:
+                    inbox.reply(sender, reply)
+                if after is not None:
+                    after(msg)
             except Exception:
-                log.exception("%s: handling %s failed", mail.name, type(msg).__name__)
+                log.exception("%s: handling %s failed", inbox.name, type(msg).__name__)
     except asyncio.CancelledError:
         if died:
             raise ServiceTaskDied(repr(died[0])) from died[0]

@@ -1,24 +1,91 @@
-"""What every service's ``main`` shares: arguments, logging, uvloop, clean shutdown."""
+"""The one bootstrap of every service: ``python -m services.<role>`` is ``bootstrap(role)``.
+
+Every process of a cluster starts the same way, in this order:
+
+1. pin itself to the CPU plan in its environment (common/cpu.py), before any thread exists;
+2. parse the same arguments: ``--config FILE --index N --set key=value ... --log-level L``;
+3. load the cluster config (the TOML file, then each ``--set`` laid over it) and log as
+   ``<role>-<index>``;
+4. install uvloop and turn SIGINT/SIGTERM into cancelling the main task;
+5. import the role's module (``ROLES``) and await its ``run(config, index)`` until cancelled.
+
+Every address, port and setting a service uses comes from that one config (common/config.py).
+Exit codes: 0 a clean stop; 1 the service could not start (a port taken, the store master
+unreachable: ``StartupError`` or ``OSError``, one line on stderr) or a CPU plan that cannot
+be applied; 2 a bad config or argument. Anything else is a crash with its traceback.
+"""
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import os
 import signal
-from typing import Awaitable, Callable, Optional
+import sys
+import tomllib
+from dataclasses import dataclass
+from typing import Any, Optional
 
-from common.config import ClusterConfig
-
-RunFn = Callable[[ClusterConfig, int], Awaitable[None]]
+log = logging.getLogger("crescent.service")
 
 
-def parse_args(name: str, argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=f"python -m services.{name}")
+@dataclass(frozen=True)
+class Role:
+    module: str  # where ``async def run(config: ClusterConfig, index: int)`` lives
+    computes: bool  # runs torch: its intra-op thread count is set with its CPU plan
+
+
+ROLES: dict[str, Role] = {
+    "router": Role("services.router.app", computes=False),
+    "conductor": Role("services.conductor.service", computes=False),
+    "prefill": Role("services.prefill.service", computes=True),
+    "decode": Role("services.decode.service", computes=True),
+    "colocated": Role("services.colocated.service", computes=True),
+    "store_master": Role("services.store_master.server", computes=False),
+    "store_node": Role("services.store_node.server", computes=False),
+}
+
+
+class StartupError(RuntimeError):
+    """A service cannot start (a dependency unreachable): exit 1 with one line, no trace."""
+
+
+def parse_args(role: str, argv: Optional[list[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"python -m services.{role}",
+                                     description=f"Run one Crescent {role} process.")
     parser.add_argument("--config", help="cluster config (TOML); defaults otherwise")
     parser.add_argument("--index", type=int, default=0, help="instance index within its role")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override one config field, TOML syntax "
+                        "with dotted tables: --set http_port=8001 --set store.policy.lease_s=2")
     parser.add_argument("--log-level", default=os.environ.get("CRESCENT_LOG", "INFO"))
     return parser.parse_args(argv)
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["a.b=1", "host=10.0.0.2"]`` → ``{"a": {"b": 1}, "host": "10.0.0.2"}``: each value
+    is a TOML value, or a plain string where it does not parse as one."""
+    from common.config import merge
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            one = tomllib.loads(f"{key.strip()} = {value.strip()}")
+        except tomllib.TOMLDecodeError:
+            try:
+                one = tomllib.loads(f"{key.strip()} = {_toml_string(value.strip())}")
+            except tomllib.TOMLDecodeError as exc:
+                raise ValueError(f"--set {item!r}: {exc}") from None
+        out = merge(out, one)
+    return out
+
+
+def _toml_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def setup_logging(name: str, index: int, level: str) -> None:
@@ -28,23 +95,36 @@ def setup_logging(name: str, index: int, level: str) -> None:
     )
 
 
-def service_main(name: str, run: RunFn, argv: Optional[list[str]] = None) -> int:
-    """Parse args, load the config, run ``run(config, index)`` until SIGINT/SIGTERM."""
-    args = parse_args(name, argv)
-    setup_logging(name, args.index, args.log_level)
+def bootstrap(role: str, argv: Optional[list[str]] = None) -> int:
+    """Start the ``role`` process of a cluster; returns its exit code (see the module doc)."""
+    from common.cpu import CpuError, apply_from_env
+
+    spec = ROLES[role]
     try:
-        config = ClusterConfig.load(args.config)
+        apply_from_env(role, torch_threads=spec.computes)  # first: before any thread exists
+    except CpuError as exc:
+        print(f"{role}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    args = parse_args(role, argv)
+    setup_logging(role, args.index, args.log_level)
+    from common.config import ClusterConfig
+
+    try:
+        config = ClusterConfig.load(args.config, parse_overrides(args.overrides))
     except (OSError, ValueError, TypeError) as exc:
-        logging.getLogger(name).error("bad config: %s", exc)
+        log.error("bad config: %s", exc)
         return 2
+    log.info("bootstrap: %s-%d (pid %d, config %s)", role, args.index, os.getpid(),
+             args.config or "defaults")
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
+    run = importlib.import_module(spec.module).run
 
-    async def _main() -> None:
+    async def main() -> None:
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -52,9 +132,10 @@ def service_main(name: str, run: RunFn, argv: Optional[list[str]] = None) -> int
         await run(config, args.index)
 
     try:
-        asyncio.run(_main())
-    except asyncio.CancelledError:
-        pass
-    except KeyboardInterrupt:
-        pass
+        asyncio.run(main())
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        pass  # SIGINT / SIGTERM: a clean stop
+    except (StartupError, OSError) as exc:
+        log.error("%s-%d could not start: %s", role, args.index, exc)
+        return 1
     return 0

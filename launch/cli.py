@@ -2,23 +2,20 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import signal
 import sys
 import time
 from typing import Optional
-
-ROLES = ("router", "conductor", "prefill", "decode", "store_master", "store_node")
-
 
 def cmd_up(args: argparse.Namespace) -> int:
     from launch.cluster import ClusterError, LocalCluster
 
     cluster = LocalCluster(args.config, args.log_dir)
     c = cluster.config
-    print(f"crescent: starting {c.prefill_workers} prefill, {c.decode_workers} decode, "
-          f"{c.store_nodes if c.use_store else 0} store node(s), model {c.model} "
-          f"(logs in {args.log_dir})", flush=True)
+    workers = (f"{c.colocated_workers} colocated" if c.mode == "colocated" else
+               f"{c.prefill_workers} prefill, {c.decode_workers} decode")
+    print(f"crescent: starting {workers}, {c.store.nodes if c.store.enabled else 0} store "
+          f"node(s), model {c.model} (logs in {args.log_dir})", flush=True)
     stop = {"now": False}
 
     def on_signal(signum: int, frame: object) -> None:
@@ -41,13 +38,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from common.config import ClusterConfig
-    from launch.cluster import service_args
+def cmd_serve(argv: list[str]) -> int:
+    """``crescent serve ROLE ARGS``: exactly ``python -m services.ROLE ARGS``."""
+    from common.service import ROLES, bootstrap
 
-    module = importlib.import_module(f"services.{args.role}")
-    config = ClusterConfig.load(args.config)
-    return module.main(service_args(args.role, args.index, config, args.config))
+    if not argv or argv[0] not in ROLES:
+        print(f"usage: crescent serve {{{','.join(ROLES)}}} [--config FILE] [--index N] "
+              "[--set KEY=VALUE ...]", file=sys.stderr)
+        return 2
+    return bootstrap(argv[0], argv[1:])
 
 
 def cmd_simulate(rest: list[str]) -> int:
@@ -60,19 +59,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "simulate":
         return cmd_simulate(argv[1:])
+    if argv and argv[0] == "serve":
+        return cmd_serve(argv[1:])
     parser = argparse.ArgumentParser(prog="crescent")
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start a whole local cluster")
     up.add_argument("--config", help="cluster config (TOML)")
     up.add_argument("--log-dir", default=".crescent/logs")
     up.add_argument("--timeout", type=float, default=180.0)
-    serve = sub.add_parser("serve", help="run one service (multi-host deployments)")
-    serve.add_argument("role", choices=ROLES)
-    serve.add_argument("--index", type=int, default=0)
-    serve.add_argument("--config")
+    sub.add_parser("serve", help="run one service (multi-host deployments; "
+                   "see crescent serve ROLE -h)")
     sub.add_parser("simulate", help="replay a Mooncake trace (see crescent simulate -h)")
     args = parser.parse_args(argv)
-    return {"up": cmd_up, "serve": cmd_serve}[args.command](args)
+    return cmd_up(args)
 
 
 if __name__ == "__main__":

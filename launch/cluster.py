@@ -45,26 +45,6 @@ class ClusterError(RuntimeError):
     pass
 
 
-def service_args(role: str, index: int, config: ClusterConfig,
-                 config_path: Optional[str]) -> list[str]:
-    """Command-line arguments of one service. The store services are reusable on their
-    own and take plain flags; the launcher derives them from the cluster config."""
-    if role == "store_master":
-        return ["--address", config.inbox("store_master"),
-                "--events-address", config.store_events_address,
-                "--metrics-port", str(config.base_port + 4),
-                "--heartbeat-timeout-s", str(config.heartbeat_timeout_s)]
-    if role == "store_node":
-        args = ["--master", config.inbox("store_master"), "--node-id", f"store_node-{index}",
-                "--segment-mib", str(config.store_segment_bytes >> 20),
-                "--hostname", config.host, "--protocol", config.transfer_protocol]
-        if config.store_ssd_dir and config.store_ssd_bytes:
-            args += ["--ssd-dir", f"{config.store_ssd_dir}/node-{index}",
-                     "--ssd-mib", str(config.store_ssd_bytes >> 20)]
-        return args
-    return ["--index", str(index)] + (["--config", str(config_path)] if config_path else [])
-
-
 class LocalCluster:
     def __init__(self, config_path: Optional[str], log_dir: str | Path) -> None:
         self.config_path = config_path
@@ -81,9 +61,9 @@ class LocalCluster:
         """Start order: the store first (workers connect to it), the router last."""
         c = self.config
         order: list[tuple[str, int]] = []
-        if c.use_store:
+        if c.store.enabled:
             order.append(("store_master", 0))
-            order += [("store_node", i) for i in range(c.store_nodes)]
+            order += [("store_node", i) for i in range(c.store.nodes)]
         order.append(("conductor", 0))
         if c.mode == "colocated":
             order += [("colocated", i) for i in range(c.colocated_workers)]
@@ -105,7 +85,8 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{role}-{index}.log"
         cmd = [sys.executable, "-m", f"services.{role}"]
-        cmd += service_args(role, index, self.config, self.config_path)
+        cmd += ["--index", str(index)]  # every role: the same arguments (common/service.py)
+        cmd += ["--config", str(self.config_path)] if self.config_path else []
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         env.pop(ENV_CPUS, None)  # never inherit a plan from the launcher's own environment

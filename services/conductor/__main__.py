@@ -1,9 +1,6 @@
+"""``python -m services.conductor``: the one bootstrap every service starts through."""
 import sys
 
-from common.cpu import apply_from_env
+from common.service import bootstrap
 
-apply_from_env("conductor", torch_threads=False)  # before any thread exists; see common/cpu.py
-
-from services.conductor import main  # noqa: E402
-
-sys.exit(main())
+sys.exit(bootstrap("conductor"))

@@ -1,9 +1,6 @@
+"""``python -m services.decode``: the one bootstrap every service starts through."""
 import sys
 
-from common.cpu import apply_from_env
+from common.service import bootstrap
 
-apply_from_env("decode", torch_threads=True)  # before any thread exists; see common/cpu.py
-
-from services.decode import main  # noqa: E402
-
-sys.exit(main())
+sys.exit(bootstrap("decode"))

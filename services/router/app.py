@@ -1,18 +1,16 @@
-"""The router process: one event loop running the aiohttp app and the inbox loop."""
+"""The router process: one event loop running the aiohttp app and the inbox loop
+(started by the one bootstrap, common/service.py)."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import os
-import signal
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable
 
 from aiohttp import web
 
 from common.config import ClusterConfig
 from common.kv.memory import resolve_kv_dtype
-from common.mailbox import Mailbox
+from common.mailbox import Mailbox, serve_inbox
 from services.router.block_hashing import make_block_hasher
 from services.router.errors import ApiError
 from services.router.handlers import STATE, routes
@@ -73,60 +71,10 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
     state = RouterState(config, mailbox, tokenizer, hasher)
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()
-    inbox = asyncio.create_task(state.inbox_loop(), name="router-inbox")
     try:
         await web.TCPSite(runner, config.host, config.http_port).start()
         log.info("router ready on http://%s:%d", config.host, config.http_port)
-        await inbox  # runs until cancelled; an exception here is fatal and logged
+        await serve_inbox(mailbox, state.handlers())
     finally:
-        inbox.cancel()
         await runner.cleanup()
         mailbox.close()
-
-
-def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m services.router")
-    parser.add_argument("--config", help="cluster config (TOML); defaults otherwise")
-    parser.add_argument("--port", type=int, help="HTTP port (overrides http_port)")
-    parser.add_argument("--index", type=int, default=0, help="instance index (unused)")
-    parser.add_argument("--log-level", default=os.environ.get("CRESCENT_LOG", "INFO"))
-    return parser.parse_args(argv)
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    from common.service import setup_logging
-
-    args = parse_args(argv)
-    setup_logging("router", args.index, args.log_level)
-    try:
-        config = ClusterConfig.load(args.config)
-    except (OSError, ValueError, TypeError) as exc:
-        log.error("bad config: %s", exc)
-        return 2
-    if args.port is not None:
-        config.http_port = args.port
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    return _serve(config, args.index)
-
-
-def _serve(config: ClusterConfig, index: int) -> int:
-    async def _main() -> None:
-        task = asyncio.current_task()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
-        await run(config, index)
-
-    try:
-        asyncio.run(_main())
-    except (asyncio.CancelledError, KeyboardInterrupt):
-        pass
-    except OSError as exc:  # e.g. the HTTP port or the inbox is taken
-        log.error("router failed: %s", exc)
-        return 1
-    return 0

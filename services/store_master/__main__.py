@@ -1,9 +1,6 @@
+"""``python -m services.store_master``: the one bootstrap every service starts through."""
 import sys
 
-from common.cpu import apply_from_env
+from common.service import bootstrap
 
-apply_from_env("store_master", torch_threads=False)  # before any thread exists; see common/cpu.py
-
-from services.store_master import main  # noqa: E402
-
-sys.exit(main())
+sys.exit(bootstrap("store_master"))

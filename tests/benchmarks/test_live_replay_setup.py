@@ -18,9 +18,9 @@ def test_configs_are_default_toml_plus_overrides_and_ports() -> None:
     nostore = cluster_config_data("disagg-nostore", 19800)
     assert (store["http_port"], store["base_port"]) == (19800, 19810)
     assert store["scheduler"] == "kvcache_centric" and store["slo"]["ttft_s"] == 30.0
-    assert nostore == {**store, "use_store": False}
+    assert nostore == {**store, "store": {"enabled": False}}
     assert tomllib.loads(to_toml(store)) == store
-    assert ClusterConfig.from_dict(tomllib.loads(to_toml(nostore))).use_store is False
+    assert ClusterConfig.from_dict(tomllib.loads(to_toml(nostore))).store.enabled is False
 
 
 def test_colocated_fails_clearly_where_the_mode_is_missing() -> None:

@@ -16,15 +16,16 @@ http_port = {http}
 base_port = {base}
 prefill_workers = {prefill}
 decode_workers = 1
-store_nodes = 1
-use_store = {store}
 prefill_blocks = 512
 decode_blocks = 1024
 prefill_chunk = 64
 scheduler = "{scheduler}"
 heartbeat_interval_s = 0.2
-store_segment_bytes = 268435456
 {extra}
+[store]
+enabled = {store}
+segment_bytes = 268435456
+
 [slo]
 ttft_s = {ttft}
 tbt_s = 30.0
@@ -42,10 +43,18 @@ def start_cluster(tmp: Path, http: int, base: int, prefill: int = 1, store: bool
     cluster = LocalCluster(str(cfg), tmp / "logs")
     try:
         cluster.start(timeout_s=180)
+        assert_one_bootstrap(cluster)
     except BaseException:
         cluster.stop()
         raise
     return cluster
+
+
+def assert_one_bootstrap(cluster: LocalCluster) -> None:
+    """Every child of a real cluster started through common/service.py's bootstrap."""
+    for child in cluster.children:
+        text = child.log_path.read_text(errors="replace")
+        assert f"bootstrap: {child.name} (pid {child.proc.pid}," in text, child.name
 
 
 @pytest.fixture(scope="package")

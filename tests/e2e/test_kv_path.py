@@ -20,15 +20,15 @@ http_port = {http}
 base_port = {base}
 prefill_workers = 1
 decode_workers = 1
-store_nodes = 1
-use_store = true
 prefill_blocks = 256
 decode_blocks = 512
 prefill_chunk = 64
 heartbeat_interval_s = 0.2
-store_segment_bytes = 67108864
 kv_path = "{kv_path}"
 kv_dtype = "{kv_dtype}"
+
+[store]
+segment_bytes = 67108864
 
 [slo]
 ttft_s = 120.0

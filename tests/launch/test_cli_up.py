@@ -17,9 +17,11 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG = """
 http_port = 19440
 base_port = 19900
-use_store = false
 decode_blocks = 256
 prefill_blocks = 256
+
+[store]
+enabled = false
 """
 
 

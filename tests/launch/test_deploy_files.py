@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ClusterConfig
-from launch.cli import ROLES
+from common.config import FIXED_PORTS, ClusterConfig, StoreConfig
+from common.service import ROLES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -15,7 +15,7 @@ def test_compose_has_one_service_per_role() -> None:
     yaml = pytest.importorskip("yaml")
     doc = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     services = doc["services"]
-    assert set(services) == set(ROLES)
+    assert set(services) == set(ROLES) - {"colocated"}  # compose runs the disaggregated shape
     for name, svc in services.items():
         assert svc["command"][0] == name
         config = svc["volumes"][0].split(":")[0]
@@ -39,8 +39,13 @@ def test_unknown_config_key_is_rejected(tmp_path: Path) -> None:
 
 
 def test_inbox_ports_are_distinct() -> None:
-    c = ClusterConfig(prefill_workers=3, decode_workers=2, store_nodes=2)
+    c = ClusterConfig(prefill_workers=3, decode_workers=2, colocated_workers=2,
+                      store=StoreConfig(nodes=2))
     addrs = [c.inbox(r) for r in ("router", "conductor", "store_master")]
     addrs += [c.inbox("prefill", i) for i in range(3)] + [c.inbox("decode", i) for i in range(2)]
     addrs += [c.inbox("store_node", i) for i in range(2)]
+    addrs += [c.inbox("colocated", i) for i in range(2)]
     assert len(set(addrs)) == len(addrs)
+    ports = [int(a.rsplit(":", 1)[1]) for a in addrs[3:]]  # the per-instance inboxes
+    ports += [c.port(name) for name in FIXED_PORTS] + [c.http_port]
+    assert len(set(ports)) == len(ports)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Iterator, Optional
+from typing import Iterator
 
 import pytest
 
@@ -36,36 +36,65 @@ def wait_for_line(proc: subprocess.Popen, text: str, timeout: float) -> None:
     raise AssertionError(f"process did not print {text!r} within {timeout}s")
 
 
+def free_base_port() -> int:
+    """A base port whose store ports (master +2, metrics +4, events +5) are free."""
+    for _ in range(50):
+        base = free_port()
+        try:
+            for offset in (2, 4, 5):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + offset))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free base port")
+
+
 class Cluster:
+    """One store master and its nodes, each started like in a cluster: ``python -m
+    services.<role> --config FILE --index I --set ...`` (common/service.py)."""
+
     def __init__(self, tmp: str) -> None:
         self.tmp = tmp
         self.procs: list[subprocess.Popen] = []
         self.nodes: dict[str, subprocess.Popen] = {}
+        self.ids: dict[str, str] = {}  # test name → node id
         self.address = ""
+        self.config = os.path.join(tmp, "cluster.toml")
 
-    def spawn(self, module: str, *args: str) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    def spawn(self, role: str, *args: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", f"services.{role}", "--config",
+                                 self.config, *args], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
         self.procs.append(proc)
         return proc
 
-    def master(self, *args: str) -> str:
-        self.address = f"tcp://127.0.0.1:{free_port()}"
-        self.spawn("services.store_master", "--address", self.address,
-                   "--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "1.0", *args)
+    def master(self, **policy: float) -> str:
+        """Start the master; ``policy``: fields of ``[store.policy]``."""
+        base = free_base_port()
+        lines = [f"base_port = {base}", "[store]", "heartbeat_interval_s = 0.2",
+                 "[store.policy]", "heartbeat_timeout_s = 1.0"]
+        lines += [f"{k} = {v}" for k, v in policy.items()]
+        with open(self.config, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+        self.address = f"tcp://127.0.0.1:{base + 2}"
+        self.spawn("store_master")
         return self.address
 
-    def node(self, node_id: str, segment_mib: int = 16, shm: bool = True,
+    def node(self, name: str, segment_mib: int = 16, shm: bool = True,
              ssd_mib: int = 0, wait: bool = True) -> subprocess.Popen:
-        args = ["--master", self.address, "--node-id", node_id,
-                "--segment-mib", str(segment_mib), "--shm-dir", self.tmp if shm else ""]
+        """Start the next node; it registers as ``self.ids[name]``."""
+        index = len(self.ids)
+        args = ["--index", str(index), "--set", f"store.segment_bytes={segment_mib << 20}",
+                "--set", f"store.shm_dir={self.tmp if shm else ''!r}"]
         if ssd_mib:
-            args += ["--ssd-dir", os.path.join(self.tmp, f"ssd-{node_id}"),
-                     "--ssd-mib", str(ssd_mib)]
-        proc = self.spawn("services.store_node", *args)
+            args += ["--set", f"store.ssd_dir={self.tmp!r}",
+                     "--set", f"store.ssd_bytes={ssd_mib << 20}"]
+        proc = self.spawn("store_node", *args)
         if wait:
             wait_for_line(proc, "ready", 20.0)
-        self.nodes[node_id] = proc
+        self.nodes[name] = proc
+        self.ids[name] = f"store_node-{index}"
         return proc
 
     def close(self) -> None:
