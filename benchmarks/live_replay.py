@@ -44,13 +44,13 @@ from benchmarks.replay_metrics import (  # noqa: E402
     RequestResult, conversation_slice, parse_record, prediction_errors, scale_trace,
     server_side, slice_stats, summarize,
 )
-from common.config import ClusterConfig  # noqa: E402
+from common.config import ClusterConfig, merge  # noqa: E402
 from launch.cluster import ClusterError, LocalCluster  # noqa: E402
 from traces.loader import default_trace_path  # noqa: E402
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "disagg-store": {},
-    "disagg-nostore": {"use_store": False},
+    "disagg-nostore": {"store": {"enabled": False}},
     "colocated": {"mode": "colocated"},
 }
 BENCH_VENV = REPO / ".venv-bench"
@@ -177,7 +177,7 @@ def cluster_config_data(name: str, http_port: int, base_toml: Optional[Path] = N
         raise ReplayError(f"unknown configuration {name!r}; known: {', '.join(CONFIGS)}")
     with open(base_toml or REPO / "launch" / "configs" / "default.toml", "rb") as fh:
         data = tomllib.load(fh)
-    data.update(CONFIGS[name], http_port=http_port, base_port=http_port + 10)
+    data = merge(data, dict(CONFIGS[name], http_port=http_port, base_port=http_port + 10))
     try:
         ClusterConfig.from_dict(data)
     except (TypeError, ValueError) as exc:
@@ -233,8 +233,9 @@ def bench_one(args: argparse.Namespace, name: str, rate: float, rows: list[dict]
         results = run_aiperf(aiperf, cluster.url, config.model_name, trace_path, tok,
                              run_dir / "aiperf", args.seed, args.request_timeout)
         router = scrape(cluster.url + "/metrics")
-        conductor = scrape(f"http://{config.host}:{config.base_port + 3}/metrics")
-        ttft_log = scrape(f"http://{config.host}:{config.base_port + 3}/debug/ttft")
+        conductor_http = f"http://{config.host}:{config.port('conductor_http')}"
+        conductor = scrape(f"{conductor_http}/metrics")
+        ttft_log = scrape(f"{conductor_http}/debug/ttft")
     except ClusterError as exc:
         raise ReplayError(f"cluster failed: {exc}") from exc
     finally:
