@@ -128,14 +128,16 @@ async def _exists_rate(address: str) -> float:
 
 def bench_ours() -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="crescent-bench-", dir="/dev/shm")
-    address = f"tcp://127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-m", "services.store_master", "--address",
-                              address, "--lease-s", str(LEASE_S)], cwd=ROOT, stderr=subprocess.DEVNULL)]
+    base = free_port()  # the master's inbox is base + 2 (common/config.py)
+    address = f"tcp://127.0.0.1:{base + 2}"
+    settings = ["--set", f"base_port={base}", "--set", f"store.policy.lease_s={LEASE_S}",
+                "--set", f"store.segment_bytes={512 << 20}", "--set", f"store.shm_dir={tmp!r}"]
+    procs = [subprocess.Popen([sys.executable, "-m", "services.store_master", *settings],
+                              cwd=ROOT, stderr=subprocess.DEVNULL)]
     try:
-        node = subprocess.Popen([sys.executable, "-m", "services.store_node", "--master",
-                                 address, "--segment-mib", "512", "--shm-dir", tmp,
-                                 "--node-id", "bench"], cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True)
+        node = subprocess.Popen([sys.executable, "-m", "services.store_node", *settings],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True)
         procs.append(node)
         wait_ready(node)
         shm = asyncio.run(_ours_sizes(address, use_shm=True))
