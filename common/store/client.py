@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,7 +25,8 @@ import zmq.asyncio
 
 from common.ipc import encode, make_socket, try_decode
 from common.store import protocol as p
-from common.store.shm import Segment, copy_many
+from common.store.peers import SegmentMaps
+from common.store.shm import copy_many
 from common.transfer import TransferAgent, TransferError
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class StoreClient:
         self._reader: Optional[asyncio.Task[None]] = None
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count(1)
-        self._maps: dict[str, tuple[int, Optional[Segment]]] = {}  # node → (epoch, mapping)
+        self._maps = SegmentMaps()  # same-host node segments, remapped on a new epoch
         self._registered: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------- lifecycle
@@ -84,10 +84,7 @@ class StoreClient:
             self._ctx.term()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
-        for _, seg in self._maps.values():
-            if seg is not None:
-                seg.close()
-        self._maps.clear()
+        self._maps.close()
 
     def register_local(self, address: int, nbytes: int) -> None:
         """The worker's KV memory: registered once with the transfer engine."""
@@ -201,7 +198,7 @@ class StoreClient:
                     write: bool, deadline: float) -> bool:
         if info is None:
             return False
-        seg = self._mapping(info)
+        seg = self._maps.get(info) if self.use_shm else None
         remaining = deadline - time.monotonic()
         try:
             if seg is not None:
@@ -233,23 +230,6 @@ class StoreClient:
         k = self._copy_threads
         await asyncio.gather(*(loop.run_in_executor(self._pool, copy_many, pairs[j::k])
                                for j in range(k)))
-
-    def _mapping(self, info: dict[str, Any]) -> Optional[Segment]:
-        """The node's segment mapped here, if it is a file this host can open."""
-        path = info.get("shm_path")
-        if not self.use_shm or not path:
-            return None
-        cached = self._maps.get(path)
-        if cached is not None and cached[0] == info["epoch"]:
-            return cached[1]
-        seg: Optional[Segment] = None
-        if os.path.exists(path):
-            try:
-                seg = Segment(info["segment_bytes"], path)
-            except (OSError, ValueError) as exc:
-                log.info("cannot map %s (%s): using the transfer engine", path, exc)
-        self._maps[path] = (info["epoch"], seg)
-        return seg
 
     # ------------------------------------------------------------ control
     async def _call(self, make: Callable[[int], Any]) -> Optional[Any]:

@@ -3,15 +3,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from common.store.objects import DRAM, SSD
+from common.store.replica import DRAM, SSD, ReplicaState as S
 
 if TYPE_CHECKING:
     from common.store.metadata import StoreMetadata
+    from common.store.objects import StoreObject
 
 
 def check_metadata(md: "StoreMetadata") -> None:
-    """Every DRAM replica owns exactly one allocation; usage counters add up; at most one
-    replication per object is in flight; no object is without replicas."""
+    """Every DRAM replica owns exactly one allocation; usage counters add up; replica states
+    fit together (see ``check_object``)."""
     for node in md.nodes.values():
         node.allocator.check_integrity()
         owned = {}
@@ -26,14 +27,30 @@ def check_metadata(md: "StoreMetadata") -> None:
                     continue
                 assert rep.offset not in owned, f"two replicas at {rep.offset}"
                 owned[rep.offset] = node.allocator.round(obj.size)
-                offloading += obj.size if rep.busy and rep.ready else 0
+                offloading += obj.size if rep.state is S.OFFLOADING else 0
         assert owned == dict(node.allocator.used_ranges()), "allocations ≠ replicas"
         assert ssd == node.ssd_used, f"ssd_used {node.ssd_used} ≠ {ssd}"
         assert offloading == node.offloading_bytes, "offloading_bytes drifted"
     for obj in md.objects.values():
-        nodes = [(r.node_id, r.tier) for r in obj.replicas]
-        assert len(nodes) == len(set(nodes)), f"{obj.key}: duplicate replicas"
-        copies = [r for r in obj.replicas if r.source is not None]
-        assert len(copies) <= 1, f"{obj.key}: two replications in flight"
-        assert all(r.tier == DRAM and r.busy and not r.ready for r in copies)
-        assert obj.replicas, f"{obj.key}: object without replicas"
+        check_object(obj)
+
+
+def check_object(obj: "StoreObject") -> None:
+    """At most one replication in flight; an incomplete object is all DRAM WRITING and a
+    complete one has none; an OFFLOADING DRAM copy and an SSD copy being written come in
+    pairs on one node; a PROMOTING copy reads a READY SSD copy on its node."""
+    key, reps = obj.key, obj.replicas
+    assert reps, f"{key}: object without replicas"
+    nodes = [(r.node_id, r.tier) for r in reps]
+    assert len(nodes) == len(set(nodes)), f"{key}: duplicate replicas"
+    assert all(r.state is not S.DROPPED for r in reps), f"{key}: a dropped replica kept"
+    assert sum(r.state is S.REPLICATING for r in reps) <= 1, f"{key}: two replications"
+    writing = [r.tier == DRAM and r.state is S.WRITING for r in reps]
+    assert all(writing) if not obj.complete else not any(writing), f"{key}: put state"
+    offloading = {r.node_id for r in reps if r.state is S.OFFLOADING}
+    ssd_writing = {r.node_id for r in reps if r.tier == SSD and r.state is S.WRITING}
+    assert offloading == ssd_writing, f"{key}: offload without its SSD copy (or back)"
+    for rep in reps:
+        if rep.state is S.PROMOTING:
+            ssd = obj.replica(rep.node_id, SSD)
+            assert ssd is not None and ssd.state is S.READY, f"{key}: promotion from nothing"

@@ -8,7 +8,7 @@ exact outcomes. Semantics (after Mooncake Store):
   incomplete object older than ``put_timeout_s`` is a zombie and ``reap`` reclaims it.
 - ``get`` grants a lease of ``lease_s``; a leased object is never evicted nor removed.
 - Eviction: when a put would push a node's DRAM above ``high_watermark`` of its capacity,
-  the least recently used (committed or read) complete, unleased, idle replicas on that node
+  the least recently used (committed or read) complete, unleased READY replicas on that node
   are evicted until ``evict_fraction`` of its capacity is freed. With an SSD tier an evicted
   replica is offloaded (a ``NodeCommand``) instead of dropped; a get of an SSD-only object
   starts a promotion back into DRAM.
@@ -22,17 +22,22 @@ exact outcomes. Semantics (after Mooncake Store):
   replica is invisible and never evicted until ``replicate_done`` commits it; the object is
   pinned (as if leased) meanwhile; a failure or ``put_timeout_s`` frees the space. Readers
   get the ready replicas rotated round-robin per read, so load spreads over the copies.
+
+Each replica's state (WRITING, READY, OFFLOADING, PROMOTING, REPLICATING, DROPPED) and its
+legal moves live in replica.py; eviction and the SSD tier in tiers.py; hot replication in
+hot.py. The service reads the state only through the query verbs at the end of this class.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
+from common.store import hot, tiers
 from common.store.allocator import OffsetAllocator
 from common.store.integrity import check_metadata
-from common.store.objects import (DRAM, SSD, EventLog, NodeCommand, NodeState, Replica,
-                                  StoreObject)
+from common.store.objects import EventLog, NodeCommand, NodeState, StoreObject
+from common.store.replica import DRAM, SSD, Replica, ReplicaState as S
 
 Location = tuple[str, int]  # (node_id, offset in its segment)
 
@@ -84,7 +89,8 @@ class StoreMetadata:
         return True
 
     def remove_node(self, node_id: str) -> None:
-        """Forget a node and every replica on it, leases notwithstanding."""
+        """Forget a node and every replica on it, leases notwithstanding (they vanish with
+        the node: nothing is left to give back, so they make no state move)."""
         if self.nodes.pop(node_id, None) is None:
             return
         for key in list(self.objects):
@@ -103,21 +109,20 @@ class StoreMetadata:
         for node_id in dead:
             self.remove_node(node_id)
         self.counters["dead_nodes"] += len(dead)
-        zombies = [k for k, o in self.objects.items()
-                   if not o.complete and o.put_deadline <= now]
+        zombies = [k for k, o in self.objects.items() if o.zombie(now)]
         for key in zombies:
             self._forget(key)
         self.counters["zombies"] += len(zombies)
         for obj in list(self.objects.values()):
             for rep in list(obj.replicas):
-                if rep.tier != DRAM or not rep.busy or rep.deadline > now:
+                if rep.tier != DRAM or not rep.expired(now):
                     continue
-                if rep.ready:  # an offload that never finished: keep the DRAM copy
+                if rep.state is S.OFFLOADING:  # never answered: keep the DRAM copy
                     self.offload_done(rep.node_id, obj.key, False, now)
-                elif rep in obj.replicas:  # a promotion or replication that never finished
-                    if rep.source is not None:
+                elif rep.state in (S.PROMOTING, S.REPLICATING):  # never finished
+                    if rep.state is S.REPLICATING:
                         self.counters["replications_failed"] += 1
-                    self._drop_replica(obj, rep)
+                    self.drop_replica(obj, rep)
         return dead, len(zombies)
 
     # ------------------------------------------------------------------ reads
@@ -141,7 +146,7 @@ class StoreMetadata:
                 out.append(None)
                 continue
             dram = obj.ready_dram()
-            started = not dram and promote and self._start_promotion(obj, now)
+            started = not dram and promote and tiers.start_promotion(self, obj, now)
             if started:
                 promoting.append(i)
             if dram or started:
@@ -151,7 +156,7 @@ class StoreMetadata:
                 turn = obj.gets % len(dram)
                 obj.gets += 1
                 dram = dram[turn:] + dram[:turn]  # round-robin: spread readers over copies
-                self._count_read(obj, now)
+                hot.count_read(self, obj, now)
             out.append([(r.node_id, r.offset or 0) for r in dram] or None)
         hits = sum(1 for x in out if x)
         self.counters["hits"] += hits
@@ -170,8 +175,9 @@ class StoreMetadata:
             if not locations:
                 slots.append(PutSlot("nospace"))
                 continue
-            obj = StoreObject(key, size, put_deadline=now + self.config.put_timeout_s)
-            obj.replicas = [Replica(n, DRAM, off) for n, off in locations]
+            deadline = now + self.config.put_timeout_s
+            obj = StoreObject(key, size, [Replica(n, DRAM, S.WRITING, off, deadline)
+                                          for n, off in locations])
             self.objects[key] = obj
             slots.append(PutSlot("new", tuple(locations)))
         return slots
@@ -191,57 +197,58 @@ class StoreMetadata:
                 continue
             obj.complete = True
             for rep in obj.replicas:
-                rep.ready = True
+                rep.move(S.READY)
             self.objects.move_to_end(key)
             self.events.emit("stored", key)
             committed.append(True)
         return committed
 
     def remove(self, keys: list[str], now: float) -> int:
-        """Remove complete, unleased objects whose replicas are idle. Returns how many."""
+        """Remove complete, unleased objects whose replicas are all READY. Returns how many."""
         removed = 0
         for key in keys:
             obj = self.objects.get(key)
             if obj is None or not obj.complete or obj.leased(now):
                 continue
-            if any(r.busy for r in obj.replicas):
+            if any(r.state is not S.READY for r in obj.replicas):
                 continue
             self._forget(key)
             removed += 1
         return removed
 
-    # -------------------------------------------------------- tier transitions
+    # -------------------------------------------------- answers from nodes
     def offload_done(self, node_id: str, key: str, ok: bool, now: float) -> None:
+        """The node wrote (ok) or failed to write its DRAM copy to its SSD. An answer that
+        finds no OFFLOADING copy there (already reaped, or stray) changes nothing."""
         obj = self.objects.get(key)
         node = self.nodes.get(node_id)
-        if obj is None or node is None:
+        dram = obj.replica(node_id, DRAM) if obj is not None else None
+        ssd = obj.replica(node_id, SSD) if obj is not None else None
+        if obj is None or node is None or dram is None or dram.state is not S.OFFLOADING:
             return
-        dram, ssd = obj.replica(node_id, DRAM), obj.replica(node_id, SSD)
-        if dram is not None and dram.busy:
-            dram.busy = False
-            node.offloading_bytes -= obj.size
-        if ssd is not None and not ssd.ready:
-            if ok:
-                ssd.ready = True
-                self.counters["offloaded"] += 1
-            else:
-                self._drop_replica(obj, ssd)
-        if ok and dram is not None and not obj.leased(now):
-            self._drop_replica(obj, dram)  # a lease taken meanwhile keeps the DRAM copy
+        assert ssd is not None, "an OFFLOADING copy always has its SSD copy being written"
+        dram.move(S.READY)
+        node.offloading_bytes -= obj.size
+        if ok:
+            ssd.move(S.READY)
+            self.counters["offloaded"] += 1
+        else:
+            self.drop_replica(obj, ssd)
+        if ok and not obj.leased(now):
+            self.drop_replica(obj, dram)  # a lease taken meanwhile keeps the DRAM copy
 
     def promote_done(self, node_id: str, key: str, ok: bool) -> None:
+        """The node read its SSD copy into DRAM (ok) or gave up; only a PROMOTING copy
+        there is affected."""
         obj = self.objects.get(key)
         rep = obj.replica(node_id, DRAM) if obj is not None else None
-        ssd = obj.replica(node_id, SSD) if obj is not None else None
-        if obj is None or rep is None or rep.ready or rep.source is not None:
+        if obj is None or rep is None or rep.state is not S.PROMOTING:
             return
-        if ssd is not None:
-            ssd.busy = False
         if ok:
-            rep.ready, rep.busy = True, False
+            rep.move(S.READY)
             self.counters["promoted"] += 1
         else:
-            self._drop_replica(obj, rep)
+            self.drop_replica(obj, rep)
 
     def replicate_done(self, node_id: str, key: str, offset: int, ok: bool) -> bool:
         """The target node finished copying (ok) or gave up. Returns whether a replica was
@@ -249,13 +256,14 @@ class StoreMetadata:
         nothing."""
         obj = self.objects.get(key)
         rep = obj.replica(node_id, DRAM) if obj is not None else None
-        if obj is None or rep is None or rep.source is None or rep.offset != offset:
+        if (obj is None or rep is None or rep.state is not S.REPLICATING
+                or rep.offset != offset):
             return False
         if not ok:
             self.counters["replications_failed"] += 1
-            self._drop_replica(obj, rep)
+            self.drop_replica(obj, rep)
             return False
-        rep.ready, rep.busy, rep.source = True, False, None
+        rep.move(S.READY)
         self.counters["replications"] += 1
         return True
 
@@ -271,154 +279,66 @@ class StoreMetadata:
         for node in order:
             if len(locations) == replica_num:
                 break
-            offset = self._allocate(node, size, now)
+            offset = self.allocate(node, size, now)
             if offset is not None:
                 locations.append((node.node_id, offset))
         return locations
 
-    def _allocate(self, node: NodeState, size: int, now: float) -> Optional[int]:
+    def allocate(self, node: NodeState, size: int, now: float,
+                 spare: Optional[StoreObject] = None) -> Optional[int]:
+        """DRAM on ``node``, evicting first if it would cross the watermark (``spare``: see
+        ``tiers.evict``)."""
         need = node.allocator.round(size)
         if node.pressure_bytes() + need > self.config.high_watermark * node.capacity:
-            self._evict(node, now)
+            tiers.evict(self, node, now, spare)
         return node.allocator.allocate(size)
 
-    def _count_read(self, obj: StoreObject, now: float) -> None:
-        """Record a read; start a replication when the object is hot enough."""
-        cfg = self.config
-        if cfg.hot_read_threshold <= 0:
-            return
-        dram = [r for r in obj.replicas if r.tier == DRAM]
-        if len(dram) >= cfg.max_replicas:
-            obj.reads = None
-            return
-        recent = obj.note_read(now, cfg.hot_window_s, cfg.hot_read_threshold * cfg.max_replicas)
-        if recent < cfg.hot_read_threshold * len(dram) or obj.replicating() is not None:
-            return
-        if self._start_replication(obj, now):
-            obj.reads.clear()  # the next copy needs fresh evidence
-
-    def _start_replication(self, obj: StoreObject, now: float) -> bool:
-        sources = [r for r in obj.ready_dram() if r.node_id in self.nodes]
-        if not sources:
-            return False
-        holding = {r.node_id for r in obj.replicas}
-        limit = self.config.high_watermark
-        for node in sorted(self.nodes.values(), key=lambda n: n.pressure_bytes()):
-            if node.node_id in holding:
-                continue
-            if node.pressure_bytes() + node.allocator.round(obj.size) > limit * node.capacity:
-                continue  # a replica never evicts anything
-            offset = node.allocator.allocate(obj.size)
-            if offset is None:
-                continue
-            source = sources[0]
-            obj.replicas.append(Replica(node.node_id, DRAM, offset, busy=True,
-                                        deadline=now + self.config.put_timeout_s,
-                                        source=source.node_id))
-            self.commands.append(NodeCommand(node.node_id, "replicate", obj.key, offset,
-                                             obj.size, source.node_id, source.offset or 0))
-            return True
-        return False
-
-    def _evict(self, node: NodeState, now: float) -> None:
-        target = self.config.evict_fraction * node.capacity
-        freed = 0
-        for key in list(self.objects):
-            if freed >= target:
-                break
-            obj = self.objects.get(key)
-            if obj is None or not obj.complete or obj.leased(now):
-                continue
-            rep = obj.replica(node.node_id, DRAM)
-            if rep is None or rep.busy or not rep.ready:
-                continue
-            freed += node.allocator.round(obj.size)
-            self.counters["evicted"] += 1
-            if self._start_offload(node, obj, rep, now):
-                continue
-            self._drop_replica(obj, rep)
-
-    def _start_offload(self, node: NodeState, obj: StoreObject, rep: Replica,
-                       now: float) -> bool:
-        if obj.replica(node.node_id, SSD) is not None:
-            return False  # already on this node's SSD: just drop the DRAM copy
-        if not node.ssd_capacity or not self._ssd_room(node, obj.size, now):
-            return False
-        node.ssd_used += obj.size
-        node.offloading_bytes += obj.size
-        rep.busy = True
-        rep.deadline = now + self.config.put_timeout_s
-        obj.replicas.append(Replica(node.node_id, SSD))
-        self.commands.append(NodeCommand(node.node_id, "offload", obj.key, rep.offset or 0,
-                                         obj.size))
-        return True
-
-    def _ssd_room(self, node: NodeState, size: int, now: float) -> bool:
-        """Make room on a node's SSD by dropping its least recently used SSD copies."""
-        if size > node.ssd_capacity:
-            return False
-        for key in list(self.objects):
-            if node.ssd_used + size <= node.ssd_capacity:
-                break
-            obj = self.objects[key]
-            rep = obj.replica(node.node_id, SSD)
-            if rep is None or rep.busy or not rep.ready or obj.leased(now):
-                continue
-            self._drop_replica(obj, rep)
-        return node.ssd_used + size <= node.ssd_capacity
-
-    def _start_promotion(self, obj: StoreObject, now: float) -> bool:
-        for ssd in obj.replicas:
-            if ssd.tier != SSD or not ssd.ready or ssd.busy:
-                continue
-            node = self.nodes.get(ssd.node_id)
-            if node is None or obj.replica(node.node_id, DRAM) is not None:
-                continue
-            offset = self._allocate(node, obj.size, now)
-            if offset is None:
-                continue
-            ssd.busy = True
-            deadline = now + self.config.put_timeout_s
-            obj.replicas.append(Replica(node.node_id, DRAM, offset, busy=True,
-                                        deadline=deadline))
-            self.commands.append(NodeCommand(node.node_id, "promote", obj.key, offset,
-                                             obj.size))
-            return True
-        return False
-
-    def _release(self, obj: StoreObject, rep: Replica) -> None:
-        """Give back what a replica holds on its node (if the node is still known)."""
-        if rep.tier == DRAM and rep.busy and not rep.ready and rep.source is None:
-            # a promotion target
-            ssd = obj.replica(rep.node_id, SSD)
-            if ssd is not None:
-                ssd.busy = False
-        node = self.nodes.get(rep.node_id)
-        if node is None:
-            return
-        if rep.tier == DRAM and rep.offset is not None:
-            node.allocator.free(rep.offset)
-            if rep.busy and rep.ready:  # an offload source
-                node.offloading_bytes -= obj.size
-        elif rep.tier == SSD:
-            node.ssd_used -= obj.size
-            self.commands.append(NodeCommand(node.node_id, "drop_ssd", obj.key, 0, obj.size))
-
-    def _drop_replica(self, obj: StoreObject, rep: Replica) -> None:
+    def drop_replica(self, obj: StoreObject, rep: Replica) -> None:
+        """Drop one copy (give back its space); an object left with none is forgotten."""
+        rep.move(S.DROPPED)
         self._release(obj, rep)
         obj.replicas.remove(rep)
         if not obj.replicas:
             self._forget(obj.key)
+
+    def _release(self, obj: StoreObject, rep: Replica) -> None:
+        """Give back what a dropped replica held on its node (if the node is still known)."""
+        node = self.nodes.get(rep.node_id)
+        if node is None:
+            return
+        if rep.tier == DRAM:
+            node.allocator.free(rep.offset or 0)
+        else:
+            node.ssd_used -= obj.size
+            self.commands.append(NodeCommand(node.node_id, "drop_ssd", obj.key, 0, obj.size))
 
     def _forget(self, key: str) -> None:
         obj = self.objects.pop(key, None)
         if obj is None:
             return
         for rep in obj.replicas:
+            rep.move(S.DROPPED)
             self._release(obj, rep)
         obj.replicas = []
         if obj.complete:
             self.events.emit("removed", key)
+
+    # ------------------------------------------------- queries for the service
+    def promoting_nodes(self, key: str) -> list[str]:
+        """Nodes reading ``key`` in from their SSD right now (a get waits for these)."""
+        obj = self.objects.get(key)
+        return [r.node_id for r in obj.replicas if r.state is S.PROMOTING] if obj else []
+
+    def node_infos(self, node_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """What a client needs to reach each known node; unknown ids are left out."""
+        return {n: self.nodes[n].info for n in node_ids if n in self.nodes}
+
+    def stats(self) -> dict[str, Any]:
+        """Per-node space, the object count and the policy's counters (a snapshot)."""
+        nodes = {n.node_id: {"dram_used": n.allocator.used_bytes, "dram_capacity": n.capacity,
+                             "ssd_used": n.ssd_used, "ssd_capacity": n.ssd_capacity}
+                 for n in self.nodes.values()}
+        return {"nodes": nodes, "objects": len(self.objects), "counters": dict(self.counters)}
 
     def check_integrity(self) -> None:
         """Every DRAM replica owns exactly one allocation; usage counters add up."""

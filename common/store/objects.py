@@ -1,4 +1,4 @@
-"""Records the master keeps: objects, their replicas, nodes, KV events, node commands.
+"""Records the master keeps: objects, nodes, KV events, node commands (replicas: replica.py).
 
 Pure data (no zmq, no torch). ``StoreMetadata`` (metadata.py) is the only writer.
 """
@@ -9,29 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from common.store.allocator import OffsetAllocator
-
-DRAM = "dram"
-SSD = "ssd"
-
-
-@dataclass
-class Replica:
-    """One copy of an object. A DRAM replica has an ``offset`` in its node's segment.
-
-    ``ready``: the bytes are there (a put committed, an offload or promotion finished).
-    ``busy``: an operation moves this replica (offload source, promotion target, SSD file
-    being read, replication target); a busy replica is never evicted or freed by anyone but
-    that operation.
-    ``source``: for a replication target (busy, not ready), the node its bytes come from.
-    """
-
-    node_id: str
-    tier: str
-    offset: Optional[int] = None
-    ready: bool = False
-    busy: bool = False
-    deadline: float = 0.0  # for a busy promotion/replication target: reclaimed after this
-    source: Optional[str] = None  # a replication target: copied from this node
+from common.store.replica import DRAM, Replica, ReplicaState
 
 
 @dataclass
@@ -40,7 +18,6 @@ class StoreObject:
     size: int
     replicas: list[Replica] = field(default_factory=list)
     complete: bool = False  # put_end committed it; readers see only complete objects
-    put_deadline: float = 0.0  # an incomplete object past this is a zombie put
     lease_until: float = 0.0
     reads: Optional[deque[float]] = None  # recent read times (hot-block detection)
     gets: int = 0  # reads served: rotates the replica order handed to readers
@@ -51,9 +28,13 @@ class StoreObject:
 
     def replicating(self) -> Optional[Replica]:
         for rep in self.replicas:
-            if rep.source is not None:
+            if rep.state is ReplicaState.REPLICATING:
                 return rep
         return None
+
+    def zombie(self, now: float) -> bool:
+        """An uncommitted put whose time ran out (its WRITING replicas own the deadline)."""
+        return not self.complete and any(r.expired(now) for r in self.replicas)
 
     def replica(self, node_id: str, tier: str) -> Optional[Replica]:
         for rep in self.replicas:
@@ -62,10 +43,10 @@ class StoreObject:
         return None
 
     def ready_dram(self) -> list[Replica]:
-        return [r for r in self.replicas if r.tier == DRAM and r.ready]
+        return [r for r in self.replicas if r.tier == DRAM and r.state.readable]
 
     def readable(self) -> bool:
-        return self.complete and any(r.ready for r in self.replicas)
+        return self.complete and any(r.state.readable for r in self.replicas)
 
     def note_read(self, now: float, window_s: float, keep: int) -> int:
         """Record a read at ``now``; return how many reads fall within the window."""

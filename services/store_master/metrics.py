@@ -28,13 +28,14 @@ class MasterMetrics:
 
     def observe(self, md: StoreMetadata) -> None:
         """Refresh gauges and turn the policy's counters into Prometheus counters."""
-        self.objects.set(len(md.objects))
-        self.nodes.set(len(md.nodes))
-        self.used.labels("dram").set(sum(n.allocator.used_bytes for n in md.nodes.values()))
-        self.used.labels("ssd").set(sum(n.ssd_used for n in md.nodes.values()))
-        self.capacity.labels("dram").set(sum(n.capacity for n in md.nodes.values()))
-        self.capacity.labels("ssd").set(sum(n.ssd_capacity for n in md.nodes.values()))
-        for kind, value in md.counters.items():
+        stats = md.stats()
+        nodes = stats["nodes"].values()
+        self.objects.set(stats["objects"])
+        self.nodes.set(len(nodes))
+        for tier in ("dram", "ssd"):
+            self.used.labels(tier).set(sum(n[f"{tier}_used"] for n in nodes))
+            self.capacity.labels(tier).set(sum(n[f"{tier}_capacity"] for n in nodes))
+        for kind, value in stats["counters"].items():
             delta = value - self._seen.get(kind, 0)
             if delta > 0:
                 self.events.labels(kind).inc(delta)

@@ -11,103 +11,94 @@ import asyncio
 import ctypes
 import logging
 import os
-import signal
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-import zmq
-import zmq.asyncio
-
-from common.ipc import encode, make_socket, try_decode
+from common.config import ClusterConfig
+from common.mailbox import DealerLink, serve_inbox
+from common.service import StartupError
 from common.store import protocol as p
+from common.store.peers import SegmentMaps
 from common.store.shm import Segment
 from common.transfer import TransferAgent, TransferConfig
-from services.store_node import MasterUnreachable, NodeConfig
 from services.store_node.ssd import SsdTier
 
 log = logging.getLogger("store_node")
 
 
+class MasterUnreachable(StartupError):
+    pass
+
+
 class NodeServer:
-    def __init__(self, config: NodeConfig) -> None:
-        self.config = config
-        self.node_id = config.resolved_node_id()
+    def __init__(self, config: ClusterConfig, index: int) -> None:
+        store = config.store
+        self.store = store
+        self.node_id = f"store_node-{index}"
+        self.hostname = config.host
+        self.master_address = config.inbox("store_master")
         path = None
-        if config.shm_dir:
-            path = os.path.join(config.shm_dir,
+        if store.shm_dir:
+            path = os.path.join(store.shm_dir,
                                 f"crescent-store-{self.node_id}-{uuid.uuid4().hex[:8]}")
-        self.segment = Segment(config.segment_bytes, path, create=True)
-        self.ssd = SsdTier(config.ssd_dir, config.ssd_bytes)
-        self.transfer = TransferAgent(TransferConfig(hostname=config.hostname,
-                                                     protocol=config.protocol))
+        self.segment = Segment(store.segment_bytes, path, create=True)
+        ssd_dir = f"{store.ssd_dir}/node-{index}" if store.ssd_dir and store.ssd_bytes else None
+        self.ssd = SsdTier(ssd_dir, store.ssd_bytes if ssd_dir else 0)
+        self.transfer = TransferAgent(TransferConfig(hostname=config.host,
+                                                     protocol=config.transfer_protocol))
         self.transfer.register(self.segment.base, self.segment.nbytes)
         self.io = ThreadPoolExecutor(1, thread_name_prefix="ssd")  # keeps command order
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="replicate")  # one: no map races
-        self.peers: dict[str, tuple[int, Optional[Segment]]] = {}  # shm path → (epoch, map)
-        self.ctx = zmq.asyncio.Context()
-        self.sock = make_socket(self.ctx, zmq.DEALER, config.master_address, bind=False,
-                                identity=self.node_id.encode())
-        self.heartbeat_s = 0.5
+        self.peers = SegmentMaps(own_path=self.segment.path)  # other nodes' segments here
+        self.link = DealerLink(self.master_address, "store_node", self.node_id.encode())
+        self.heartbeat_s = store.heartbeat_interval_s
         self.last_ack = time.monotonic()
         self.handlers = {p.NodeAck: self.on_ack, p.NodeCommandMsg: self.on_command}
 
     def _register_msg(self) -> p.NodeRegister:
-        return p.NodeRegister(self.node_id, self.config.hostname, self.transfer.session_id,
+        return p.NodeRegister(self.node_id, self.hostname, self.transfer.session_id,
                               self.segment.base, self.segment.nbytes, self.ssd.capacity,
                               self.segment.path, os.getpid())
 
     async def register(self) -> None:
         """Register, retrying, until acknowledged or ``register_deadline_s`` passes."""
-        give_up = time.monotonic() + self.config.register_deadline_s
+        give_up = time.monotonic() + self.store.register_deadline_s
         while time.monotonic() < give_up:
-            await self.sock.send(encode(self._register_msg()))
-            wait = min(self.config.timeout_s, max(0.05, give_up - time.monotonic()))
-            if await self.sock.poll(wait * 1000):
-                msg = try_decode(await self.sock.recv(), "store_node")
-                if isinstance(msg, p.NodeAck) and msg.known:
-                    self.heartbeat_s = msg.heartbeat_interval_s
-                    self.last_ack = time.monotonic()
-                    return
-        raise MasterUnreachable(f"master {self.config.master_address} unreachable for "
-                                f"{self.config.register_deadline_s:.0f}s")
+            wait = min(self.store.node_timeout_s, max(0.05, give_up - time.monotonic()))
+            msg = await self.link.request(self._register_msg(), wait)
+            if isinstance(msg, p.NodeAck) and msg.known:
+                self.heartbeat_s = msg.heartbeat_interval_s
+                self.last_ack = time.monotonic()
+                return
+        raise MasterUnreachable(f"master {self.master_address} unreachable for "
+                                f"{self.store.register_deadline_s:.0f}s")
 
     async def serve(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            loop.add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)  # type: ignore[union-attr]
-        except (RuntimeError, ValueError, NotImplementedError):
-            pass  # not the main thread (tests): the caller cancels us
         await self.register()
         log.info("node %s ready: segment %d MiB at %s, session %s", self.node_id,
                  self.segment.nbytes >> 20, self.segment.path or "anonymous memory",
                  self.transfer.session_id)
         print("ready", flush=True)
-        beats = asyncio.create_task(self._heartbeat_forever())
-        try:
-            while True:
-                msg = try_decode(await self.sock.recv(), "store_node")
-                handler = self.handlers.get(type(msg)) if msg is not None else None
-                if handler is not None:
-                    await handler(msg)
-        finally:
-            beats.cancel()
+        beats = asyncio.create_task(self._heartbeat_forever(), name="store-node-heartbeat")
+        await serve_inbox(self.link, self.handlers, [beats])
 
     async def _heartbeat_forever(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            await self.sock.send(encode(p.NodeHeartbeat(self.node_id, self.ssd.used)))
+            await self.link.send(p.NodeHeartbeat(self.node_id, self.ssd.used))
             silent = time.monotonic() - self.last_ack
-            if silent > self.config.register_deadline_s:
+            if silent > self.store.register_deadline_s:
                 log.warning("master silent for %.0fs; still trying", silent)
 
-    async def on_ack(self, msg: p.NodeAck) -> None:
+    def on_ack(self, msg: p.NodeAck) -> Optional[p.NodeRegister]:
         self.last_ack = time.monotonic()
         self.heartbeat_s = msg.heartbeat_interval_s
-        if not msg.known:  # dropped by the master (or it restarted): start afresh
-            log.warning("master forgot node %s; registering again", self.node_id)
-            await self.sock.send(encode(self._register_msg()))
+        if msg.known:
+            return None
+        log.warning("master forgot node %s; registering again", self.node_id)  # or restarted
+        return self._register_msg()
 
     async def on_command(self, msg: p.NodeCommandMsg) -> None:
         loop = asyncio.get_running_loop()
@@ -130,7 +121,7 @@ class NodeServer:
         if time.monotonic() > start_by:
             return False
         try:
-            peer = self._peer(src)
+            peer = self.peers.get(src)
             dst = self.segment.base + msg.offset
             if peer is not None:
                 ctypes.memmove(dst, peer.base + msg.source_offset, msg.size)
@@ -141,23 +132,6 @@ class NodeServer:
         except Exception as exc:  # TransferError, OSError, a malformed source
             log.warning("replicate %s from %s failed: %s", msg.key, src.get("node_id"), exc)
             return False
-
-    def _peer(self, info: dict[str, Any]) -> Optional[Segment]:
-        """Another node's segment file mapped here, if this host can open it."""
-        path = info.get("shm_path")
-        if not path or path == self.segment.path:
-            return None
-        cached = self.peers.get(path)
-        if cached is not None and cached[0] == info.get("epoch"):
-            return cached[1]
-        seg: Optional[Segment] = None
-        if os.path.exists(path):
-            try:
-                seg = Segment(int(info["segment_bytes"]), path)
-            except (OSError, ValueError) as exc:
-                log.info("cannot map %s (%s): using the transfer engine", path, exc)
-        self.peers[path] = (info.get("epoch", 0), seg)
-        return seg
 
     def _run_command(self, msg: p.NodeCommandMsg) -> bool:
         try:
@@ -175,22 +149,22 @@ class NodeServer:
         ok = not fut.cancelled() and fut.exception() is None and bool(fut.result())
         if msg.op == "drop_ssd":
             return
-        try:
-            self.sock.send(encode(p.NodeCommandDone(self.node_id, msg.op, msg.key, ok,
-                                                    msg.offset)), flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.warning("could not report %s of %s: %s", msg.op, msg.key, exc)
+        self.link.reply(None, p.NodeCommandDone(self.node_id, msg.op, msg.key, ok, msg.offset))
 
     def close(self) -> None:
         self.io.shutdown(wait=True)
         self.copier.shutdown(wait=True)
-        for _, seg in self.peers.values():
-            if seg is not None:
-                seg.close()
-        self.peers.clear()
-        self.sock.close(0)
-        self.ctx.term()
+        self.peers.close()
+        self.link.close()
         self.transfer.unregister(self.segment.base)
         self.transfer.close()
         self.segment.close(unlink=True)
 
+
+async def run(config: ClusterConfig, index: int = 0) -> None:
+    """Serve store node ``index`` of ``config`` until cancelled. Raises MasterUnreachable."""
+    server = NodeServer(config, index)
+    try:
+        await server.serve()
+    finally:
+        server.close()

@@ -154,6 +154,40 @@ def test_ssd_full_drops_oldest_ssd_copy():
     md.check_integrity()
 
 
+def test_promotion_never_pushes_its_own_source_off_the_ssd():
+    md = make(ssd=B)  # room for one SSD copy
+    put(md, [f"k{i}" for i in range(9)])  # 90 %
+    put(md, ["k9"], now=1.0)  # k0 offloaded; k1 dropped (the SSD is busy being written)
+    assert [(c.kind, c.key) for c in md.drain_commands()] == [("offload", "k0")]
+    md.offload_done("n0", "k0", True, now=1.5)
+    put(md, ["k10"], now=2.0)  # 90 % again: k0 only on SSD
+    # promoting k0 needs DRAM: k2, k3 are evicted, and the SSD has room only if k0's copy
+    # left it, so they are dropped instead of offloaded; k0's copy stays to be read in
+    assert md.get(["k0"], now=3.0) == ([None], [0])
+    assert [(c.kind, c.key) for c in md.drain_commands()] == [("promote", "k0")]
+    assert md.exists(["k0", "k1", "k2", "k3", "k4"]) == [True, False, False, False, True]
+    md.promote_done("n0", "k0", True)
+    assert md.get(["k0"], now=3.1, promote=False)[0] == [[("n0", 2 * B)]]
+    md.check_integrity()
+
+
+def test_late_answers_change_nothing():
+    md = make(ssd=4 * B)
+    put(md, [f"k{i}" for i in range(10)])
+    put(md, ["k10"], now=1.0)  # k0, k1 offloading until 11.0
+    md.drain_commands()
+    md.heartbeat("n0", 11.0)
+    md.reap(now=11.0)  # unanswered: the DRAM copies stay, the SSD copies go
+    assert [(c.kind, c.key) for c in md.drain_commands()] == [("drop_ssd", "k0"),
+                                                           ("drop_ssd", "k1")]
+    md.offload_done("n0", "k0", True, now=11.5)  # too late: nothing to drop DRAM for
+    md.promote_done("n0", "k1", True)  # no promotion was asked for
+    assert md.get(["k0", "k1"], now=12.0)[0] == [[("n0", 0)], [("n0", B)]]
+    assert md.counters["offloaded"] == md.counters["promoted"] == 0
+    assert md.nodes["n0"].ssd_used == 0
+    md.check_integrity()
+
+
 def hot(md: StoreMetadata, key: str, reads: int, now: float = 1.0) -> list:
     """``reads`` gets of ``key`` 0.1 s apart; returns the replicate commands they queued."""
     for i in range(reads):
