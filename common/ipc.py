@@ -1,8 +1,12 @@
 """ZeroMQ plumbing: one socket factory, one codec.
 
 Every wire message is a frozen dataclass registered with ``@message``; it travels as
-orjson ``{"type": name, ...fields}``. ``decode`` validates field names and basic types and
-raises ``ProtocolError`` for anything malformed; service loops log and drop those.
+orjson ``{"type": name, ...fields}``. A field may hold a frozen dataclass of its own
+(``SamplingParams``, ``Rejection``, ``WorkerLoad``), plain or in ``Optional``/``list``/``tuple``:
+it travels as a JSON object and is decoded back into its type, recursively. ``decode``
+validates field names and basic types at every level, and runs each type's own checks
+(``__post_init__`` raising ``ValueError``); anything malformed raises ``ProtocolError``,
+and service loops log and drop those.
 No pickle on the wire; bulk bytes never ride here.
 """
 from __future__ import annotations
@@ -19,7 +23,6 @@ import zmq.asyncio
 log = logging.getLogger(__name__)
 
 _REGISTRY: dict[str, type] = {}
-_HINTS: dict[type, dict[str, Any]] = {}
 
 
 class ProtocolError(ValueError):
@@ -50,6 +53,7 @@ _SCALAR_TYPES: dict[Any, set[type]] = {
 
 
 def _check(value: Any, hint: Any) -> bool:
+    """Whether a decoded JSON ``value`` fits a hint that names no dataclass."""
     if hint is Any:
         return True
     origin = get_origin(hint)
@@ -77,6 +81,74 @@ def _check(value: Any, hint: Any) -> bool:
     return True
 
 
+def _is_dataclass_type(hint: Any) -> bool:
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
+def _nested(hint: Any) -> Optional[type]:
+    """The dataclass a field decodes into: ``X``, ``Optional[X]``, ``list[X]``, ``tuple[X, ...]``
+    (the element type for the sequences); None for plain JSON fields."""
+    if _is_dataclass_type(hint):
+        return hint
+    args = get_args(hint)
+    if get_origin(hint) in (Union, list, tuple) and args:
+        found = [a for a in args if _is_dataclass_type(a)]
+        return found[0] if found else None
+    return None
+
+
+# Per dataclass, once: (field name, type hint, nested dataclass or None, required).
+_Field = tuple[str, Any, Optional[type], bool]
+_PLANS: dict[type, list[_Field]] = {}
+
+
+def _plan(cls: type) -> list[_Field]:
+    plan = _PLANS.get(cls)
+    if plan is None:
+        hints = get_type_hints(cls)
+        plan = _PLANS[cls] = [
+            (f.name, hints[f.name], _nested(hints[f.name]),
+             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+            for f in dataclasses.fields(cls)]
+    return plan
+
+
+def _value(value: Any, hint: Any, inner: Optional[type], where: str) -> Any:
+    """``value`` checked against ``hint``; a nested dataclass ``inner`` is built (and so
+    validated by its own checks)."""
+    origin = get_origin(hint)
+    if inner is not None and origin in (list, tuple):
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where} has the wrong type")
+        items = [_value(v, inner, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if inner is not None and not (value is None and _check(None, hint)):
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where} has the wrong type")
+        return _build(inner, value, where)
+    if not _check(value, hint):
+        raise ProtocolError(f"{where} has the wrong type")
+    if origin is tuple or hint is tuple:
+        return tuple(value)
+    return value
+
+
+def _build(cls: type, body: dict, where: str) -> Any:
+    """An instance of dataclass ``cls`` from a JSON object; ``body`` is consumed."""
+    kwargs = {}
+    for name, hint, inner, required in _plan(cls):
+        if name in body:
+            kwargs[name] = _value(body.pop(name), hint, inner, f"{where}.{name}")
+        elif required:
+            raise ProtocolError(f"{where} lacks field {name}")
+    if body:
+        raise ProtocolError(f"{where} has unknown fields {sorted(body)}")
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:  # the type's own validation (__post_init__)
+        raise ProtocolError(f"{where} is invalid: {exc}") from None
+
+
 def decode(frame: bytes) -> Any:
     try:
         body = orjson.loads(frame)
@@ -87,23 +159,7 @@ def decode(frame: bytes) -> Any:
     cls = _REGISTRY.get(body.pop("type"))
     if cls is None:
         raise ProtocolError("unknown message type")
-    hints = _HINTS.get(cls)
-    if hints is None:
-        hints = _HINTS[cls] = get_type_hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name in body:
-            value = body.pop(f.name)
-            if not _check(value, hints[f.name]):
-                raise ProtocolError(f"{cls.__name__}.{f.name} has the wrong type")
-            if get_origin(hints[f.name]) is tuple or hints[f.name] is tuple:
-                value = tuple(value)
-            kwargs[f.name] = value
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ProtocolError(f"{cls.__name__} lacks field {f.name}")
-    if body:
-        raise ProtocolError(f"{cls.__name__} has unknown fields {sorted(body)}")
-    return cls(**kwargs)
+    return _build(cls, body, cls.__name__)
 
 
 def make_socket(ctx: zmq.asyncio.Context, kind: int, address: str, bind: bool,

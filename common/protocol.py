@@ -2,14 +2,20 @@
 
 Topology (see common/config.py): each process binds one PULL inbox and PUSHes to the
 inboxes of the others. Block keys travel hex-encoded; token ids as lists of ints.
+Nested values are frozen dataclasses the codec decodes and validates too:
+``SamplingParams`` (common/sampling_params.py), ``Rejection`` (the scheduling policy's),
+``WorkerLoad`` (below).
 KV bytes never travel here: only addresses, block ids and transfer-engine session ids.
 Store messages live in common/store/protocol.py.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from common.ipc import message
+from common.sampling_params import SamplingParams
+from common.scheduling.state import Rejection
 
 # ---------------------------------------------------------------- to the conductor
 
@@ -21,23 +27,29 @@ class RegisterWorker:
     inbox: str  # the worker's PULL address
     transfer_session: str  # mooncake session id ("host:port")
     kv_base: int  # address of block 0 in the worker's paged KV memory
-    block_nbytes: int
+    block_nbytes: int  # block and layer sizes: a prefill → decode pair must agree on them
     layer_nbytes: int
-    num_layers: int
     num_blocks: int
     block_size: int
     kv_shm_path: Optional[str] = None  # the KV memory as a /dev/shm file same-host peers map
     host_id: Optional[str] = None  # hostname/boot id: who can map kv_shm_path
 
 
+@dataclass(frozen=True)
+class WorkerLoad:
+    """What a worker is busy with, as its heartbeat reports it (zero where a role has none)."""
+
+    queued: int = 0  # requests waiting (prefill: queued tasks; decode: awaiting KV)
+    queued_tokens: int = 0  # prefill: uncached prompt tokens still to compute
+    running: int = 0  # decode: batch size
+    context_tokens: int = 0  # decode: sum of contexts in the batch
+
+
 @message
 class WorkerHeartbeat:
     instance_id: str
     role: str
-    queued: int  # requests waiting (prefill: queued tasks; decode: awaiting KV)
-    queued_tokens: int  # prefill: uncached prompt tokens still to compute
-    running: int  # decode: batch size
-    context_tokens: int  # decode: sum of contexts in the batch
+    load: WorkerLoad
     free_blocks: int  # allocatable now (truly free + cached-but-unreferenced)
     used_blocks: int  # referenced by a live request
     total_blocks: int
@@ -53,7 +65,7 @@ class SubmitRequest:
     request_id: str
     token_ids: list[int]
     block_keys: list[str]
-    sampling: dict
+    sampling: SamplingParams  # max_tokens resolved by the router
     arrival_time: float
 
 
@@ -122,14 +134,13 @@ class RequestFailed:
 class PrefillTask:
     request_id: str
     token_ids: list[int]
-    sampling: dict
+    sampling: SamplingParams  # the first token is sampled on the prefill side
     decode_id: str
     decode_inbox: str
     decode_session: str
     decode_kv_base: int
     decode_block_ids: list[int]
     deadline: float  # wall-clock time after which the work is abandoned
-    router_inbox: str
     decode_shm_path: Optional[str] = None  # set: same-host prefill may write KV there
     decode_host_id: Optional[str] = None
 
@@ -139,10 +150,11 @@ class PrefillTask:
 
 @message
 class ReserveBlocks:
+    """Conductor → decode: reserve blocks for prompt + ``sampling.max_tokens``."""
+
     request_id: str
     prompt_tokens: int
-    max_tokens: int
-    sampling: dict
+    sampling: SamplingParams
     router_inbox: str
     deadline: float  # if KV has not landed by then, free the blocks and fail
 
@@ -165,6 +177,14 @@ class KVFailed:
 
 
 # ---------------------------------------------------------------- to the router
+
+
+@message
+class RequestRejected:
+    """Conductor → router: refused before any work; the policy's reason and retry time."""
+
+    request_id: str
+    rejection: Rejection
 
 
 @message
@@ -193,29 +213,9 @@ class TokenDelta:
 class KVTransferReport:
     """Conductor → router: KV bytes a request moved (for the router's /metrics)."""
 
-    kind: str  # "prefill_to_decode" | "store_get"
+    kind: str  # "prefill_to_decode"
     nbytes: int
     seconds: float
-
-
-# ---------------------------------------------------------------- introspection
-
-
-@message
-class PoolStatsRequest:
-    reply_to: str
-    token: str
-
-
-@message
-class PoolStats:
-    instance_id: str
-    token: str
-    used_blocks: int
-    free_blocks: int
-    cached_blocks: int
-    total_blocks: int
-    active_requests: int
 
 
 @message

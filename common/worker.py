@@ -10,12 +10,13 @@ from typing import Callable, Optional
 import torch
 
 from common.config import ClusterConfig
-from common.engine import Engine, EngineConfig, SamplingParams
+from common.engine import Engine, EngineConfig
 from common.kv.events import BlockStored
 from common.kv.memory import resolve_kv_dtype
 from common.kv.shm_kv import close_at_exit, host_id, worker_segment
 from common.mailbox import Mailbox
-from common.protocol import RegisterWorker, WorkerHeartbeat
+from common.protocol import RegisterWorker, WorkerHeartbeat, WorkerLoad
+from common.sampling_params import SamplingParams
 from common.transfer import TransferAgent, TransferConfig
 
 log = logging.getLogger(__name__)
@@ -59,12 +60,10 @@ class WorkerRuntime:
             instance_id=self.instance_id, role=self.role, inbox=self.inbox_address,
             transfer_session=self.transfer.session_id, kv_base=kv.base_address,
             block_nbytes=kv.block_nbytes, layer_nbytes=kv.layer_nbytes,
-            num_layers=self.engine.model_config.num_layers, num_blocks=kv.num_blocks,
-            block_size=self.engine.config.block_size, kv_shm_path=kv.shm_path,
-            host_id=host_id())
+            num_blocks=kv.num_blocks, block_size=self.engine.config.block_size,
+            kv_shm_path=kv.shm_path, host_id=host_id())
 
-    def heartbeat(self, queued: int, queued_tokens: int, running: int,
-                  context_tokens: int) -> WorkerHeartbeat:
+    def heartbeat(self, load: WorkerLoad) -> WorkerHeartbeat:
         pool = self.engine.pool
         stored: list[str] = []
         removed: list[str] = []
@@ -72,20 +71,19 @@ class WorkerRuntime:
             (stored if isinstance(event, BlockStored) else removed).append(event.key.hex())
         self._event_seq += 1
         return WorkerHeartbeat(
-            instance_id=self.instance_id, role=self.role, queued=queued,
-            queued_tokens=queued_tokens, running=running, context_tokens=context_tokens,
+            instance_id=self.instance_id, role=self.role, load=load,
             free_blocks=pool.num_free, used_blocks=pool.num_used,
             total_blocks=pool.num_blocks, stored_keys=stored, removed_keys=removed,
             event_seq=self._event_seq)
 
-    async def heartbeat_loop(self, load: Callable[[], tuple[int, int, int, int]]) -> None:
+    async def heartbeat_loop(self, load: Callable[[], WorkerLoad]) -> None:
         """Register, then beat every interval; registering again every few beats lets a
         restarted conductor relearn us without a special handshake."""
         beats = 0
         while True:
             if beats % 20 == 0:
                 self.mail.send(self.conductor, self.registration())
-            self.mail.send(self.conductor, self.heartbeat(*load()))
+            self.mail.send(self.conductor, self.heartbeat(load()))
             beats += 1
             await asyncio.sleep(self.config.heartbeat_interval_s)
 
@@ -93,17 +91,6 @@ class WorkerRuntime:
         self.mail.close()
         self.transfer.close()
         self.engine.kv.close()
-
-
-def sampling_params_from_dict(d: dict) -> SamplingParams:
-    """The router's validated sampling dict → engine SamplingParams."""
-    top_k = d.get("top_k")
-    return SamplingParams(
-        max_tokens=int(d.get("max_tokens", 16)), temperature=float(d.get("temperature", 1.0)),
-        top_p=float(d.get("top_p", 1.0)), top_k=None if top_k in (None, -1, 0) else int(top_k),
-        seed=d.get("seed"), stop=list(d.get("stop") or []),
-        stop_token_ids=list(d.get("stop_token_ids") or []),
-        logprobs=bool(d.get("logprobs", False)), ignore_eos=bool(d.get("ignore_eos", False)))
 
 
 def make_generator(params: SamplingParams, stream: int) -> Optional[torch.Generator]:

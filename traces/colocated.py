@@ -100,7 +100,8 @@ class ColocatedSim:
         decision = self.scheduler.schedule(info, states, dummy, 0, now)
         if not decision.accepted or decision.prefill_id is None:
             rec = self.records[req.index]
-            rec.status, rec.reason = REJECTED_ARRIVAL, decision.reject_reason
+            why = decision.rejection
+            rec.status, rec.reason = REJECTED_ARRIVAL, why.reason if why else None
             return
         inst = self._pidx[decision.prefill_id]
         predicted = self.scheduler.prefill_seconds(info, decision.prefix_blocks_local)

@@ -165,7 +165,8 @@ class DisaggregatedSim:
                                            self.pool.prefix_len(req.hash_ids), now)
         rec = self.records[req.index]
         if not decision.accepted:
-            rec.status, rec.reason = REJECTED_ARRIVAL, decision.reject_reason
+            why = decision.rejection
+            rec.status, rec.reason = REJECTED_ARRIVAL, why.reason if why else None
             return
         p = self._pidx[decision.prefill_id]
         cached = decision.prefix_blocks_local + decision.prefix_blocks_to_fetch

@@ -19,7 +19,7 @@ from common.kv.memory import KV_DTYPES, PagedKVMemory, resolve_kv_dtype
 from common.model.attention import AttnMetadata, make_backend
 from common.model.config import ModelConfig
 from common.model.llama import LlamaModel, random_weights
-from common.model.loader import UnknownModelError as _LoaderUnknownModel
+from common.model.loader import ModelNotFoundError
 from common.model.loader import load_model_source
 from common.model.tokenizer import ByteTokenizer, Tokenizer
 
@@ -42,7 +42,7 @@ class Engine:
         self.device = torch.device(config.device)
         try:
             model_config, weights, tok_spec = load_model_source(config.model, config.num_layers)
-        except _LoaderUnknownModel as e:
+        except ModelNotFoundError as e:
             raise UnknownModelError(str(e)) from e
         if not weights:
             weights = random_weights(model_config, seed=0)

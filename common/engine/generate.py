@@ -40,14 +40,13 @@ class _Seq:
 
 def generate(engine: Engine, token_ids: list[int], params: Optional[SamplingParams] = None,
              sampler: Optional[Sampler] = None) -> GenerationResult:
-    return generate_batch(engine, [token_ids], [params or SamplingParams()], sampler)[0]
+    params = params or SamplingParams(max_tokens=16)
+    return generate_batch(engine, [token_ids], [params], sampler)[0]
 
 
 def generate_batch(engine: Engine, prompts: Sequence[list[int]], params: Sequence[SamplingParams],
                    sampler: Optional[Sampler] = None) -> list[GenerationResult]:
     sampler = sampler or Sampler(engine.config.seed)
-    for p in params:
-        p.validate()
     for prompt in prompts:
         engine.validate_prompt(prompt)
     seqs: list[_Seq] = []

@@ -1,39 +1,14 @@
-"""Sampling: greedy, temperature, top-k, top-p, per-request seeded generators, logprobs."""
+"""Sampling: greedy, temperature, top-k, top-p, per-request seeded generators, logprobs.
+
+The parameters are common/sampling_params.py's ``SamplingParams``, the very object the
+router validated and the wire carried."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
-from common.engine.errors import EngineInputError
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0        # 0 = greedy
-    top_p: float = 1.0
-    top_k: Optional[int] = None     # None, 0 or -1 = no top-k
-    seed: Optional[int] = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    logprobs: bool = False          # logprob (raw model distribution) of each chosen token
-    ignore_eos: bool = False
-
-    def validate(self) -> None:
-        if self.max_tokens < 1:
-            raise EngineInputError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise EngineInputError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise EngineInputError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < -1:
-            raise EngineInputError(f"top_k must be -1, 0 or positive, got {self.top_k}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from common.sampling_params import SamplingParams
 
 
 def _filter(logits: torch.Tensor, top_k: Optional[int], top_p: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
-from common.kv.events import BlockRemoved, BlockStored, KVEvent
+from common.kv.events import BlockEvent, BlockRemoved, BlockStored
 
 
 class OutOfBlocksError(RuntimeError):
@@ -23,7 +23,7 @@ class OutOfBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, on_event: Optional[Callable[[KVEvent], None]] = None):
+    def __init__(self, num_blocks: int, on_event: Optional[Callable[[BlockEvent], None]] = None):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -32,7 +32,7 @@ class BlockPool:
         self._by_key: dict[bytes, int] = {}
         self._free_plain: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
-        self._events: list[KVEvent] = []
+        self._events: list[BlockEvent] = []
         self._seq = 0
         self.on_event = on_event
 
@@ -145,7 +145,7 @@ class BlockPool:
             self._emit(BlockStored(self._next_seq(), key, block))
 
     # ---- events -------------------------------------------------------------------
-    def drain_events(self) -> list[KVEvent]:
+    def drain_events(self) -> list[BlockEvent]:
         """KV events since the last drain, in sequence order."""
         events, self._events = self._events, []
         return events
@@ -183,7 +183,7 @@ class BlockPool:
         self._seq += 1
         return self._seq
 
-    def _emit(self, event: KVEvent) -> None:
+    def _emit(self, event: BlockEvent) -> None:
         self._events.append(event)
         if self.on_event is not None:
             self.on_event(event)

@@ -1,4 +1,4 @@
-"""KV events: what a block pool tells the conductor about its cache contents."""
+"""Block events: what a block pool tells the conductor about its cache contents."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,4 +21,4 @@ class BlockRemoved:
     block_id: int
 
 
-KVEvent = Union[BlockStored, BlockRemoved]
+BlockEvent = Union[BlockStored, BlockRemoved]

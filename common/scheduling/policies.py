@@ -22,6 +22,7 @@ from common.scheduling.decode_time import DecodeDurations
 from common.scheduling.state import (
     DecodeInstanceState,
     PrefillInstanceState,
+    Rejection,
     RequestInfo,
     ScheduleDecision,
     SchedulerConfig,
@@ -82,7 +83,8 @@ class Scheduler(ABC):
                  decode: Sequence[DecodeInstanceState], global_prefix_len: int,
                  now: float) -> ScheduleDecision:
         if not prefill or not decode:
-            return _reject("no_instances", math.inf, math.inf, retry_after_s=1.0)
+            return _reject(Rejection("no_instances", 1.0, "no prefill or decode instance"),
+                           math.inf, math.inf)
         local = [p.prefix_index.prefix_len(req.block_keys) for p in prefill]
         best_len = max(global_prefix_len, max(local))
         choice = self.choose_prefill(req, prefill, local, best_len)
@@ -104,11 +106,19 @@ class Scheduler(ABC):
         dchoice = choose_decode(req, loads, self.cost, require_fit=checks_decode)
         ttft, tbt = choice.ttft_s, dchoice.tbt_s
         if cfg.ttft_slo_s is not None and ttft > cfg.ttft_slo_s:
-            return _reject("ttft_slo", ttft, tbt, retry_after_s=max(1.0, ttft - cfg.ttft_slo_s))
+            return _reject(Rejection(
+                "ttft_slo", max(1.0, ttft - cfg.ttft_slo_s),
+                f"predicted TTFT {ttft:.2f} s exceeds the {cfg.ttft_slo_s:g} s SLO"), ttft, tbt)
         if checks_decode and dchoice.index is None:
-            return _reject("decode_full", ttft, tbt, retry_after_s=self._decode_retry())
+            need = req.prompt_tokens + req.max_tokens
+            return _reject(Rejection("decode_full", self._decode_retry(),
+                                     f"no decode instance has room for {need} tokens "
+                                     "(prompt + max_tokens)"),
+                           ttft, tbt)
         if checks_decode and cfg.tbt_slo_s is not None and tbt > cfg.tbt_slo_s:
-            return _reject("tbt_slo", ttft, tbt, retry_after_s=self._decode_retry())
+            return _reject(Rejection(
+                "tbt_slo", self._decode_retry(), f"predicted TBT {tbt * 1000:.0f} ms exceeds "
+                f"the {cfg.tbt_slo_s * 1000:g} ms SLO"), ttft, tbt)
         assert dchoice.index is not None
         return ScheduleDecision(
             accepted=True, prefill_id=p.instance_id, decode_id=decode[dchoice.index].instance_id,
@@ -117,11 +127,11 @@ class Scheduler(ABC):
         )
 
 
-def _reject(reason: str, ttft: float, tbt: float, retry_after_s: float) -> ScheduleDecision:
+def _reject(rejection: Rejection, ttft: float, tbt: float) -> ScheduleDecision:
     return ScheduleDecision(
         accepted=False, prefill_id=None, decode_id=None, prefix_blocks_local=0,
         prefix_blocks_to_fetch=0, predicted_ttft_s=ttft, predicted_tbt_s=tbt,
-        reject_reason=reason, retry_after_s=retry_after_s,
+        rejection=rejection,
     )
 
 

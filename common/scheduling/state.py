@@ -143,6 +143,32 @@ class RequestInfo:
     max_tokens: int
 
 
+REJECT_REASONS = ("no_instances", "ttft_slo", "decode_full", "tbt_slo", "queue_full")
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a request is refused before any work, and when to try again: the policy's own
+    decision, carried whole to the client (the router's 429, ``Retry-After``).
+
+    ``reason``: ``no_instances`` (nothing to place on), ``ttft_slo`` (predicted TTFT over
+    the SLO), ``decode_full`` (no decode instance can hold prompt + max_tokens),
+    ``tbt_slo`` (predicted TBT over the SLO), ``queue_full`` (the conductor's queue bound).
+    ``detail``: the numbers behind it, for a human.
+    """
+
+    reason: str
+    retry_after_s: float
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if self.reason not in REJECT_REASONS:
+            raise ValueError(f"unknown rejection reason {self.reason!r}")
+        if not 0 < self.retry_after_s < float("inf"):
+            raise ValueError(f"retry_after_s must be positive and finite, "
+                             f"got {self.retry_after_s}")
+
+
 @dataclass(frozen=True)
 class ScheduleDecision:
     accepted: bool
@@ -152,8 +178,7 @@ class ScheduleDecision:
     prefix_blocks_to_fetch: int
     predicted_ttft_s: float
     predicted_tbt_s: float
-    reject_reason: Optional[str] = None
-    retry_after_s: Optional[float] = None
+    rejection: Optional[Rejection] = None  # set exactly when not accepted
 
 
 ADMISSION_MODES = ("none", "early", "predicted")

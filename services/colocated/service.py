@@ -26,7 +26,7 @@ from common.engine.batching import plan_chunks
 from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
 from common.engine.sampling import sample
-from common.protocol import AbortRequest, PrefillDone, PrefillTask, RequestFailed
+from common.protocol import AbortRequest, PrefillDone, PrefillTask, RequestFailed, WorkerLoad
 from common.worker import WorkerRuntime, make_generator
 from services.decode.sequence import Reservation
 from services.decode.service import DecodeWorker, serve_worker
@@ -181,11 +181,12 @@ class ColocatedWorker(DecodeWorker):
                     self._prefilled(p, row)
             await asyncio.sleep(0)  # let the inbox in between steps
 
-    def load(self) -> tuple[int, int, int, int]:
+    def load(self) -> WorkerLoad:
         queued = len(self.reserved) + len(self.prefilling)
         tokens = sum(p.remaining for p in self.prefilling)
         context = sum(s.context_tokens for s in self.running.values())
-        return queued, tokens, len(self.running), context
+        return WorkerLoad(queued=queued, queued_tokens=tokens, running=len(self.running),
+                          context_tokens=context)
 
 
 async def run(config: ClusterConfig, index: int = 0) -> None:

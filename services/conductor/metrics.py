@@ -47,7 +47,7 @@ class ConductorMetrics:
                                      "prompt tokens reused from a cache", registry=r)
         self.global_hit_tokens = Counter("crescent_global_cache_hit_tokens",
                                          "prompt tokens loaded from the KV pool", registry=r)
-        self.transfer_bytes = Counter("crescent_kv_transfer_bytes",
+        self.transfer_bytes = Counter("crescent_conductor_kv_transfer_bytes",
                                       "KV bytes moved prefill → decode", registry=r)
         self.cost_refits = Counter("crescent_conductor_cost_refits",
                                    "prefill cost model replaced by an online refit", registry=r)

@@ -1,8 +1,8 @@
 """Adapter between the conductor's live registry and the pure scheduling policy.
 
 Builds the policy's instance states from heartbeats, KV events and the conductor's own
-request tracker, calls ``Scheduler.schedule`` and turns its decision into a Placement (or
-a reject reason).
+request tracker, calls ``Scheduler.schedule`` and turns its decision into a Placement, or
+passes its ``Rejection`` (reason and retry time) on whole.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from typing import Optional, Union
 from common.config import ClusterConfig
 from common.protocol import PrefillDone, SubmitRequest
 from common.scheduling import (
-    CostModel, DecodeInstanceState, DecodeSlot, PrefillInstanceState, PrefixIndex, RequestInfo,
-    SchedulerConfig, make_scheduler,
+    CostModel, DecodeInstanceState, DecodeSlot, PrefillInstanceState, PrefixIndex, Rejection,
+    RequestInfo, SchedulerConfig, make_scheduler,
 )
 from services.conductor.calibration import PrefillCalibrator
 from services.conductor.registry import Registry, WorkerState
@@ -66,7 +66,7 @@ class Placer:
         if tracker is not None:
             queue_s = self.queue_seconds(w, tracker, now)
         else:  # no tracker (tests of the policy alone): the worker's reported queue
-            tokens = max(w.beat.queued_tokens if w.beat else 0, w.pending_tokens)
+            tokens = max(w.beat.load.queued_tokens if w.beat else 0, w.pending_tokens)
             queue_s = self.cost.prefill_seconds(tokens, 0) if tokens else 0.0
         return PrefillInstanceState(w.instance_id, queue_s, _KeySetIndex(w.cached_keys),
                                     queued_requests=len(w.assigned))
@@ -91,9 +91,8 @@ class Placer:
 
     def _decode_state(self, w: WorkerState, tracker: Optional[Tracker],
                       now: float) -> DecodeInstanceState:
-        b = w.beat
-        running = b.running if b else 0
-        context = b.context_tokens if b else 0
+        load = w.load
+        running, context = load.running, load.context_tokens
         pending = len(w.assigned) - running
         state = DecodeInstanceState(
             w.instance_id, batch_size=running + max(pending, 0), total_context_tokens=context,
@@ -103,22 +102,19 @@ class Placer:
             state.running, state.incoming = decode_slots(w, tracker, now)
         return state
 
-    def max_tokens(self, req: SubmitRequest) -> int:
-        return int(req.sampling.get("max_tokens", self.config.default_max_tokens))
-
     def place(self, req: SubmitRequest, registry: Registry, now: Optional[float] = None,
-              tracker: Optional[Tracker] = None) -> Union[Placement, str]:
+              tracker: Optional[Tracker] = None) -> Union[Placement, Rejection]:
         """Place ``req``; ``now`` is wall-clock seconds, ``tracker`` feeds the decode slots."""
         now = time.time() if now is None else now
         prefill = [self._prefill_state(w, tracker, now) for w in registry.by_role("prefill")]
         decode = [self._decode_state(w, tracker, now) for w in registry.by_role("decode")]
         info = RequestInfo(req.request_id, req.block_keys, len(req.token_ids),
-                           self.max_tokens(req))
+                           req.sampling.max_tokens)
         global_len = self.global_index.prefix_len(req.block_keys)
         d = self.policy.schedule(info, prefill, decode, global_len, now)
-        if not d.accepted or d.prefill_id is None or d.decode_id is None:
-            return f"{d.reject_reason}: predicted TTFT {d.predicted_ttft_s:.2f}s, " \
-                   f"TBT {d.predicted_tbt_s * 1000:.0f}ms"
+        if d.rejection is not None:
+            return d.rejection
+        assert d.prefill_id is not None and d.decode_id is not None
         cached = (d.prefix_blocks_local + d.prefix_blocks_to_fetch) * self.config.block_size
         decode_id = d.decode_id
         chosen = registry.get(d.prefill_id)

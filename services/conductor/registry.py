@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from common.protocol import RegisterWorker, WorkerHeartbeat
+from common.protocol import RegisterWorker, WorkerHeartbeat, WorkerLoad
 
 
 # Which registered roles serve a role the scheduler asks for.
@@ -29,6 +29,11 @@ class WorkerState:
     @property
     def free_blocks(self) -> int:
         return self.beat.free_blocks if self.beat else self.info.num_blocks
+
+    @property
+    def load(self) -> WorkerLoad:
+        """The load of the last heartbeat; none before the first."""
+        return self.beat.load if self.beat else WorkerLoad()
 
 
 class Registry:
@@ -82,8 +87,8 @@ class Registry:
                 "total_blocks": w.info.num_blocks,
                 "free_blocks": b.free_blocks if b else w.info.num_blocks,
                 "used_blocks": b.used_blocks if b else 0,
-                "queued": b.queued if b else 0,
-                "running": b.running if b else 0,
+                "queued": w.load.queued,
+                "running": w.load.running,
                 "assigned": len(w.assigned),
             })
         return out

@@ -16,9 +16,10 @@ from common.config import ClusterConfig
 from common.mailbox import Mailbox, serve_inbox
 from common.protocol import (
     AbortRequest, BlocksReserved, ClusterStatus, KVTransferReport, PrefillDone, PrefillTask,
-    RegisterWorker, RequestAccepted, RequestFailed, RequestFinished, ReserveBlocks,
-    ReserveFailed, SubmitRequest, WorkerHeartbeat,
+    RegisterWorker, RequestAccepted, RequestFailed, RequestFinished, RequestRejected,
+    ReserveBlocks, ReserveFailed, SubmitRequest, WorkerHeartbeat,
 )
+from common.scheduling import Rejection
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.placement import Placement, Placer
 from services.conductor.registry import ROLES, Registry
@@ -71,26 +72,28 @@ class Conductor:
         return bool(self.registry.by_role("prefill")) and bool(self.registry.by_role("decode"))
 
     # ------------------------------------------------------------ admission and placement
-    def reject(self, req: SubmitRequest, status: int, kind: str, text: str,
-               retry_after: float | None = None) -> None:
-        self.metrics.rejected.labels(reason=kind).inc()
-        self.mail.send(self.router_inbox, RequestFailed(req.request_id, status, kind, text,
-                                                        retry_after))
+    def reject(self, req: SubmitRequest, rejection: Rejection) -> None:
+        """Refuse before any work: the router answers 429 with the reason and retry time."""
+        self.metrics.rejected.labels(reason=rejection.reason).inc()
+        self.mail.send(self.router_inbox, RequestRejected(req.request_id, rejection))
 
     def on_submit(self, req: SubmitRequest) -> None:
         if req.request_id in self.tracker.requests:
             log.warning("duplicate request id %s", req.request_id)
             return
         if not self.ready():
-            return self.reject(req, 503, "service_unavailable", "no prefill or decode worker")
+            self.metrics.rejected.labels(reason="service_unavailable").inc()
+            self.mail.send(self.router_inbox, RequestFailed(
+                req.request_id, 503, "service_unavailable", "no prefill or decode worker"))
+            return
         if self.tracker.waiting_for_prefill() >= self.config.max_queue:
-            return self.reject(req, 429, "queue_full", "server is at capacity; retry later",
-                               retry_after=1.0)
+            return self.reject(req, Rejection("queue_full", 1.0, (
+                f"{self.config.max_queue} requests are waiting for prefill")))
         start = time.perf_counter()
         decision = self.placer.place(req, self.registry, self.clock(), self.tracker)
         self.metrics.decision_seconds.observe(time.perf_counter() - start)
-        if isinstance(decision, str):
-            return self.reject(req, 429, "slo_violation", decision, retry_after=2.0)
+        if isinstance(decision, Rejection):
+            return self.reject(req, decision)
         self.dispatch(req, decision)
 
     def dispatch(self, req: SubmitRequest, p: Placement) -> None:
@@ -98,18 +101,17 @@ class Conductor:
         prefill = self.registry.get(p.prefill_id)
         assert decode is not None and prefill is not None
         now = time.monotonic()
-        max_tokens = self.placer.max_tokens(req)
         tracked = Tracked(req=req, prefill_id=p.prefill_id, decode_id=p.decode_id,
                           phase=Phase.RESERVING, phase_deadline=now + RESERVE_TIMEOUT_S,
                           predicted_ttft_s=p.predicted_ttft_s, accepted_at=self.clock(),
                           prefill_tokens=p.prefill_tokens,
-                          decode_tokens=len(req.token_ids) + max_tokens)
+                          decode_tokens=len(req.token_ids) + req.sampling.max_tokens)
         self.tracker.add(tracked)
         prefill.assigned.add(req.request_id)
         prefill.pending_tokens += p.prefill_tokens
         decode.assigned.add(req.request_id)
         self.mail.send(decode.info.inbox, ReserveBlocks(
-            request_id=req.request_id, prompt_tokens=len(req.token_ids), max_tokens=max_tokens,
+            request_id=req.request_id, prompt_tokens=len(req.token_ids),
             sampling=req.sampling, router_inbox=self.router_inbox,
             deadline=time.time() + self.config.kv_wait_timeout_s))
         self.mail.send(self.router_inbox, RequestAccepted(
@@ -137,15 +139,13 @@ class Conductor:
                 "and kv_dtype"))
         self.tracker.set_phase(t, Phase.PREFILLING,
                                time.monotonic() + self.config.kv_wait_timeout_s)
-        t.decode_blocks = msg.block_ids
         self.mail.send(prefill.info.inbox, PrefillTask(
             request_id=t.req.request_id, token_ids=t.req.token_ids, sampling=t.req.sampling,
             decode_id=decode.instance_id, decode_inbox=decode.info.inbox,
             decode_session=decode.info.transfer_session, decode_kv_base=decode.info.kv_base,
             decode_block_ids=msg.block_ids,
             deadline=time.time() + self.config.kv_wait_timeout_s,
-            router_inbox=self.router_inbox, decode_shm_path=d.kv_shm_path,
-            decode_host_id=d.host_id))
+            decode_shm_path=d.kv_shm_path, decode_host_id=d.host_id))
 
     def on_reserve_failed(self, msg: ReserveFailed) -> None:
         t = self.tracker.get(msg.request_id)

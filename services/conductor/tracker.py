@@ -25,7 +25,6 @@ class Tracked:
     accepted_at: float  # wall clock (time.time), like Placer.place's ``now``
     prefill_tokens: int  # uncached tokens the prefill worker must compute (prediction)
     decode_tokens: int = 0  # prompt + max_tokens: the KV it may hold on the decode worker
-    decode_blocks: Optional[list[int]] = None
     decode_started_at: Optional[float] = None  # wall clock of PrefillDone: decode began
 
 

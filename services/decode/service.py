@@ -16,9 +16,9 @@ from common.engine import DecodeInput
 from common.engine.sampling import sample
 from common.protocol import (
     AbortRequest, BlocksReserved, KVFailed, KVReady, RequestFailed, RequestFinished,
-    ReserveBlocks, ReserveFailed, TokenDelta,
+    ReserveBlocks, ReserveFailed, TokenDelta, WorkerLoad,
 )
-from common.worker import WorkerRuntime, make_generator, sampling_params_from_dict
+from common.worker import WorkerRuntime, make_generator
 from services.decode.detok import IncrementalText
 from services.decode.sequence import Reservation, Running
 from services.decode.turns import Turns
@@ -45,7 +45,7 @@ class DecodeWorker:
     # ------------------------------------------------------------ reservations
     def on_reserve(self, msg: ReserveBlocks) -> None:
         limit = self.engine.model_config.max_position_embeddings
-        tokens = min(msg.prompt_tokens + msg.max_tokens, limit)
+        tokens = min(msg.prompt_tokens + msg.sampling.max_tokens, limit)
         n = -(-tokens // self.engine.config.block_size)
         if msg.request_id in self.reserved or msg.request_id in self.running:
             return
@@ -55,9 +55,8 @@ class DecodeWorker:
                 msg.request_id, self.rt.instance_id,
                 f"needs {n} blocks, {self.pool.num_free} free"))
             return
-        params = sampling_params_from_dict(msg.sampling)
         self.reserved[msg.request_id] = Reservation(
-            msg.request_id, blocks, msg.prompt_tokens, params, msg.router_inbox,
+            msg.request_id, blocks, msg.prompt_tokens, msg.sampling, msg.router_inbox,
             deadline=msg.deadline)
         self.rt.mail.send(self.rt.conductor, BlocksReserved(msg.request_id, self.rt.instance_id,
                                                             blocks))
@@ -81,7 +80,7 @@ class DecodeWorker:
             text=IncrementalText(self.engine.decode_tokens, r.params.stop),
             generator=make_generator(r.params, 1))
         self.running[seq.request_id] = seq
-        self.accept(seq, first_token, first_logprob)
+        self.record_token(seq, first_token, first_logprob)
         self.wake.set()
 
     def on_kv_failed(self, msg: KVFailed) -> None:
@@ -116,7 +115,7 @@ class DecodeWorker:
                                                              reason))
 
     # ------------------------------------------------------------ generation
-    def accept(self, seq: Running, token: int, logprob: Optional[float]) -> None:
+    def record_token(self, seq: Running, token: int, logprob: Optional[float]) -> None:
         """Record one sampled token, stream it, and finish the sequence if it must stop."""
         p = seq.params
         seq.generated += 1
@@ -175,11 +174,12 @@ class DecodeWorker:
                 self.finish(seq, "abort")
                 continue
             seq.position += 1
-            self.accept(seq, int(tok), lp)
+            self.record_token(seq, int(tok), lp)
 
-    def load(self) -> tuple[int, int, int, int]:
+    def load(self) -> WorkerLoad:
         context = sum(s.context_tokens for s in self.running.values())
-        return len(self.reserved), 0, len(self.running), context
+        return WorkerLoad(queued=len(self.reserved), running=len(self.running),
+                          context_tokens=context)
 
 
 async def serve_worker(rt: WorkerRuntime, worker: DecodeWorker) -> None:

@@ -29,10 +29,10 @@ from common.engine.sampling import sample
 from common.kv.shm_kv import host_id
 from common.mailbox import serve_inbox
 from common.protocol import (
-    AbortRequest, KVFailed, KVReady, PrefillDone, PrefillTask, RequestFailed,
+    AbortRequest, KVFailed, KVReady, PrefillDone, PrefillTask, RequestFailed, WorkerLoad,
 )
 from common.transfer import TransferError
-from common.worker import WorkerRuntime, make_generator, sampling_params_from_dict
+from common.worker import WorkerRuntime, make_generator
 from services.prefill.prefix import PrefixLoader, PrefixPlan
 from services.prefill.streaming import KVPaths, KVStream, RequestAborted
 
@@ -97,10 +97,10 @@ class PrefillWorker:
         if any(t.request_id == msg.request_id for t in self.waiting):
             self.aborted.add(msg.request_id)
 
-    def load(self) -> tuple[int, int, int, int]:
+    def load(self) -> WorkerLoad:
         tokens = sum(len(t.token_ids) for t in self.waiting)
         tokens += sum(j.remaining for j in self.jobs)
-        return len(self.waiting) + len(self.jobs), tokens, 0, 0
+        return WorkerLoad(queued=len(self.waiting) + len(self.jobs), queued_tokens=tokens)
 
     # ------------------------------------------------------------ admission
     async def admit(self) -> None:
@@ -228,7 +228,7 @@ class PrefillWorker:
         if job.aborted:
             return await self.give_up(job, PrefillFailure(499, "aborted", "aborted"))
         self.kv_paths.done(job.stream)
-        params = sampling_params_from_dict(task.sampling)
+        params = task.sampling
         tokens, logprobs = sample(logits.unsqueeze(0), [params], [make_generator(params, 0)])
         bs = self.engine.config.block_size
         cached_tokens = job.plan.cached_blocks * bs

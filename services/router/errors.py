@@ -1,6 +1,7 @@
 """OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import orjson
@@ -32,7 +33,7 @@ class ApiError(Exception):
     def response(self) -> web.Response:
         headers = {}
         if self.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, int(self.retry_after_s + 0.999)))
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
         return web.Response(status=self.status, body=orjson.dumps(self.body()),
                             content_type="application/json", headers=headers)
 

@@ -2,22 +2,28 @@
 
 Every wait has a deadline (``request_timeout_s``); a silent request becomes a 504 and is
 aborted at the conductor. Failures from the cluster become ``ApiError`` with the status the
-conductor chose (429 carries Retry-After).
+conductor chose; a rejection becomes a 429 whose code is the policy's reason and whose
+Retry-After is the policy's retry time.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Optional, Union
 
-from common.protocol import RequestAccepted, RequestFailed, SubmitRequest, TokenDelta
+from common.protocol import (RequestAccepted, RequestFailed, RequestRejected, SubmitRequest,
+                             TokenDelta)
 from services.router.errors import ApiError
 from services.router.state import RequestEvent, RouterState
 
 _PASS_THROUGH = {400, 413, 429, 500, 503, 504}
 
 
-def failure_error(msg: RequestFailed) -> ApiError:
+def failure_error(msg: Union[RequestFailed, RequestRejected]) -> ApiError:
+    if isinstance(msg, RequestRejected):
+        r = msg.rejection
+        return ApiError(429, f"request rejected ({r.reason}): {r.detail or r.reason}",
+                        code=r.reason, retry_after_s=r.retry_after_s)
     status = msg.status if msg.status in _PASS_THROUGH else 500
     retry = msg.retry_after_s if status in (429, 503) else None
     if status == 429 and retry is None:
@@ -73,8 +79,9 @@ class RequestRun:
         self._last_token = now
 
     def _screen(self, msg: RequestEvent) -> bool:
-        """Raise for a failure; record an acceptance (True); False for a token delta."""
-        if isinstance(msg, RequestFailed):
+        """Raise for a failure or rejection; record an acceptance (True); False for a token
+        delta."""
+        if isinstance(msg, (RequestFailed, RequestRejected)):
             self.done = True
             raise failure_error(msg)
         if isinstance(msg, RequestAccepted):

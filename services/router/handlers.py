@@ -7,11 +7,14 @@ import time
 import uuid
 from typing import Any
 
+from dataclasses import replace
+
 import orjson
 from aiohttp import web
 from jinja2.exceptions import TemplateError
 
 from common.protocol import SubmitRequest
+from common.sampling_params import SamplingParams
 from services.router.errors import ApiError, invalid
 from services.router.flow import RequestRun
 from services.router.openai_format import DONE, ResponseBuilder, sse
@@ -58,8 +61,10 @@ def _tokenize(state: RouterState, req: GenerationRequest) -> list[int]:
     return ids
 
 
-async def _prompt(state: RouterState, req: GenerationRequest) -> tuple[list[int], int]:
-    """Token ids of the prompt and the max_tokens to ask for; 400 when they do not fit."""
+async def _prompt(state: RouterState,
+                  req: GenerationRequest) -> tuple[list[int], SamplingParams]:
+    """Token ids of the prompt and the sampling to ask for, its max_tokens fitted to the
+    context; 400 when they do not fit."""
     param = "messages" if req.kind == "chat" else "prompt"
     size = sum(len(m["content"]) for m in req.messages or []) if req.kind == "chat" \
         else len(req.prompt or "")
@@ -70,14 +75,14 @@ async def _prompt(state: RouterState, req: GenerationRequest) -> tuple[list[int]
     if not ids:
         raise invalid("the prompt is empty", param, "invalid_value")
     ctx = state.tokenizer.context_length
-    wanted = req.sampling.max_tokens
-    if len(ids) >= ctx or (wanted is not None and len(ids) + wanted > ctx):
+    asked = req.sampling.max_tokens if req.max_tokens_asked else 1
+    if len(ids) + asked > ctx:
         raise invalid(f"This model's maximum context length is {ctx} tokens; the prompt has "
-                      f"{len(ids)} tokens and {wanted or 1} more were requested",
+                      f"{len(ids)} tokens and {asked} more were requested",
                       param, "context_length_exceeded")
-    if wanted is None:
-        wanted = min(state.config.default_max_tokens, ctx - len(ids))
-    return ids, wanted
+    if req.max_tokens_asked:
+        return ids, req.sampling
+    return ids, replace(req.sampling, max_tokens=min(req.sampling.max_tokens, ctx - len(ids)))
 
 
 def _builder(state: RouterState, req: GenerationRequest, request_id: str) -> ResponseBuilder:
@@ -133,14 +138,14 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE]
     endpoint = request.path
     try:
-        req = parse_request(await _read_json(request), kind, state.config.model_name)
-        ids, max_tokens = await _prompt(state, req)
+        req = parse_request(await _read_json(request), kind, state.config.model_name,
+                            state.config.default_max_tokens)
+        ids, sampling = await _prompt(state, req)
     except ApiError as err:
         state.metrics.requests.labels(endpoint, str(err.status)).inc()
         raise
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    submit = SubmitRequest(request_id, ids, state.block_keys(ids),
-                           req.sampling.to_wire(max_tokens), time.time())
+    submit = SubmitRequest(request_id, ids, state.block_keys(ids), sampling, time.time())
     run = RequestRun(state, endpoint, submit)
     out = _builder(state, req, request_id)
     run.status = CLIENT_GONE  # unless something below sets the real outcome

@@ -36,12 +36,12 @@ class RouterMetrics:
                                      "Prompt tokens served from the KV cache", registry=r)
         self.generation_tokens = Counter("crescent_router_generation_tokens",
                                          "Output tokens streamed", registry=r)
-        self.kv_transfer_bytes = Counter("crescent_kv_transfer_bytes",
-                                         "KV bytes moved by the transfer engine",
+        self.kv_transfer_bytes = Counter("crescent_router_kv_transfer_bytes",
+                                         "KV bytes requests moved, as the conductor reports",
                                          ["kind"], registry=r)
-        self.kv_transfer_seconds = Histogram("crescent_kv_transfer_seconds",
-                                             "Duration of one KV transfer", ["kind"],
-                                             buckets=_LATENCY, registry=r)
+        self.kv_transfer_seconds = Histogram("crescent_router_kv_transfer_seconds",
+                                             "Duration of one request's KV transfer",
+                                             ["kind"], buckets=_LATENCY, registry=r)
 
     def observe_tokens(self, gap_s: float, n_tokens: int) -> None:
         """A delta of ``n_tokens`` arrived ``gap_s`` after the previous one."""
@@ -53,11 +53,8 @@ class RouterMetrics:
         self.generation_tokens.inc(n_tokens)
 
     def record_kv_transfer(self, kind: str, nbytes: int, seconds: float) -> None:
-        """Hook for KV transfer stats (kind: "prefill_to_decode", "store_get", "store_put").
-
-        Fed once workers report transfers to the router (e.g. from ``PrefillDone`` relayed
-        by the conductor); nothing calls it yet.
-        """
+        """One request's KV transfer (kind: "prefill_to_decode"), from the conductor's
+        ``KVTransferReport`` (relayed from the prefill worker's ``PrefillDone``)."""
         self.kv_transfer_bytes.labels(kind).inc(nbytes)
         self.kv_transfer_seconds.labels(kind).observe(seconds)
 

@@ -14,13 +14,13 @@ from typing import Any, Callable, Optional, Union
 from common.config import ClusterConfig
 from common.mailbox import Mailbox
 from common.protocol import (AbortRequest, ClusterStatus, KVTransferReport, RequestAccepted,
-                             RequestFailed, SubmitRequest, TokenDelta)
+                             RequestFailed, RequestRejected, SubmitRequest, TokenDelta)
 from services.router.metrics import RouterMetrics
 from services.router.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
-RequestEvent = Union[RequestAccepted, TokenDelta, RequestFailed]
+RequestEvent = Union[RequestAccepted, TokenDelta, RequestFailed, RequestRejected]
 
 
 @dataclass
@@ -82,7 +82,8 @@ class RouterState:
 
     def handlers(self) -> dict[type, Callable[[Any], None]]:
         return {RequestAccepted: self._on_request_event, TokenDelta: self._on_request_event,
-                RequestFailed: self._on_request_event, ClusterStatus: self._on_status,
+                RequestFailed: self._on_request_event, RequestRejected: self._on_request_event,
+                ClusterStatus: self._on_status,
                 KVTransferReport: self._on_kv_transfer}
 
     async def inbox_loop(self) -> None:

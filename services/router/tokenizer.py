@@ -84,7 +84,7 @@ def load_model_meta(model: str) -> tuple[ModelConfig, TokenizerSpec]:
         return _gguf_meta(model)
     if os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
         return _hf_meta(model)
-    raise loader.UnknownModelError(f"unknown model {model!r}")
+    raise loader.ModelNotFoundError(f"unknown model {model!r}")
 
 
 @dataclass

@@ -1,29 +1,18 @@
-"""Validate OpenAI request bodies into a small typed request; every failure is a 400."""
+"""Validate OpenAI request bodies into a small typed request; every failure is a 400.
+
+The sampling knobs become the one ``SamplingParams`` (common/sampling_params.py) that the
+wire carries to the workers; the handler only fits ``max_tokens`` to the prompt.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from common.sampling_params import SamplingParams
 from services.router.errors import ApiError, invalid
 
 ROLES = ("system", "user", "assistant")
 MAX_STOP = 4
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: Optional[int] = None  # None: the server default, clamped to the context
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: Optional[int] = None
-    stop: list[str] = field(default_factory=list)
-    logprobs: bool = False
-
-    def to_wire(self, max_tokens: int) -> dict:
-        return {"max_tokens": max_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-                "stop": list(self.stop), "logprobs": self.logprobs, "ignore_eos": False}
 
 
 @dataclass
@@ -32,7 +21,8 @@ class GenerationRequest:
 
     kind: str  # "chat" | "completion"
     model: str
-    sampling: SamplingParams
+    sampling: SamplingParams  # max_tokens: as asked, else the server default
+    max_tokens_asked: bool = False  # asked: a prompt it does not fit is a 400; else clamped
     stream: bool = False
     include_usage: bool = False
     messages: Optional[list[dict[str, str]]] = None
@@ -72,11 +62,11 @@ def _max_tokens(body: dict) -> Optional[int]:
     return value
 
 
-def _top_k(body: dict) -> int:
+def _top_k(body: dict) -> Optional[int]:
     value = body.get("top_k")
-    if value is None:
-        return -1
-    if not _is_int(value) or (value != -1 and value < 1):
+    if value is None or value == -1:
+        return None  # no top-k
+    if not _is_int(value) or value < 1:
         raise invalid(f"'top_k' must be -1 or an integer >= 1, got {value!r}", "top_k",
                       "invalid_value")
     return value
@@ -122,12 +112,13 @@ def _logprobs(body: dict, kind: str) -> bool:
     return True
 
 
-def parse_sampling(body: dict, kind: str) -> SamplingParams:
+def parse_sampling(body: dict, kind: str, max_tokens: int) -> SamplingParams:
+    """The body's sampling knobs (``max_tokens`` as decided by the caller)."""
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
         raise invalid("only n=1 is supported", "n", "invalid_value")
     return SamplingParams(
-        max_tokens=_max_tokens(body),
+        max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=_top_k(body), seed=_seed(body), stop=_stop(body),
@@ -209,14 +200,17 @@ def parse_prompt(value: Any) -> Union[str, list[int]]:
                   "invalid_type")
 
 
-def parse_request(body: Any, kind: str, served_model: str) -> GenerationRequest:
+def parse_request(body: Any, kind: str, served_model: str,
+                  default_max_tokens: int) -> GenerationRequest:
     """Validate a chat (``kind="chat"``) or completion body; raise ``ApiError`` (400)."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     model = _check_model(body, served_model)
     stream, include_usage = _stream_flags(body)
-    sampling = parse_sampling(body, kind)
-    req = GenerationRequest(kind=kind, model=model, sampling=sampling, stream=stream,
+    asked = _max_tokens(body)
+    sampling = parse_sampling(body, kind, asked or default_max_tokens)
+    req = GenerationRequest(kind=kind, model=model, sampling=sampling,
+                            max_tokens_asked=asked is not None, stream=stream,
                             include_usage=include_usage)
     if kind == "chat":
         if "messages" not in body:
@@ -229,4 +223,4 @@ def parse_request(body: Any, kind: str, served_model: str) -> GenerationRequest:
     return req
 
 
-__all__ = ["ApiError", "GenerationRequest", "SamplingParams", "parse_request"]
+__all__ = ["ApiError", "GenerationRequest", "parse_request"]

@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 from common.protocol import PrefillTask
+from common.sampling_params import SamplingParams
 from common.engine.batching import plan_chunks
 from services.colocated.service import Prefilling
 from services.decode.sequence import Reservation
 
 
 def job(rid: str, n: int, done: int = 0, aborted: bool = False) -> Prefilling:
-    task = PrefillTask(request_id=rid, token_ids=list(range(n)), sampling={}, decode_id="c",
+    task = PrefillTask(request_id=rid, token_ids=list(range(n)),
+                       sampling=SamplingParams(max_tokens=1), decode_id="c",
                        decode_inbox="tcp://c", decode_session="h:1", decode_kv_base=0,
-                       decode_block_ids=[], deadline=0.0, router_inbox="tcp://r")
+                       decode_block_ids=[], deadline=0.0)
     r = Reservation(rid, [], n, None, "tcp://r", 0.0)  # type: ignore[arg-type]
     return Prefilling(task, r, [], done, done, 0, 0, aborted=aborted)
 

@@ -1,16 +1,48 @@
 """The wire codec: round trips, and malformed frames rejected with a reason."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
+import orjson
 import pytest
 
-from common.ipc import ProtocolError, decode, encode
-from common.protocol import KVReady, PrefillTask, SubmitRequest, TokenDelta
+from common.ipc import ProtocolError, decode, encode, message
+from common.protocol import (
+    KVReady, PrefillTask, RequestRejected, SubmitRequest, TokenDelta, WorkerHeartbeat,
+    WorkerLoad,
+)
+from common.sampling_params import SamplingParams
+from common.scheduling import Rejection
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, top_k=3, seed=7, stop=("\n",),
+                        stop_token_ids=(2,), logprobs=True)
 
 
 def test_round_trip_keeps_every_field() -> None:
-    msg = PrefillTask("r1", [1, 2, 3], {"max_tokens": 4}, "decode-0", "tcp://h:1", "h:2",
-                      1 << 40, [7, 8], 123.5, "tcp://h:3")
+    msg = PrefillTask("r1", [1, 2, 3], GREEDY, "decode-0", "tcp://h:1", "h:2", 1 << 40,
+                      [7, 8], 123.5)
     assert decode(encode(msg)) == msg
+
+
+def test_nested_dataclasses_decode_into_their_types() -> None:
+    sub = decode(encode(SubmitRequest("r", [1], [], GREEDY, 1.0)))
+    assert type(sub.sampling) is SamplingParams and sub.sampling == GREEDY
+    assert sub.sampling.stop == ("\n",) and sub.sampling.stop_token_ids == (2,)
+    rejected = RequestRejected("r", Rejection("ttft_slo", 2.5, "predicted TTFT 3.50 s"))
+    assert decode(encode(rejected)) == rejected
+    beat = WorkerHeartbeat("d", "decode", WorkerLoad(1, 2, 3, 4), 5, 6, 11, ["ab"], [], 9)
+    assert decode(encode(beat)).load == WorkerLoad(1, 2, 3, 4)
+
+
+def test_nested_fields_are_json_objects_and_take_defaults() -> None:
+    body = orjson.loads(encode(SubmitRequest("r", [1], [], SamplingParams(max_tokens=9), 0.0)))
+    assert body["sampling"] == {"max_tokens": 9, "temperature": 1.0, "top_p": 1.0,
+                                "top_k": None, "seed": None, "stop": [],
+                                "stop_token_ids": [], "logprobs": False, "ignore_eos": False}
+    short = decode(b'{"type":"SubmitRequest","request_id":"r","token_ids":[1],'
+                   b'"block_keys":[],"sampling":{"max_tokens":9},"arrival_time":0}')
+    assert short.sampling == SamplingParams(max_tokens=9)
 
 
 def test_optional_fields_default_and_accept_none() -> None:
@@ -22,19 +54,37 @@ def test_optional_fields_default_and_accept_none() -> None:
     assert delta == TokenDelta("r", [], "", None, "stop", 1, 1, 0)
 
 
+def _submit(sampling: bytes) -> bytes:
+    return (b'{"type":"SubmitRequest","request_id":"r","token_ids":[1],"block_keys":[],'
+            b'"sampling":' + sampling + b',"arrival_time":1}')
+
+
 @pytest.mark.parametrize("frame, reason", [
     (b"not json", "not JSON"),
     (b"[1,2]", "no message type"),
     (b'{"type":"Nope"}', "unknown message type"),
-    (b'{"type":"KVReady","request_id":"r"}', "lacks field"),
+    (b'{"type":"KVReady","request_id":"r"}', "KVReady lacks field first_token"),
     (b'{"type":"KVReady","request_id":1,"first_token":1,"first_logprob":null,'
-     b'"prompt_tokens":1,"cached_tokens":0}', "wrong type"),
+     b'"prompt_tokens":1,"cached_tokens":0}', "KVReady.request_id has the wrong type"),
     (b'{"type":"KVReady","request_id":"r","first_token":true,"first_logprob":null,'
      b'"prompt_tokens":1,"cached_tokens":0}', "wrong type"),
     (b'{"type":"SubmitRequest","request_id":"r","token_ids":[1,"x"],"block_keys":[],'
-     b'"sampling":{},"arrival_time":1}', "wrong type"),
+     b'"sampling":{"max_tokens":1},"arrival_time":1}', "SubmitRequest.token_ids has the wrong"),
     (b'{"type":"KVReady","request_id":"r","first_token":1,"first_logprob":null,'
      b'"prompt_tokens":1,"cached_tokens":0,"extra":1}', "unknown fields"),
+    # A nested value is checked like a frame: shape, field types, names, its own rules.
+    (_submit(b'[4]'), "SubmitRequest.sampling has the wrong type"),
+    (_submit(b'null'), "SubmitRequest.sampling has the wrong type"),
+    (_submit(b'{}'), "SubmitRequest.sampling lacks field max_tokens"),
+    (_submit(b'{"max_tokens":"4"}'), "SubmitRequest.sampling.max_tokens has the wrong type"),
+    (_submit(b'{"max_tokens":4,"stop":[1]}'), "SubmitRequest.sampling.stop has the wrong"),
+    (_submit(b'{"max_tokens":4,"n":2}'), r"SubmitRequest.sampling has unknown fields \['n'\]"),
+    (_submit(b'{"max_tokens":0}'), "SubmitRequest.sampling is invalid: max_tokens must be"),
+    (_submit(b'{"max_tokens":4,"top_p":1.5}'), "sampling is invalid: top_p must be in"),
+    (b'{"type":"RequestRejected","request_id":"r","rejection":{"reason":"slo_violation",'
+     b'"retry_after_s":2}}', "RequestRejected.rejection is invalid: unknown rejection"),
+    (b'{"type":"RequestRejected","request_id":"r","rejection":{"reason":"tbt_slo",'
+     b'"retry_after_s":null}}', "RequestRejected.rejection.retry_after_s has the wrong type"),
 ])
 def test_malformed_frames_are_rejected(frame: bytes, reason: str) -> None:
     with pytest.raises(ProtocolError, match=reason):
@@ -42,6 +92,32 @@ def test_malformed_frames_are_rejected(frame: bytes, reason: str) -> None:
 
 
 def test_float_fields_accept_ints() -> None:
-    msg = decode(b'{"type":"SubmitRequest","request_id":"r","token_ids":[1],"block_keys":[],'
-                 b'"sampling":{},"arrival_time":1}')
+    msg = decode(_submit(b'{"max_tokens":1,"temperature":0}'))
     assert isinstance(msg, SubmitRequest) and msg.arrival_time == 1
+    assert msg.sampling.temperature == 0 and msg.sampling.greedy
+
+
+@dataclass(frozen=True)
+class _Point:
+    x: int
+    y: int = 0
+
+
+@message
+class _Shapes:
+    """Only for this test: every way a field may hold a nested dataclass."""
+
+    one: _Point
+    maybe: Optional[_Point]
+    many: list[_Point]
+    fixed: tuple[_Point, ...] = ()
+
+
+def test_optional_list_and_tuple_of_nested_dataclasses() -> None:
+    msg = _Shapes(_Point(1), None, [_Point(2, 3)], (_Point(4),))
+    assert decode(encode(msg)) == msg
+    assert decode(encode(_Shapes(_Point(1), _Point(5), [], ()))).maybe == _Point(5)
+    with pytest.raises(ProtocolError, match=r"_Shapes.many\[1\].x has the wrong type"):
+        decode(b'{"type":"_Shapes","one":{"x":1},"maybe":null,"many":[{"x":1},{"x":"a"}]}')
+    with pytest.raises(ProtocolError, match="_Shapes.fixed has the wrong type"):
+        decode(b'{"type":"_Shapes","one":{"x":1},"maybe":null,"many":[],"fixed":{"x":1}}')

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from common.config import ClusterConfig, SLOConfig
-from common.protocol import RegisterWorker, SubmitRequest, WorkerHeartbeat
+from common.protocol import RegisterWorker, SubmitRequest, WorkerHeartbeat, WorkerLoad
+from common.sampling_params import SamplingParams
+from common.scheduling import Rejection
 from services.conductor.placement import Placement, Placer
 from services.conductor.registry import Registry
 
@@ -14,9 +16,10 @@ def _registry(running: int, context: int) -> Registry:
     reg = Registry(heartbeat_timeout_s=60)
     for role in ("prefill", "decode"):
         reg.register(RegisterWorker(f"{role}-0", role, f"tcp://w/{role}", "h:0", 4096, 1024,
-                                    32, 32, 1000, 16))
-    reg.heartbeat(WorkerHeartbeat("decode-0", "decode", 0, 0, running, context, 900, 100, 1000,
-                                  [], [], 1))
+                                    32, 1000, 16))
+    reg.heartbeat(WorkerHeartbeat("decode-0", "decode",
+                                  WorkerLoad(running=running, context_tokens=context), 900, 100,
+                                  1000, [], [], 1))
     return reg
 
 
@@ -26,7 +29,7 @@ def _placer(max_batch_size: int) -> Placer:
 
 
 def _submit() -> SubmitRequest:
-    return SubmitRequest("r1", list(range(40)), [], {"max_tokens": 8}, 0.0)
+    return SubmitRequest("r1", list(range(40)), [], SamplingParams(max_tokens=8), 0.0)
 
 
 def test_decode_state_carries_max_batch_size() -> None:
@@ -46,5 +49,5 @@ def test_batch_over_the_limit_is_predicted_in_turns() -> None:
     tbt = 3 * d.d0 + 5 * d.d_batch + (100 + 40) * d.d_ctx
     assert tbt == pytest.approx(0.3143, abs=1e-4)  # cpu-smollm2-135m profile
     limited = _placer(2).place(_submit(), reg, now=0.0)
-    assert isinstance(limited, str) and limited.startswith("tbt_slo:")
-    assert limited.endswith(f"TBT {tbt * 1000:.0f}ms")
+    # Retry after half the typical decode (expected_decode_s 10 s, nothing observed yet).
+    assert limited == Rejection("tbt_slo", 5.0, "predicted TBT 314 ms exceeds the 200 ms SLO")

@@ -10,8 +10,10 @@ from common.config import ClusterConfig, SLOConfig
 from common.protocol import (
     AbortRequest, BlocksReserved, ClusterStatus, PrefillDone, PrefillTask, RegisterWorker,
     RequestAccepted, RequestFailed, RequestFinished, ReserveBlocks, ReserveFailed,
-    SubmitRequest, WorkerHeartbeat,
+    RequestRejected, SubmitRequest, WorkerHeartbeat, WorkerLoad,
 )
+from common.sampling_params import SamplingParams
+from common.scheduling import Rejection
 from services.conductor.service import Conductor
 
 
@@ -30,16 +32,16 @@ class RecordingMail:
 
 def worker(role: str, i: int) -> RegisterWorker:
     return RegisterWorker(f"{role}-{i}", role, f"tcp://w/{role}{i}", f"h:{i}", 4096, 1024,
-                          32, 32, 100, 16)
+                          32, 100, 16)
 
 
 def beat(role: str, i: int, free: int = 100, stored: list[str] | None = None) -> WorkerHeartbeat:
-    return WorkerHeartbeat(f"{role}-{i}", role, 0, 0, 0, 0, free, 100 - free, 100,
+    return WorkerHeartbeat(f"{role}-{i}", role, WorkerLoad(), free, 100 - free, 100,
                            stored or [], [], 1)
 
 
 def submit(rid: str, n: int = 40, keys: list[str] | None = None) -> SubmitRequest:
-    return SubmitRequest(rid, list(range(n)), keys or [], {"max_tokens": 8}, time.time())
+    return SubmitRequest(rid, list(range(n)), keys or [], SamplingParams(max_tokens=8), time.time())
 
 
 @pytest.fixture
@@ -87,12 +89,14 @@ def test_cache_aware_placement_prefers_holder_of_prefix(conductor) -> None:
     assert accepted[0].prefill_id == "prefill-1"
 
 
-def test_queue_full_is_429(conductor) -> None:
+def test_queue_full_is_a_rejection(conductor) -> None:
     c, mail = conductor
     for rid in ("a", "b", "c"):
         c.on_submit(submit(rid))
-    failed = [m for _, m in mail.take() if isinstance(m, RequestFailed)]
-    assert [(m.request_id, m.status, m.retry_after_s) for m in failed] == [("c", 429, 1.0)]
+    rejected = [m for _, m in mail.take() if isinstance(m, RequestRejected)]
+    assert rejected == [RequestRejected("c", Rejection(
+        "queue_full", 1.0, "2 requests are waiting for prefill"))]
+    assert c.metrics.rejected.labels(reason="queue_full")._value.get() == 1
 
 
 def test_reserve_failure_is_429_without_abort(conductor) -> None:

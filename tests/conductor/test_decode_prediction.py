@@ -8,15 +8,19 @@ import pytest
 
 from common.config import ClusterConfig, SLOConfig
 from common.protocol import (
-    BlocksReserved, ClusterStatus, PrefillDone, RegisterWorker, RequestAccepted, RequestFailed,
-    RequestFinished, SubmitRequest, WorkerHeartbeat,
+    BlocksReserved, ClusterStatus, PrefillDone, RegisterWorker, RequestAccepted,
+    RequestFinished, RequestRejected, SubmitRequest, WorkerHeartbeat, WorkerLoad,
 )
-from common.scheduling import DecodeSlot
+from common.sampling_params import SamplingParams
+from common.scheduling import DecodeSlot, Rejection
 from common.scheduling.decode_time import DecodeDurations
 from services.conductor.placement import decode_slots
 from services.conductor.service import Conductor
 
 PROMPT, MAX_TOKENS = 40, 8  # each request may hold 48 tokens of KV on decode
+# Retry after half the typical decode: the 10 s prior, no decode has finished.
+FULL = Rejection("decode_full", 5.0, "no decode instance has room for 48 tokens "
+                 "(prompt + max_tokens)")
 BLOCK = 16
 
 
@@ -43,17 +47,17 @@ class Mail:
 
 def register(c: Conductor, role: str, free: int = 100) -> None:
     c.on_register(RegisterWorker(f"{role}-0", role, f"tcp://w/{role}", "h:0", 4096, 1024,
-                                 32, 32, 100, BLOCK))
+                                 32, 100, BLOCK))
     beat(c, role, free)
 
 
 def beat(c: Conductor, role: str, free: int, running: int = 0, context: int = 0) -> None:
-    c.on_heartbeat(WorkerHeartbeat(f"{role}-0", role, 0, 0, running, context, free,
-                                   100 - free, 100, [], [], 1))
+    c.on_heartbeat(WorkerHeartbeat(f"{role}-0", role, WorkerLoad(running=running,
+                                   context_tokens=context), free, 100 - free, 100, [], [], 1))
 
 
 def submit(c: Conductor, rid: str) -> None:
-    c.on_submit(SubmitRequest(rid, list(range(PROMPT)), [], {"max_tokens": MAX_TOKENS}, 0.0))
+    c.on_submit(SubmitRequest(rid, list(range(PROMPT)), [], SamplingParams(max_tokens=MAX_TOKENS), 0.0))
 
 
 def make(admission: str) -> tuple[Conductor, Mail, Clock]:
@@ -87,7 +91,7 @@ def test_running_decode_predicted_gone_frees_room(admission: str, accepted: bool
     if accepted:
         assert isinstance(msg, RequestAccepted) and msg.decode_id == "decode-0"
     else:
-        assert isinstance(msg, RequestFailed) and "decode_full" in msg.message
+        assert msg == RequestRejected("r2", FULL)
 
 
 @pytest.mark.parametrize("admission, accepted", [("predicted", False), ("early", True)])
@@ -107,7 +111,7 @@ def test_incoming_request_counts_when_its_prefill_ends_first(admission: str,
     if accepted:
         assert isinstance(msg, RequestAccepted)
     else:
-        assert isinstance(msg, RequestFailed) and "decode_full" in msg.message
+        assert msg == RequestRejected("r2", FULL)
 
 
 def test_decode_slots_from_tracker() -> None:

@@ -8,8 +8,9 @@ from typing import Any
 from common.config import ClusterConfig, SLOConfig
 from common.protocol import (
     AbortRequest, BlocksReserved, ClusterStatus, PrefillTask, RegisterWorker, RequestFailed,
-    SubmitRequest, WorkerHeartbeat,
+    SubmitRequest, WorkerHeartbeat, WorkerLoad,
 )
+from common.sampling_params import SamplingParams
 from services.conductor.service import Conductor
 
 
@@ -25,7 +26,7 @@ class Mail:
 
 def register(role: str, block_nbytes: int = 1024, **extra: Any) -> RegisterWorker:
     return RegisterWorker(f"{role}-0", role, f"tcp://w/{role}", "h:1", 4096, block_nbytes,
-                          block_nbytes // 32, 32, 100, 16, **extra)
+                          block_nbytes // 32, 100, 16, **extra)
 
 
 def cluster(prefill: RegisterWorker, decode: RegisterWorker) -> tuple[Conductor, Mail]:
@@ -33,9 +34,9 @@ def cluster(prefill: RegisterWorker, decode: RegisterWorker) -> tuple[Conductor,
     c = Conductor(ClusterConfig(slo=SLOConfig(ttft_s=1000, tbt_s=1000)), mail)  # type: ignore[arg-type]
     for msg in (prefill, decode):
         c.on_register(msg)
-        c.on_heartbeat(WorkerHeartbeat(msg.instance_id, msg.role, 0, 0, 0, 0, 100, 0, 100,
+        c.on_heartbeat(WorkerHeartbeat(msg.instance_id, msg.role, WorkerLoad(), 100, 0, 100,
                                        [], [], 1))
-    c.on_submit(SubmitRequest("r1", list(range(40)), [], {"max_tokens": 8}, time.time()))
+    c.on_submit(SubmitRequest("r1", list(range(40)), [], SamplingParams(max_tokens=8), time.time()))
     c.on_reserved(BlocksReserved("r1", "decode-0", [5, 6, 7]))
     return c, mail
 

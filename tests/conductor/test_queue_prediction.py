@@ -9,13 +9,14 @@ import pytest
 
 from common.config import ClusterConfig, SLOConfig
 from common.protocol import SubmitRequest
+from common.sampling_params import SamplingParams
 from services.conductor.service import Conductor
 from services.conductor.tracker import Phase
 from tests.conductor.test_conductor import RecordingMail, beat, worker
 
 
 def submit(rid: str, n: int) -> SubmitRequest:
-    return SubmitRequest(rid, list(range(n)), [], {"max_tokens": 8}, time.time())
+    return SubmitRequest(rid, list(range(n)), [], SamplingParams(max_tokens=8), time.time())
 
 
 @pytest.fixture

@@ -8,8 +8,9 @@ import pytest
 from common.config import ClusterConfig, SLOConfig
 from common.protocol import (
     BlocksReserved, PrefillDone, RegisterWorker, RequestAccepted, SubmitRequest,
-    WorkerHeartbeat,
+    WorkerHeartbeat, WorkerLoad,
 )
+from common.sampling_params import SamplingParams
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.service import Conductor
 from services.conductor.ttft_log import TTFTLog, TTFTRecord
@@ -68,9 +69,9 @@ def test_conductor_records_each_request_and_serves_json() -> None:
     c = Conductor(cfg, mail, clock=clock)  # type: ignore[arg-type]
     for role in ("prefill", "decode"):
         c.on_register(RegisterWorker(f"{role}-0", role, f"tcp://w/{role}", "h:0", 4096, 1024,
-                                     32, 32, 100, 16))
-        c.on_heartbeat(WorkerHeartbeat(f"{role}-0", role, 0, 0, 0, 0, 100, 0, 100, [], [], 1))
-    c.on_submit(SubmitRequest("r1", list(range(40)), [], {"max_tokens": 8}, 0.0))
+                                     32, 100, 16))
+        c.on_heartbeat(WorkerHeartbeat(f"{role}-0", role, WorkerLoad(), 100, 0, 100, [], [], 1))
+    c.on_submit(SubmitRequest("r1", list(range(40)), [], SamplingParams(max_tokens=8), 0.0))
     [accepted] = [m for m in mail.sent if isinstance(m, RequestAccepted)]
     c.on_reserved(BlocksReserved("r1", "decode-0", [1, 2, 3]))
     clock.t = 1000.5

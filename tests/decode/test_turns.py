@@ -10,6 +10,7 @@ import pytest
 
 from common.engine import Engine, EngineConfig
 from common.protocol import KVReady, ReserveBlocks, TokenDelta
+from common.sampling_params import SamplingParams
 from services.decode.service import DecodeWorker
 from services.decode.turns import Turns
 from tests.conductor.test_conductor import RecordingMail
@@ -76,9 +77,9 @@ def test_decode_worker_serves_every_sequence_within_ceil_n_over_max_steps() -> N
         return real_step(inputs)
 
     engine.decode_step = spy  # type: ignore[method-assign]
-    sampling = {"max_tokens": 50, "temperature": 0.0, "ignore_eos": True}
+    sampling = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     for i in range(5):
-        worker.on_reserve(ReserveBlocks(f"r{i}", 8, 50, sampling, "router", time.time() + 60))
+        worker.on_reserve(ReserveBlocks(f"r{i}", 8, sampling, "router", time.time() + 60))
         worker.on_kv_ready(KVReady(f"r{i}", first_token=3, first_logprob=None,
                                    prompt_tokens=8, cached_tokens=0))
     worker_ids = {tuple(s.blocks): int(rid[1:]) for rid, s in worker.running.items()}

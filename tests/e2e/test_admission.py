@@ -28,6 +28,6 @@ def test_unmeetable_ttft_slo_is_429_with_retry_after(strict: LocalCluster) -> No
     assert r.status_code == 429, r.text
     assert int(r.headers["retry-after"]) >= 1
     err = r.json()["error"]
-    assert err["code"] == "slo_violation" and "ttft_slo" in err["message"]
+    assert err["code"] == "ttft_slo" and "predicted TTFT" in err["message"]
     pools = wait_no_leaks(strict)
     assert all(p["assigned"] == 0 for p in pools)

@@ -15,7 +15,7 @@ def _gen(seed: int) -> torch.Generator:
 
 
 def test_greedy_and_logprobs() -> None:
-    p = SamplingParams(temperature=0, logprobs=True)
+    p = SamplingParams(max_tokens=1, temperature=0, logprobs=True)
     tokens, lps = sample(_logits(), [p, p], [None, None])
     assert tokens == [1, 0]
     expected = torch.log_softmax(_logits(), -1)
@@ -23,7 +23,7 @@ def test_greedy_and_logprobs() -> None:
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
-    for p in (SamplingParams(temperature=5.0, top_k=1), SamplingParams(temperature=5.0, top_p=1e-6)):
+    for p in (SamplingParams(1, temperature=5.0, top_k=1), SamplingParams(1, temperature=5.0, top_p=1e-6)):
         for seed in range(20):
             assert sample(_logits(), [p, p], [_gen(seed), _gen(seed)])[0] == [1, 0]
 
@@ -31,9 +31,9 @@ def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
 def test_top_k_and_top_p_restrict_the_support() -> None:
     seen_k, seen_p = set(), set()
     for seed in range(200):
-        seen_k.add(sample(_logits()[:1], [SamplingParams(top_k=2)], [_gen(seed)])[0][0])
+        seen_k.add(sample(_logits()[:1], [SamplingParams(1, top_k=2)], [_gen(seed)])[0][0])
         # probs of row 0: token 1 ~0.52, token 3 ~0.32 -> top_p 0.6 keeps exactly {1, 3}
-        seen_p.add(sample(_logits()[:1], [SamplingParams(top_p=0.6)], [_gen(seed)])[0][0])
+        seen_p.add(sample(_logits()[:1], [SamplingParams(1, top_p=0.6)], [_gen(seed)])[0][0])
     assert seen_k == {1, 3} and seen_p == {1, 3}
 
 

@@ -6,7 +6,9 @@ from typing import Any, Callable
 
 import pytest
 
-from common.protocol import ClusterStatus, RequestFailed, SubmitRequest
+from common.protocol import ClusterStatus, RequestFailed, RequestRejected, SubmitRequest
+from common.sampling_params import SamplingParams
+from common.scheduling import Rejection
 from common.kv.block_keys import compute_block_keys, model_fingerprint
 from services.router.tokenizer import load_model_meta
 from tests.router.fake_cluster import WORDS, FakeCluster, accepted, deltas
@@ -109,9 +111,8 @@ def test_submit_request_contents(router: str, fake: FakeCluster,
     sub: SubmitRequest = fake.submits()[-1]
     assert sub.request_id.startswith("cmpl-") and len(sub.request_id) == 5 + 32
     assert sub.token_ids == ids
-    assert sub.sampling == {"max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 40,
-                            "seed": 3, "stop": ["\n", "END"], "logprobs": False,
-                            "ignore_eos": False}
+    assert sub.sampling == SamplingParams(max_tokens=5, temperature=0.5, top_p=0.9, top_k=40,
+                                          seed=3, stop=("\n", "END"))
     config = router_config[0]
     model_config, _ = load_model_meta(config.model)
     engine_keys = compute_block_keys(ids, config.block_size, model_fingerprint(model_config))
@@ -119,7 +120,7 @@ def test_submit_request_contents(router: str, fake: FakeCluster,
     assert len(sub.block_keys) == 2 and all(len(k) == 32 for k in sub.block_keys)
     assert before <= sub.arrival_time <= time.time()
     post(router, COMPL, {"prompt": "hi"})
-    assert fake.submits()[-1].sampling["max_tokens"] == 64  # the configured default
+    assert fake.submits()[-1].sampling == SamplingParams(max_tokens=64)  # config default
 
 
 def test_first_token_before_acceptance(router: str, fake: FakeCluster) -> None:
@@ -137,16 +138,33 @@ def test_chat_logprobs(router: str, fake: FakeCluster) -> None:
     assert all(isinstance(c["token"], str) and c["top_logprobs"] == [] for c in content)
 
 
-def test_rejection_429_with_retry_after(router: str, fake: FakeCluster) -> None:
-    fake.script = lambda req: [(0, RequestFailed(req.request_id, 429, "slo_violation",
-                                                 "TTFT SLO would be missed", 2.0))]
+@pytest.mark.parametrize("rejection, retry_after", [
+    (Rejection("ttft_slo", 2.2, "predicted TTFT 3.20 s exceeds the 1 s SLO"), "3"),
+    (Rejection("tbt_slo", 0.4, "predicted TBT 140 ms exceeds the 100 ms SLO"), "1"),
+    (Rejection("decode_full", 5.0), "5"),
+])
+def test_rejection_429_keeps_reason_and_retry_time(router: str, fake: FakeCluster,
+                                                   rejection: Rejection,
+                                                   retry_after: str) -> None:
+    """The policy's reason is the error code; its retry time, rounded up to whole seconds
+    (at least 1), the Retry-After header."""
+    fake.script = lambda req: [(0, RequestRejected(req.request_id, rejection))]
+    detail = rejection.detail or rejection.reason
     for stream in (False, True):
         reply = post(router, CHAT, {"messages": USER, "stream": stream})
         assert reply.status == 429
-        assert reply.headers["retry-after"] == "2"
-        assert reply.json() == {"error": {"message": "TTFT SLO would be missed",
-                                          "type": "rate_limit_error", "param": None,
-                                          "code": "slo_violation"}}
+        assert reply.headers["retry-after"] == retry_after
+        assert reply.json() == {"error": {
+            "message": f"request rejected ({rejection.reason}): {detail}",
+            "type": "rate_limit_error", "param": None, "code": rejection.reason}}
+
+
+def test_kv_capacity_failure_is_429_with_retry_after(router: str, fake: FakeCluster) -> None:
+    fake.script = lambda req: [(0, RequestFailed(req.request_id, 429, "kv_capacity",
+                                                 "decode KV memory is full", 1.0))]
+    reply = post(router, CHAT, {"messages": USER})
+    assert (reply.status, reply.headers["retry-after"]) == (429, "1")
+    assert reply.json()["error"]["code"] == "kv_capacity"
 
 
 @pytest.mark.parametrize("status,expected", [(503, 503), (500, 500), (418, 500)])

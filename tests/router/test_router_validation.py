@@ -6,19 +6,22 @@ import pytest
 from common.protocol import TokenDelta
 from services.router.errors import ApiError
 from services.router.openai_format import ResponseBuilder
-from services.router.validation import parse_request
+from common.sampling_params import SamplingParams
+from services.router.validation import GenerationRequest, parse_request
 
 MODEL = "smollm2-135m"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+DEFAULT_MAX = 7  # the config's default_max_tokens
 
 
 def test_chat_defaults() -> None:
-    req = parse_request(CHAT, "chat", MODEL)
+    req = parse_request(CHAT, "chat", MODEL, DEFAULT_MAX)
     assert req.messages == [{"role": "user", "content": "hi"}]
     assert not req.stream and not req.include_usage
-    assert req.sampling.to_wire(7) == {
-        "max_tokens": 7, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "seed": None,
-        "stop": [], "logprobs": False, "ignore_eos": False}
+    assert req.sampling == SamplingParams(max_tokens=7)  # the server default, not asked
+    assert not req.max_tokens_asked
+    no_top_k = parse_request(dict(CHAT, top_k=-1), "chat", MODEL, DEFAULT_MAX)
+    assert no_top_k.sampling.top_k is None
 
 
 def test_chat_full_parameters() -> None:
@@ -26,20 +29,23 @@ def test_chat_full_parameters() -> None:
                 stop="x", n=1, stream=True, stream_options={"include_usage": True},
                 logprobs=True, messages=[{"role": "system", "content": [
                     {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
-    req = parse_request(body, "chat", MODEL)
+    req = parse_request(body, "chat", MODEL, DEFAULT_MAX)
     assert req.messages == [{"role": "system", "content": "ab"}]
     assert req.stream and req.include_usage
-    assert req.sampling.to_wire(5) == {
-        "max_tokens": 5, "temperature": 0.0, "top_p": 0.5, "top_k": 3, "seed": 7,
-        "stop": ["x"], "logprobs": True, "ignore_eos": False}
+    assert req.sampling == SamplingParams(max_tokens=5, temperature=0.0, top_p=0.5, top_k=3,
+                                          seed=7, stop=("x",), logprobs=True)
+    assert req.max_tokens_asked
 
 
 def test_completion_prompts() -> None:
-    assert parse_request({"prompt": "abc"}, "completion", MODEL).prompt == "abc"
-    assert parse_request({"prompt": [1, 2]}, "completion", MODEL).prompt == [1, 2]
-    assert parse_request({"prompt": ["abc"]}, "completion", MODEL).prompt == "abc"
-    assert parse_request({"prompt": "a", "logprobs": 2}, "completion",
-                         MODEL).sampling.logprobs is True
+    def completion(body: dict) -> GenerationRequest:
+        return parse_request(body, "completion", MODEL, DEFAULT_MAX)
+
+    assert completion({"prompt": "abc"}).prompt == "abc"
+    assert completion({"prompt": [1, 2]}).prompt == [1, 2]
+    assert completion({"prompt": ["abc"]}).prompt == "abc"
+    assert completion({"prompt": "a", "logprobs": 2}).sampling.logprobs is True
+    assert completion({"prompt": "a", "max_tokens": 9}).sampling.max_tokens == 9
 
 
 @pytest.mark.parametrize("body,param,code", [
@@ -62,7 +68,7 @@ def test_completion_prompts() -> None:
 ])
 def test_chat_rejects(body: dict, param: str, code: str) -> None:
     with pytest.raises(ApiError) as info:
-        parse_request(body, "chat", MODEL)
+        parse_request(body, "chat", MODEL, DEFAULT_MAX)
     err = info.value
     assert (err.status, err.param, err.code) == (400, param, code)
     assert err.body()["error"]["type"] == "invalid_request_error"
@@ -71,7 +77,7 @@ def test_chat_rejects(body: dict, param: str, code: str) -> None:
 @pytest.mark.parametrize("prompt", ["", [], [1.5], {"a": 1}, [[1], [2]], None])
 def test_completion_rejects_bad_prompts(prompt: object) -> None:
     with pytest.raises(ApiError) as info:
-        parse_request({"prompt": prompt}, "completion", MODEL)
+        parse_request({"prompt": prompt}, "completion", MODEL, DEFAULT_MAX)
     assert info.value.param == "prompt"
 
 

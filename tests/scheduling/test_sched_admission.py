@@ -6,7 +6,9 @@ import pytest
 from common.scheduling import (
     DecodeInstanceState,
     DecodeSlot,
+    Rejection,
     RequestInfo,
+    ScheduleDecision,
     SchedulerConfig,
     make_scheduler,
     predicted_load,
@@ -24,24 +26,35 @@ def sched(admission: str, **kw):
     return make_scheduler("kvcache_centric", cfg, cost())
 
 
+def rejected(d: ScheduleDecision) -> Rejection:
+    """The policy's rejection of a decision that placed nothing."""
+    assert not d.accepted and (d.prefill_id, d.decode_id) == (None, None)
+    assert d.rejection is not None
+    return d.rejection
+
+
+# Decode rejections retry after half the typical decode time (expected_decode_s = 5 s).
+FULL = Rejection("decode_full", 2.5, "no decode instance has room for 1100 tokens "
+                 "(prompt + max_tokens)")
+
+
 def test_ttft_slo_rejects_with_retry_after() -> None:
     d = sched("none", ttft=2.0).schedule(REQ, [prefill("A", 4.0, 0)], [decode("d0")], 0, 0.0)
-    assert (d.accepted, d.reject_reason, d.prefill_id) == (False, "ttft_slo", None)
+    assert rejected(d) == Rejection("ttft_slo", 3.0, "predicted TTFT 5.00 s exceeds the 2 s SLO")
     assert d.predicted_ttft_s == pytest.approx(5.0)
-    assert d.retry_after_s == pytest.approx(3.0)
 
 
 def test_ttft_slo_met_is_accepted() -> None:
     d = sched("none", ttft=6.0).schedule(REQ, [prefill("A", 4.0, 0)], [decode("d0")], 0, 0.0)
-    assert d.accepted and d.reject_reason is None and d.retry_after_s is None
+    assert d.accepted and d.rejection is None
 
 
 def test_tbt_slo_rejects_only_when_admission_checks_decode() -> None:
     busy = [decode("d0", batch=100, ctx=10_000)]  # TBT = 0.01 + 0.101 + 0.011 = 0.122 s
     early = sched("early", tbt=0.1).schedule(REQ, [prefill("A", 0.0, 0)], busy, 0, 0.0)
-    assert (early.accepted, early.reject_reason) == (False, "tbt_slo")
+    assert rejected(early) == Rejection("tbt_slo", 2.5,
+                                        "predicted TBT 122 ms exceeds the 100 ms SLO")
     assert early.predicted_tbt_s == pytest.approx(0.122)
-    assert early.retry_after_s == pytest.approx(2.5)
     none = sched("none", tbt=0.1).schedule(REQ, [prefill("A", 0.0, 0)], busy, 0, 0.0)
     assert none.accepted and none.decode_id == "d0"
 
@@ -49,7 +62,7 @@ def test_tbt_slo_rejects_only_when_admission_checks_decode() -> None:
 def test_full_decode_rejected_early_but_not_by_baseline() -> None:
     full = [decode("d0", batch=3, ctx=5_000, free_blocks=2)]
     early = sched("early").schedule(REQ, [prefill("A", 0.0, 0)], full, 0, 0.0)
-    assert (early.accepted, early.reject_reason) == (False, "decode_full")
+    assert rejected(early) == FULL
     assert sched("none").schedule(REQ, [prefill("A", 0.0, 0)], full, 0, 0.0).accepted
 
 
@@ -63,7 +76,7 @@ def _full_now_free_later() -> DecodeInstanceState:
 def test_predicted_admits_when_decode_drains_before_prefill_ends() -> None:
     ps = [prefill("A", 8.0, 0)]  # TTFT = 9 s
     early = sched("early").schedule(REQ, ps, [_full_now_free_later()], 0, now=2.0)
-    assert (early.accepted, early.reject_reason) == (False, "decode_full")
+    assert rejected(early) == FULL
     pred = sched("predicted").schedule(REQ, ps, [_full_now_free_later()], 0, now=2.0)
     assert pred.accepted and pred.decode_id == "d0"
     assert pred.predicted_tbt_s == pytest.approx(0.01 + 0.001 + 0.001)
@@ -77,7 +90,7 @@ def test_predicted_rejects_when_incoming_fills_decode() -> None:
     ps = [prefill("A", 3.0, 0)]
     assert sched("early").schedule(REQ, ps, [d], 0, now=0.0).accepted
     pred = sched("predicted").schedule(REQ, ps, [d], 0, now=0.0)
-    assert (pred.accepted, pred.reject_reason) == (False, "decode_full")
+    assert rejected(pred) == FULL
 
 
 def test_predicted_load_counts_joins_and_leaves() -> None:
@@ -108,15 +121,33 @@ def test_predicted_load_weights_slots_by_their_survival() -> None:
 
 def test_no_instances_rejected() -> None:
     d = sched("none").schedule(REQ, [], [decode("d0")], 0, 0.0)
-    assert (d.accepted, d.reject_reason) == (False, "no_instances")
+    assert rejected(d) == Rejection("no_instances", 1.0, "no prefill or decode instance")
 
 
 def test_max_batch_bounds_the_decode_instance() -> None:
     seats = DecodeInstanceState("d0", batch_size=2, total_context_tokens=10, free_blocks=1000,
                                 block_size=BLOCK, max_batch=2)
     early = sched("early").schedule(REQ, [prefill("A", 0.0, 0)], [seats], 0, 0.0)
-    assert (early.accepted, early.reject_reason) == (False, "decode_full")
+    assert rejected(early) == FULL
     # Predicted: both seats are free again when this prefill ends (typical decode time 5 s).
     seats.running = [DecodeSlot(0.0, 5), DecodeSlot(0.0, 5)]
     pred = sched("predicted").schedule(REQ, [prefill("A", 8.0, 0)], [seats], 0, now=0.0)
     assert pred.accepted
+
+
+@pytest.mark.parametrize("observed_s, retry_s", [(12.0, 6.0), (1.0, 1.0)])
+def test_decode_rejections_retry_after_half_the_observed_decode(observed_s: float,
+                                                                retry_s: float) -> None:
+    policy = sched("early", tbt=0.1)
+    for _ in range(policy.decode_durations.min_samples):  # enough history to replace the prior
+        policy.observe_decode(observed_s)
+    busy = [decode("d0", batch=100, ctx=10_000)]
+    d = policy.schedule(REQ, [prefill("A", 0.0, 0)], busy, 0, 0.0)
+    assert rejected(d).retry_after_s == retry_s  # at least 1 s
+
+
+@pytest.mark.parametrize("reason, retry", [("slo_violation", 1.0), ("ttft_slo", 0.0),
+                                           ("tbt_slo", float("inf"))])
+def test_impossible_rejections_cannot_be_built(reason: str, retry: float) -> None:
+    with pytest.raises(ValueError):
+        Rejection(reason, retry)

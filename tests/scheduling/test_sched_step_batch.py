@@ -40,7 +40,8 @@ def test_turns_raise_predicted_tbt_past_the_slo() -> None:
     limited = DecodeInstanceState("d0", batch_size=4, total_context_tokens=1000,
                                   free_blocks=1000, block_size=BLOCK, step_batch=2)
     d = _sched("early", tbt=0.03).schedule(REQ, [prefill("A", 0.0, 0)], [limited], 0, 0.0)
-    assert (d.accepted, d.reject_reason) == (False, "tbt_slo")
+    assert d.rejection is not None and d.rejection.reason == "tbt_slo"
+    assert d.rejection.detail == "predicted TBT 37 ms exceeds the 30 ms SLO"
     assert d.predicted_tbt_s == pytest.approx(0.037)
 
 

@@ -1,0 +1,43 @@
+"""What a request asks of the sampler: one frozen type from the router to the engine.
+
+The router builds it from the validated OpenAI body (with ``max_tokens`` already resolved
+against the config's default and the context left), it rides nested in ``SubmitRequest``,
+``ReserveBlocks`` and ``PrefillTask`` (the codec in common/ipc.py decodes and validates it),
+and the workers hand it to the engine's sampler as is. No torch, no zmq: the router, the
+conductor and the engine all import it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int  # no default: whoever builds a request decides how long it may run
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: Optional[int] = None  # None = no top-k
+    seed: Optional[int] = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False  # logprob (raw model distribution) of each chosen token
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        """Reject impossible values at construction (a ValueError; the codec turns it into
+        a ProtocolError). Lists given for ``stop``/``stop_token_ids`` are kept as tuples."""
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be None or >= 1, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

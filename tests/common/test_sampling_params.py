@@ -1,0 +1,30 @@
+"""The one SamplingParams: impossible values cannot be built; sequences become tuples."""
+from __future__ import annotations
+
+import pytest
+
+from common.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_tokens=0), "max_tokens must be >= 1, got 0"),
+    (dict(max_tokens=4, temperature=-1), "temperature must be >= 0, got -1"),
+    (dict(max_tokens=4, top_p=0), r"top_p must be in \(0, 1\], got 0"),
+    (dict(max_tokens=4, top_p=1.01), r"top_p must be in \(0, 1\], got 1.01"),
+    (dict(max_tokens=4, top_k=0), "top_k must be None or >= 1, got 0"),
+    (dict(max_tokens=4, top_k=-1), "top_k must be None or >= 1, got -1"),
+])
+def test_impossible_values_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_defaults_lists_and_greedy() -> None:
+    p = SamplingParams(max_tokens=3, stop=["a", "b"], stop_token_ids=[7])
+    assert (p.temperature, p.top_p, p.top_k, p.seed, p.logprobs, p.ignore_eos) == \
+        (1.0, 1.0, None, None, False, False)
+    assert (p.stop, p.stop_token_ids) == (("a", "b"), (7,))
+    assert hash(p) == hash(SamplingParams(max_tokens=3, stop=("a", "b"), stop_token_ids=(7,)))
+    assert not p.greedy and SamplingParams(max_tokens=1, temperature=0).greedy
+    with pytest.raises(TypeError):
+        SamplingParams()  # type: ignore[call-arg]  # max_tokens has no default
