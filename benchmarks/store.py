@@ -45,6 +45,13 @@ def buffers() -> tuple[np.ndarray, np.ndarray]:
     return src, dst
 
 
+def slots(src: np.ndarray, dst: np.ndarray, size: int) -> tuple[int, list[int], list[int]]:
+    """How many objects of ``size`` fill the buffers, and their source/destination addresses."""
+    n = TOTAL // size
+    return (n, [src.ctypes.data + i * size for i in range(n)],
+            [dst.ctypes.data + i * size for i in range(n)])
+
+
 def gbps(seconds: list[float]) -> float:
     return TOTAL / statistics.median(seconds) / 1e9
 
@@ -85,9 +92,7 @@ async def _ours_sizes(address: str, use_shm: bool) -> dict[int, tuple[float, flo
     client.register_local(dst.ctypes.data, TOTAL)
     out = {}
     for size in SIZES:
-        n = TOTAL // size
-        addr_s = [src.ctypes.data + i * size for i in range(n)]
-        addr_d = [dst.ctypes.data + i * size for i in range(n)]
+        n, addr_s, addr_d = slots(src, dst, size)
         puts, gets = [], []
         for r in range(ROUNDS + 1):  # round 0 warms up (maps, first touch)
             keys = [os.urandom(16) for _ in range(n)]
@@ -178,9 +183,7 @@ def mooncake_client(master: str) -> None:
     assert store.register_buffer(dst.ctypes.data, TOTAL) == 0
     out = {}
     for size in SIZES:
-        n = TOTAL // size
-        addr_s = [src.ctypes.data + i * size for i in range(n)]
-        addr_d = [dst.ctypes.data + i * size for i in range(n)]
+        n, addr_s, addr_d = slots(src, dst, size)
         puts, gets = [], []
         for r in range(ROUNDS + 1):
             keys = [os.urandom(16).hex() for _ in range(n)]
