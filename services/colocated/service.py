@@ -32,6 +32,7 @@ from services.decode.sequence import Reservation
 from services.decode.service import DecodeWorker, serve_worker
 from services.decode.turns import Turns
 from services.prefill.prefix import PrefixLoader, PrefixPlan
+from services.prefill.prefix_plan import put_back
 
 log = logging.getLogger("colocated")
 
@@ -132,7 +133,7 @@ class ColocatedWorker(DecodeWorker):
         r, task = p.reservation, p.task
         full = len(p.keys)
         self.pool.cache_full_blocks(r.blocks[:full], p.keys)
-        if self.prefix.store is not None and p.stored_from < full:
+        if put_back(p.stored_from, full, self.prefix.store is not None):
             # The put reads the blocks after this returns: hold a reference of its own.
             held = self.pool.match_prefix(p.keys)
             self.prefix.release(PrefixPlan(held, 0, 0, p.stored_from), p.keys[:len(held)])
@@ -180,6 +181,10 @@ class ColocatedWorker(DecodeWorker):
                     self.prefilling.remove(p)
                     self._prefilled(p, row)
             await asyncio.sleep(0)  # let the inbox in between steps
+
+    def idle(self) -> bool:
+        return (super().idle() and not self.prefilling and not self._admitting
+                and not self.prefix.busy)
 
     def load(self) -> WorkerLoad:
         queued = len(self.reserved) + len(self.prefilling)

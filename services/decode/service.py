@@ -14,6 +14,7 @@ from common.config import ClusterConfig
 from common.mailbox import serve_inbox
 from common.engine import DecodeInput
 from common.engine.sampling import sample
+from common.kv.idle_check import IdleCheck
 from common.protocol import (
     AbortRequest, BlocksReserved, KVFailed, KVReady, RequestFailed, RequestFinished,
     ReserveBlocks, ReserveFailed, TokenDelta, WorkerLoad,
@@ -34,6 +35,7 @@ class DecodeWorker:
         self.reserved: dict[str, Reservation] = {}
         self.running: dict[str, Running] = {}
         self.wake = asyncio.Event()
+        self.idle_check = IdleCheck(self.pool)  # the pool's invariants, while idle
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="decode")
         self.handlers: dict[type, Callable[[Any], None]] = {
             ReserveBlocks: self.on_reserve,
@@ -176,6 +178,10 @@ class DecodeWorker:
             seq.position += 1
             self.record_token(seq, int(tok), lp)
 
+    def idle(self) -> bool:
+        """Nothing reserved or running: every block of the pool is free."""
+        return not self.reserved and not self.running
+
     def load(self) -> WorkerLoad:
         context = sum(s.context_tokens for s in self.running.values())
         return WorkerLoad(queued=len(self.reserved), running=len(self.running),
@@ -191,7 +197,8 @@ async def serve_worker(rt: WorkerRuntime, worker: DecodeWorker) -> None:
             worker.sweep()
 
     tasks = [asyncio.create_task(c) for c in
-             (worker.step_loop(), rt.heartbeat_loop(worker.load), sweeper())]
+             (worker.step_loop(), rt.heartbeat_loop(worker.load), sweeper(),
+              worker.idle_check.watch(worker.idle))]
     await serve_inbox(rt.mail, worker.handlers, tasks)
 
 

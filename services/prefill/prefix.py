@@ -2,16 +2,26 @@
 KV pool (store), then fresh blocks to compute into. And where they go afterwards:
 the local cache (so hot prefixes replicate themselves) and the store.
 
-A store miss or failure is never an error: those blocks are computed instead.
+A store miss or failure is never an error: those blocks are computed instead. The
+decisions (what to reuse, load, compute, put back) are pure, in ``prefix_plan.py``; this
+module executes them.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
+from common.kv.block_pool import BlockPool
+from common.kv.memory import PagedKVMemory
 from common.worker import WorkerRuntime
+from services.prefill.prefix_plan import (
+    Reuse, ask_store, leading, plan_reuse, put_back, store_fetch,
+)
+
+if TYPE_CHECKING:
+    from common.store.client import StoreClient
 
 log = logging.getLogger("prefill.prefix")
 
@@ -27,86 +37,101 @@ class PrefixPlan:
 
 
 class PrefixLoader:
-    def __init__(self, rt: WorkerRuntime, store: Optional[object]) -> None:
-        self.rt = rt
-        self.pool = rt.engine.pool
-        self.kv = rt.engine.kv
-        self.bs = rt.engine.config.block_size
+    """Executes the reuse plan (``services/prefill/prefix_plan.py``) against the worker's
+    block pool and the store client: references, copies, caches and puts blocks."""
+
+    def __init__(self, pool: BlockPool, kv: PagedKVMemory, store: Optional[StoreClient]
+                 ) -> None:
+        self.pool = pool
+        self.kv = kv
+        self.bs = kv.block_size
         self.store = store
         self._puts: set[asyncio.Task] = set()
 
     @classmethod
     async def create(cls, rt: WorkerRuntime) -> "PrefixLoader":
         store = None
-        if rt.config.use_store:
+        if rt.config.store.enabled:
             from common.store.client import StoreClient
 
             store = StoreClient(rt.config.inbox("store_master"), rt.transfer,
                                 timeout_s=STORE_TIMEOUT_S)
             await store.start()
             store.register_local(rt.engine.kv.base_address, rt.engine.kv.nbytes)
-        return cls(rt, store)
+        return cls(rt.engine.pool, rt.engine.kv, store)
 
     async def acquire(self, tokens: list[int], keys: list[bytes]) -> Optional[PrefixPlan]:
         """Reference every block the prompt needs; None if the pool cannot hold it."""
-        need = -(-len(tokens) // self.bs)
-        cached, from_store, in_store = await self.lookup(tokens, keys)
-        rest = self.pool.try_allocate(need - len(cached))
+        cached, reuse = await self._find(tokens, keys)
+        rest = self.pool.try_allocate(reuse.fresh)
         if rest is None:
             self.pool.free(cached)
             return None
-        return PrefixPlan(cached + rest, len(cached), from_store, in_store)
+        return PrefixPlan(cached + rest, reuse.kept, reuse.global_blocks, reuse.stored_from)
 
     async def lookup(self, tokens: list[int], keys: list[bytes]) -> tuple[list[int], int, int]:
         """The prompt's longest cached prefix, referenced: the local cache first, then the
         store. Returns (blocks, how many came from the store now, first block index not
         known to be in the store). At least one token is always left to compute."""
+        cached, reuse = await self._find(tokens, keys)
+        return cached, reuse.global_blocks, reuse.stored_from
+
+    async def _find(self, tokens: list[int], keys: list[bytes]) -> tuple[list[int], Reuse]:
         local = self.pool.match_prefix(keys)
         loaded: list[int] = []
-        in_store = len(local)
-        if self.store is not None and len(local) < len(keys):
-            loaded, in_store = await self._load(keys, len(local))
+        found: Optional[int] = None
+        if ask_store(len(local), len(keys), self.store is not None):
+            exists = await self._exists(keys)
+            if exists is not None:
+                found = leading(exists)
+                loaded = await self._fetch(keys, store_fetch(len(local), exists))
+        reuse = plan_reuse(len(tokens), self.bs, len(local), len(loaded), found)
         cached = local + loaded
-        # At least one token must be computed to produce the first token's logits.
-        while cached and len(cached) * self.bs >= len(tokens):
-            self.pool.free([cached.pop()])
-        from_store = max(0, len(cached) - len(local))
-        return cached, from_store, max(in_store, len(cached))
+        self.pool.free(cached[reuse.kept:])  # tail first, like any sequence's blocks
+        return cached[:reuse.kept], reuse
 
-    async def _load(self, keys: list[bytes], have: int) -> tuple[list[int], int]:
-        """Fetch blocks [have, n) from the store; returns (blocks loaded, n in store)."""
+    async def _exists(self, keys: list[bytes]) -> Optional[list[bool]]:
+        """The store's answer for every key; None when it fails (the store is optional for
+        correctness: those blocks are computed instead)."""
         try:
-            n = await self.store.longest_prefix(keys)
-        except Exception as exc:  # the store is optional for correctness
+            return await self.store.batch_exists(keys)
+        except Exception as exc:
             log.warning("store lookup failed (%s); computing instead", exc)
-            return [], have
-        if n <= have:
-            return [], max(n, have)
-        blocks = self.pool.try_allocate(n - have)
+            return None
+
+    async def _fetch(self, keys: list[bytes], fetch: range) -> list[int]:
+        """Copy blocks ``fetch`` from the store into fresh local blocks; returns the
+        leading ones copied intact, which join the local cache (a hot prefix replicates
+        itself here)."""
+        if not fetch:
+            return []
+        blocks = self.pool.try_allocate(len(fetch))
         if blocks is None:
-            return [], n
+            return []
         try:
             ok = await self.store.batch_get_into(
-                keys[have:n], [self.kv.block_address(b) for b in blocks], self.kv.block_nbytes)
+                keys[fetch.start:fetch.stop], [self.kv.block_address(b) for b in blocks],
+                self.kv.block_nbytes)
         except Exception as exc:
             log.warning("store get failed (%s); computing instead", exc)
             ok = [False] * len(blocks)
-        good = 0
-        while good < len(ok) and ok[good]:
-            good += 1
+        good = leading(ok)
         self.pool.free(blocks[good:])
-        loaded = blocks[:good]
-        # Loaded blocks join the local cache: a hot prefix replicates itself here.
-        self.pool.cache_full_blocks(loaded, keys[have:have + good])
-        return loaded, n
+        self.pool.cache_full_blocks(blocks[:good], keys[fetch.start:fetch.start + good])
+        return blocks[:good]
+
+    @property
+    def busy(self) -> bool:
+        """Puts in flight still hold blocks."""
+        return bool(self._puts)
 
     def release(self, plan: PrefixPlan, keys: list[bytes]) -> None:
         """After the handover: cache full blocks locally, put new ones in the store, and
         drop this request's references (after the put has read them)."""
         full = len(keys)
         self.pool.cache_full_blocks(plan.block_table[:full], keys)
-        new = range(plan.stored_from, full)
-        if self.store is None or not new:
+        new = put_back(plan.stored_from, full, self.store is not None)
+        if not new:
             self.pool.free(plan.block_table)
             return
         task = asyncio.create_task(self._put(plan, keys, new))

@@ -26,6 +26,7 @@ from common.engine.batching import plan_chunks
 from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
 from common.engine.sampling import sample
+from common.kv.idle_check import IdleCheck
 from common.kv.shm_kv import host_id
 from common.mailbox import serve_inbox
 from common.protocol import (
@@ -75,6 +76,7 @@ class PrefillWorker:
         self.jobs: list[Job] = []  # admitted and computing, oldest first
         self.aborted: set[str] = set()  # aborts seen for tasks not admitted yet
         self.wake = asyncio.Event()
+        self.idle_check = IdleCheck(self.pool)  # the pool's invariants, while idle
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="prefill")
         self.stream_thread = ThreadPoolExecutor(1, thread_name_prefix="kv-stream")
         self.kv_paths = KVPaths(rt.config.kv_path, self.engine.kv, host_id())
@@ -96,6 +98,10 @@ class PrefillWorker:
                 return
         if any(t.request_id == msg.request_id for t in self.waiting):
             self.aborted.add(msg.request_id)
+
+    def idle(self) -> bool:
+        """Nothing queued, computing, finishing or being put: every block is free."""
+        return not (self.waiting or self.jobs or self._finishing or self.prefix.busy)
 
     def load(self) -> WorkerLoad:
         tokens = sum(len(t.token_ids) for t in self.waiting)
@@ -251,7 +257,8 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
     rt = WorkerRuntime(config, "prefill", index)
     prefix = await PrefixLoader.create(rt)
     worker = PrefillWorker(rt, prefix)
-    tasks = [asyncio.create_task(c) for c in (worker.serve(), rt.heartbeat_loop(worker.load))]
+    tasks = [asyncio.create_task(c) for c in (worker.serve(), rt.heartbeat_loop(worker.load),
+                                              worker.idle_check.watch(worker.idle))]
     log.info("%s ready (inbox %s, %d KV blocks, budget %d tokens/step, store %s)",
              rt.instance_id, rt.inbox_address, rt.engine.kv.num_blocks, worker.budget,
              "on" if prefix.store else "off")

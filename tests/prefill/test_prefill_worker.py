@@ -1,0 +1,243 @@
+"""The prefill worker's policy on a fake engine and transfer agent (tests/worker_fakes.py):
+admission, chunks within the token budget, prefix reuse, and every way a prompt fails,
+each leaving the pool with no block referenced (block size 4, 2 layers: a layer of a
+block is 64 bytes, a whole block 128)."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Callable, Iterator, Optional
+
+import pytest
+
+from common.config import ClusterConfig
+from common.engine.config import PrefillChunk
+from common.engine.errors import EngineInputError
+from common.kv.idle_check import IdleCheck
+from common.protocol import (
+    AbortRequest, KVFailed, KVReady, PrefillDone, RequestFailed, WorkerLoad,
+)
+from services.prefill.prefix import PrefixLoader
+from services.prefill.service import PrefillWorker
+from tests.worker_fakes import (
+    CONDUCTOR, DECODE_INBOX, FakeEngine, FakeRuntime, prefill_task, run_until,
+)
+
+LAYER, BLOCK = 64, 128
+Make = Callable[..., tuple[FakeRuntime, PrefillWorker]]
+
+
+@pytest.fixture
+def make() -> Iterator[Make]:
+    made: list[PrefillWorker] = []
+
+    def make(num_blocks: int = 16, budget: int = 16) -> tuple[FakeRuntime, PrefillWorker]:
+        engine = FakeEngine(num_blocks=num_blocks)
+        rt = FakeRuntime("prefill", engine, ClusterConfig(token_budget=budget))
+        prefix = PrefixLoader(engine.pool, engine.kv, None)
+        worker = PrefillWorker(rt, prefix)  # type: ignore[arg-type]
+        worker.idle_check = IdleCheck(engine.pool, interval_s=0, strict=True)
+        made.append(worker)
+        return rt, worker
+
+    yield make
+    for worker in made:
+        worker.compute.shutdown()
+        worker.stream_thread.shutdown()
+
+
+def clean(worker: PrefillWorker) -> None:
+    """Idle, and the pool says so: every block free, invariants hold."""
+    assert worker.idle()
+    assert worker.idle_check.run()
+
+
+def chunks(engine: FakeEngine) -> list[list[tuple[int, int, int, list[int]]]]:
+    """Each prefill step as (first token, start, end, block table) per chunk."""
+    return [[(c.token_ids[0], c.start, c.end, c.block_table) for c in cs]
+            for cs, _ in engine.steps]
+
+
+def serve(worker: PrefillWorker, done: Callable[[], bool]) -> None:
+    asyncio.run(run_until(worker.serve(), done))
+
+
+def test_prompts_batch_oldest_first_within_the_token_budget(make: Make) -> None:
+    rt, worker = make(budget=16)
+    a, b, c = [1] + list(range(2, 11)), list(range(20, 24)), list(range(30, 40))
+    for rid, tokens in (("a", a), ("b", b), ("c", c)):
+        worker.on_task(prefill_task(rid, tokens))
+    assert worker.load() == WorkerLoad(queued=3, queued_tokens=24)
+    serve(worker, lambda: len(rt.mail.of(PrefillDone)) == 3 and worker.idle())
+    # a, b and the head of c share the first step; the rest of c takes the second.
+    assert chunks(rt.engine) == [[(1, 0, 10, [0, 1, 2]), (20, 0, 4, [3]), (30, 0, 2, [4, 5, 6])],
+                                 [(30, 2, 10, [4, 5, 6])]]
+    ready = {m.request_id: m for m in rt.mail.of(KVReady, to=DECODE_INBOX)}
+    assert ready == {"a": KVReady("a", 11, None, 10, 0), "b": KVReady("b", 24, None, 4, 0),
+                     "c": KVReady("c", 40, None, 10, 0)}
+    done = {m.request_id: m for m in rt.mail.of(PrefillDone, to=CONDUCTOR)}
+    # Each chunk streams the blocks it wrote, per layer: c's block 0 in both of its chunks.
+    assert {r: (d.prompt_tokens, d.cached_tokens, d.transfer_bytes) for r, d in done.items()} \
+        == {"a": (10, 0, 3 * 2 * LAYER), "b": (4, 0, 2 * LAYER), "c": (10, 0, 4 * 2 * LAYER)}
+    assert worker.load() == WorkerLoad()
+    assert rt.engine.pool.num_cached == 5  # full blocks: 2 of a, 1 of b, 2 of c
+    clean(worker)
+
+
+def test_a_cached_prefix_is_reused_and_sent_whole(make: Make) -> None:
+    rt, worker = make(budget=16)
+    first = list(range(1, 11))
+
+    async def go() -> None:  # one event loop for both: the worker's Event binds to it
+        worker.on_task(prefill_task("a", first))
+        await run_until(worker.serve(), lambda: bool(rt.mail.of(PrefillDone)) and worker.idle())
+        worker.on_task(prefill_task("b", first[:8] + [50, 51, 52]))
+        await run_until(worker.serve(),
+                        lambda: len(rt.mail.of(PrefillDone)) == 2 and worker.idle())
+
+    asyncio.run(go())
+    assert chunks(rt.engine)[1] == [(1, 8, 11, [0, 1, 3])]
+    assert rt.mail.of(KVReady)[1] == KVReady("b", 53, None, 11, 8)
+    done = rt.mail.of(PrefillDone)[1]
+    assert (done.cached_tokens, done.global_hit_tokens) == (8, 0)
+    assert done.transfer_bytes == 2 * BLOCK + 2 * LAYER  # the prefix whole, then block 2
+    clean(worker)
+
+
+def test_a_prompt_waits_for_kv_memory_held_by_a_running_one(make: Make) -> None:
+    rt, worker = make(num_blocks=8, budget=64)
+    worker.on_task(prefill_task("a", list(range(1, 21))))  # 5 blocks
+    worker.on_task(prefill_task("b", list(range(30, 46))))  # 4 blocks: 3 free
+    serve(worker, lambda: len(rt.mail.of(PrefillDone)) == 2 and worker.idle())
+    # b starts once a has handed over: the 3 never-used blocks, then a's tail.
+    assert chunks(rt.engine) == [[(1, 0, 20, [0, 1, 2, 3, 4])], [(30, 0, 16, [5, 6, 7, 4])]]
+    clean(worker)
+
+
+def test_kv_memory_full_with_nothing_running_fails_the_prompt(make: Make) -> None:
+    rt, worker = make(num_blocks=4)
+    held = rt.engine.pool.allocate(3)
+    worker.on_task(prefill_task("a", list(range(1, 9))))
+    asyncio.run(worker.admit())
+    assert rt.mail.sent == [
+        (DECODE_INBOX, KVFailed("a", "prefill_kv_full")),
+        (CONDUCTOR, RequestFailed("a", 503, "prefill_kv_full", "prefill KV memory is full"))]
+    rt.engine.pool.free(held)
+    clean(worker)
+
+
+@pytest.mark.parametrize("case, status, kind, message", [
+    ("aborted", 499, "aborted", None),
+    ("late", 504, "timeout", "deadline passed while queued"),
+    ("too_long", 400, "invalid_request_error", "prompt of 65 tokens; 1 to 64 fit"),
+    ("few_decode_blocks", 500, "internal_error",
+     "decode reserved fewer blocks than the prompt needs"),
+])
+def test_a_prompt_failing_before_its_first_step(make: Make, case: str, status: int, kind: str,
+                                                message: Optional[str]) -> None:
+    rt, worker = make()
+    tokens = list(range(1, 66 if case == "too_long" else 11))
+    task = prefill_task("a", tokens, deadline_s=-1 if case == "late" else 30,
+                        decode_blocks=[100, 101] if case == "few_decode_blocks" else None)
+    worker.on_task(task)
+    if case == "aborted":
+        worker.on_abort(AbortRequest("a"))
+    asyncio.run(worker.admit())
+    want = [(DECODE_INBOX, KVFailed("a", kind))]
+    if message is not None:  # an abort is the conductor's own news
+        want.append((CONDUCTOR, RequestFailed("a", status, kind, message)))
+    assert rt.mail.sent == want
+    assert rt.engine.steps == [] and not worker.waiting and not worker.aborted
+    clean(worker)
+
+
+def test_a_failed_kv_stream_frees_the_blocks_and_fails_the_request(make: Make) -> None:
+    rt, worker = make()
+    rt.transfer.fail = "link down"
+    worker.on_task(prefill_task("a", list(range(1, 11))))
+    serve(worker, lambda: bool(rt.mail.sent) and worker.idle())
+    assert rt.mail.sent == [
+        (DECODE_INBOX, KVFailed("a", "kv_transfer_failed")),
+        (CONDUCTOR, RequestFailed("a", 503, "kv_transfer_failed", "link down"))]
+    clean(worker)
+
+
+def test_a_kv_stream_past_the_deadline_frees_blocks_after_its_write_lands(make: Make) -> None:
+    rt, worker = make()
+    rt.transfer.hold_s = 0.6  # two layers: 1.2 s, the stream is given 1 s
+    worker.on_task(prefill_task("a", list(range(1, 11)), deadline_s=0.2))
+    serve(worker, lambda: bool(rt.mail.sent) and worker.idle())
+    assert rt.mail.kinds() == [(DECODE_INBOX, "KVFailed"), (CONDUCTOR, "RequestFailed")]
+    failed = rt.mail.of(RequestFailed)[0]
+    assert (failed.status, failed.error_type) == (503, "kv_transfer_failed")
+    assert "missed its 1.0s deadline" in failed.message
+    # The write in flight read our blocks: they were freed only after it landed.
+    assert [e[0] for e in rt.trace] == ["write", "write", "send", "send"]
+    clean(worker)
+
+
+def test_a_prompt_past_its_deadline_between_steps_is_dropped(make: Make) -> None:
+    rt, worker = make(budget=4)
+    rt.engine.gate = gate = threading.Event()
+    worker.on_task(prefill_task("a", list(range(1, 13)), deadline_s=0.2))
+    threading.Timer(0.4, gate.set).start()  # the first step ends after the deadline
+    serve(worker, lambda: bool(rt.mail.sent) and worker.idle())
+    assert rt.mail.sent == [
+        (DECODE_INBOX, KVFailed("a", "timeout")),
+        (CONDUCTOR, RequestFailed("a", 504, "timeout", "prefill missed its deadline"))]
+    assert len(rt.engine.steps) == 1
+    clean(worker)
+
+
+def test_an_abort_during_a_step_drops_the_prompt_after_it(make: Make) -> None:
+    rt, worker = make(budget=16)
+    worker.on_task(prefill_task("a", list(range(1, 11))))
+
+    async def go() -> None:
+        rt.engine.interrupt(asyncio.get_running_loop(), lambda: worker.on_abort(AbortRequest("a")))
+        await run_until(worker.serve(), lambda: bool(rt.mail.sent) and worker.idle())
+
+    asyncio.run(go())
+    # Its last chunk ran, but it is not handed over; nothing was streamed after the abort.
+    assert rt.mail.sent == [(DECODE_INBOX, KVFailed("a", "aborted"))]
+    assert rt.transfer.writes == []
+    clean(worker)
+
+
+def test_an_engine_error_fails_the_step_prompts_and_keeps_serving(make: Make) -> None:
+    rt, worker = make(budget=16)
+    rt.engine.fail = EngineInputError("bad block table")
+    worker.on_task(prefill_task("a", list(range(1, 11))))
+
+    async def go() -> None:
+        await run_until(worker.serve(), lambda: bool(rt.mail.of(KVFailed)) and worker.idle())
+        assert rt.mail.sent == [
+            (CONDUCTOR, RequestFailed("a", 500, "internal_error",
+                                      "prefill failed: bad block table")),
+            (DECODE_INBOX, KVFailed("a", "aborted"))]
+        worker.on_task(prefill_task("b", list(range(1, 11))))
+        await run_until(worker.serve(), lambda: bool(rt.mail.of(PrefillDone)) and worker.idle())
+
+    asyncio.run(go())
+    assert rt.mail.of(KVReady) == [KVReady("b", 11, None, 10, 0)]
+    clean(worker)
+
+
+def test_idle_check_watches_only_while_idle(make: Make) -> None:
+    rt, worker = make()
+    worker.idle_check = check = IdleCheck(rt.engine.pool, interval_s=0.01, strict=True)
+    worker.on_task(prefill_task("a", list(range(1, 11))))
+
+    async def go() -> None:
+        watch = asyncio.create_task(check.watch(worker.idle))
+        await asyncio.sleep(0.05)
+        assert check.checks == 0  # a task is queued: no check
+        await run_until(worker.serve(), lambda: bool(rt.mail.of(PrefillDone)) and worker.idle())
+        started = time.monotonic()
+        while check.checks == 0 and time.monotonic() - started < 2:
+            await asyncio.sleep(0.01)
+        watch.cancel()
+
+    asyncio.run(go())
+    assert check.checks > 0 and check.violations == 0

@@ -1,0 +1,135 @@
+"""PrefixLoader executes the reuse plan against a real block pool and a recording store:
+exact block ids, references, cached keys and store calls (block size 4)."""
+from __future__ import annotations
+
+import asyncio
+from typing import Optional
+
+from common.kv.block_pool import BlockPool
+from common.kv.memory import PagedKVMemory
+from services.prefill.prefix import PrefixLoader, PrefixPlan
+
+BS = 4
+
+
+class Store:
+    """The StoreClient verbs the loader uses, over a set of keys. ``bad``: keys whose copy
+    fails; ``down``: every call raises."""
+
+    def __init__(self, have: set[bytes], bad: Optional[set[bytes]] = None) -> None:
+        self.have, self.bad, self.down = have, bad or set(), False
+        self.base = 0  # the KV memory's base address, to name blocks by id
+        self.calls: list[tuple[str, int]] = []  # (verb, number of keys)
+        self.puts: list[tuple[list[bytes], list[int]]] = []  # keys, block ids
+
+    async def batch_exists(self, keys: list[bytes]) -> list[bool]:
+        self.calls.append(("exists", len(keys)))
+        if self.down:
+            raise ConnectionError("store master unreachable")
+        return [k in self.have for k in keys]
+
+    async def batch_get_into(self, keys: list[bytes], addresses: list[int], size: int
+                             ) -> list[bool]:
+        self.calls.append(("get", len(keys)))
+        return [k in self.have and k not in self.bad for k in keys]
+
+    async def batch_put_from(self, keys: list[bytes], addresses: list[int], size: int) -> int:
+        self.calls.append(("put", len(keys)))
+        self.puts.append((keys, [(a - self.base) // size for a in addresses]))
+        self.have.update(keys)
+        return len(keys)
+
+
+def keys(n: int) -> list[bytes]:
+    return [bytes([i + 1]) * 16 for i in range(n)]
+
+
+def loader(store: Optional[Store], num_blocks: int = 12) -> PrefixLoader:
+    kv = PagedKVMemory(num_blocks, num_layers=1, block_size=BS, num_kv_heads=1, head_dim=2)
+    if store is not None:
+        store.base = kv.base_address
+    return PrefixLoader(BlockPool(num_blocks), kv, store)  # type: ignore[arg-type]
+
+
+def warm(pl: PrefixLoader, ks: list[bytes]) -> None:
+    """Cache blocks under ``ks`` locally (blocks 0, 1, ...), unreferenced."""
+    blocks = pl.pool.allocate(len(ks))
+    pl.pool.cache_full_blocks(blocks, ks)
+    pl.pool.free(blocks)
+
+
+def test_local_hits_then_the_store_then_fresh_blocks() -> None:
+    ks = keys(4)
+    store = Store(set(ks[:3]))
+    pl = loader(store)
+    warm(pl, ks[:1])  # block 0
+    plan = asyncio.run(pl.acquire(list(range(17)), ks))
+    # Block 0 from the local cache; 1, 2 copied from the store; 3, 4 fresh.
+    assert plan == PrefixPlan([0, 1, 2, 3, 4], cached_blocks=3, global_blocks=2, stored_from=3)
+    assert store.calls == [("exists", 4), ("get", 2)]
+    assert [pl.pool.block_key(b) for b in range(5)] == ks[:3] + [None, None]
+    assert [pl.pool.ref_count(b) for b in range(5)] == [1] * 5
+
+
+def test_a_failed_copy_keeps_the_intact_head_and_frees_the_rest() -> None:
+    ks = keys(4)
+    store = Store(set(ks), bad={ks[1]})
+    pl = loader(store)
+    plan = asyncio.run(pl.acquire(list(range(17)), ks))
+    # Fetched into blocks 0..3; the copy of 1 failed, so 1..3 go back to the end of the
+    # free list and the prompt's other four blocks are fresh ones.
+    assert plan == PrefixPlan([0, 4, 5, 6, 7], cached_blocks=1, global_blocks=1, stored_from=4)
+    assert pl.pool.free_order()[-3:] == [3, 2, 1]  # freed tail first
+    assert [pl.pool.block_key(b) for b in plan.block_table] == [ks[0], None, None, None, None]
+
+
+def test_a_block_aligned_prompt_leaves_its_last_block_to_compute() -> None:
+    ks = keys(3)
+    store = Store(set(ks))
+    pl = loader(store)
+    cached, from_store, stored_from = asyncio.run(pl.lookup(list(range(12)), ks))
+    assert (cached, from_store, stored_from) == ([0, 1], 2, 3)
+    # The last block was copied too: it stays in the local cache, unreferenced.
+    assert pl.pool.block_key(2) == ks[2] and pl.pool.ref_count(2) == 0
+
+
+def test_the_store_down_or_off_means_computing() -> None:
+    ks = keys(2)
+    store = Store(set(ks))
+    store.down = True
+    pl = loader(store)
+    assert asyncio.run(pl.acquire(list(range(9)), ks)) == PrefixPlan([0, 1, 2], 0, 0, 0)
+    assert store.calls == [("exists", 2)]
+    off = loader(None)
+    warm(off, ks)
+    assert asyncio.run(off.acquire(list(range(9)), ks)) == PrefixPlan([0, 1, 2], 2, 0, 2)
+
+
+def test_a_full_pool_frees_the_hits_and_returns_none() -> None:
+    ks = keys(2)
+    pl = loader(None, num_blocks=3)
+    warm(pl, ks[:1])
+    held = pl.pool.allocate(1)
+    assert asyncio.run(pl.acquire(list(range(12)), ks)) is None  # needs 3, 2 left
+    assert pl.pool.ref_count(0) == 0 and pl.pool.num_used == 1
+    pl.pool.free(held)
+    pl.pool.check_integrity()
+
+
+def test_release_caches_puts_blocks_not_in_the_store_then_frees() -> None:
+    ks = keys(3)
+    store = Store(set(ks[:1]))
+    pl = loader(store)
+
+    async def go() -> None:
+        plan = await pl.acquire(list(range(14)), ks)
+        assert plan == PrefixPlan([0, 1, 2, 3], 1, 1, stored_from=1)
+        pl.release(plan, ks)
+        assert pl.busy and pl.pool.num_used == 4  # the put still reads the blocks
+        while pl.busy:
+            await asyncio.sleep(0)
+
+    asyncio.run(go())
+    assert store.puts == [(ks[1:], [1, 2])]
+    assert pl.pool.num_used == 0 and pl.pool.num_cached == 3
+    pl.pool.check_integrity()

@@ -1,0 +1,214 @@
+"""In-memory stand-ins for what a worker runs on (``common/worker.py:WorkerRuntime``), to
+unit-test the workers' policy: admission, batching, aborts, deadlines, block accounting.
+
+The block pool and the paged KV memory are the real ones (small); the engine computes
+nothing and answers scripted tokens; the transfer agent and the mailbox record what they
+are asked to do. One ``trace`` list orders the transfer's writes and the mailbox's sends.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
+
+import torch
+
+from common.config import ClusterConfig
+from common.engine.config import DecodeInput, EngineConfig, PrefillChunk
+from common.engine.errors import EngineInputError
+from common.kv.block_keys import compute_block_keys
+from common.kv.block_pool import BlockPool
+from common.kv.memory import PagedKVMemory
+from common.protocol import PrefillTask, ReserveBlocks
+from common.sampling_params import SamplingParams
+from common.transfer import TransferError
+
+M = TypeVar("M")
+VOCAB = 64
+EOS = 0
+DECODE_INBOX = "tcp://decode-0"
+ROUTER_INBOX = "tcp://router"
+CONDUCTOR = "tcp://conductor"
+
+
+@dataclass
+class ModelConfig:
+    max_position_embeddings: int = 256
+    eos_token_ids: tuple[int, ...] = (EOS,)
+    num_layers: int = 2
+
+
+class FakeEngine:
+    """The engine surface the workers call. A token's successor is ``next_token(token)``
+    (default: token + 1, wrapping past EOS). ``gate``: a step waits for it; ``fail``: the
+    next step raises it; ``interrupt``: something happens while the next step runs."""
+
+    def __init__(self, num_blocks: int = 16, block_size: int = 4, max_batch_size: int = 8,
+                 trace: Optional[list] = None) -> None:
+        self.config = EngineConfig(model="fake", num_blocks=num_blocks, block_size=block_size,
+                                   max_batch_size=max_batch_size)
+        self.model_config = ModelConfig()
+        self.pool = BlockPool(num_blocks)
+        self.kv = PagedKVMemory(num_blocks, self.model_config.num_layers, block_size,
+                                num_kv_heads=1, head_dim=2)
+        self.next_token: Callable[[int], int] = lambda t: t + 1 if t + 1 < VOCAB else 1
+        self.steps: list[tuple[list[PrefillChunk], list[DecodeInput]]] = []
+        self.gate: Optional[threading.Event] = None
+        self.fail: Optional[Exception] = None
+        self._mid_step: Optional[Callable[[], None]] = None
+        self.trace = trace if trace is not None else []
+
+    def interrupt(self, loop: asyncio.AbstractEventLoop, action: Callable[[], None]) -> None:
+        """The next step, once under way, waits for ``action`` to run on the worker's
+        event loop (an abort arriving mid-step)."""
+        def hook() -> None:
+            ran = threading.Event()
+            loop.call_soon_threadsafe(lambda: (action(), ran.set()))
+            if not ran.wait(10):
+                raise RuntimeError("the interrupting action never ran")
+        self._mid_step = hook
+
+    def validate_prompt(self, tokens: Sequence[int]) -> None:
+        limit = min(self.model_config.max_position_embeddings,
+                    self.config.num_blocks * self.config.block_size)
+        if not tokens or len(tokens) > limit:
+            raise EngineInputError(f"prompt of {len(tokens)} tokens; 1 to {limit} fit")
+
+    def block_keys(self, tokens: Sequence[int]) -> list[bytes]:
+        return compute_block_keys(tokens, self.config.block_size, b"fake-model")
+
+    def decode_tokens(self, ids: Sequence[int]) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    def _logits(self, tokens: Sequence[int]) -> torch.Tensor:
+        out = torch.full((len(tokens), VOCAB), -1e4)
+        out[range(len(tokens)), [self.next_token(t) for t in tokens]] = 0.0
+        return out
+
+    def step(self, chunks: Sequence[PrefillChunk] = (), decodes: Sequence[DecodeInput] = (),
+             layer_hook: Optional[Callable[[int], None]] = None,
+             ) -> tuple[list[Optional[torch.Tensor]], Optional[torch.Tensor]]:
+        self.steps.append((list(chunks), list(decodes)))
+        if self.gate is not None and not self.gate.wait(10):
+            raise RuntimeError("test gate never opened")
+        if self._mid_step is not None:
+            hook, self._mid_step = self._mid_step, None
+            hook()
+        if self.fail is not None:
+            exc, self.fail = self.fail, None
+            raise exc
+        bs = self.config.block_size
+        for c in chunks:
+            if not 0 <= c.start < c.end <= len(c.token_ids) or len(c.block_table) * bs < c.end:
+                raise EngineInputError(f"bad chunk [{c.start}, {c.end})")
+        for layer in range(self.model_config.num_layers):
+            if layer_hook is not None:
+                layer_hook(layer)
+        rows = [self._logits([c.token_ids[-1]])[0] if c.end == len(c.token_ids) else None
+                for c in chunks]
+        return rows, (self._logits([d.token_id for d in decodes]) if decodes else None)
+
+    def decode_step(self, batch: list[DecodeInput]) -> torch.Tensor:
+        return self.step((), batch)[1]
+
+
+class FakeTransfer:
+    """Records writes by the remote block offsets they target. ``fail``: writes raise
+    TransferError with it; ``hold_s``: each write takes that long (a slow link)."""
+
+    session_id = "fake-prefill:1"
+
+    def __init__(self, trace: list) -> None:
+        self.trace = trace
+        self.writes: list[tuple[str, int]] = []  # (session, bytes)
+        self.fail: Optional[str] = None
+        self.hold_s = 0.0
+
+    def write(self, target: str, local: Sequence[int], remote: Sequence[int],
+              lengths: Sequence[int]) -> int:
+        if self.hold_s:
+            time.sleep(self.hold_s)
+        self.trace.append(("write", target, sum(lengths)))
+        if self.fail is not None:
+            raise TransferError(self.fail)
+        self.writes.append((target, sum(lengths)))
+        return sum(lengths)
+
+
+class FakeMail:
+    def __init__(self, trace: list) -> None:
+        self.trace = trace
+        self.sent: list[tuple[str, Any]] = []
+
+    def send(self, address: str, msg: Any) -> None:
+        self.sent.append((address, msg))
+        self.trace.append(("send", address, msg))
+
+    def of(self, kind: type[M], to: Optional[str] = None) -> list[M]:
+        return [m for a, m in self.sent if isinstance(m, kind) and to in (None, a)]
+
+    def kinds(self) -> list[tuple[str, str]]:
+        """(recipient, message type) of everything sent, in order."""
+        return [(a, type(m).__name__) for a, m in self.sent]
+
+
+@dataclass
+class FakeRuntime:
+    """What workers read of a ``WorkerRuntime``."""
+
+    role: str
+    engine: FakeEngine
+    config: ClusterConfig = field(default_factory=ClusterConfig)
+    trace: list = field(default_factory=list)
+    instance_id: str = "worker-0"
+    conductor: str = CONDUCTOR
+
+    def __post_init__(self) -> None:
+        self.engine.trace = self.trace
+        self.mail = FakeMail(self.trace)
+        self.transfer = FakeTransfer(self.trace)
+
+
+def sampling(max_tokens: int = 4, **kw: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def prefill_task(rid: str, tokens: list[int], decode_blocks: Optional[list[int]] = None,
+                 deadline_s: float = 30.0, max_tokens: int = 4) -> PrefillTask:
+    """A task whose decode side reserved ``decode_blocks`` (default: enough for the
+    prompt, ids 100, 101, ...)."""
+    if decode_blocks is None:
+        decode_blocks = list(range(100, 100 + len(tokens) // 4 + 1))
+    return PrefillTask(request_id=rid, token_ids=tokens, sampling=sampling(max_tokens),
+                       decode_id="decode-0", decode_inbox=DECODE_INBOX,
+                       decode_session="fake-decode:1", decode_kv_base=1 << 20,
+                       decode_block_ids=decode_blocks, deadline=time.time() + deadline_s)
+
+
+def reserve(rid: str, prompt_tokens: int, deadline_s: float = 30.0,
+            **sampling_kw: Any) -> ReserveBlocks:
+    return ReserveBlocks(request_id=rid, prompt_tokens=prompt_tokens,
+                         sampling=sampling(**sampling_kw), router_inbox=ROUTER_INBOX,
+                         deadline=time.time() + deadline_s)
+
+
+async def run_until(loop: Awaitable[None], done: Callable[[], bool], timeout_s: float = 5.0
+                    ) -> None:
+    """Run a worker's loop until ``done()``; a loop that dies raises here."""
+    task = asyncio.ensure_future(loop)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            if task.done():
+                task.result()
+                raise AssertionError("the loop ended before the condition held")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not reached in {timeout_s}s")
+            await asyncio.sleep(0.005)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
