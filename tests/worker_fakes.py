@@ -19,14 +19,17 @@ import torch
 from common.config import ClusterConfig
 from common.engine.config import DecodeInput, EngineConfig, PrefillChunk
 from common.engine.errors import EngineInputError
+from common.kv.idle_check import IdleCheck
 from common.kv.block_keys import compute_block_keys
 from common.kv.block_pool import BlockPool
 from common.kv.memory import PagedKVMemory
 from common.protocol import PrefillTask, ReserveBlocks
 from common.sampling_params import SamplingParams
 from common.transfer import TransferError
+from services.prefill.prefix import PrefixLoader
 
 M = TypeVar("M")
+W = TypeVar("W")
 VOCAB = 64
 EOS = 0
 DECODE_INBOX = "tcp://decode-0"
@@ -170,6 +173,30 @@ class FakeRuntime:
         self.engine.trace = self.trace
         self.mail = FakeMail(self.trace)
         self.transfer = FakeTransfer(self.trace)
+
+
+class Workers:
+    """Builds workers on fakes (the store off, the idle check strict and unthrottled) and
+    shuts their threads down afterwards."""
+
+    def __init__(self) -> None:
+        self.made: list[Any] = []
+
+    def build(self, cls: Callable[..., W], role: str, num_blocks: int = 16, budget: int = 16,
+              max_batch_size: int = 8) -> tuple[FakeRuntime, W]:
+        engine = FakeEngine(num_blocks, max_batch_size=max_batch_size)
+        rt = FakeRuntime(role, engine, ClusterConfig(token_budget=budget))
+        prefix = PrefixLoader(engine.pool, engine.kv, None)
+        worker: Any = cls(rt) if role == "decode" else cls(rt, prefix)
+        worker.idle_check = IdleCheck(engine.pool, interval_s=0, strict=True)
+        self.made.append(worker)
+        return rt, worker
+
+    def close(self) -> None:
+        for worker in self.made:
+            worker.compute.shutdown()
+            if hasattr(worker, "stream_thread"):
+                worker.stream_thread.shutdown()
 
 
 def sampling(max_tokens: int = 4, **kw: Any) -> SamplingParams:

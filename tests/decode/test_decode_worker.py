@@ -11,14 +11,13 @@ from typing import Callable, Iterator
 import pytest
 
 from common.engine.config import DecodeInput
-from common.kv.idle_check import IdleCheck
 from common.protocol import (
     AbortRequest, BlocksReserved, KVFailed, KVReady, RequestFailed, RequestFinished,
     ReserveFailed, TokenDelta, WorkerLoad,
 )
 from services.decode.service import DecodeWorker
 from tests.worker_fakes import (
-    CONDUCTOR, EOS, ROUTER_INBOX, FakeEngine, FakeRuntime, reserve, run_until,
+    CONDUCTOR, EOS, ROUTER_INBOX, FakeRuntime, Workers, reserve, run_until,
 )
 
 Make = Callable[..., tuple[FakeRuntime, DecodeWorker]]
@@ -26,18 +25,9 @@ Make = Callable[..., tuple[FakeRuntime, DecodeWorker]]
 
 @pytest.fixture
 def make() -> Iterator[Make]:
-    made: list[DecodeWorker] = []
-
-    def make(num_blocks: int = 16, max_batch_size: int = 8) -> tuple[FakeRuntime, DecodeWorker]:
-        rt = FakeRuntime("decode", FakeEngine(num_blocks, max_batch_size=max_batch_size))
-        worker = DecodeWorker(rt)  # type: ignore[arg-type]
-        worker.idle_check = IdleCheck(rt.engine.pool, interval_s=0, strict=True)
-        made.append(worker)
-        return rt, worker
-
-    yield make
-    for worker in made:
-        worker.compute.shutdown()
+    workers = Workers()
+    yield lambda **kw: workers.build(DecodeWorker, "decode", **kw)
+    workers.close()
 
 
 def clean(worker: DecodeWorker) -> None:

@@ -11,17 +11,14 @@ from typing import Callable, Iterator, Optional
 
 import pytest
 
-from common.config import ClusterConfig
-from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
 from common.kv.idle_check import IdleCheck
 from common.protocol import (
     AbortRequest, KVFailed, KVReady, PrefillDone, RequestFailed, WorkerLoad,
 )
-from services.prefill.prefix import PrefixLoader
 from services.prefill.service import PrefillWorker
 from tests.worker_fakes import (
-    CONDUCTOR, DECODE_INBOX, FakeEngine, FakeRuntime, prefill_task, run_until,
+    CONDUCTOR, DECODE_INBOX, FakeEngine, FakeRuntime, Workers, prefill_task, run_until,
 )
 
 LAYER, BLOCK = 64, 128
@@ -30,21 +27,9 @@ Make = Callable[..., tuple[FakeRuntime, PrefillWorker]]
 
 @pytest.fixture
 def make() -> Iterator[Make]:
-    made: list[PrefillWorker] = []
-
-    def make(num_blocks: int = 16, budget: int = 16) -> tuple[FakeRuntime, PrefillWorker]:
-        engine = FakeEngine(num_blocks=num_blocks)
-        rt = FakeRuntime("prefill", engine, ClusterConfig(token_budget=budget))
-        prefix = PrefixLoader(engine.pool, engine.kv, None)
-        worker = PrefillWorker(rt, prefix)  # type: ignore[arg-type]
-        worker.idle_check = IdleCheck(engine.pool, interval_s=0, strict=True)
-        made.append(worker)
-        return rt, worker
-
-    yield make
-    for worker in made:
-        worker.compute.shutdown()
-        worker.stream_thread.shutdown()
+    workers = Workers()
+    yield lambda **kw: workers.build(PrefillWorker, "prefill", **kw)
+    workers.close()
 
 
 def clean(worker: PrefillWorker) -> None:

@@ -1,0 +1,86 @@
+"""The colocated worker on a fake engine (tests/worker_fakes.py): a request's reservation,
+its prompt's chunks and decode steps in one engine, prefix reuse, and an abort mid-step,
+each ending with every block free (block size 4)."""
+from __future__ import annotations
+
+import asyncio
+from typing import Callable, Iterator
+
+import pytest
+
+from common.protocol import AbortRequest, BlocksReserved, PrefillDone, RequestFinished, TokenDelta
+from services.colocated.service import ColocatedWorker
+from tests.worker_fakes import FakeEngine, FakeRuntime, Workers, prefill_task, reserve, run_until
+
+Make = Callable[[], tuple[FakeRuntime, ColocatedWorker]]
+PROMPT = list(range(1, 11))
+
+
+@pytest.fixture
+def make() -> Iterator[Make]:
+    workers = Workers()
+    yield lambda: workers.build(ColocatedWorker, "colocated")
+    workers.close()
+
+
+def steps(engine: FakeEngine) -> list[tuple[list, list]]:
+    """Each step as ([(start, end, block table) per chunk], [(token, position) per decode])."""
+    return [([(c.start, c.end, c.block_table) for c in cs], [(d.token_id, d.position) for d in ds])
+            for cs, ds in engine.steps]
+
+
+def finished(rt: FakeRuntime) -> list[tuple[str, str]]:
+    return [(m.request_id, m.finish_reason) for m in rt.mail.of(RequestFinished)]
+
+
+async def request(rt: FakeRuntime, worker: ColocatedWorker, rid: str, tokens: list[int]) -> None:
+    """Reserve, send the prompt, and step until the request is finished."""
+    worker.on_reserve(reserve(rid, prompt_tokens=len(tokens), max_tokens=3))
+    worker.on_task(prefill_task(rid, tokens))
+    assert not worker.idle()
+    await run_until(worker.step_loop(), lambda: rid in dict(finished(rt)) and worker.idle())
+
+
+def test_a_request_prefills_decodes_and_frees_its_blocks(make: Make) -> None:
+    rt, worker = make()
+    asyncio.run(request(rt, worker, "a", PROMPT))
+    assert rt.mail.of(BlocksReserved) == [BlocksReserved("a", "worker-0", [0, 1, 2, 3])]
+    assert steps(rt.engine) == [([(0, 10, [0, 1, 2, 3])], []), ([], [(11, 10)]),
+                                ([], [(12, 11)])]
+    done = rt.mail.of(PrefillDone)[0]
+    assert (done.prompt_tokens, done.cached_tokens, done.global_hit_tokens) == (10, 0, 0)
+    assert [(d.token_ids, d.finish_reason) for d in rt.mail.of(TokenDelta)] == [
+        ([11], None), ([12], None), ([13], "length")]
+    assert finished(rt) == [("a", "length")]
+    assert worker.idle_check.run()
+
+
+def test_a_cached_prefix_replaces_the_head_of_the_reservation(make: Make) -> None:
+    rt, worker = make()
+
+    async def go() -> None:
+        await request(rt, worker, "a", PROMPT)
+        await request(rt, worker, "b", PROMPT[:8] + [50, 51])
+
+    asyncio.run(go())
+    # b reserved [4, 5, 6, 7]; a's cached blocks 0 and 1 stand in for 4 and 5.
+    assert rt.mail.of(BlocksReserved)[1].block_ids == [4, 5, 6, 7]
+    assert steps(rt.engine)[3] == ([(8, 10, [0, 1, 6, 7])], [])
+    assert rt.mail.of(PrefillDone)[1].cached_tokens == 8
+    assert worker.idle_check.run()
+
+
+def test_an_abort_during_a_prefill_step_frees_the_blocks_after_it(make: Make) -> None:
+    rt, worker = make()
+
+    async def go() -> None:
+        rt.engine.interrupt(asyncio.get_running_loop(), lambda: worker.on_abort(AbortRequest("a")))
+        worker.on_reserve(reserve("a", prompt_tokens=10, max_tokens=3))
+        worker.on_task(prefill_task("a", PROMPT))
+        await run_until(worker.step_loop(), lambda: bool(finished(rt)) and worker.idle())
+
+    asyncio.run(go())
+    assert finished(rt) == [("a", "abort")]
+    assert rt.mail.of(PrefillDone) == [] and rt.mail.of(TokenDelta) == []
+    assert len(rt.engine.steps) == 1
+    assert worker.idle_check.run()
