@@ -97,8 +97,9 @@ def _nested(hint: Any) -> Optional[type]:
     return None
 
 
-# Per dataclass, once: (field name, type hint, nested dataclass or None, required).
-_Field = tuple[str, Any, Optional[type], bool]
+# Per dataclass, once: (field name, type hint, its origin, nested dataclass or None,
+# required, plain: the decoded JSON value is the field's value once checked).
+_Field = tuple[str, Any, Any, Optional[type], bool, bool]
 _PLANS: dict[type, list[_Field]] = {}
 
 
@@ -106,21 +107,22 @@ def _plan(cls: type) -> list[_Field]:
     plan = _PLANS.get(cls)
     if plan is None:
         hints = get_type_hints(cls)
-        plan = _PLANS[cls] = [
-            (f.name, hints[f.name], _nested(hints[f.name]),
-             f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-            for f in dataclasses.fields(cls)]
+        plan = _PLANS[cls] = []
+        for f in dataclasses.fields(cls):
+            hint, origin, inner = hints[f.name], get_origin(hints[f.name]), _nested(hints[f.name])
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            plain = inner is None and origin is not tuple and hint is not tuple
+            plan.append((f.name, hint, origin, inner, required, plain))
     return plan
 
 
-def _value(value: Any, hint: Any, inner: Optional[type], where: str) -> Any:
+def _value(value: Any, hint: Any, origin: Any, inner: Optional[type], where: str) -> Any:
     """``value`` checked against ``hint``; a nested dataclass ``inner`` is built (and so
-    validated by its own checks)."""
-    origin = get_origin(hint)
+    validated by its own checks). ``where`` names the field in errors."""
     if inner is not None and origin in (list, tuple):
         if not isinstance(value, list):
             raise ProtocolError(f"{where} has the wrong type")
-        items = [_value(v, inner, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+        items = [_value(v, inner, None, inner, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if inner is not None and not (value is None and _check(None, hint)):
         if not isinstance(value, dict):
@@ -136,9 +138,13 @@ def _value(value: Any, hint: Any, inner: Optional[type], where: str) -> Any:
 def _build(cls: type, body: dict, where: str) -> Any:
     """An instance of dataclass ``cls`` from a JSON object; ``body`` is consumed."""
     kwargs = {}
-    for name, hint, inner, required in _plan(cls):
+    for name, hint, origin, inner, required, plain in _plan(cls):
         if name in body:
-            kwargs[name] = _value(body.pop(name), hint, inner, f"{where}.{name}")
+            value = body.pop(name)
+            if plain and _check(value, hint):
+                kwargs[name] = value  # the common case, without naming the field
+            else:
+                kwargs[name] = _value(value, hint, origin, inner, f"{where}.{name}")
         elif required:
             raise ProtocolError(f"{where} lacks field {name}")
     if body:
