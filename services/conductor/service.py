@@ -246,7 +246,7 @@ class Conductor:
 async def run(config: ClusterConfig, index: int = 0) -> None:
     mail = Mailbox(config.inbox("conductor"), "conductor")
     conductor = Conductor(config, mail)
-    conductor.metrics.serve(config.base_port + 3, config.host)
+    conductor.metrics.serve(config.port("conductor_http"), config.host)
 
     async def ticker() -> None:
         while True:
@@ -254,7 +254,7 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
             conductor.sweep()
 
     tasks = [asyncio.create_task(ticker())]
-    if config.use_store:
+    if config.store.enabled:
         feed = StoreEventFeed(config.store_events_address, conductor.placer.global_index)
         tasks.append(asyncio.create_task(feed.run()))
     log.info("conductor ready at %s (scheduler=%s)", config.inbox("conductor"),

@@ -85,17 +85,3 @@ class RouterState:
                 RequestFailed: self._on_request_event, RequestRejected: self._on_request_event,
                 ClusterStatus: self._on_status,
                 KVTransferReport: self._on_kv_transfer}
-
-    async def inbox_loop(self) -> None:
-        """Read the inbox forever; an unexpected message or handler error is logged."""
-        table = self.handlers()
-        while True:
-            msg = await self.mailbox.recv()
-            handler = table.get(type(msg))
-            if handler is None:
-                log.warning("router: no handler for %s; dropped", type(msg).__name__)
-                continue
-            try:
-                handler(msg)
-            except Exception:  # noqa: BLE001 - one bad message must not stop the loop
-                log.exception("router: handler for %s failed", type(msg).__name__)
