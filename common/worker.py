@@ -15,7 +15,7 @@ from common.kv.events import BlockStored
 from common.kv.memory import resolve_kv_dtype
 from common.kv.shm_kv import close_at_exit, host_id, worker_segment
 from common.mailbox import Mailbox
-from common.protocol import RegisterWorker, WorkerHeartbeat, WorkerLoad
+from common.protocol import RegisterWorker, RequestFailed, WorkerHeartbeat, WorkerLoad
 from common.sampling_params import SamplingParams
 from common.transfer import TransferAgent, TransferConfig
 
@@ -91,6 +91,17 @@ class WorkerRuntime:
         self.mail.close()
         self.transfer.close()
         self.engine.kv.close()
+
+
+def fail_step(rt: WorkerRuntime, planned: list, exc: Exception) -> None:
+    """The engine refused a step (a bug, not load): fail the prompts it carried and keep
+    serving. ``planned``: (job, tokens) pairs; each job has ``.task`` and ``.aborted``.
+    Call from the ``except`` block (the traceback is logged)."""
+    log.exception("%s: %s step failed", rt.instance_id, rt.role)
+    for job, _ in planned:
+        job.aborted = True
+        rt.mail.send(rt.conductor, RequestFailed(job.task.request_id, 500, "internal_error",
+                                                 f"prefill failed: {exc}"))
 
 
 def make_generator(params: SamplingParams, stream: int) -> Optional[torch.Generator]:

@@ -27,7 +27,7 @@ from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
 from common.engine.sampling import sample
 from common.protocol import AbortRequest, PrefillDone, PrefillTask, RequestFailed, WorkerLoad
-from common.worker import WorkerRuntime, make_generator
+from common.worker import WorkerRuntime, fail_step, make_generator
 from services.decode.sequence import Reservation
 from services.decode.service import DecodeWorker, serve_worker
 from services.decode.turns import Turns
@@ -166,12 +166,8 @@ class ColocatedWorker(DecodeWorker):
             try:
                 per_chunk, logits = await loop.run_in_executor(
                     self.compute, lambda: self.engine.step(chunks, inputs))
-            except EngineInputError as exc:  # a bug, not load: fail the prompts, keep serving
-                log.exception("colocated step failed")
-                for p, _ in planned:
-                    p.aborted = True
-                    self.rt.mail.send(self.rt.conductor, RequestFailed(
-                        p.task.request_id, 500, "internal_error", f"prefill failed: {exc}"))
+            except EngineInputError as exc:
+                fail_step(self.rt, planned, exc)
                 continue
             if logits is not None:
                 self.advance(batch, logits)

@@ -33,7 +33,7 @@ from common.protocol import (
     AbortRequest, KVFailed, KVReady, PrefillDone, PrefillTask, RequestFailed, WorkerLoad,
 )
 from common.transfer import TransferError
-from common.worker import WorkerRuntime, make_generator
+from common.worker import WorkerRuntime, fail_step, make_generator
 from services.prefill.prefix import PrefixLoader, PrefixPlan
 from services.prefill.streaming import KVPaths, KVStream, RequestAborted
 
@@ -184,12 +184,8 @@ class PrefillWorker:
         try:
             rows = (await asyncio.get_running_loop().run_in_executor(
                 self.compute, lambda: self.engine.step(chunks, (), on_layer)))[0]
-        except EngineInputError as exc:  # a bug, not load: fail these, keep serving
-            log.exception("prefill step failed")
-            for job, _ in planned:
-                job.aborted = True
-                self.rt.mail.send(self.rt.conductor, RequestFailed(
-                    job.task.request_id, 500, "internal_error", f"prefill failed: {exc}"))
+        except EngineInputError as exc:
+            fail_step(self.rt, planned, exc)
             return
         step_s = time.perf_counter() - started
         total = sum(n for _, n in planned)

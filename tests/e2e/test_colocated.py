@@ -3,7 +3,6 @@ router and conductor. Its greedy outputs equal the engine run alone and the
 disaggregated cluster's; aborts and bad input leave no block behind."""
 from __future__ import annotations
 
-import asyncio
 from typing import Iterator
 
 import httpx
@@ -11,7 +10,7 @@ import pytest
 
 from launch.cluster import LocalCluster
 from tests.e2e.conftest import start_cluster, wait_no_leaks
-from tests.e2e.test_serving import PARIS, engine_alone, stream_chat, chunk_text
+from tests.e2e.test_serving import PARIS, all_at_once, chunk_text, engine_alone, stream_chat
 
 pytestmark = pytest.mark.e2e
 
@@ -45,21 +44,10 @@ def test_streamed_answer_equals_engine_alone(colocated: LocalCluster) -> None:
 def test_concurrent_requests_share_steps_and_match_engine_alone(colocated) -> None:
     """Six prompts at once with a 48-token budget: prompts are chunked across steps while
     others decode, and every answer equals the engine's alone."""
-    def body(p: str) -> dict:
-        return {"model": "smollm2-135m", "messages": [{"role": "user", "content": p}],
-                "max_tokens": 12, "temperature": 0}
-
-    async def all_at_once() -> list[str]:
-        async with httpx.AsyncClient(base_url=colocated.url, timeout=180) as client:
-            rs = await asyncio.gather(*(client.post("/v1/chat/completions", json=body(p))
-                                        for p in PROMPTS))
-        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
-        return [r.json()["choices"][0]["message"]["content"] for r in rs]
-
     expected = [engine_alone([{"role": "user", "content": p}], 12) for p in PROMPTS]
-    assert asyncio.run(all_at_once()) == expected
+    assert all_at_once(colocated.url, PROMPTS) == expected
     # The same prompts again hit the local prefix cache and still answer the same.
-    assert asyncio.run(all_at_once()) == expected
+    assert all_at_once(colocated.url, PROMPTS) == expected
     metrics = httpx.get(colocated.url + "/metrics", timeout=5).text
     assert "crescent_" in metrics
     wait_no_leaks(colocated)

@@ -81,26 +81,31 @@ PROMPTS = [f"Count from {i} to {i + 5}." for i in range(8)] + \
           [f"Name a color that starts with the letter {c}." for c in "ABCDEFGH"]
 
 
-def test_concurrent_requests_match_sequential(cluster, no_leaks) -> None:
-    def body(p: str) -> dict:
-        return {"model": "smollm2-135m", "messages": [{"role": "user", "content": p}],
-                "max_tokens": 12, "temperature": 0}
+def greedy_body(prompt: str, max_tokens: int = 12) -> dict:
+    return {"model": "smollm2-135m", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0}
 
-    sequential = []
-    with httpx.Client(base_url=cluster.url, timeout=120) as client:
-        for p in PROMPTS:
-            r = client.post("/v1/chat/completions", json=body(p))
-            assert r.status_code == 200, r.text
-            sequential.append(r.json()["choices"][0]["message"]["content"])
 
-    async def all_at_once() -> list[str]:
-        async with httpx.AsyncClient(base_url=cluster.url, timeout=180) as client:
-            rs = await asyncio.gather(*(client.post("/v1/chat/completions", json=body(p))
-                                        for p in PROMPTS))
+def all_at_once(url: str, prompts: list[str]) -> list[str]:
+    """Every prompt sent at the same moment; the answers, in prompt order (all 200)."""
+    async def go() -> list[str]:
+        async with httpx.AsyncClient(base_url=url, timeout=180) as client:
+            rs = await asyncio.gather(*(client.post("/v1/chat/completions",
+                                                    json=greedy_body(p)) for p in prompts))
         assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
         return [r.json()["choices"][0]["message"]["content"] for r in rs]
 
-    assert asyncio.run(all_at_once()) == sequential
+    return asyncio.run(go())
+
+
+def test_concurrent_requests_match_sequential(cluster, no_leaks) -> None:
+    sequential = []
+    with httpx.Client(base_url=cluster.url, timeout=120) as client:
+        for p in PROMPTS:
+            r = client.post("/v1/chat/completions", json=greedy_body(p))
+            assert r.status_code == 200, r.text
+            sequential.append(r.json()["choices"][0]["message"]["content"])
+    assert all_at_once(cluster.url, PROMPTS) == sequential
 
 
 @pytest.mark.parametrize("payload, param", [
