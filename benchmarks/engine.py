@@ -150,7 +150,7 @@ def main() -> None:
     load_s = time.perf_counter() - t0
     hf = None
     if not args.no_hf:
-        from tests.engine.hf_reference import load_hf_reference
+        from tests.model.hf_reference import load_hf_reference
 
         hf = load_hf_reference(default_gguf_path())
     pairs: dict[str, list[Callable[[], float]]] = {}

@@ -6,7 +6,7 @@ import torch
 
 from common.engine import Engine, SamplingParams, generate
 from common.model.loader import default_gguf_path
-from tests.engine.hf_reference import load_hf_reference
+from tests.model.hf_reference import load_hf_reference
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. The capital of Germany is",
