@@ -19,7 +19,7 @@ import torch
 from common.config import ClusterConfig
 from common.engine.config import DecodeInput, EngineConfig, PrefillChunk
 from common.engine.errors import EngineInputError
-from common.kv.idle_check import IdleCheck
+from common.idle_check import IdleCheck
 from common.kv.block_keys import compute_block_keys
 from common.kv.block_pool import BlockPool
 from common.kv.memory import PagedKVMemory
@@ -188,7 +188,8 @@ class Workers:
         rt = FakeRuntime(role, engine, ClusterConfig(token_budget=budget))
         prefix = PrefixLoader(engine.pool, engine.kv, None)
         worker: Any = cls(rt) if role == "decode" else cls(rt, prefix)
-        worker.idle_check = IdleCheck(engine.pool, interval_s=0, strict=True)
+        worker.idle_check = IdleCheck(engine.pool.check_idle, "KV block pool", interval_s=0,
+                                      strict=True)
         self.made.append(worker)
         return rt, worker
 

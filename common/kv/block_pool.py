@@ -165,6 +165,13 @@ class BlockPool:
             assert self._key[block] == key, f"key map disagrees at block {block}"
         assert sum(k is not None for k in self._key) == len(self._by_key), "stray block keys"
 
+    def check_idle(self) -> None:
+        """``check_integrity``, and no block referenced: what holds while the pool's worker
+        has nothing queued, running or in flight (a referenced block then is a leak)."""
+        self.check_integrity()
+        assert self.num_used == 0, (f"{self.num_used} of {self.num_blocks} blocks still "
+                                    "referenced with nothing queued or running")
+
     # ---- internals ----------------------------------------------------------------
     def _take(self, block: int) -> None:
         if self._ref[block] == 0:

@@ -14,7 +14,7 @@ from common.config import ClusterConfig
 from common.mailbox import serve_inbox
 from common.engine import DecodeInput
 from common.engine.sampling import sample
-from common.kv.idle_check import IdleCheck
+from common.idle_check import IdleCheck
 from common.protocol import (
     AbortRequest, BlocksReserved, KVFailed, KVReady, RequestFailed, RequestFinished,
     ReserveBlocks, ReserveFailed, TokenDelta, WorkerLoad,
@@ -35,7 +35,7 @@ class DecodeWorker:
         self.reserved: dict[str, Reservation] = {}
         self.running: dict[str, Running] = {}
         self.wake = asyncio.Event()
-        self.idle_check = IdleCheck(self.pool)  # the pool's invariants, while idle
+        self.idle_check = IdleCheck(self.pool.check_idle, "KV block pool")
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="decode")
         self.handlers: dict[type, Callable[[Any], None]] = {
             ReserveBlocks: self.on_reserve,

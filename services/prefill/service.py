@@ -26,7 +26,7 @@ from common.engine.batching import plan_chunks
 from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
 from common.engine.sampling import sample
-from common.kv.idle_check import IdleCheck
+from common.idle_check import IdleCheck
 from common.kv.shm_kv import host_id
 from common.mailbox import serve_inbox
 from common.protocol import (
@@ -76,7 +76,7 @@ class PrefillWorker:
         self.jobs: list[Job] = []  # admitted and computing, oldest first
         self.aborted: set[str] = set()  # aborts seen for tasks not admitted yet
         self.wake = asyncio.Event()
-        self.idle_check = IdleCheck(self.pool)  # the pool's invariants, while idle
+        self.idle_check = IdleCheck(self.pool.check_idle, "KV block pool")
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="prefill")
         self.stream_thread = ThreadPoolExecutor(1, thread_name_prefix="kv-stream")
         self.kv_paths = KVPaths(rt.config.kv_path, self.engine.kv, host_id())

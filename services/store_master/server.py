@@ -14,6 +14,7 @@ import zmq
 import zmq.asyncio
 
 from common.config import ClusterConfig
+from common.idle_check import IdleCheck
 from common.ipc import encode, make_socket
 from common.mailbox import RouterInbox, serve_inbox
 from common.store import protocol as p
@@ -23,6 +24,7 @@ from services.store_master.metrics import MasterMetrics
 log = logging.getLogger("store_master")
 
 Handler = Callable[[bytes, Any], Awaitable[Optional[Any]]]
+CLIENT_REQUESTS = (p.StoreExists, p.StoreGet, p.StorePutStart, p.StorePutEnd, p.StoreRemove)
 
 
 class MasterServer:
@@ -39,6 +41,8 @@ class MasterServer:
         self.epochs: dict[str, int] = {}  # node_id → registration count
         self.promotions: dict[tuple[str, str], asyncio.Future[bool]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
+        self.idle_check = IdleCheck(self.md.check_integrity, "store metadata")
+        self.last_client_request = time.monotonic()
         self.handlers: dict[type, Handler] = {
             p.StoreExists: self.on_exists,
             p.StoreGet: self.on_get,
@@ -55,12 +59,19 @@ class MasterServer:
     # ------------------------------------------------------------------ loop
     async def serve(self) -> None:
         self.metrics.serve(self.metrics_port)
-        reaper = asyncio.create_task(self._reap_forever(), name="store-reaper")
+        tasks = [asyncio.create_task(self._reap_forever(), name="store-reaper"),
+                 asyncio.create_task(self.idle_check.watch(self._idle), name="store-idle-check")]
         log.info("store master listening on %s", self.address)
-        await serve_inbox(self.inbox, self.handlers, [reaper], after=self._after)
+        await serve_inbox(self.inbox, self.handlers, tasks, after=self._after)
+
+    def _idle(self) -> bool:
+        """No client request for a second (node heartbeats aside)."""
+        return time.monotonic() - self.last_client_request >= 1.0
 
     def _after(self, msg: Any) -> None:
         """Count the request, then send what the policy queued."""
+        if isinstance(msg, CLIENT_REQUESTS):
+            self.last_client_request = time.monotonic()
         self.metrics.requests.labels(type(msg).__name__).inc()
         keys = getattr(msg, "keys", None)
         if keys is not None:

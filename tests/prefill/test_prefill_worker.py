@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Optional
 import pytest
 
 from common.engine.errors import EngineInputError
-from common.kv.idle_check import IdleCheck
+from common.idle_check import IdleCheck
 from common.protocol import (
     AbortRequest, KVFailed, KVReady, PrefillDone, RequestFailed, WorkerLoad,
 )
@@ -211,7 +211,8 @@ def test_an_engine_error_fails_the_step_prompts_and_keeps_serving(make: Make) ->
 
 def test_idle_check_watches_only_while_idle(make: Make) -> None:
     rt, worker = make()
-    worker.idle_check = check = IdleCheck(rt.engine.pool, interval_s=0.01, strict=True)
+    worker.idle_check = check = IdleCheck(rt.engine.pool.check_idle, "KV block pool",
+                                              interval_s=0.01, strict=True)
     worker.on_task(prefill_task("a", list(range(1, 11))))
 
     async def go() -> None:
