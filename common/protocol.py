@@ -218,13 +218,23 @@ class KVTransferReport:
     seconds: float
 
 
+@dataclass(frozen=True)
+class InstanceStatus:
+    """One live worker as the conductor sees it (served by the router at /debug/pools)."""
+
+    instance_id: str
+    role: str
+    total_blocks: int
+    free_blocks: int
+    used_blocks: int
+    queued: int
+    running: int
+    assigned: int  # requests placed on it and not yet finished
+
+
 @message
 class ClusterStatus:
-    """Conductor → router, every heartbeat interval: readiness and per-instance load.
-
-    ``instances`` holds one dict per live worker: instance_id, role, free_blocks,
-    total_blocks, used_blocks, queued, running.
-    """
+    """Conductor → router, every heartbeat interval: readiness and per-instance load."""
 
     ready: bool
-    instances: list[dict]
+    instances: list[InstanceStatus]

@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from common.protocol import RegisterWorker, WorkerHeartbeat, WorkerLoad
+from common.protocol import InstanceStatus, RegisterWorker, WorkerHeartbeat, WorkerLoad
 
 
 # Which registered roles serve a role the scheduler asks for.
@@ -77,18 +77,13 @@ class Registry:
     def get(self, instance_id: str) -> Optional[WorkerState]:
         return self.workers.get(instance_id)
 
-    def status(self) -> list[dict]:
+    def status(self) -> list[InstanceStatus]:
         out = []
         for w in sorted(self.workers.values(), key=lambda w: w.instance_id):
             b = w.beat
-            out.append({
-                "instance_id": w.instance_id,
-                "role": w.info.role,
-                "total_blocks": w.info.num_blocks,
-                "free_blocks": b.free_blocks if b else w.info.num_blocks,
-                "used_blocks": b.used_blocks if b else 0,
-                "queued": w.load.queued,
-                "running": w.load.running,
-                "assigned": len(w.assigned),
-            })
+            out.append(InstanceStatus(
+                instance_id=w.instance_id, role=w.info.role, total_blocks=w.info.num_blocks,
+                free_blocks=b.free_blocks if b else w.info.num_blocks,
+                used_blocks=b.used_blocks if b else 0, queued=w.load.queued,
+                running=w.load.running, assigned=len(w.assigned)))
         return out

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import orjson
 from aiohttp import web
@@ -199,7 +199,7 @@ async def debug_pools(request: web.Request) -> web.Response:
     state = request.app[STATE]
     status = state.status
     return _json({"ready": bool(status and status.ready), "age_s": state.status_age(),
-                  "instances": list(status.instances) if status else []})
+                  "instances": [asdict(i) for i in status.instances] if status else []})
 
 
 def routes() -> list[web.RouteDef]:

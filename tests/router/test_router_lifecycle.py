@@ -7,7 +7,7 @@ import time
 
 import openai
 
-from common.protocol import ClusterStatus
+from common.protocol import ClusterStatus, InstanceStatus
 from tests.router.fake_cluster import FakeCluster, accepted, deltas
 from tests.router.http_client import connect, get, post
 from tests.router.test_router_http import MODEL, USER, eventually
@@ -73,10 +73,12 @@ def test_health_follows_cluster_status(router: str, fake: FakeCluster) -> None:
 
 
 def test_debug_pools(router: str, fake: FakeCluster) -> None:
-    instances = [{"instance_id": "decode-0", "role": "decode", "free_blocks": 90,
-                  "used_blocks": 10, "total_blocks": 100, "queued": 0, "running": 1}]
-    fake.status = ClusterStatus(True, instances)
-    assert eventually(lambda: get(router, "/debug/pools").json()["instances"] == instances)
+    instance = InstanceStatus(instance_id="decode-0", role="decode", free_blocks=90,
+                              used_blocks=10, total_blocks=100, queued=0, running=1, assigned=1)
+    fake.status = ClusterStatus(True, [instance])
+    expected = [{"instance_id": "decode-0", "role": "decode", "total_blocks": 100,
+                 "free_blocks": 90, "used_blocks": 10, "queued": 0, "running": 1, "assigned": 1}]
+    assert eventually(lambda: get(router, "/debug/pools").json()["instances"] == expected)
     assert get(router, "/debug/pools").json()["ready"] is True
 
 
