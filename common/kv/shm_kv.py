@@ -16,7 +16,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import re
 import socket
 from functools import lru_cache
 from typing import Optional, Sequence
@@ -24,13 +23,12 @@ from typing import Optional, Sequence
 import torch
 
 from common.kv.memory import PagedKVMemory
-from common.store.shm import Segment, copy_many
+from common.store.shm import Segment, copy_many, owned_path, sweep_dead
 from common.transfer import coalesce
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-_NAME = re.compile(r"^crescent-kv-.+-(\d+)$")
 
 
 @lru_cache(maxsize=1)
@@ -45,48 +43,16 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _prefix() -> str:
-    """File names carry the hostname: containers that share /dev/shm but not a pid
-    namespace never sweep each other's segments."""
-    return f"crescent-kv-{socket.gethostname()}-"
-
-
 def segment_path(instance_id: str, directory: str = SHM_DIR) -> Optional[str]:
     """Where this process's KV segment goes; None where there is no such directory."""
     if not os.path.isdir(directory):
         return None
-    return os.path.join(directory, f"{_prefix()}{instance_id}-{os.getpid()}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return owned_path(directory, "kv", instance_id)
 
 
 def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     """Unlink KV segments left by processes that no longer exist (a SIGKILLed worker)."""
-    removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        m = _NAME.match(name)
-        if m is None or not name.startswith(_prefix()) or _alive(int(m.group(1))):
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
-            removed.append(name)
-        except OSError:
-            pass
-    if removed:
-        log.info("removed %d stale KV segment(s) from %s", len(removed), directory)
-    return removed
+    return sweep_dead(directory, "kv")
 
 
 KV_PATHS = ("auto", "shm", "transfer_engine")

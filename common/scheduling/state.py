@@ -27,6 +27,11 @@ class PrefixIndex:
     def on_removed(self, keys: Iterable[BlockKey]) -> None:
         self._keys.difference_update(keys)
 
+    def replace(self, keys: Iterable[BlockKey]) -> None:
+        """Hold exactly ``keys`` (a resync from a snapshot); views of the set stay valid."""
+        self._keys.clear()
+        self._keys.update(keys)
+
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._keys
 

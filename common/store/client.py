@@ -115,6 +115,7 @@ class StoreClient:
         reply = await self._call(lambda r: p.StoreGet(r, [k.hex() for k in keys]))
         ok = [False] * len(keys)
         if reply is not None:
+            self._forget_dead(reply.live)
             deadline = min(t0 + reply.lease_s, t0 + self.timeout_s)
             plans = [list(locs or []) for locs in reply.locations]
             await self._move_with_fallback(plans, addresses, size, reply.nodes, ok,
@@ -136,6 +137,7 @@ class StoreClient:
         if reply is None:
             self.stats.put_failed += len(keys)
             return 0
+        self._forget_dead(reply.live)
         new = [i for i, s in enumerate(reply.status) if s == "new"]
         self.stats.put_skipped += sum(1 for s in reply.status if s == "exists")
         self.stats.put_failed += sum(1 for s in reply.status if s == "nospace")
@@ -168,6 +170,20 @@ class StoreClient:
         reply = await self._call(lambda r: p.StorePollEvents(r, after_seq))
         return (list(reply.events), reply.last_seq) if reply is not None else ([], after_seq)
 
+    async def keys(self) -> Optional[p.StoreKeysReply]:
+        """Every committed key and the master's incarnation and last event (None: no
+        answer within ``timeout_s``)."""
+        return await self._call(lambda r: p.StoreKeys(r))
+
+    def _forget_dead(self, live: Optional[list[str]]) -> None:
+        """Unmap the segments of nodes the master no longer lists."""
+        if live is not None:
+            self._maps.retain(live)
+
+    def mapped_segments(self) -> dict[str, str]:
+        """node_id → segment file of every node segment mapped in this process."""
+        return self._maps.mapped()
+
     async def master_stats(self) -> Optional[dict[str, Any]]:
         reply = await self._call(lambda r: p.StoreStats(r))
         return reply.stats if reply is not None else None
@@ -187,24 +203,25 @@ class StoreClient:
             if not by_node or time.monotonic() >= deadline:
                 return
             results = await asyncio.gather(*(
-                self._move(nodes.get(n), jobs, size, write, deadline)
+                self._move(n, nodes.get(n), jobs, size, write, deadline)
                 for n, jobs in by_node.items()))
             for jobs, success in zip(by_node.values(), results):
                 for i, _, _ in jobs:
                     ok[i] = ok[i] or success
             attempt += 1
 
-    async def _move(self, info: Optional[dict[str, Any]], jobs: list[Job], size: int,
-                    write: bool, deadline: float) -> bool:
+    async def _move(self, node_id: str, info: Optional[dict[str, Any]], jobs: list[Job],
+                    size: int, write: bool, deadline: float) -> bool:
         if info is None:
             return False
-        seg = self._maps.get(info) if self.use_shm else None
+        seg = self._maps.get(node_id, info) if self.use_shm else None
         remaining = deadline - time.monotonic()
         try:
             if seg is not None:
                 pairs = [(seg.base + off, addr, size) if write else (addr, seg.base + off, size)
                          for _, addr, off in jobs]
-                await self._copy(pairs)  # bounded and never abandoned half-way
+                # bounded, never abandoned half-way, never unmapped under the copy
+                await self._copy(pairs, seg.view(0, seg.nbytes))
                 return True
             if self.transfer is None:
                 return False
@@ -219,16 +236,17 @@ class StoreClient:
                         info.get("session_id"), exc)
             return False
 
-    async def _copy(self, pairs: list[tuple[int, int, int]]) -> None:
-        """memmove on the copy threads, split in as many slices as there are threads."""
+    async def _copy(self, pairs: list[tuple[int, int, int]], pin: memoryview) -> None:
+        """memmove on the copy threads, split in as many slices as there are threads;
+        each slice holds ``pin`` (a view of the segment) until it is done."""
         assert self._pool is not None
         loop = asyncio.get_running_loop()
         total = sum(n for _, _, n in pairs)
         if total < (1 << 20) or len(pairs) < 2:
-            await loop.run_in_executor(self._pool, copy_many, pairs)
+            await loop.run_in_executor(self._pool, copy_many, pairs, pin)
             return
         k = self._copy_threads
-        await asyncio.gather(*(loop.run_in_executor(self._pool, copy_many, pairs[j::k])
+        await asyncio.gather(*(loop.run_in_executor(self._pool, copy_many, pairs[j::k], pin)
                                for j in range(k)))
 
     # ------------------------------------------------------------ control

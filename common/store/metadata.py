@@ -329,6 +329,10 @@ class StoreMetadata:
         obj = self.objects.get(key)
         return [r.node_id for r in obj.replicas if r.state is S.PROMOTING] if obj else []
 
+    def committed_keys(self) -> list[str]:
+        """Every key whose ``stored`` event has been emitted and no ``removed`` since."""
+        return [k for k, o in self.objects.items() if o.complete]
+
     def node_infos(self, node_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
         """What a client needs to reach each known node; unknown ids are left out."""
         return {n: self.nodes[n].info for n in node_ids if n in self.nodes}

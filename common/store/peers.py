@@ -1,17 +1,22 @@
-"""Other processes' node segments mapped here: one mapping per segment file, per epoch.
+"""Other processes' node segments mapped here: one mapping per node, per file and epoch.
 
 Same-host readers and writers (the store client, a node copying a hot replica from another
 node) move bytes with one ``memmove`` through a mapping of the node's /dev/shm file instead
-of the transfer engine. A node that re-registers gets a fresh segment and a new ``epoch``
-from the master: the cached mapping is then replaced. A file this host cannot open is
-remembered as ``None`` for that epoch, so the caller falls back to the transfer engine
-without trying again on every block.
+of the transfer engine. A node that re-registers (new epoch) or restarts (new file) gets its
+old mapping closed and a fresh one. A node the master no longer lists is dead: ``retain``
+closes its mapping, so a SIGKILLed node's file does not stay mapped (and its tmpfs pages
+held) for the life of every client. A file this host cannot open is remembered as ``None``
+for that epoch, so the caller falls back to the transfer engine without trying again on
+every block.
+
+Closing never unmaps bytes under a running copy: a copy pins the mapping with a view
+(``Segment.view``, passed as ``copy_many``'s ``pin``) and the unmapping waits for it.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from common.store.shm import Segment
 
@@ -19,32 +24,51 @@ log = logging.getLogger(__name__)
 
 
 class SegmentMaps:
-    """Node info (``shm_path``, ``segment_bytes``, ``epoch``) → this process's mapping."""
+    """node_id + node info (``shm_path``, ``segment_bytes``, ``epoch``) → a mapping here."""
 
     def __init__(self, own_path: Optional[str] = None) -> None:
         self.own_path = own_path  # never map our own segment a second time
-        self._maps: dict[str, tuple[int, Optional[Segment]]] = {}  # path → (epoch, map)
+        # node_id → (path, epoch, mapping or None: not mappable here)
+        self._maps: dict[str, tuple[str, int, Optional[Segment]]] = {}
 
-    def get(self, info: dict[str, Any]) -> Optional[Segment]:
+    def get(self, node_id: str, info: dict[str, Any]) -> Optional[Segment]:
         """The node's segment mapped here, or None: no file, not openable, or our own."""
         path = info.get("shm_path")
         if not path or path == self.own_path:
             return None
         epoch = info.get("epoch", 0)
-        cached = self._maps.get(path)
-        if cached is not None and cached[0] == epoch:
-            return cached[1]
+        cached = self._maps.get(node_id)
+        if cached is not None and cached[:2] == (path, epoch):
+            return cached[2]
+        self._drop(node_id)
         seg: Optional[Segment] = None
         if os.path.exists(path):
             try:
                 seg = Segment(int(info["segment_bytes"]), path)
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, KeyError) as exc:
                 log.info("cannot map %s (%s): using the transfer engine", path, exc)
-        self._maps[path] = (epoch, seg)
+        self._maps[node_id] = (path, epoch, seg)
         return seg
 
+    def retain(self, live: Iterable[str]) -> list[str]:
+        """Close the mappings of nodes not in ``live`` (the master's node list); returns
+        the node ids dropped."""
+        keep = set(live)
+        gone = sorted(n for n in self._maps if n not in keep)
+        for node_id in gone:
+            log.info("node %s is gone: unmapping %s", node_id, self._maps[node_id][0])
+            self._drop(node_id)
+        return gone
+
+    def mapped(self) -> dict[str, str]:
+        """node_id → path of every open mapping."""
+        return {n: path for n, (path, _, seg) in self._maps.items() if seg is not None}
+
+    def _drop(self, node_id: str) -> None:
+        cached = self._maps.pop(node_id, None)
+        if cached is not None and cached[2] is not None:
+            cached[2].close()
+
     def close(self) -> None:
-        for _, seg in self._maps.values():
-            if seg is not None:
-                seg.close()
-        self._maps.clear()
+        for node_id in list(self._maps):
+            self._drop(node_id)

@@ -5,7 +5,11 @@ carries a ``req_id`` echoed by its reply. A node's DEALER identity is its ``node
 the master can send it ``NodeCommand``s. KV bytes never ride here.
 
 A location is ``[node_id, offset]``; ``nodes`` maps each node_id named in a reply to what a
-client needs to reach it: ``{"session_id", "base", "shm_path", "hostname", "epoch"}``.
+client needs to reach it: ``{"session_id", "base", "shm_path", "hostname", "epoch"}``;
+``live`` lists every node the master knows (a client unmaps the others' segments).
+
+A master process has an ``incarnation`` (random, fixed for its life): a new one means the
+master restarted and everything the old one reported is gone.
 """
 from __future__ import annotations
 
@@ -62,6 +66,12 @@ class StoreStats:
     req_id: int
 
 
+@message
+class StoreKeys:
+    """A snapshot of every committed key (the conductor's resync after a gap or restart)."""
+    req_id: int
+
+
 # ------------------------------------------------------------ to the master, from nodes
 
 
@@ -107,6 +117,7 @@ class StoreGetReply:
     locations: list[Any]  # per key: [[node_id, offset], ...] or None (miss)
     nodes: dict[str, Any]
     lease_s: float
+    live: Optional[list[str]] = None
 
 
 @message
@@ -116,6 +127,7 @@ class StorePutStartReply:
     locations: list[Any]  # per key: [[node_id, offset], ...] (empty unless "new")
     nodes: dict[str, Any]
     put_timeout_s: float
+    live: Optional[list[str]] = None
 
 
 @message
@@ -144,9 +156,22 @@ class StoreStatsReply:
 
 
 @message
+class StoreKeysReply:
+    """Every committed key as of event ``last_seq`` of master ``incarnation``."""
+    req_id: int
+    incarnation: str
+    last_seq: int
+    keys: list[str]
+
+
+@message
 class StoreEvents:
-    """Published on the master's PUB socket (topic-less): a batch of KV events."""
-    events: list[Any]
+    """Published on the master's PUB socket (topic-less): a batch of KV events, or none
+    (a beacon, every heartbeat interval while idle). ``last_seq``: the master's latest
+    event, so a subscriber sees a gap even when no event follows the lost ones."""
+    events: list[Any]  # [[seq, "stored" | "removed", key], ...]
+    incarnation: str = ""
+    last_seq: int = 0
 
 
 # ------------------------------------------------------------ to nodes
@@ -156,6 +181,7 @@ class StoreEvents:
 class NodeAck:
     known: bool  # False: the master does not know this node; register again
     heartbeat_interval_s: float = 0.5
+    live: Optional[list[str]] = None  # every node the master knows
 
 
 @message

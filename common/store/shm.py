@@ -2,13 +2,66 @@
 
 A worker then moves a block with one ``memmove`` (GIL released) instead of a TCP loopback
 round trip. ``Segment.base`` is the address of the mapping in *this* process.
+
+Segment files (store nodes', workers' KV) are named ``crescent-<kind>-<hostname>-<name>-<pid>``
+(``owned_path``): a SIGKILLed owner cannot unlink its file, so the next process of that kind
+on this host removes files whose owner pid is gone (``sweep_dead``). The hostname keeps
+containers that share /dev/shm but not a pid namespace off each other's files.
 """
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
-from typing import Optional, Sequence
+import re
+import socket
+from typing import Any, Optional, Sequence
+
+log = logging.getLogger(__name__)
+
+
+def _prefix(kind: str) -> str:
+    return f"crescent-{kind}-{socket.gethostname()}-"
+
+
+def owned_path(directory: str, kind: str, name: str) -> str:
+    """Where this process's ``kind`` segment called ``name`` goes (its pid in the name)."""
+    return os.path.join(directory, f"{_prefix(kind)}{name}-{os.getpid()}")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_dead(directory: str, kind: str) -> list[str]:
+    """Unlink this host's ``kind`` segment files whose owner process no longer exists.
+    Returns the names removed. A live owner's file (this process's included) stays."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    pattern = re.compile(re.escape(_prefix(kind)) + r".+-(\d+)$")
+    for name in names:
+        m = pattern.match(name)
+        if m is None or pid_alive(int(m.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass
+    if removed:
+        log.info("removed %d %s segment(s) of dead processes from %s: %s", len(removed), kind,
+                 directory, ", ".join(sorted(removed)))
+    return removed
 
 
 class Segment:
@@ -43,10 +96,12 @@ class Segment:
         return memoryview(self._mm)[offset:offset + size]
 
     def close(self, unlink: bool = False) -> None:
-        del self._anchor
+        """Unmap (idempotent). While a ``view`` is alive (a copy pinned it) the unmapping
+        waits for the last reference to go: bytes are never unmapped under a copy."""
+        self.__dict__.pop("_anchor", None)
         try:
             self._mm.close()
-        except BufferError:  # a view is still alive; the mapping goes with the process
+        except BufferError:  # a view is alive: unmapped when the last reference goes
             pass
         if unlink and self.path:
             try:
@@ -55,8 +110,9 @@ class Segment:
                 pass
 
 
-def copy_many(jobs: Sequence[tuple[int, int, int]]) -> int:
-    """``memmove(dst, src, n)`` for each job (runs GIL-free in a worker thread)."""
+def copy_many(jobs: Sequence[tuple[int, int, int]], pin: Any = None) -> int:
+    """``memmove(dst, src, n)`` for each job (runs GIL-free in a worker thread). ``pin``
+    (a ``Segment.view``) is held until the copy returns, so the mapping stays."""
     total = 0
     for dst, src, n in jobs:
         ctypes.memmove(dst, src, n)

@@ -1,7 +1,8 @@
-"""Prometheus metrics of the store master (one registry per master instance)."""
+"""Prometheus metrics of the store master (one registry per master instance), served on
+the cluster's ``host`` only, like every other listener."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
@@ -9,7 +10,8 @@ from common.store.metadata import StoreMetadata
 
 
 class MasterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("store_requests", "Requests by type", ["type"], registry=r)
@@ -22,9 +24,13 @@ class MasterMetrics:
         self.capacity = Gauge("store_capacity_bytes", "Capacity", ["tier"], registry=r)
         self._seen: dict[str, int] = {}
 
-    def serve(self, port: Optional[int]) -> None:
-        if port:
-            start_http_server(port, registry=self.registry)
+    def serve(self, port: Optional[int]) -> Optional[Any]:
+        """Serve ``/metrics`` on ``host:port`` in a daemon thread (port 0: a free one; None:
+        not at all). Returns the HTTP server (``server_address``)."""
+        if port is None:
+            return None
+        server, _ = start_http_server(port, addr=self.host, registry=self.registry)
+        return server
 
     def observe(self, md: StoreMetadata) -> None:
         """Refresh gauges and turn the policy's counters into Prometheus counters."""

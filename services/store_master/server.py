@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from typing import Any, Awaitable, Callable, Optional
 
 import zmq
@@ -34,11 +35,13 @@ class MasterServer:
         self.store = config.store
         self.policy = config.store.policy
         self.md = StoreMetadata(self.policy)
-        self.metrics = MasterMetrics()
+        self.metrics = MasterMetrics(config.host)  # its HTTP listener binds the cluster host
         self.inbox = RouterInbox(self.address, "store_master")
         self.pub = make_socket(zmq.asyncio.Context.instance(), zmq.PUB,
                                config.store_events_address, bind=True)
         self.epochs: dict[str, int] = {}  # node_id → registration count
+        self.incarnation = uuid.uuid4().hex[:12]  # new on every start: subscribers resync
+        self.last_publish = 0.0
         self.promotions: dict[tuple[str, str], asyncio.Future[bool]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.idle_check = IdleCheck(self.md.check_integrity, "store metadata")
@@ -51,6 +54,7 @@ class MasterServer:
             p.StoreRemove: self.on_remove,
             p.StorePollEvents: self.on_poll_events,
             p.StoreStats: self.on_stats,
+            p.StoreKeys: self.on_keys,
             p.NodeRegister: self.on_register,
             p.NodeHeartbeat: self.on_heartbeat,
             p.NodeCommandDone: self.on_command_done,
@@ -61,7 +65,8 @@ class MasterServer:
         self.metrics.serve(self.metrics_port)
         tasks = [asyncio.create_task(self._reap_forever(), name="store-reaper"),
                  asyncio.create_task(self.idle_check.watch(self._idle), name="store-idle-check")]
-        log.info("store master listening on %s", self.address)
+        log.info("store master listening on %s (incarnation %s)", self.address,
+                 self.incarnation)
         await serve_inbox(self.inbox, self.handlers, tasks, after=self._after)
 
     def _idle(self) -> bool:
@@ -105,11 +110,17 @@ class MasterServer:
                 msg = p.NodeCommandMsg(cmd.kind, cmd.key, cmd.offset, cmd.size)
             self._send(cmd.node_id.encode(), msg)
         events = self.md.events.drain()
-        if events:
-            self.pub.send(encode(p.StoreEvents([[e.seq, e.kind, e.key] for e in events])))
+        now = time.monotonic()
+        if events or now - self.last_publish >= self.store.heartbeat_interval_s:
+            self.last_publish = now  # while idle, an empty batch: the beacon
+            self.pub.send(encode(p.StoreEvents([[e.seq, e.kind, e.key] for e in events],
+                                               self.incarnation, self.md.events.seq)))
 
     def _nodes_of(self, locations: list[Any]) -> dict[str, Any]:
         return self.md.node_infos({n for locs in locations if locs for n, _ in locs})
+
+    def _live(self) -> list[str]:
+        return sorted(self.md.nodes)
 
     # -------------------------------------------------------------- clients
     async def on_exists(self, identity: bytes, msg: p.StoreExists) -> Any:
@@ -120,7 +131,7 @@ class MasterServer:
         locations, promoting = self.md.get(keys, time.monotonic())
         if not promoting:
             return p.StoreGetReply(msg.req_id, locations, self._nodes_of(locations),
-                                   self.policy.lease_s)
+                                   self.policy.lease_s, self._live())
         task = asyncio.create_task(self._finish_get(identity, msg.req_id, keys, locations,
                                                     promoting))
         self.tasks.add(task)
@@ -144,7 +155,7 @@ class MasterServer:
         for i, locs in zip(promoting, again):
             locations[i] = locs
         self._send(identity, p.StoreGetReply(req_id, locations, self._nodes_of(locations),
-                                             self.policy.lease_s))
+                                             self.policy.lease_s, self._live()))
 
     async def on_put_start(self, identity: bytes, msg: p.StorePutStart) -> Any:
         if msg.size <= 0:
@@ -153,7 +164,8 @@ class MasterServer:
         slots = self.md.put_start(list(msg.keys), msg.size, msg.replica_num, time.monotonic())
         locations = [[list(loc) for loc in s.locations] for s in slots]
         return p.StorePutStartReply(msg.req_id, [s.status for s in slots], locations,
-                                    self._nodes_of(locations), self.policy.put_timeout_s)
+                                    self._nodes_of(locations), self.policy.put_timeout_s,
+                                    self._live())
 
     async def on_put_end(self, identity: bytes, msg: p.StorePutEnd) -> Any:
         committed = self.md.put_end(list(msg.keys), list(msg.ok), time.monotonic())
@@ -170,6 +182,10 @@ class MasterServer:
     async def on_stats(self, identity: bytes, msg: p.StoreStats) -> Any:
         return p.StoreStatsReply(msg.req_id, self.md.stats())
 
+    async def on_keys(self, identity: bytes, msg: p.StoreKeys) -> Any:
+        return p.StoreKeysReply(msg.req_id, self.incarnation, self.md.events.seq,
+                                self.md.committed_keys())
+
     # ---------------------------------------------------------------- nodes
     async def on_register(self, identity: bytes, msg: p.NodeRegister) -> Any:
         if identity != msg.node_id.encode():
@@ -182,11 +198,11 @@ class MasterServer:
         self.md.add_node(msg.node_id, msg.segment_bytes, msg.ssd_bytes, info, time.monotonic())
         log.info("node %s registered: %d MiB DRAM, %d MiB SSD, shm=%s", msg.node_id,
                  msg.segment_bytes >> 20, msg.ssd_bytes >> 20, msg.shm_path)
-        return p.NodeAck(True, self.store.heartbeat_interval_s)
+        return p.NodeAck(True, self.store.heartbeat_interval_s, self._live())
 
     async def on_heartbeat(self, identity: bytes, msg: p.NodeHeartbeat) -> Any:
         known = self.md.heartbeat(msg.node_id, time.monotonic())
-        return p.NodeAck(known, self.store.heartbeat_interval_s)
+        return p.NodeAck(known, self.store.heartbeat_interval_s, self._live())
 
     async def on_command_done(self, identity: bytes, msg: p.NodeCommandDone) -> Any:
         if msg.op == "offload":

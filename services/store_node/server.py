@@ -12,20 +12,21 @@ import ctypes
 import logging
 import os
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from common.config import ClusterConfig
 from common.mailbox import DealerLink, serve_inbox
+from common.security import clamp_interval
 from common.service import StartupError
 from common.store import protocol as p
 from common.store.peers import SegmentMaps
-from common.store.shm import Segment
+from common.store.shm import Segment, owned_path, sweep_dead
 from common.transfer import TransferAgent, TransferConfig
 from services.store_node.ssd import SsdTier
 
 log = logging.getLogger("store_node")
+MIN_BEAT_S = 0.05  # a master asking for faster heartbeats gets these
 
 
 class MasterUnreachable(StartupError):
@@ -40,9 +41,9 @@ class NodeServer:
         self.hostname = config.host
         self.master_address = config.inbox("store_master")
         path = None
-        if store.shm_dir:
-            path = os.path.join(store.shm_dir,
-                                f"crescent-store-{self.node_id}-{uuid.uuid4().hex[:8]}")
+        if store.shm_dir:  # first remove files of nodes SIGKILLed on this host
+            sweep_dead(store.shm_dir, "store")
+            path = owned_path(store.shm_dir, "store", self.node_id)
         self.segment = Segment(store.segment_bytes, path, create=True)
         ssd_dir = f"{store.ssd_dir}/node-{index}" if store.ssd_dir and store.ssd_bytes else None
         self.ssd = SsdTier(ssd_dir, store.ssd_bytes if ssd_dir else 0)
@@ -69,7 +70,7 @@ class NodeServer:
             wait = min(self.store.node_timeout_s, max(0.05, give_up - time.monotonic()))
             msg = await self.link.request(self._register_msg(), wait)
             if isinstance(msg, p.NodeAck) and msg.known:
-                self.heartbeat_s = msg.heartbeat_interval_s
+                self.heartbeat_s = self._beat(msg)
                 self.last_ack = time.monotonic()
                 return
         raise MasterUnreachable(f"master {self.master_address} unreachable for "
@@ -92,9 +93,16 @@ class NodeServer:
             if silent > self.store.register_deadline_s:
                 log.warning("master silent for %.0fs; still trying", silent)
 
+    def _beat(self, msg: p.NodeAck) -> float:
+        """The master's heartbeat period, within [MIN_BEAT_S, register_deadline_s]."""
+        return clamp_interval(msg.heartbeat_interval_s, MIN_BEAT_S,
+                              self.store.register_deadline_s)
+
     def on_ack(self, msg: p.NodeAck) -> Optional[p.NodeRegister]:
         self.last_ack = time.monotonic()
-        self.heartbeat_s = msg.heartbeat_interval_s
+        self.heartbeat_s = self._beat(msg)
+        if msg.live is not None:  # on the copier thread: never under a running copy
+            self.copier.submit(self.peers.retain, msg.live)
         if msg.known:
             return None
         log.warning("master forgot node %s; registering again", self.node_id)  # or restarted
@@ -103,7 +111,8 @@ class NodeServer:
     async def on_command(self, msg: p.NodeCommandMsg) -> None:
         loop = asyncio.get_running_loop()
         if msg.op == "replicate":
-            start_by = time.monotonic() + msg.start_within_s
+            start_by = time.monotonic() + clamp_interval(  # never past the master's own
+                msg.start_within_s, 0.0, self.store.policy.put_timeout_s / 2)  # reclaim
             fut = loop.run_in_executor(self.copier, self._replicate, msg, start_by)
         else:
             fut = loop.run_in_executor(self.io, self._run_command, msg)
@@ -121,7 +130,7 @@ class NodeServer:
         if time.monotonic() > start_by:
             return False
         try:
-            peer = self.peers.get(src)
+            peer = self.peers.get(str(src.get("node_id")), src)
             dst = self.segment.base + msg.offset
             if peer is not None:
                 ctypes.memmove(dst, peer.base + msg.source_offset, msg.size)

@@ -11,7 +11,10 @@ import tempfile
 import time
 from typing import Iterator
 
+import numpy as np
 import pytest
+
+from common.store.client import StoreClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -59,6 +62,8 @@ class Cluster:
         self.procs: list[subprocess.Popen] = []
         self.nodes: dict[str, subprocess.Popen] = {}
         self.ids: dict[str, str] = {}  # test name → node id
+        self.args: dict[str, list[str]] = {}  # test name → its node's arguments
+        self.master_proc: subprocess.Popen | None = None
         self.address = ""
         self.config = os.path.join(tmp, "cluster.toml")
 
@@ -78,8 +83,19 @@ class Cluster:
         with open(self.config, "w") as fh:
             fh.write("\n".join(lines) + "\n")
         self.address = f"tcp://127.0.0.1:{base + 2}"
-        self.spawn("store_master")
+        self.master_proc = self.spawn("store_master")
         return self.address
+
+    def kill_master(self) -> None:
+        """SIGKILL the master (no chance to clean up)."""
+        assert self.master_proc is not None
+        self.master_proc.kill()
+        self.master_proc.wait(5)
+
+    def restart_master(self) -> None:
+        """SIGKILL the master and start it again on the same ports, empty."""
+        self.kill_master()
+        self.master_proc = self.spawn("store_master")
 
     def node(self, name: str, segment_mib: int = 16, shm: bool = True,
              ssd_mib: int = 0, wait: bool = True) -> subprocess.Popen:
@@ -90,11 +106,23 @@ class Cluster:
         if ssd_mib:
             args += ["--set", f"store.ssd_dir={self.tmp!r}",
                      "--set", f"store.ssd_bytes={ssd_mib << 20}"]
-        proc = self.spawn("store_node", *args)
+        self.args[name] = args
+        self.ids[name] = f"store_node-{index}"
+        return self._start_node(name, wait)
+
+    def restart_node(self, name: str, wait: bool = True) -> subprocess.Popen:
+        """SIGKILL node ``name`` if it runs, then start it again with the same index."""
+        old = self.nodes[name]
+        if old.poll() is None:
+            old.kill()
+            old.wait(5)
+        return self._start_node(name, wait)
+
+    def _start_node(self, name: str, wait: bool) -> subprocess.Popen:
+        proc = self.spawn("store_node", *self.args[name])
         if wait:
             wait_for_line(proc, "ready", 20.0)
         self.nodes[name] = proc
-        self.ids[name] = f"store_node-{index}"
         return proc
 
     def close(self) -> None:
@@ -128,3 +156,33 @@ def transfer():
     agent.close()
 
 
+BLOCK = 256 << 10
+SLOTS = 64  # blocks in each test buffer
+
+
+@pytest.fixture(scope="session")
+def buffers(transfer):
+    """A source with random blocks and a destination, registered once for the session."""
+    src = np.random.default_rng(0).integers(0, 256, SLOTS * BLOCK, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    transfer.register(src.ctypes.data, src.nbytes)
+    transfer.register(dst.ctypes.data, dst.nbytes)
+    return src, dst
+
+
+def addrs(arr: np.ndarray, idx: range | list[int]) -> list[int]:
+    return [arr.ctypes.data + i * BLOCK for i in idx]
+
+
+def same(src: np.ndarray, dst: np.ndarray, i: int, j: int) -> bool:
+    return bool((src[i * BLOCK:(i + 1) * BLOCK] == dst[j * BLOCK:(j + 1) * BLOCK]).all())
+
+
+def keys(n: int) -> list[bytes]:
+    return [os.urandom(16) for _ in range(n)]
+
+
+async def client_for(address: str, transfer, use_shm: bool) -> StoreClient:
+    c = StoreClient(address, transfer, timeout_s=3.0, use_shm=use_shm)
+    await c.start()
+    return c

@@ -2,46 +2,12 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
-import numpy as np
 import pytest
 
 from common.store.client import StoreClient
-from tests.store.conftest import free_port
-
-BLOCK = 256 << 10
-SLOTS = 64  # blocks in each test buffer
-
-
-@pytest.fixture(scope="session")
-def buffers(transfer):
-    """A source with random blocks and a destination, registered once for the session."""
-    src = np.random.default_rng(0).integers(0, 256, SLOTS * BLOCK, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    transfer.register(src.ctypes.data, src.nbytes)
-    transfer.register(dst.ctypes.data, dst.nbytes)
-    return src, dst
-
-
-def addrs(arr: np.ndarray, idx: range | list[int]) -> list[int]:
-    return [arr.ctypes.data + i * BLOCK for i in idx]
-
-
-def same(src: np.ndarray, dst: np.ndarray, i: int, j: int) -> bool:
-    return bool((src[i * BLOCK:(i + 1) * BLOCK] == dst[j * BLOCK:(j + 1) * BLOCK]).all())
-
-
-def keys(n: int) -> list[bytes]:
-    return [os.urandom(16) for _ in range(n)]
-
-
-async def client_for(address: str, transfer, use_shm: bool) -> StoreClient:
-    c = StoreClient(address, transfer, timeout_s=3.0, use_shm=use_shm)
-    await c.start()
-    return c
-
+from tests.store.conftest import BLOCK, addrs, client_for, free_port, keys, same
 
 @pytest.mark.parametrize("shm_node,shm_client", [(True, True), (True, False), (False, True)])
 def test_put_get_byte_exact(cluster, transfer, buffers, shm_node, shm_client):
