@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+from collections import Counter
 from typing import Any, Callable, Optional, Sequence, Union
 
 import zmq
@@ -24,17 +25,23 @@ from common.ipc import encode, make_socket, try_decode
 log = logging.getLogger(__name__)
 
 
+# Messages queued per outbox before ``send`` drops: a peer that is down (or slow) holds
+# at most this many of ours, not an unbounded backlog replayed when it comes back.
+OUTBOX_HWM = 10_000
+
+
 class Mailbox:
     def __init__(self, inbox: Optional[str], name: str) -> None:
         self.name = name
         self.ctx = zmq.asyncio.Context.instance()
         self.inbox = make_socket(self.ctx, zmq.PULL, inbox, bind=True) if inbox else None
         self._out: dict[str, zmq.asyncio.Socket] = {}
+        self.dropped: Counter[str] = Counter()  # messages dropped on a full outbox, by peer
 
     def _socket(self, address: str) -> zmq.asyncio.Socket:
         sock = self._out.get(address)
         if sock is None:
-            sock = make_socket(self.ctx, zmq.PUSH, address, bind=False, hwm=100_000)
+            sock = make_socket(self.ctx, zmq.PUSH, address, bind=False, hwm=OUTBOX_HWM)
             self._out[address] = sock
         return sock
 
@@ -44,8 +51,10 @@ class Mailbox:
             self._socket(address).send(encode(msg), flags=zmq.NOBLOCK)
             return True
         except zmq.Again:
-            log.warning("%s: outbox to %s is full; dropped %s", self.name, address,
-                        type(msg).__name__)
+            self.dropped[address] += 1
+            log.warning("%s: outbox to %s is full (%d queued); dropped %s (%d so far)",
+                        self.name, address, OUTBOX_HWM, type(msg).__name__,
+                        self.dropped[address])
             return False
 
     async def recv(self) -> Any:

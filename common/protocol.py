@@ -4,7 +4,7 @@ Topology (see common/config.py): each process binds one PULL inbox and PUSHes to
 inboxes of the others. Block keys travel hex-encoded; token ids as lists of ints.
 Nested values are frozen dataclasses the codec decodes and validates too:
 ``SamplingParams`` (common/sampling_params.py), ``Rejection`` (the scheduling policy's),
-``WorkerLoad`` (below).
+``WorkerLoad`` (below), ``BlockEventMsg`` (common/kv/events.py).
 KV bytes never travel here: only addresses, block ids and transfer-engine session ids.
 Store messages live in common/store/protocol.py.
 """
@@ -14,8 +14,23 @@ from dataclasses import dataclass
 from typing import Optional
 
 from common.ipc import message
+from common.kv.events import BlockEventMsg
 from common.sampling_params import SamplingParams
 from common.scheduling.state import Rejection
+
+# ---------------------------------------------------------------- fencing
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Which reservation a piece of KV work belongs to: the decode worker's incarnation
+    (``epoch``, chosen at its start) and the reservation's ``generation`` (minted by that
+    incarnation from 1 up, never reused). The decode worker admits KV only under the
+    fence of a live reservation; the default fence matches none (fail closed)."""
+
+    epoch: int = 0
+    generation: int = 0
+
 
 # ---------------------------------------------------------------- to the conductor
 
@@ -33,6 +48,7 @@ class RegisterWorker:
     block_size: int
     kv_shm_path: Optional[str] = None  # the KV memory as a /dev/shm file same-host peers map
     host_id: Optional[str] = None  # hostname/boot id: who can map kv_shm_path
+    epoch: int = 0  # this incarnation (start time, ns): a higher one replaces it
 
 
 @dataclass(frozen=True)
@@ -53,9 +69,11 @@ class WorkerHeartbeat:
     free_blocks: int  # allocatable now (truly free + cached-but-unreferenced)
     used_blocks: int  # referenced by a live request
     total_blocks: int
-    stored_keys: list[str]  # KV events since last beat: blocks now cached
-    removed_keys: list[str]  # KV events since last beat: blocks evicted
-    event_seq: int
+    events: list[BlockEventMsg]  # KV events since the last beat, in sequence order
+    event_seq: int  # the pool's latest event: a gap shows even in a beat without events
+    epoch: int = 0  # the sender's incarnation: a beat of a replaced one is dropped
+    inbox: Optional[str] = None  # the sender's: where a ReRegister goes
+    draining: bool = False  # SIGTERM: finishing in-flight work; place nothing new here
 
 
 @message
@@ -75,6 +93,7 @@ class AbortRequest:
 
     request_id: str
     reason: str = "aborted"
+    fence: Optional[Fence] = None  # set: only that reservation (a late one given back)
 
 
 @message
@@ -84,6 +103,8 @@ class BlocksReserved:
     request_id: str
     instance_id: str
     block_ids: list[int]
+    fence: Fence = Fence()  # the reservation's: PrefillTask, KVReady/KVFailed carry it
+    attempt: int = 0  # echoed from ReserveBlocks: an older attempt's is given back
 
 
 @message
@@ -91,6 +112,7 @@ class ReserveFailed:
     request_id: str
     instance_id: str
     reason: str
+    attempt: int = 0
 
 
 @message
@@ -105,6 +127,7 @@ class PrefillDone:
     prefill_seconds: float
     transfer_bytes: int
     transfer_seconds: float = 0.0  # time the KV stream was in flight (overlaps compute)
+    fence: Fence = Fence()  # the reservation it filled: a stale one is dropped
 
 
 @message
@@ -114,6 +137,7 @@ class RequestFinished:
     request_id: str
     instance_id: str
     finish_reason: str
+    fence: Fence = Fence()  # the reservation freed: an old one's ends no re-run request
 
 
 @message
@@ -125,6 +149,37 @@ class RequestFailed:
     error_type: str
     message: str
     retry_after_s: Optional[float] = None
+    fence: Optional[Fence] = None  # set by a worker: the reservation the failure is about
+
+
+@message
+class KVSnapshot:
+    """Worker → conductor, asked by ``KVResync``: every block key cached now, as of KV
+    event ``event_seq`` of incarnation ``epoch`` (later events follow in heartbeats)."""
+
+    instance_id: str
+    epoch: int
+    event_seq: int
+    keys: list[str]
+
+
+# ---------------------------------------------------------------- to any worker
+
+
+@message
+class KVResync:
+    """Conductor → worker: its KV events had a gap (a lost heartbeat); send a KVSnapshot."""
+
+    instance_id: str
+
+
+@message
+class ReRegister:
+    """Conductor → a worker whose heartbeat it does not know (the conductor restarted, or
+    it had given the worker up): send ``RegisterWorker`` now rather than at the next
+    periodic registration, so the worker is used again at once."""
+
+    instance_id: str
 
 
 # ---------------------------------------------------------------- to a prefill worker
@@ -143,6 +198,8 @@ class PrefillTask:
     deadline: float  # wall-clock time after which the work is abandoned
     decode_shm_path: Optional[str] = None  # set: same-host prefill may write KV there
     decode_host_id: Optional[str] = None
+    fence: Fence = Fence()  # the reservation written into; every answer carries it
+    prefill_epoch: int = 0  # the incarnation it is for: another one drops it
 
 
 # ---------------------------------------------------------------- to a decode worker
@@ -156,7 +213,11 @@ class ReserveBlocks:
     prompt_tokens: int
     sampling: SamplingParams
     router_inbox: str
-    deadline: float  # if KV has not landed by then, free the blocks and fail
+    deadline: float  # if KV has not landed by then, fail (blocks freed once writes stop)
+    epoch: int = 0  # the decode incarnation it is for: another one drops it
+    writer: Optional[str] = None  # the prefill instance that will write the KV
+    writer_epoch: int = 0  # and its incarnation (WorkerGone names dead ones)
+    attempt: int = 0  # 1 for a request re-run after its prefill worker was lost
 
 
 @message
@@ -168,12 +229,25 @@ class KVReady:
     first_logprob: Optional[float]
     prompt_tokens: int
     cached_tokens: int
+    fence: Fence = Fence()
 
 
 @message
 class KVFailed:
+    """Prefill → decode: no write of this fence's stream can land any more (all settled)."""
+
     request_id: str
     reason: str
+    fence: Fence = Fence()
+
+
+@message
+class WorkerGone:
+    """Conductor → decode: every incarnation of ``instance_id`` but ``live_epoch`` has
+    exited (its inbox was bound again), so none of its KV writes can land any more."""
+
+    instance_id: str
+    live_epoch: int
 
 
 # ---------------------------------------------------------------- to the router

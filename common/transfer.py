@@ -2,14 +2,19 @@
 
 Both sides register memory; ``write``/``read`` move bytes between registered regions
 (no copy in Python). The engine's async status call is not usable from Python here, so
-the synchronous batch calls run on a small thread pool and every awaitable has a deadline.
+the synchronous batch calls run on a small thread pool and every wait for one has a
+deadline. A deadline cannot stop the native call: it is still ``in_flight`` until it
+returns (memory it writes must stay out of use until then), and its peer is marked bad
+meanwhile, so later calls to it fail at once instead of piling up behind it.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -26,7 +31,8 @@ class TransferConfig:
     protocol: str = "tcp"  # "rdma" on a GPU cluster
     metadata_server: str = "P2PHANDSHAKE"  # no etcd needed
     device_name: str = ""  # RDMA NIC names, comma separated
-    threads: int = 4
+    threads: int = 8
+    call_timeout_s: float = 30.0  # one native call's deadline (its caller's wait)
 
 
 def coalesce(
@@ -66,6 +72,8 @@ class TransferAgent:
         self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="transfer")
         self._lock = threading.Lock()
         self._registered: dict[int, int] = {}
+        self._calls: dict[Future, str] = {}  # native calls running, by target
+        self._bad: set[str] = set()  # targets with a call past its deadline still running
         self.bytes_moved = 0
         self.seconds_spent = 0.0
 
@@ -84,8 +92,6 @@ class TransferAgent:
 
     def _run(self, write: bool, target: str, local: Sequence[int], remote: Sequence[int],
              lengths: Sequence[int]) -> int:
-        import time
-
         local_c, remote_c, len_c = coalesce(local, remote, lengths)
         if not len_c:
             return 0
@@ -102,15 +108,57 @@ class TransferAgent:
             self.seconds_spent += time.perf_counter() - start
         return total
 
+    def _submit(self, write: bool, target: str, local: Sequence[int], remote: Sequence[int],
+                lengths: Sequence[int]) -> Future:
+        """Start one native call on the pool; it is in flight (``in_flight``) until it
+        returns, whatever its caller's deadline did meanwhile."""
+        with self._lock:
+            if target in self._bad:
+                raise TransferError(f"{target} is marked bad: a call to it is still hung")
+            fut = self._pool.submit(self._run, write, target, local, remote, lengths)
+            self._calls[fut] = target
+        fut.add_done_callback(self._settled)
+        return fut
+
+    def _settled(self, fut: Future) -> None:
+        with self._lock:
+            target = self._calls.pop(fut, None)
+            if target in self._bad and target not in self._calls.values():
+                self._bad.discard(target)
+                log.warning("%s: its hung transfer returned; usable again", target)
+
+    def _hung(self, target: str, timeout: float) -> TransferError:
+        """A call missed its deadline: the peer is bad until its calls return (later
+        calls to it fail at once instead of queueing behind it)."""
+        with self._lock:
+            self._bad.add(target)
+        log.warning("transfer to %s missed its %.1fs deadline; marked bad", target, timeout)
+        return TransferError(f"transfer to {target} missed its {timeout:.1f}s deadline")
+
+    def in_flight(self, target: Optional[str] = None) -> list[Future]:
+        """Native calls still running (to ``target``, or to anyone): memory they write
+        must not be reused before they are done, even when their caller gave up."""
+        with self._lock:
+            return [f for f, t in self._calls.items() if target in (None, t)]
+
+    def _blocking(self, write: bool, target: str, local: Sequence[int],
+                  remote: Sequence[int], lengths: Sequence[int]) -> int:
+        timeout = self.config.call_timeout_s
+        try:
+            return self._submit(write, target, local, remote, lengths).result(timeout)
+        except FutureTimeout:
+            raise self._hung(target, timeout) from None
+
     def write(self, target: str, local: Sequence[int], remote: Sequence[int],
               lengths: Sequence[int]) -> int:
-        """Blocking: copy local[i] → remote[i] on ``target``. Returns bytes moved."""
-        return self._run(True, target, local, remote, lengths)
+        """Blocking, at most ``call_timeout_s``: copy local[i] → remote[i] on ``target``.
+        Returns bytes moved."""
+        return self._blocking(True, target, local, remote, lengths)
 
     def read(self, target: str, local: Sequence[int], remote: Sequence[int],
              lengths: Sequence[int]) -> int:
-        """Blocking: copy remote[i] on ``target`` → local[i]. Returns bytes moved."""
-        return self._run(False, target, local, remote, lengths)
+        """Blocking, at most ``call_timeout_s``: copy remote[i] on ``target`` → local[i]."""
+        return self._blocking(False, target, local, remote, lengths)
 
     async def write_async(self, target: str, local: Sequence[int], remote: Sequence[int],
                           lengths: Sequence[int], timeout: float) -> int:
@@ -122,12 +170,11 @@ class TransferAgent:
 
     async def _await(self, write: bool, target: str, local: Sequence[int],
                      remote: Sequence[int], lengths: Sequence[int], timeout: float) -> int:
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._pool, self._run, write, target, local, remote, lengths)
+        fut = asyncio.wrap_future(self._submit(write, target, local, remote, lengths))
         try:
-            return await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError as exc:
-            raise TransferError(f"transfer to {target} missed its {timeout:.1f}s deadline") from exc
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            raise self._hung(target, timeout) from None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

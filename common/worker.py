@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import replace
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from common.config import ClusterConfig
+from common.drain import current as current_drain
 from common.engine import Engine, EngineConfig
-from common.kv.events import BlockStored
+from common.kv.events import BlockEventMsg
 from common.kv.memory import resolve_kv_dtype
 from common.kv.shm_kv import close_at_exit, host_id, worker_segment
 from common.mailbox import Mailbox
-from common.protocol import RegisterWorker, RequestFailed, WorkerHeartbeat, WorkerLoad
+from common.protocol import (KVResync, KVSnapshot, ReRegister, RegisterWorker, RequestFailed,
+                             WorkerHeartbeat, WorkerLoad)
 from common.sampling_params import SamplingParams
 from common.transfer import TransferAgent, TransferConfig
 
@@ -52,7 +55,7 @@ class WorkerRuntime:
                                                      protocol=config.transfer_protocol))
         kv = self.engine.kv
         self.transfer.register(kv.base_address, kv.nbytes)
-        self._event_seq = 0
+        self.epoch = time.time_ns()  # this incarnation: fences its messages (protocol.Fence)
 
     def registration(self) -> RegisterWorker:
         kv = self.engine.kv
@@ -61,31 +64,54 @@ class WorkerRuntime:
             transfer_session=self.transfer.session_id, kv_base=kv.base_address,
             block_nbytes=kv.block_nbytes, layer_nbytes=kv.layer_nbytes,
             num_blocks=kv.num_blocks, block_size=self.engine.config.block_size,
-            kv_shm_path=kv.shm_path, host_id=host_id())
+            kv_shm_path=kv.shm_path, host_id=host_id(), epoch=self.epoch)
 
     def heartbeat(self, load: WorkerLoad) -> WorkerHeartbeat:
+        """Load and the pool's KV events since the last beat, in order, numbered."""
         pool = self.engine.pool
-        stored: list[str] = []
-        removed: list[str] = []
-        for event in pool.drain_events():
-            (stored if isinstance(event, BlockStored) else removed).append(event.key.hex())
-        self._event_seq += 1
+        events = [BlockEventMsg.of(e) for e in pool.drain_events()]
         return WorkerHeartbeat(
             instance_id=self.instance_id, role=self.role, load=load,
             free_blocks=pool.num_free, used_blocks=pool.num_used,
-            total_blocks=pool.num_blocks, stored_keys=stored, removed_keys=removed,
-            event_seq=self._event_seq)
+            total_blocks=pool.num_blocks, events=events, event_seq=pool.last_seq,
+            epoch=self.epoch, inbox=self.inbox_address,
+            draining=current_drain().active)
 
-    async def heartbeat_loop(self, load: Callable[[], WorkerLoad]) -> None:
-        """Register, then beat every interval; registering again every few beats lets a
-        restarted conductor relearn us without a special handshake."""
+    @property
+    def handlers(self) -> dict[type, Callable[[Any], None]]:
+        """What every worker's inbox handles the same way (merged into its table)."""
+        return {ReRegister: self.on_reregister, KVResync: self.on_kv_resync}
+
+    def on_reregister(self, msg: ReRegister) -> None:
+        """The conductor does not know us (it restarted): register now."""
+        if msg.instance_id == self.instance_id:
+            log.info("%s: the conductor asked; registering again", self.instance_id)
+            self.mail.send(self.conductor, self.registration())
+
+    def on_kv_resync(self, msg: KVResync) -> None:
+        """The conductor missed some of our KV events: send every cached key."""
+        if msg.instance_id == self.instance_id:
+            pool = self.engine.pool
+            self.mail.send(self.conductor, KVSnapshot(
+                self.instance_id, self.epoch, pool.last_seq,
+                [k.hex() for k in pool.cached_keys()]))
+
+    async def heartbeat_loop(self, load: Callable[[], WorkerLoad],
+                             idle: Optional[Callable[[], bool]] = None) -> None:
+        """Register, then beat every interval. A conductor that gets a beat it does not
+        know answers ReRegister; registering every few beats anyway covers a lost one.
+        With ``idle``, SIGTERM drains (common/drain.py): the next beat comes at once and
+        says ``draining``, and the process stops once ``idle()``."""
+        drain = current_drain()
+        if idle is not None:
+            drain.until(idle)
         beats = 0
         while True:
             if beats % 20 == 0:
                 self.mail.send(self.conductor, self.registration())
             self.mail.send(self.conductor, self.heartbeat(load()))
             beats += 1
-            await asyncio.sleep(self.config.heartbeat_interval_s)
+            await drain.sleep(self.config.heartbeat_interval_s)
 
     def close(self) -> None:
         self.mail.close()
@@ -101,7 +127,8 @@ def fail_step(rt: WorkerRuntime, planned: list, exc: Exception) -> None:
     for job, _ in planned:
         job.aborted = True
         rt.mail.send(rt.conductor, RequestFailed(job.task.request_id, 500, "internal_error",
-                                                 f"prefill failed: {exc}"))
+                                                 f"prefill failed: {exc}",
+                                                 fence=job.task.fence))
 
 
 def make_generator(params: SamplingParams, stream: int) -> Optional[torch.Generator]:

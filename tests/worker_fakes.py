@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
 
@@ -23,7 +24,7 @@ from common.idle_check import IdleCheck
 from common.kv.block_keys import compute_block_keys
 from common.kv.block_pool import BlockPool
 from common.kv.memory import PagedKVMemory
-from common.protocol import PrefillTask, ReserveBlocks
+from common.protocol import BlocksReserved, Fence, PrefillTask, ReserveBlocks
 from common.sampling_params import SamplingParams
 from common.transfer import TransferError
 from services.prefill.prefix import PrefixLoader
@@ -35,6 +36,7 @@ EOS = 0
 DECODE_INBOX = "tcp://decode-0"
 ROUTER_INBOX = "tcp://router"
 CONDUCTOR = "tcp://conductor"
+EPOCH = 7  # every fake worker's incarnation
 
 
 @dataclass
@@ -129,6 +131,10 @@ class FakeTransfer:
         self.writes: list[tuple[str, int]] = []  # (session, bytes)
         self.fail: Optional[str] = None
         self.hold_s = 0.0
+        self.hung: list[Future] = []  # native calls that outlived their caller's deadline
+
+    def in_flight(self, target: Optional[str] = None) -> list[Future]:
+        return [f for f in self.hung if not f.done()]
 
     def write(self, target: str, local: Sequence[int], remote: Sequence[int],
               lengths: Sequence[int]) -> int:
@@ -168,6 +174,8 @@ class FakeRuntime:
     trace: list = field(default_factory=list)
     instance_id: str = "worker-0"
     conductor: str = CONDUCTOR
+    epoch: int = EPOCH
+    handlers: dict = field(default_factory=dict)  # WorkerRuntime's own (ReRegister)
 
     def __post_init__(self) -> None:
         self.engine.trace = self.trace
@@ -196,8 +204,8 @@ class Workers:
     def close(self) -> None:
         for worker in self.made:
             worker.compute.shutdown()
-            if hasattr(worker, "stream_thread"):
-                worker.stream_thread.shutdown()
+            if hasattr(worker, "lanes"):
+                worker.lanes.close()
 
 
 def sampling(max_tokens: int = 4, **kw: Any) -> SamplingParams:
@@ -205,22 +213,31 @@ def sampling(max_tokens: int = 4, **kw: Any) -> SamplingParams:
 
 
 def prefill_task(rid: str, tokens: list[int], decode_blocks: Optional[list[int]] = None,
-                 deadline_s: float = 30.0, max_tokens: int = 4) -> PrefillTask:
+                 deadline_s: float = 30.0, max_tokens: int = 4,
+                 fence: Fence = Fence(EPOCH, 1), epoch: int = EPOCH) -> PrefillTask:
     """A task whose decode side reserved ``decode_blocks`` (default: enough for the
-    prompt, ids 100, 101, ...)."""
+    prompt, ids 100, 101, ...) under ``fence``, for the worker incarnation ``epoch``."""
     if decode_blocks is None:
         decode_blocks = list(range(100, 100 + len(tokens) // 4 + 1))
     return PrefillTask(request_id=rid, token_ids=tokens, sampling=sampling(max_tokens),
                        decode_id="decode-0", decode_inbox=DECODE_INBOX,
                        decode_session="fake-decode:1", decode_kv_base=1 << 20,
-                       decode_block_ids=decode_blocks, deadline=time.time() + deadline_s)
+                       decode_block_ids=decode_blocks, deadline=time.time() + deadline_s,
+                       fence=fence, prefill_epoch=epoch)
 
 
-def reserve(rid: str, prompt_tokens: int, deadline_s: float = 30.0,
+def reserve(rid: str, prompt_tokens: int, deadline_s: float = 30.0, epoch: int = EPOCH,
+            writer: Optional[str] = "prefill-0", writer_epoch: int = 1,
             **sampling_kw: Any) -> ReserveBlocks:
     return ReserveBlocks(request_id=rid, prompt_tokens=prompt_tokens,
                          sampling=sampling(**sampling_kw), router_inbox=ROUTER_INBOX,
-                         deadline=time.time() + deadline_s)
+                         deadline=time.time() + deadline_s, epoch=epoch, writer=writer,
+                         writer_epoch=writer_epoch)
+
+
+def fence_of(rt: FakeRuntime, rid: str) -> Fence:
+    """The fence of the latest reservation a worker made for ``rid``."""
+    return [m.fence for m in rt.mail.of(BlocksReserved) if m.request_id == rid][-1]
 
 
 async def run_until(loop: Awaitable[None], done: Callable[[], bool], timeout_s: float = 5.0

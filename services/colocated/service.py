@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from common.config import ClusterConfig
@@ -27,6 +27,7 @@ from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
 from common.engine.sampling import sample
 from common.protocol import AbortRequest, PrefillDone, PrefillTask, RequestFailed, WorkerLoad
+from common.security import clamp_deadline
 from common.worker import WorkerRuntime, fail_step, make_generator
 from services.decode.sequence import Reservation
 from services.decode.service import DecodeWorker, serve_worker
@@ -68,18 +69,20 @@ class ColocatedWorker(DecodeWorker):
     # ------------------------------------------------------------ prompts
     def on_task(self, task: PrefillTask) -> None:
         r = self.reserved.get(task.request_id)
-        if r is None:  # aborted or expired meanwhile; the conductor has been told
-            log.debug("prefill task %s without a reservation", task.request_id)
-            return
+        if task.prefill_epoch != self.rt.epoch or r is None or r.fence != task.fence:
+            # for an older incarnation, or aborted or expired meanwhile (the conductor
+            # has been told), or for an older reservation of the request
+            return self.drop("PrefillTask", task.request_id, f"fence {task.fence}")
         try:
             self.engine.validate_prompt(task.token_ids)
         except EngineInputError as exc:
             del self.reserved[task.request_id]
-            self._release(r.request_id, r.blocks, "invalid")
+            self._release(r, "invalid")
             self.rt.mail.send(self.rt.conductor, RequestFailed(
-                task.request_id, 400, "invalid_request_error", str(exc)))
+                task.request_id, 400, "invalid_request_error", str(exc), fence=r.fence))
             return
-        job = asyncio.create_task(self._admit(task))
+        deadline = clamp_deadline(task.deadline, self.rt.config.kv_wait_timeout_s)
+        job = asyncio.create_task(self._admit(replace(task, deadline=deadline)))
         self._admitting.add(job)
         job.add_done_callback(self._admitting.discard)
 
@@ -89,10 +92,8 @@ class ColocatedWorker(DecodeWorker):
         keys = self.engine.block_keys(tokens)
         cached, from_store, in_store = await self.prefix.lookup(tokens, keys)
         r = self.reserved.pop(task.request_id, None)
-        if r is None or r.aborted:  # aborted or expired during the lookup
+        if r is None:  # aborted or expired during the lookup
             self.pool.free(cached)
-            if r is not None:
-                self._release(r.request_id, r.blocks, "abort")
             return
         k = len(cached)
         self.pool.free(r.blocks[:k])
@@ -102,13 +103,13 @@ class ColocatedWorker(DecodeWorker):
                                           in_store))
         self.wake.set()
 
+    def _quarantine(self, r: Reservation) -> None:
+        """Nothing else writes into a colocated reservation: free it at once."""
+        self._release(r, "abort")
+
     def on_abort(self, msg: AbortRequest) -> None:
-        # Nothing else writes into a colocated reservation: free it at once.
-        r = self.reserved.pop(msg.request_id, None)
-        if r is not None:
-            self._release(r.request_id, r.blocks, "abort")
         for p in self.prefilling:
-            if p.task.request_id == msg.request_id:
+            if p.task.request_id == msg.request_id and msg.fence in (None, p.reservation.fence):
                 p.aborted = True  # freed between steps, never under a running step
         super().on_abort(msg)
 
@@ -117,11 +118,12 @@ class ColocatedWorker(DecodeWorker):
         keep: list[Prefilling] = []
         for p in self.prefilling:
             if p.aborted:
-                self._release(p.task.request_id, p.reservation.blocks, "abort")
+                self._release(p.reservation, "abort")
             elif now > p.task.deadline:
-                self._release(p.task.request_id, p.reservation.blocks, "timeout")
+                self._release(p.reservation, "timeout")
                 self.rt.mail.send(self.rt.conductor, RequestFailed(
-                    p.task.request_id, 504, "timeout", "prefill missed its deadline"))
+                    p.task.request_id, 504, "timeout", "prefill missed its deadline",
+                    fence=p.reservation.fence))
             else:
                 keep.append(p)
         self.prefilling = keep
@@ -142,7 +144,7 @@ class ColocatedWorker(DecodeWorker):
         prompt = len(task.token_ids)
         self.rt.mail.send(self.rt.conductor, PrefillDone(
             task.request_id, self.rt.instance_id, prompt, p.cached_tokens, p.global_tokens,
-            time.perf_counter() - (p.started or time.perf_counter()), 0, 0.0))
+            time.perf_counter() - (p.started or time.perf_counter()), 0, 0.0, r.fence))
         self.start(r, int(tokens[0]), logprobs[0], prompt, p.cached_tokens)
 
     # ------------------------------------------------------------ steps

@@ -25,6 +25,8 @@ class ConductorMetrics:
                               ["reason"], registry=r)
         self.finished = Counter("crescent_conductor_finished", "requests finished",
                                 ["reason"], registry=r)
+        self.reruns = Counter("crescent_conductor_reruns",
+                              "requests re-run after their prefill worker was lost", registry=r)
         self.decision_seconds = Histogram(
             "crescent_conductor_decision_seconds", "time to place one request",
             buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2), registry=r)

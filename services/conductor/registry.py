@@ -5,7 +5,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from common.protocol import InstanceStatus, RegisterWorker, WorkerHeartbeat, WorkerLoad
+from common.protocol import (
+    InstanceStatus, KVSnapshot, RegisterWorker, WorkerHeartbeat, WorkerLoad,
+)
+from services.conductor.worker_kv import WorkerKV
 
 
 # Which registered roles serve a role the scheduler asks for.
@@ -18,13 +21,17 @@ class WorkerState:
     info: RegisterWorker
     last_seen: float
     beat: Optional[WorkerHeartbeat] = None
-    cached_keys: set[str] = field(default_factory=set)  # prefill: blocks in its local cache
+    kv: WorkerKV = field(default_factory=WorkerKV)  # blocks in its local cache
     assigned: set[str] = field(default_factory=set)  # request ids placed here and not done
     pending_tokens: int = 0  # prefill: tokens assigned since the last heartbeat counted them
 
     @property
     def instance_id(self) -> str:
         return self.info.instance_id
+
+    @property
+    def cached_keys(self) -> set[str]:
+        return self.kv.keys
 
     @property
     def free_blocks(self) -> int:
@@ -37,14 +44,16 @@ class WorkerState:
 
 
 class Registry:
-    def __init__(self, heartbeat_timeout_s: float) -> None:
+    def __init__(self, heartbeat_timeout_s: float, resync_retry_s: float = 1.0) -> None:
         self.timeout = heartbeat_timeout_s
+        self.resync_retry_s = resync_retry_s  # a KVResync unanswered this long is sent again
         self.workers: dict[str, WorkerState] = {}
 
     def register(self, msg: RegisterWorker, now: Optional[float] = None) -> WorkerState:
         """Add a worker, or refresh one that registers again (state is kept)."""
         state = self.workers.get(msg.instance_id)
-        if state is None or state.info.transfer_session != msg.transfer_session:
+        if state is None or state.info.transfer_session != msg.transfer_session \
+                or state.info.epoch != msg.epoch:  # a new incarnation: nothing carries over
             state = WorkerState(info=msg, last_seen=now or time.monotonic())
             self.workers[msg.instance_id] = state
         state.last_seen = now or time.monotonic()
@@ -53,13 +62,24 @@ class Registry:
     def heartbeat(self, msg: WorkerHeartbeat, now: Optional[float] = None) -> bool:
         """Apply a heartbeat; False if the worker is unknown (it must register again)."""
         state = self.workers.get(msg.instance_id)
-        if state is None:
+        if state is None or state.info.epoch != msg.epoch:  # unknown, or another incarnation
             return False
         state.last_seen = now or time.monotonic()
         state.beat = msg
-        state.cached_keys.difference_update(msg.removed_keys)
-        state.cached_keys.update(msg.stored_keys)
+        state.kv.apply(msg.events, msg.event_seq)
         return True
+
+    def kv_snapshot(self, msg: KVSnapshot) -> bool:
+        """Apply a worker's KVSnapshot; False if not for its live incarnation or stale."""
+        state = self.workers.get(msg.instance_id)
+        if state is None or state.info.epoch != msg.epoch:
+            return False
+        return state.kv.on_snapshot(msg.event_seq, msg.keys)
+
+    def kv_resyncs_due(self, now: Optional[float] = None) -> list[WorkerState]:
+        """Workers whose KV events had a gap and that should be sent KVResync now."""
+        now = time.monotonic() if now is None else now
+        return [w for w in self.workers.values() if w.kv.snapshot_due(now, self.resync_retry_s)]
 
     def expire(self, now: Optional[float] = None) -> list[WorkerState]:
         """Remove and return workers silent for longer than the heartbeat timeout."""
@@ -70,9 +90,11 @@ class Registry:
         return dead
 
     def by_role(self, role: str) -> list[WorkerState]:
-        """Workers that serve ``role``; a colocated worker serves both prefill and decode."""
+        """Workers that serve ``role`` and take new work (a draining one does not); a
+        colocated worker serves both prefill and decode."""
         roles = SERVES.get(role, (role,))
-        return [w for w in self.workers.values() if w.info.role in roles]
+        return [w for w in self.workers.values()
+                if w.info.role in roles and not (w.beat and w.beat.draining)]
 
     def get(self, instance_id: str) -> Optional[WorkerState]:
         return self.workers.get(instance_id)

@@ -15,9 +15,10 @@ from typing import Any, Callable
 from common.config import ClusterConfig
 from common.mailbox import Mailbox, serve_inbox
 from common.protocol import (
-    AbortRequest, BlocksReserved, ClusterStatus, KVTransferReport, PrefillDone, PrefillTask,
-    RegisterWorker, RequestAccepted, RequestFailed, RequestFinished, RequestRejected,
-    ReserveBlocks, ReserveFailed, SubmitRequest, WorkerHeartbeat,
+    AbortRequest, BlocksReserved, ClusterStatus, KVResync, KVSnapshot, KVTransferReport,
+    PrefillDone, PrefillTask,
+    ReRegister, RegisterWorker, RequestAccepted, RequestFailed, RequestFinished, RequestRejected,
+    ReserveBlocks, ReserveFailed, SubmitRequest, WorkerGone, WorkerHeartbeat,
 )
 from common.scheduling import Rejection
 from services.conductor.metrics import ConductorMetrics
@@ -47,6 +48,7 @@ class Conductor:
         self.handlers: dict[type, Callable[[Any], None]] = {
             RegisterWorker: self.on_register,
             WorkerHeartbeat: self.on_heartbeat,
+            KVSnapshot: self.on_kv_snapshot,
             SubmitRequest: self.on_submit,
             AbortRequest: self.on_abort,
             BlocksReserved: self.on_reserved,
@@ -61,12 +63,37 @@ class Conductor:
         if msg.role not in ROLES:
             log.warning("ignoring registration with role %r", msg.role)
             return
-        self.registry.register(msg)
+        old = self.registry.get(msg.instance_id)
+        if old is not None and msg.epoch < old.info.epoch:
+            log.info("dropped a registration of a replaced %s", msg.instance_id)
+            return
+        if self.registry.register(msg) is old:
+            return  # the periodic registration of a known incarnation
         log.info("registered %s (%s, %d blocks)", msg.instance_id, msg.role, msg.num_blocks)
+        if old is not None:  # a new incarnation replaced it: its requests are gone
+            self.worker_lost(msg.instance_id, "restarted")
+        self._announce(msg)
+
+    def _announce(self, msg: RegisterWorker) -> None:
+        """Tell decode workers that every other incarnation of ``msg``'s worker is gone
+        (it bound the same inbox), so the blocks they quarantined for its writes are free;
+        a decode worker new here learns it of every worker known."""
+        decodes = [w for w in self.registry.workers.values() if w.info.role == "decode"]
+        for w in decodes:
+            self.mail.send(w.info.inbox, WorkerGone(msg.instance_id, msg.epoch))
+        if msg.role == "decode":
+            for w in self.registry.workers.values():
+                if w.instance_id != msg.instance_id:
+                    self.mail.send(msg.inbox, WorkerGone(w.instance_id, w.info.epoch))
 
     def on_heartbeat(self, msg: WorkerHeartbeat) -> None:
-        if not self.registry.heartbeat(msg):
-            log.debug("heartbeat from unregistered %s", msg.instance_id)
+        if not self.registry.heartbeat(msg) and msg.inbox:
+            log.info("heartbeat from unknown %s: asking it to register", msg.instance_id)
+            self.mail.send(msg.inbox, ReRegister(msg.instance_id))
+
+    def on_kv_snapshot(self, msg: KVSnapshot) -> None:
+        if not self.registry.kv_snapshot(msg):
+            log.debug("dropped a stale KV snapshot of %s", msg.instance_id)
 
     def ready(self) -> bool:
         return bool(self.registry.by_role("prefill")) and bool(self.registry.by_role("decode"))
@@ -97,15 +124,25 @@ class Conductor:
         self.dispatch(req, decision)
 
     def dispatch(self, req: SubmitRequest, p: Placement) -> None:
+        self._reserve(req, p, attempt=0, accepted_at=self.clock())
+        self.mail.send(self.router_inbox, RequestAccepted(
+            req.request_id, p.prefill_id, p.decode_id, p.predicted_ttft_s))
+        self.metrics.placed.labels(prefill=p.prefill_id, decode=p.decode_id).inc()
+        self.metrics.predicted_ttft.observe(p.predicted_ttft_s)
+
+    def _reserve(self, req: SubmitRequest, p: Placement, attempt: int,
+                 accepted_at: float) -> None:
+        """Track the request on its placement and ask its decode worker for blocks."""
         decode = self.registry.get(p.decode_id)
         prefill = self.registry.get(p.prefill_id)
         assert decode is not None and prefill is not None
         now = time.monotonic()
         tracked = Tracked(req=req, prefill_id=p.prefill_id, decode_id=p.decode_id,
                           phase=Phase.RESERVING, phase_deadline=now + RESERVE_TIMEOUT_S,
-                          predicted_ttft_s=p.predicted_ttft_s, accepted_at=self.clock(),
+                          predicted_ttft_s=p.predicted_ttft_s, accepted_at=accepted_at,
                           prefill_tokens=p.prefill_tokens,
-                          decode_tokens=len(req.token_ids) + req.sampling.max_tokens)
+                          decode_tokens=len(req.token_ids) + req.sampling.max_tokens,
+                          attempt=attempt)
         self.tracker.add(tracked)
         prefill.assigned.add(req.request_id)
         prefill.pending_tokens += p.prefill_tokens
@@ -113,20 +150,20 @@ class Conductor:
         self.mail.send(decode.info.inbox, ReserveBlocks(
             request_id=req.request_id, prompt_tokens=len(req.token_ids),
             sampling=req.sampling, router_inbox=self.router_inbox,
-            deadline=time.time() + self.config.kv_wait_timeout_s))
-        self.mail.send(self.router_inbox, RequestAccepted(
-            req.request_id, p.prefill_id, p.decode_id, p.predicted_ttft_s))
-        self.metrics.placed.labels(prefill=p.prefill_id, decode=p.decode_id).inc()
-        self.metrics.predicted_ttft.observe(p.predicted_ttft_s)
+            deadline=time.time() + self.config.kv_wait_timeout_s, epoch=decode.info.epoch,
+            writer=prefill.instance_id, writer_epoch=prefill.info.epoch, attempt=attempt))
 
     def on_reserved(self, msg: BlocksReserved) -> None:
         t = self.tracker.get(msg.request_id)
-        if t is None or t.phase is not Phase.RESERVING:
-            # Aborted meanwhile: give the blocks back.
+        if t is None or t.phase is not Phase.RESERVING or msg.attempt != t.attempt \
+                or msg.instance_id != t.decode_id:
+            # Aborted or re-run meanwhile: give these blocks (only these) back.
             worker = self.registry.get(msg.instance_id)
             if worker is not None:
-                self.mail.send(worker.info.inbox, AbortRequest(msg.request_id, "stale"))
+                self.mail.send(worker.info.inbox,
+                               AbortRequest(msg.request_id, "stale", msg.fence))
             return
+        t.fence = msg.fence
         decode = self.registry.get(t.decode_id)
         prefill = self.registry.get(t.prefill_id)
         if decode is None or prefill is None:
@@ -145,17 +182,18 @@ class Conductor:
             decode_session=decode.info.transfer_session, decode_kv_base=decode.info.kv_base,
             decode_block_ids=msg.block_ids,
             deadline=time.time() + self.config.kv_wait_timeout_s,
-            decode_shm_path=d.kv_shm_path, decode_host_id=d.host_id))
+            decode_shm_path=d.kv_shm_path, decode_host_id=d.host_id, fence=msg.fence,
+            prefill_epoch=p.epoch))
 
     def on_reserve_failed(self, msg: ReserveFailed) -> None:
         t = self.tracker.get(msg.request_id)
-        if t is not None:
+        if t is not None and (msg.attempt, msg.instance_id) == (t.attempt, t.decode_id):
             self.fail(t, 429, "kv_capacity", f"decode KV memory is full ({msg.reason})",
                       retry_after=1.0, abort=False)
 
     def on_prefill_done(self, msg: PrefillDone) -> None:
         t = self.tracker.get(msg.request_id)
-        if t is None:
+        if t is None or msg.fence != t.fence:  # gone, or an older attempt's writer
             return
         self.tracker.set_phase(t, Phase.DECODING, t.phase_deadline)
         t.decode_started_at = self.clock()
@@ -173,9 +211,10 @@ class Conductor:
             self.metrics.cost_refits.inc()
 
     def on_finished(self, msg: RequestFinished) -> None:
-        t = self.tracker.pop(msg.request_id)
-        if t is None:
+        t = self.tracker.get(msg.request_id)
+        if t is None or msg.fence != t.fence:  # gone, or an older attempt's blocks freed
             return
+        self.tracker.pop(msg.request_id)
         self._release_prefill(t)
         decode = self.registry.get(t.decode_id)
         if decode is not None:
@@ -188,7 +227,7 @@ class Conductor:
 
     def on_failed(self, msg: RequestFailed) -> None:
         t = self.tracker.get(msg.request_id)
-        if t is not None:
+        if t is not None and msg.fence in (None, t.fence):  # not about an older attempt
             self.fail(t, msg.status, msg.error_type, msg.message, msg.retry_after_s)
 
     def on_abort(self, msg: AbortRequest) -> None:
@@ -214,7 +253,7 @@ class Conductor:
         for wid in {t.prefill_id, t.decode_id}:
             w = self.registry.get(wid)
             if w is not None:
-                self.mail.send(w.info.inbox, AbortRequest(t.req.request_id, reason))
+                self.mail.send(w.info.inbox, AbortRequest(t.req.request_id, reason, t.fence))
         self._release(t)
 
     def _release_prefill(self, t: Tracked) -> None:
@@ -229,16 +268,45 @@ class Conductor:
         if decode is not None:
             decode.assigned.discard(t.req.request_id)
 
+    def worker_lost(self, instance_id: str, why: str) -> None:
+        """Apply the failure policy (``tracker.Loss``) to the requests on a lost worker."""
+        loss = self.tracker.lost(instance_id)
+        for t, what in loss.fail:
+            self.fail(t, 503, "worker_lost", f"{what}: {instance_id} {why}")
+        for t in loss.detach:
+            self._release_prefill(t)
+        for t in loss.rerun:
+            self.rerun(t, f"{instance_id} {why}")
+
+    def rerun(self, t: Tracked, why: str) -> None:
+        """Its prefill worker was lost before the first token: place the request again,
+        once, unseen by the client. The old reservation is aborted: its blocks stay in
+        the decode worker's quarantine until the old writer is known to have stopped."""
+        self.tracker.pop(t.req.request_id)
+        self._abort_workers(t, "prefill_lost")
+        decision = self.placer.place(t.req, self.registry, self.clock(), self.tracker)
+        if isinstance(decision, Rejection):
+            self.metrics.failed.labels(reason="worker_lost").inc()
+            self.mail.send(self.router_inbox, RequestFailed(
+                t.req.request_id, 503, "worker_lost",
+                f"prefill worker lost ({why}) and no re-run possible: {decision.reason}"))
+            return
+        log.info("%s: prefill lost (%s); re-run on %s", t.req.request_id, why,
+                 decision.prefill_id)
+        self.metrics.reruns.inc()
+        self._reserve(t.req, decision, attempt=t.attempt + 1, accepted_at=t.accepted_at)
+
     def sweep(self) -> None:
         """Expire silent workers and overdue requests; publish status."""
         for dead in self.registry.expire():
             log.warning("%s missed heartbeats for %.1fs; removing it", dead.instance_id,
                         self.config.heartbeat_timeout_s)
-            for t in self.tracker.on_worker(dead.instance_id):
-                self.fail(t, 503, "worker_lost", f"{dead.instance_id} stopped responding")
+            self.worker_lost(dead.instance_id, "stopped responding")
         now = time.monotonic()
         for t in self.tracker.overdue(now):
             self.fail(t, 504, "timeout", f"request stuck in {t.phase.value}")
+        for w in self.registry.kv_resyncs_due():  # KV events had a gap
+            self.mail.send(w.info.inbox, KVResync(w.instance_id))
         self.mail.send(self.router_inbox, ClusterStatus(self.ready(), self.registry.status()))
         self.metrics.update_gauges(self.registry, self.tracker)
 
@@ -255,7 +323,7 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
 
     tasks = [asyncio.create_task(ticker())]
     if config.store.enabled:
-        feed = StoreEventFeed(config.store_events_address, conductor.placer.global_index)
+        feed = StoreEventFeed(config, conductor.placer.global_index)
         tasks.append(asyncio.create_task(feed.run()))
     log.info("conductor ready at %s (scheduler=%s)", config.inbox("conductor"),
              config.scheduler)

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
-from common.protocol import SubmitRequest
+from common.protocol import Fence, SubmitRequest
 
 
 class Phase(enum.Enum):
@@ -26,6 +26,22 @@ class Tracked:
     prefill_tokens: int  # uncached tokens the prefill worker must compute (prediction)
     decode_tokens: int = 0  # prompt + max_tokens: the KV it may hold on the decode worker
     decode_started_at: Optional[float] = None  # wall clock of PrefillDone: decode began
+    attempt: int = 0  # 1 once re-run after its prefill worker was lost (at most once)
+    fence: Optional[Fence] = None  # the live reservation's, from BlocksReserved
+
+
+@dataclass
+class Loss:
+    """What losing a worker means for the requests placed on it (the failure policy).
+
+    The decode worker lost: every request on it fails (mid-stream too: the router ends
+    the stream with an error event). The prefill worker lost: a request already decoding
+    elsewhere is untouched (its KV has landed); one before its first token is re-run on
+    another prefill instance once, invisibly, and fails if it was re-run already."""
+
+    rerun: list[Tracked] = field(default_factory=list)
+    fail: list[tuple[Tracked, str]] = field(default_factory=list)  # with what was lost
+    detach: list[Tracked] = field(default_factory=list)  # decoding elsewhere: keep going
 
 
 class Tracker:
@@ -56,6 +72,21 @@ class Tracker:
     def on_worker(self, instance_id: str) -> list[Tracked]:
         return [t for t in self.requests.values()
                 if instance_id in (t.prefill_id, t.decode_id)]
+
+    def lost(self, instance_id: str) -> Loss:
+        """The failure policy for the requests on a lost worker (see ``Loss``)."""
+        loss = Loss()
+        for t in self.on_worker(instance_id):
+            if t.decode_id == instance_id:
+                what = "mid-stream" if t.phase is Phase.DECODING else "before decoding"
+                loss.fail.append((t, f"decode worker lost {what}"))
+            elif t.phase is Phase.DECODING:
+                loss.detach.append(t)
+            elif t.attempt == 0:
+                loss.rerun.append(t)
+            else:
+                loss.fail.append((t, "prefill worker lost on the re-run too"))
+        return loss
 
     def overdue(self, now: float) -> list[Tracked]:
         return [t for rid in self._before_decode

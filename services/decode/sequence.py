@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from common.engine.sampling import SamplingParams
+from common.protocol import Fence
 from services.decode.detok import IncrementalText
 
 
@@ -19,8 +20,11 @@ class Reservation:
     prompt_tokens: int
     params: SamplingParams
     router_inbox: str
-    deadline: float
-    aborted: bool = False  # abort seen; free the blocks once the prefill side confirms
+    deadline: float  # KV must have landed by then
+    fence: Fence  # its epoch and generation: only KV under this fence is admitted
+    writer: Optional[str] = None  # the prefill instance writing into the blocks
+    writer_epoch: int = 0
+    release_at: Optional[float] = None  # quarantined: the last-resort free (time.time)
 
 
 @dataclass
@@ -35,6 +39,7 @@ class Running:
     cached_tokens: int
     text: IncrementalText
     generator: Optional[torch.Generator]
+    fence: Fence = Fence()  # the reservation it runs in
     generated: int = 0
     aborted: bool = False
     logprobs: list[float] = field(default_factory=list)

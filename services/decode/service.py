@@ -3,8 +3,10 @@ runs continuous batching and streams tokens to the router."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
@@ -15,9 +17,10 @@ from common.mailbox import serve_inbox
 from common.engine import DecodeInput
 from common.engine.sampling import sample
 from common.idle_check import IdleCheck
+from common.security import clamp_deadline
 from common.protocol import (
-    AbortRequest, BlocksReserved, KVFailed, KVReady, RequestFailed, RequestFinished,
-    ReserveBlocks, ReserveFailed, TokenDelta, WorkerLoad,
+    AbortRequest, BlocksReserved, Fence, KVFailed, KVReady, RequestFailed, RequestFinished,
+    ReserveBlocks, ReserveFailed, TokenDelta, WorkerGone, WorkerLoad,
 )
 from common.worker import WorkerRuntime, make_generator
 from services.decode.detok import IncrementalText
@@ -26,26 +29,41 @@ from services.decode.turns import Turns
 
 log = logging.getLogger("decode")
 
+# The last resort for a quarantined reservation whose writer never answers and is never
+# reported gone (a prefill killed and not restarted): its blocks are freed after this
+# long. Shorter frees blocks sooner but could hand a block to another request while a
+# write still lands; a prefill never starts a write after its task's deadline
+# (kv_wait_timeout_s) and every write has its own, so 10 minutes is far past both.
+QUARANTINE_S = 600.0
+
 
 class DecodeWorker:
     def __init__(self, rt: WorkerRuntime) -> None:
         self.rt = rt
         self.engine = rt.engine
         self.pool = rt.engine.pool
-        self.reserved: dict[str, Reservation] = {}
+        self.reserved: dict[str, Reservation] = {}  # live, by request id
+        self.quarantine: dict[int, Reservation] = {}  # by generation: a writer may be alive
+        self.quarantine_s = QUARANTINE_S
+        self.generations = itertools.count(1)
+        self.dropped: Counter[str] = Counter()  # stale messages and last-resort frees
         self.running: dict[str, Running] = {}
         self.wake = asyncio.Event()
         self.idle_check = IdleCheck(self.pool.check_idle, "KV block pool")
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="decode")
         self.handlers: dict[type, Callable[[Any], None]] = {
+            **rt.handlers,  # ReRegister
             ReserveBlocks: self.on_reserve,
             KVReady: self.on_kv_ready,
             KVFailed: self.on_kv_failed,
             AbortRequest: self.on_abort,
+            WorkerGone: self.on_worker_gone,
         }
 
     # ------------------------------------------------------------ reservations
     def on_reserve(self, msg: ReserveBlocks) -> None:
+        if msg.epoch != self.rt.epoch:
+            return self.drop("ReserveBlocks", msg.request_id, f"for epoch {msg.epoch}")
         limit = self.engine.model_config.max_position_embeddings
         tokens = min(msg.prompt_tokens + msg.sampling.max_tokens, limit)
         n = -(-tokens // self.engine.config.block_size)
@@ -55,22 +73,41 @@ class DecodeWorker:
         if blocks is None:
             self.rt.mail.send(self.rt.conductor, ReserveFailed(
                 msg.request_id, self.rt.instance_id,
-                f"needs {n} blocks, {self.pool.num_free} free"))
+                f"needs {n} blocks, {self.pool.num_free} free", msg.attempt))
             return
+        fence = Fence(self.rt.epoch, next(self.generations))
         self.reserved[msg.request_id] = Reservation(
             msg.request_id, blocks, msg.prompt_tokens, msg.sampling, msg.router_inbox,
-            deadline=msg.deadline)
+            deadline=clamp_deadline(msg.deadline, self.rt.config.kv_wait_timeout_s), fence=fence, writer=msg.writer,
+            writer_epoch=msg.writer_epoch)
         self.rt.mail.send(self.rt.conductor, BlocksReserved(msg.request_id, self.rt.instance_id,
-                                                            blocks))
+                                                            blocks, fence, msg.attempt))
+
+    def drop(self, kind: str, request_id: str, why: str) -> None:
+        """A message no live state of this incarnation matches: logged, counted, ignored."""
+        self.dropped[kind] += 1
+        log.info("%s: dropped stale %s for %s (%s)", self.rt.instance_id, kind, request_id, why)
+
+    def _settled(self, kind: str, request_id: str, fence: Fence) -> Optional[Reservation]:
+        """The live reservation ``fence`` names (popped), or None: a quarantined one it
+        names is freed (its writer confirmed it stopped), anything else is stale."""
+        r = self.reserved.get(request_id)
+        if r is not None and r.fence == fence:
+            return self.reserved.pop(request_id)
+        q = self.quarantine.pop(fence.generation, None) if fence.epoch == self.rt.epoch else None
+        if q is not None and q.request_id == request_id:
+            self._release(q, "abort")
+        else:
+            if q is not None:
+                self.quarantine[fence.generation] = q
+            self.drop(kind, request_id, f"fence {fence} is not live")
+        return None
 
     def on_kv_ready(self, msg: KVReady) -> None:
-        r = self.reserved.pop(msg.request_id, None)
-        if r is None:
-            return
-        if r.aborted:
-            self._release(r.request_id, r.blocks, "abort")
-            return
-        self.start(r, msg.first_token, msg.first_logprob, msg.prompt_tokens, msg.cached_tokens)
+        r = self._settled("KVReady", msg.request_id, msg.fence)
+        if r is not None:
+            self.start(r, msg.first_token, msg.first_logprob, msg.prompt_tokens,
+                       msg.cached_tokens)
 
     def start(self, r: Reservation, first_token: int, first_logprob: Optional[float],
               prompt_tokens: int, cached_tokens: int) -> None:
@@ -80,41 +117,58 @@ class DecodeWorker:
             last_token=first_token, params=r.params, router_inbox=r.router_inbox,
             prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
             text=IncrementalText(self.engine.decode_tokens, r.params.stop),
-            generator=make_generator(r.params, 1))
+            generator=make_generator(r.params, 1), fence=r.fence)
         self.running[seq.request_id] = seq
         self.record_token(seq, first_token, first_logprob)
         self.wake.set()
 
     def on_kv_failed(self, msg: KVFailed) -> None:
-        r = self.reserved.pop(msg.request_id, None)
+        r = self._settled("KVFailed", msg.request_id, msg.fence)
         if r is not None:
-            self._release(r.request_id, r.blocks, "kv_failed")
+            self._release(r, "kv_failed")
 
     def on_abort(self, msg: AbortRequest) -> None:
         r = self.reserved.get(msg.request_id)
-        if r is not None:
-            # The prefill worker may still be writing into these blocks: keep them until it
-            # confirms (KVReady/KVFailed) or the deadline passes.
-            r.aborted = True
-            r.deadline = min(r.deadline, time.time() + 10.0)
+        if r is not None and msg.fence in (None, r.fence):
+            self._quarantine(self.reserved.pop(msg.request_id))
         seq = self.running.get(msg.request_id)
-        if seq is not None:
+        if seq is not None and msg.fence in (None, seq.fence):
             seq.aborted = True
 
+    def _quarantine(self, r: Reservation) -> None:
+        """A prefill worker may still write into these blocks: keep them out of the pool
+        until it confirms for this fence (KVReady/KVFailed), the conductor reports its
+        incarnation gone (WorkerGone), or the last-resort quarantine ends."""
+        r.release_at = time.time() + self.quarantine_s
+        self.quarantine[r.fence.generation] = r
+
+    def on_worker_gone(self, msg: WorkerGone) -> None:
+        for q in [q for q in self.quarantine.values() if q.writer == msg.instance_id
+                  and q.writer_epoch != msg.live_epoch]:
+            del self.quarantine[q.fence.generation]
+            self._release(q, "abort")
+
     def sweep(self) -> None:
-        """Free reservations whose KV never came."""
+        """Fail reservations whose KV never came (their blocks go to quarantine), and
+        free quarantined ones at their last-resort time."""
         now = time.time()
         for r in [r for r in self.reserved.values() if now > r.deadline]:
             del self.reserved[r.request_id]
-            self._release(r.request_id, r.blocks, "abort" if r.aborted else "kv_timeout")
-            if not r.aborted:
-                self.rt.mail.send(self.rt.conductor, RequestFailed(
-                    r.request_id, 504, "timeout", "KV cache did not arrive in time"))
+            self._quarantine(r)
+            self.rt.mail.send(self.rt.conductor, RequestFailed(
+                r.request_id, 504, "timeout", "KV cache did not arrive in time",
+                fence=r.fence))
+        for q in [q for q in self.quarantine.values() if now > (q.release_at or 0.0)]:
+            del self.quarantine[q.fence.generation]
+            self.dropped["quarantine_expired"] += 1
+            log.error("%s: %s's blocks freed after %.0fs of quarantine without a word from "
+                      "%s", self.rt.instance_id, q.request_id, self.quarantine_s, q.writer)
+            self._release(q, "abort")
 
-    def _release(self, request_id: str, blocks: list[int], reason: str) -> None:
-        self.pool.free(blocks)
-        self.rt.mail.send(self.rt.conductor, RequestFinished(request_id, self.rt.instance_id,
-                                                             reason))
+    def _release(self, r: Reservation | Running, reason: str) -> None:
+        self.pool.free(r.blocks)
+        self.rt.mail.send(self.rt.conductor, RequestFinished(
+            r.request_id, self.rt.instance_id, reason, r.fence))
 
     # ------------------------------------------------------------ generation
     def record_token(self, seq: Running, token: int, logprob: Optional[float]) -> None:
@@ -149,7 +203,7 @@ class DecodeWorker:
 
     def finish(self, seq: Running, reason: str) -> None:
         if self.running.pop(seq.request_id, None) is not None:
-            self._release(seq.request_id, seq.blocks, reason)
+            self._release(seq, reason)
 
     async def step_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -179,8 +233,8 @@ class DecodeWorker:
             self.record_token(seq, int(tok), lp)
 
     def idle(self) -> bool:
-        """Nothing reserved or running: every block of the pool is free."""
-        return not self.reserved and not self.running
+        """Nothing reserved, quarantined or running: every block of the pool is free."""
+        return not self.reserved and not self.running and not self.quarantine
 
     def load(self) -> WorkerLoad:
         context = sum(s.context_tokens for s in self.running.values())
@@ -197,7 +251,7 @@ async def serve_worker(rt: WorkerRuntime, worker: DecodeWorker) -> None:
             worker.sweep()
 
     tasks = [asyncio.create_task(c) for c in
-             (worker.step_loop(), rt.heartbeat_loop(worker.load), sweeper(),
+             (worker.step_loop(), rt.heartbeat_loop(worker.load, worker.idle), sweeper(),
               worker.idle_check.watch(worker.idle))]
     await serve_inbox(rt.mail, worker.handlers, tasks)
 

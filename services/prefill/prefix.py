@@ -116,13 +116,32 @@ class PrefixLoader:
             log.warning("store get failed (%s); computing instead", exc)
             ok = [False] * len(blocks)
         good = leading(ok)
-        self.pool.free(blocks[good:])
+        self._free_settled(blocks[good:])
         self.pool.cache_full_blocks(blocks[:good], keys[fetch.start:fetch.start + good])
         return blocks[:good]
 
+    def _free_settled(self, blocks: list[int]) -> None:
+        """Free blocks a failed store read targeted, but not under a read that timed out
+        and still runs (it would land in a block given to another request): while any
+        transfer call is in flight, they stay out of the pool until those calls return."""
+        transfer = getattr(self.store, "transfer", None)
+        pending = transfer.in_flight() if transfer is not None and blocks else []
+        if not pending:
+            self.pool.free(blocks)
+            return
+        task = asyncio.create_task(self._free_after(blocks, pending))
+        self._puts.add(task)
+        task.add_done_callback(self._puts.discard)
+
+    async def _free_after(self, blocks: list[int], pending: list) -> None:
+        try:
+            await asyncio.wait([asyncio.wrap_future(f) for f in pending])
+        finally:
+            self.pool.free(blocks)
+
     @property
     def busy(self) -> bool:
-        """Puts in flight still hold blocks."""
+        """Puts in flight, or reads that may still land, hold blocks."""
         return bool(self._puts)
 
     def release(self, plan: PrefixPlan, keys: list[bytes]) -> None:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Coroutine, Optional
 
 import torch
@@ -32,14 +32,14 @@ from common.mailbox import serve_inbox
 from common.protocol import (
     AbortRequest, KVFailed, KVReady, PrefillDone, PrefillTask, RequestFailed, WorkerLoad,
 )
+from common.security import clamp_deadline
 from common.transfer import TransferError
 from common.worker import WorkerRuntime, fail_step, make_generator
+from services.prefill.lanes import Lanes
 from services.prefill.prefix import PrefixLoader, PrefixPlan
 from services.prefill.streaming import KVPaths, KVStream, RequestAborted
 
 log = logging.getLogger("prefill")
-
-SETTLE_TIMEOUT_S = 5.0  # a failed stream's in-flight write finishes before blocks are freed
 
 
 class PrefillFailure(Exception):
@@ -73,31 +73,57 @@ class PrefillWorker:
         self.prefix = prefix
         self.budget = rt.config.step_budget(rt.role)
         self.waiting: deque[PrefillTask] = deque()
+        self.max_waiting = rt.config.max_queue  # the conductor admits no more cluster-wide
         self.jobs: list[Job] = []  # admitted and computing, oldest first
-        self.aborted: set[str] = set()  # aborts seen for tasks not admitted yet
+        self.admitting: Optional[PrefillTask] = None  # out of ``waiting``, not a job yet
+        self.admitting_aborted = False
+        self.dropped: Counter[str] = Counter()  # stale tasks, by reason
         self.wake = asyncio.Event()
         self.idle_check = IdleCheck(self.pool.check_idle, "KV block pool")
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="prefill")
-        self.stream_thread = ThreadPoolExecutor(1, thread_name_prefix="kv-stream")
+        self.lanes = Lanes()  # one write thread per decode peer (lanes.py)
         self.kv_paths = KVPaths(rt.config.kv_path, self.engine.kv, host_id())
         self._finishing: set[asyncio.Task] = set()
         self.handlers: dict[type, Callable[[Any], None]] = {
+            **rt.handlers,  # ReRegister
             PrefillTask: self.on_task,
             AbortRequest: self.on_abort,
         }
 
     # ------------------------------------------------------------ inbox
     def on_task(self, task: PrefillTask) -> None:
-        self.waiting.append(task)
+        if task.prefill_epoch != self.rt.epoch:  # for an older incarnation of this worker
+            return self._drop("epoch", task)
+        if self._known(task.request_id):  # a replay, or an older attempt still running
+            return self._drop("duplicate", task)
+        if len(self.waiting) >= self.max_waiting:
+            return self.fail(task, 503, "prefill_queue_full",
+                             f"{self.max_waiting} prompts are queued on {self.rt.instance_id}")
+        # a sender-chosen deadline reaches no further than this worker's own limit
+        self.waiting.append(replace(task, deadline=clamp_deadline(
+            task.deadline, self.rt.config.kv_wait_timeout_s)))
         self.wake.set()
+
+    def _known(self, request_id: str) -> bool:
+        return any(t.request_id == request_id for t in self.waiting) or any(
+            j.task.request_id == request_id for j in self.jobs) or (
+            self.admitting is not None and self.admitting.request_id == request_id)
+
+    def _drop(self, why: str, task: PrefillTask) -> None:
+        self.dropped[why] += 1
+        log.info("%s: dropped %s PrefillTask %s (fence %s)", self.rt.instance_id, why,
+                 task.request_id, task.fence)
 
     def on_abort(self, msg: AbortRequest) -> None:
         for job in self.jobs:
             if job.task.request_id == msg.request_id:
                 job.aborted = job.stream.aborted = True  # dropped between steps
                 return
-        if any(t.request_id == msg.request_id for t in self.waiting):
-            self.aborted.add(msg.request_id)
+        if self.admitting is not None and self.admitting.request_id == msg.request_id:
+            self.admitting_aborted = True
+        for task in [t for t in self.waiting if t.request_id == msg.request_id]:
+            self.waiting.remove(task)  # nothing written yet: the decode side may free now
+            self.fail(task, 499, "aborted", "aborted before prefill")
 
     def idle(self) -> bool:
         """Nothing queued, computing, finishing or being put: every block is free."""
@@ -112,22 +138,25 @@ class PrefillWorker:
     async def admit(self) -> None:
         """Admit waiting prompts, oldest first, while the next step has room for them."""
         while self.waiting and sum(j.remaining for j in self.jobs) < self.budget:
-            task = self.waiting[0]
+            task = self.admitting = self.waiting.popleft()
+            self.admitting_aborted = False
             try:
                 job = await self._start(task)
             except PrefillFailure as exc:
-                self.waiting.popleft()
-                self.aborted.discard(task.request_id)
                 self.fail(task, exc.status, exc.kind, str(exc))
                 continue
-            if job is None:  # KV memory is full until a running prompt finishes
+            finally:
+                self.admitting = None
+            if job is not None:
+                job.aborted = job.stream.aborted = self.admitting_aborted
+                self.jobs.append(job)
+            elif self.admitting_aborted:
+                self.fail(task, 499, "aborted", "aborted before prefill")
+            else:  # KV memory is full until a running prompt finishes
+                self.waiting.appendleft(task)
                 return
-            self.waiting.popleft()
-            self.jobs.append(job)
 
     async def _start(self, task: PrefillTask) -> Optional[Job]:
-        if task.request_id in self.aborted:
-            raise PrefillFailure(499, "aborted", "aborted before prefill")
         if time.time() > task.deadline:
             raise PrefillFailure(504, "timeout", "deadline passed while queued")
         tokens = task.token_ids
@@ -142,8 +171,8 @@ class PrefillWorker:
                 return None
             raise PrefillFailure(503, "prefill_kv_full", "prefill KV memory is full")
         try:
-            stream = self.kv_paths.open(self.rt.transfer, self.stream_thread, self.engine.kv,
-                                        plan.block_table, task)
+            stream = self.kv_paths.open(self.rt.transfer, self.lanes.get(task.decode_id),
+                                        self.engine.kv, plan.block_table, task)
         except ValueError as exc:  # the decode side reserved too few blocks
             self.pool.free(plan.block_table)
             raise PrefillFailure(500, "internal_error", str(exc)) from exc
@@ -211,12 +240,10 @@ class PrefillWorker:
             self._spawn(self.give_up(job, failure))
 
     async def give_up(self, job: Job, failure: PrefillFailure) -> None:
-        """Stop the stream and let its in-flight write finish (it reads our blocks and
-        writes the decode worker's), then free the blocks and tell both sides."""
-        job.stream.cancel()
-        pending = [asyncio.wrap_future(f) for f in job.stream.futures if not f.done()]
-        if pending:
-            await asyncio.wait(pending, timeout=SETTLE_TIMEOUT_S)
+        """Stop the stream and wait until none of its writes can land (they read our
+        blocks and write the decode worker's), however long: only then free our blocks
+        and send KVFailed, which lets the decode worker reuse its blocks."""
+        await job.stream.settle()
         self.pool.free(job.plan.block_table)
         self.fail(job.task, failure.status, failure.kind, str(failure))
 
@@ -235,25 +262,27 @@ class PrefillWorker:
         bs = self.engine.config.block_size
         cached_tokens = job.plan.cached_blocks * bs
         prompt = len(task.token_ids)
-        self.rt.mail.send(task.decode_inbox, KVReady(task.request_id, int(tokens[0]),
-                                                     logprobs[0], prompt, cached_tokens))
+        self.rt.mail.send(task.decode_inbox, KVReady(
+            task.request_id, int(tokens[0]), logprobs[0], prompt, cached_tokens, task.fence))
         self.rt.mail.send(self.rt.conductor, PrefillDone(
             task.request_id, self.rt.instance_id, prompt, cached_tokens,
-            job.plan.global_blocks * bs, job.compute_s, job.stream.bytes, job.stream.seconds))
+            job.plan.global_blocks * bs, job.compute_s, job.stream.bytes, job.stream.seconds,
+            task.fence))
         self.prefix.release(job.plan, job.keys)
 
     def fail(self, task: PrefillTask, status: int, kind: str, message: str) -> None:
-        self.rt.mail.send(task.decode_inbox, KVFailed(task.request_id, kind))
+        self.rt.mail.send(task.decode_inbox, KVFailed(task.request_id, kind, task.fence))
         if kind != "aborted":
-            self.rt.mail.send(self.rt.conductor, RequestFailed(task.request_id, status, kind,
-                                                               message))
+            self.rt.mail.send(self.rt.conductor, RequestFailed(
+                task.request_id, status, kind, message, fence=task.fence))
 
 
 async def run(config: ClusterConfig, index: int = 0) -> None:
     rt = WorkerRuntime(config, "prefill", index)
     prefix = await PrefixLoader.create(rt)
     worker = PrefillWorker(rt, prefix)
-    tasks = [asyncio.create_task(c) for c in (worker.serve(), rt.heartbeat_loop(worker.load),
+    tasks = [asyncio.create_task(c) for c in (worker.serve(),
+                                              rt.heartbeat_loop(worker.load, worker.idle),
                                               worker.idle_check.watch(worker.idle))]
     log.info("%s ready (inbox %s, %d KV blocks, budget %d tokens/step, store %s)",
              rt.instance_id, rt.inbox_address, rt.engine.kv.num_blocks, worker.budget,
@@ -262,4 +291,5 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
         await serve_inbox(rt.mail, worker.handlers, tasks)
     finally:
         await prefix.close()
+        worker.lanes.close()
         rt.close()

@@ -118,11 +118,31 @@ class KVStream:
             self.seconds = time.perf_counter() - self._started
         return self.bytes
 
-    def cancel(self) -> Optional[int]:
+    def cancel(self) -> None:
+        """Stop: writes not started yet never start (one already running cannot be
+        stopped; ``settle`` waits for it)."""
         self.aborted = True
         for f in self.futures:
             f.cancel()
-        return None
+
+    def unsettled(self) -> list[Future]:
+        """Writes of this stream that may still land: queued or running, and any native
+        transfer call to its peer that outlived its caller's deadline."""
+        pending = [f for f in self.futures if not f.done()]
+        if self.shm is None:
+            pending += self.transfer.in_flight(self.session)
+        return pending
+
+    async def settle(self, report_s: float = 30.0) -> None:
+        """Cancel, then wait until nothing of this stream can land any more, as long as
+        that takes (logged every ``report_s``): its blocks must not be reused before."""
+        self.cancel()
+        while pending := self.unsettled():
+            done, _ = await asyncio.wait([asyncio.wrap_future(f) for f in pending],
+                                         timeout=report_s)
+            if not done:
+                log.warning("KV stream to %s: %d writes still running after %.0fs", self.session,
+                            len(pending), report_s)
 
 
 def _as_transfer_error(job: Callable[[], int]) -> int:

@@ -8,9 +8,13 @@ from typing import Callable, Iterator
 
 import pytest
 
-from common.protocol import AbortRequest, BlocksReserved, PrefillDone, RequestFinished, TokenDelta
+from common.protocol import (
+    AbortRequest, BlocksReserved, Fence, PrefillDone, RequestFinished, TokenDelta,
+)
 from services.colocated.service import ColocatedWorker
-from tests.worker_fakes import FakeEngine, FakeRuntime, Workers, prefill_task, reserve, run_until
+from tests.worker_fakes import (
+    EPOCH, FakeEngine, FakeRuntime, Workers, fence_of, prefill_task, reserve, run_until,
+)
 
 Make = Callable[[], tuple[FakeRuntime, ColocatedWorker]]
 PROMPT = list(range(1, 11))
@@ -36,7 +40,7 @@ def finished(rt: FakeRuntime) -> list[tuple[str, str]]:
 async def request(rt: FakeRuntime, worker: ColocatedWorker, rid: str, tokens: list[int]) -> None:
     """Reserve, send the prompt, and step until the request is finished."""
     worker.on_reserve(reserve(rid, prompt_tokens=len(tokens), max_tokens=3))
-    worker.on_task(prefill_task(rid, tokens))
+    worker.on_task(prefill_task(rid, tokens, fence=fence_of(rt, rid)))
     assert not worker.idle()
     await run_until(worker.step_loop(), lambda: rid in dict(finished(rt)) and worker.idle())
 
@@ -44,7 +48,8 @@ async def request(rt: FakeRuntime, worker: ColocatedWorker, rid: str, tokens: li
 def test_a_request_prefills_decodes_and_frees_its_blocks(make: Make) -> None:
     rt, worker = make()
     asyncio.run(request(rt, worker, "a", PROMPT))
-    assert rt.mail.of(BlocksReserved) == [BlocksReserved("a", "worker-0", [0, 1, 2, 3])]
+    assert rt.mail.of(BlocksReserved) == [BlocksReserved("a", "worker-0", [0, 1, 2, 3],
+                                                                Fence(EPOCH, 1))]
     assert steps(rt.engine) == [([(0, 10, [0, 1, 2, 3])], []), ([], [(11, 10)]),
                                 ([], [(12, 11)])]
     done = rt.mail.of(PrefillDone)[0]
@@ -76,7 +81,7 @@ def test_an_abort_during_a_prefill_step_frees_the_blocks_after_it(make: Make) ->
     async def go() -> None:
         rt.engine.interrupt(asyncio.get_running_loop(), lambda: worker.on_abort(AbortRequest("a")))
         worker.on_reserve(reserve("a", prompt_tokens=10, max_tokens=3))
-        worker.on_task(prefill_task("a", PROMPT))
+        worker.on_task(prefill_task("a", PROMPT, fence=fence_of(rt, "a")))
         await run_until(worker.step_loop(), lambda: bool(finished(rt)) and worker.idle())
 
     asyncio.run(go())

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from common.config import ClusterConfig, SLOConfig
+from common.kv.events import BlockEventMsg
 from common.protocol import (
     AbortRequest, BlocksReserved, ClusterStatus, PrefillDone, PrefillTask, RegisterWorker,
     RequestAccepted, RequestFailed, RequestFinished, ReserveBlocks, ReserveFailed,
@@ -36,8 +37,10 @@ def worker(role: str, i: int) -> RegisterWorker:
 
 
 def beat(role: str, i: int, free: int = 100, stored: list[str] | None = None) -> WorkerHeartbeat:
+    """A first heartbeat: ``stored`` are events 1..n."""
+    events = [BlockEventMsg(seq, "stored", k) for seq, k in enumerate(stored or [], 1)]
     return WorkerHeartbeat(f"{role}-{i}", role, WorkerLoad(), free, 100 - free, 100,
-                           stored or [], [], 1)
+                           events, len(events))
 
 
 def submit(rid: str, n: int = 40, keys: list[str] | None = None) -> SubmitRequest:
@@ -53,6 +56,7 @@ def conductor() -> tuple[Conductor, RecordingMail]:
     for role, i in (("prefill", 0), ("prefill", 1), ("decode", 0)):
         c.on_register(worker(role, i))
         c.on_heartbeat(beat(role, i))
+    mail.take()  # WorkerGone announcements of the registrations
     return c, mail
 
 

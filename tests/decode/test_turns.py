@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from common.engine import Engine, EngineConfig
-from common.protocol import KVReady, ReserveBlocks, TokenDelta
+from common.config import ClusterConfig
+from common.protocol import Fence, KVReady, ReserveBlocks, TokenDelta
 from common.sampling_params import SamplingParams
 from services.decode.service import DecodeWorker
 from services.decode.turns import Turns
@@ -67,7 +68,8 @@ def test_decode_worker_serves_every_sequence_within_ceil_n_over_max_steps() -> N
                                  max_batch_size=2))
     mail = RecordingMail()
     rt = SimpleNamespace(engine=engine, mail=mail, conductor="conductor",
-                         instance_id="decode-0")
+                         instance_id="decode-0", epoch=1, handlers={},
+                         config=ClusterConfig())
     worker = DecodeWorker(rt)  # type: ignore[arg-type]
     stepped: list[list[int]] = []
     real_step = engine.decode_step
@@ -79,9 +81,10 @@ def test_decode_worker_serves_every_sequence_within_ceil_n_over_max_steps() -> N
     engine.decode_step = spy  # type: ignore[method-assign]
     sampling = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     for i in range(5):
-        worker.on_reserve(ReserveBlocks(f"r{i}", 8, sampling, "router", time.time() + 60))
+        worker.on_reserve(ReserveBlocks(f"r{i}", 8, sampling, "router", time.time() + 60,
+                                        epoch=1))
         worker.on_kv_ready(KVReady(f"r{i}", first_token=3, first_logprob=None,
-                                   prompt_tokens=8, cached_tokens=0))
+                                   prompt_tokens=8, cached_tokens=0, fence=Fence(1, i + 1)))
     worker_ids = {tuple(s.blocks): int(rid[1:]) for rid, s in worker.running.items()}
 
     async def run_steps(n: int) -> None:

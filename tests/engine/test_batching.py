@@ -1,7 +1,7 @@
 """Which prompt chunks a colocated step computes within its token budget."""
 from __future__ import annotations
 
-from common.protocol import PrefillTask
+from common.protocol import Fence, PrefillTask
 from common.sampling_params import SamplingParams
 from common.engine.batching import plan_chunks
 from services.colocated.service import Prefilling
@@ -13,7 +13,7 @@ def job(rid: str, n: int, done: int = 0, aborted: bool = False) -> Prefilling:
                        sampling=SamplingParams(max_tokens=1), decode_id="c",
                        decode_inbox="tcp://c", decode_session="h:1", decode_kv_base=0,
                        decode_block_ids=[], deadline=0.0)
-    r = Reservation(rid, [], n, None, "tcp://r", 0.0)  # type: ignore[arg-type]
+    r = Reservation(rid, [], n, None, "tcp://r", 0.0, Fence(1, 1))  # type: ignore[arg-type]
     return Prefilling(task, r, [], done, done, 0, 0, aborted=aborted)
 
 

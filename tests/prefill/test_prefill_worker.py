@@ -14,14 +14,15 @@ import pytest
 from common.engine.errors import EngineInputError
 from common.idle_check import IdleCheck
 from common.protocol import (
-    AbortRequest, KVFailed, KVReady, PrefillDone, RequestFailed, WorkerLoad,
+    AbortRequest, Fence, KVFailed, KVReady, PrefillDone, RequestFailed, WorkerLoad,
 )
 from services.prefill.service import PrefillWorker
 from tests.worker_fakes import (
-    CONDUCTOR, DECODE_INBOX, FakeEngine, FakeRuntime, Workers, prefill_task, run_until,
+    CONDUCTOR, DECODE_INBOX, EPOCH, FakeEngine, FakeRuntime, Workers, prefill_task, run_until,
 )
 
 LAYER, BLOCK = 64, 128
+F1 = Fence(EPOCH, 1)  # the fence prefill_task's decode side reserved under
 Make = Callable[..., tuple[FakeRuntime, PrefillWorker]]
 
 
@@ -59,8 +60,8 @@ def test_prompts_batch_oldest_first_within_the_token_budget(make: Make) -> None:
     assert chunks(rt.engine) == [[(1, 0, 10, [0, 1, 2]), (20, 0, 4, [3]), (30, 0, 2, [4, 5, 6])],
                                  [(30, 2, 10, [4, 5, 6])]]
     ready = {m.request_id: m for m in rt.mail.of(KVReady, to=DECODE_INBOX)}
-    assert ready == {"a": KVReady("a", 11, None, 10, 0), "b": KVReady("b", 24, None, 4, 0),
-                     "c": KVReady("c", 40, None, 10, 0)}
+    assert ready == {"a": KVReady("a", 11, None, 10, 0, F1), "b": KVReady("b", 24, None, 4, 0, F1),
+                     "c": KVReady("c", 40, None, 10, 0, F1)}
     done = {m.request_id: m for m in rt.mail.of(PrefillDone, to=CONDUCTOR)}
     # Each chunk streams the blocks it wrote, per layer: c's block 0 in both of its chunks.
     assert {r: (d.prompt_tokens, d.cached_tokens, d.transfer_bytes) for r, d in done.items()} \
@@ -83,7 +84,7 @@ def test_a_cached_prefix_is_reused_and_sent_whole(make: Make) -> None:
 
     asyncio.run(go())
     assert chunks(rt.engine)[1] == [(1, 8, 11, [0, 1, 3])]
-    assert rt.mail.of(KVReady)[1] == KVReady("b", 53, None, 11, 8)
+    assert rt.mail.of(KVReady)[1] == KVReady("b", 53, None, 11, 8, F1)
     done = rt.mail.of(PrefillDone)[1]
     assert (done.cached_tokens, done.global_hit_tokens) == (8, 0)
     assert done.transfer_bytes == 2 * BLOCK + 2 * LAYER  # the prefix whole, then block 2
@@ -106,8 +107,9 @@ def test_kv_memory_full_with_nothing_running_fails_the_prompt(make: Make) -> Non
     worker.on_task(prefill_task("a", list(range(1, 9))))
     asyncio.run(worker.admit())
     assert rt.mail.sent == [
-        (DECODE_INBOX, KVFailed("a", "prefill_kv_full")),
-        (CONDUCTOR, RequestFailed("a", 503, "prefill_kv_full", "prefill KV memory is full"))]
+        (DECODE_INBOX, KVFailed("a", "prefill_kv_full", F1)),
+        (CONDUCTOR, RequestFailed("a", 503, "prefill_kv_full", "prefill KV memory is full",
+                                   fence=F1))]
     rt.engine.pool.free(held)
     clean(worker)
 
@@ -129,11 +131,11 @@ def test_a_prompt_failing_before_its_first_step(make: Make, case: str, status: i
     if case == "aborted":
         worker.on_abort(AbortRequest("a"))
     asyncio.run(worker.admit())
-    want = [(DECODE_INBOX, KVFailed("a", kind))]
+    want = [(DECODE_INBOX, KVFailed("a", kind, F1))]
     if message is not None:  # an abort is the conductor's own news
-        want.append((CONDUCTOR, RequestFailed("a", status, kind, message)))
+        want.append((CONDUCTOR, RequestFailed("a", status, kind, message, fence=F1)))
     assert rt.mail.sent == want
-    assert rt.engine.steps == [] and not worker.waiting and not worker.aborted
+    assert rt.engine.steps == [] and not worker.waiting
     clean(worker)
 
 
@@ -143,8 +145,8 @@ def test_a_failed_kv_stream_frees_the_blocks_and_fails_the_request(make: Make) -
     worker.on_task(prefill_task("a", list(range(1, 11))))
     serve(worker, lambda: bool(rt.mail.sent) and worker.idle())
     assert rt.mail.sent == [
-        (DECODE_INBOX, KVFailed("a", "kv_transfer_failed")),
-        (CONDUCTOR, RequestFailed("a", 503, "kv_transfer_failed", "link down"))]
+        (DECODE_INBOX, KVFailed("a", "kv_transfer_failed", F1)),
+        (CONDUCTOR, RequestFailed("a", 503, "kv_transfer_failed", "link down", fence=F1))]
     clean(worker)
 
 
@@ -169,8 +171,9 @@ def test_a_prompt_past_its_deadline_between_steps_is_dropped(make: Make) -> None
     threading.Timer(0.4, gate.set).start()  # the first step ends after the deadline
     serve(worker, lambda: bool(rt.mail.sent) and worker.idle())
     assert rt.mail.sent == [
-        (DECODE_INBOX, KVFailed("a", "timeout")),
-        (CONDUCTOR, RequestFailed("a", 504, "timeout", "prefill missed its deadline"))]
+        (DECODE_INBOX, KVFailed("a", "timeout", F1)),
+        (CONDUCTOR, RequestFailed("a", 504, "timeout", "prefill missed its deadline",
+                                   fence=F1))]
     assert len(rt.engine.steps) == 1
     clean(worker)
 
@@ -185,7 +188,7 @@ def test_an_abort_during_a_step_drops_the_prompt_after_it(make: Make) -> None:
 
     asyncio.run(go())
     # Its last chunk ran, but it is not handed over; nothing was streamed after the abort.
-    assert rt.mail.sent == [(DECODE_INBOX, KVFailed("a", "aborted"))]
+    assert rt.mail.sent == [(DECODE_INBOX, KVFailed("a", "aborted", F1))]
     assert rt.transfer.writes == []
     clean(worker)
 
@@ -199,13 +202,13 @@ def test_an_engine_error_fails_the_step_prompts_and_keeps_serving(make: Make) ->
         await run_until(worker.serve(), lambda: bool(rt.mail.of(KVFailed)) and worker.idle())
         assert rt.mail.sent == [
             (CONDUCTOR, RequestFailed("a", 500, "internal_error",
-                                      "prefill failed: bad block table")),
-            (DECODE_INBOX, KVFailed("a", "aborted"))]
+                                      "prefill failed: bad block table", fence=F1)),
+            (DECODE_INBOX, KVFailed("a", "aborted", F1))]
         worker.on_task(prefill_task("b", list(range(1, 11))))
         await run_until(worker.serve(), lambda: bool(rt.mail.of(PrefillDone)) and worker.idle())
 
     asyncio.run(go())
-    assert rt.mail.of(KVReady) == [KVReady("b", 11, None, 10, 0)]
+    assert rt.mail.of(KVReady) == [KVReady("b", 11, None, 10, 0, F1)]
     clean(worker)
 
 
