@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from common.cpu import CpuConfig
+from common.security import SecurityConfig
 from common.store.metadata import MetadataConfig
 
 # Ports at fixed offsets from ``base_port``; the per-instance inboxes start at +10.
@@ -50,6 +51,25 @@ class StoreConfig:
     promote_wait_s: float = 2.0  # a get waits this long for SSD → DRAM promotions
     tick_s: float = 0.1  # the master's reaper period
     policy: MetadataConfig = field(default_factory=MetadataConfig)  # [store.policy]
+
+
+@dataclass
+class SuperviseConfig:
+    """The ``[supervise]`` table: how ``crescent up`` restarts a child that exits on its
+    own (launch/supervise.py), and how long a process drains on SIGTERM (common/service.py)."""
+
+    restart: bool = True  # False: one child's exit stops the cluster
+    backoff_s: float = 0.5  # delay before a restart; doubles per restart in the last minute
+    max_backoff_s: float = 10.0
+    max_restarts_per_minute: int = 5  # per child; one more exit stops the cluster
+    drain_timeout_s: float = 10.0  # SIGTERM: finish in-flight work this long, then exit
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.backoff_s <= self.max_backoff_s:
+            raise ValueError("[supervise] needs 0 <= backoff_s <= max_backoff_s")
+        if self.max_restarts_per_minute < 1 or self.drain_timeout_s < 0:
+            raise ValueError("[supervise] needs max_restarts_per_minute >= 1 and "
+                             "drain_timeout_s >= 0")
 
 
 @dataclass
@@ -99,6 +119,8 @@ class ClusterConfig:
     request_timeout_s: float = 600.0  # router gives up on a silent request
     store: StoreConfig = field(default_factory=StoreConfig)  # [store]: the global KV pool
     cpu: CpuConfig = field(default_factory=CpuConfig)  # [cpu]: per-role cores, threads
+    security: SecurityConfig = field(default_factory=SecurityConfig)  # [security]: keys
+    supervise: SuperviseConfig = field(default_factory=SuperviseConfig)  # [supervise]
 
     def step_budget(self, role: str) -> int:
         if self.token_budget is not None:

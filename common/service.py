@@ -6,7 +6,9 @@ Every process of a cluster starts the same way, in this order:
 2. parse the same arguments: ``--config FILE --index N --set key=value ... --log-level L``;
 3. load the cluster config (the TOML file, then each ``--set`` laid over it) and log as
    ``<role>-<index>``;
-4. install uvloop and turn SIGINT/SIGTERM into cancelling the main task;
+4. install uvloop; SIGINT cancels the main task, SIGTERM first drains (common/drain.py:
+   a service that registered in-flight work finishes it, up to
+   ``supervise.drain_timeout_s``, taking nothing new) and then cancels it;
 5. import the role's module (``ROLES``) and await its ``run(config, index)`` until cancelled.
 
 Every address, port and setting a service uses comes from that one config (common/config.py).
@@ -98,6 +100,7 @@ def setup_logging(name: str, index: int, level: str) -> None:
 def bootstrap(role: str, argv: Optional[list[str]] = None) -> int:
     """Start the ``role`` process of a cluster; returns its exit code (see the module doc)."""
     from common.cpu import CpuError, apply_from_env
+    from common.drain import install as install_drain
 
     spec = ROLES[role]
     try:
@@ -108,9 +111,11 @@ def bootstrap(role: str, argv: Optional[list[str]] = None) -> int:
     args = parse_args(role, argv)
     setup_logging(role, args.index, args.log_level)
     from common.config import ClusterConfig
+    from common.security import install as install_security
 
     try:
         config = ClusterConfig.load(args.config, parse_overrides(args.overrides))
+        install_security(config.security)  # the cluster key for every socket (CURVE)
     except (OSError, ValueError, TypeError) as exc:
         log.error("bad config: %s", exc)
         return 2
@@ -127,8 +132,9 @@ def bootstrap(role: str, argv: Optional[list[str]] = None) -> int:
     async def main() -> None:
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
+        drain = install_drain(config.supervise.drain_timeout_s)
+        loop.add_signal_handler(signal.SIGINT, task.cancel)
+        loop.add_signal_handler(signal.SIGTERM, drain.begin, task)
         await run(config, args.index)
 
     try:

@@ -23,12 +23,13 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    cluster.say = lambda text: print(f"crescent: {text}", flush=True)
     try:
         cluster.start(timeout_s=args.timeout)
         print(f"crescent: ready — OpenAI API at {cluster.url}/v1 (Ctrl-C stops)", flush=True)
         while not stop["now"]:
-            cluster.check_alive()
-            time.sleep(0.5)
+            cluster.supervise()  # a child that exits is restarted ([supervise] table)
+            time.sleep(0.2)
     except ClusterError as exc:
         print(f"crescent: {exc}", file=sys.stderr)
         return 1
@@ -47,6 +48,21 @@ def cmd_serve(argv: list[str]) -> int:
               "[--set KEY=VALUE ...]", file=sys.stderr)
         return 2
     return bootstrap(argv[0], argv[1:])
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    """``crescent keygen DIR``: the cluster's CURVE keypair (``[security] curve_key_dir``)."""
+    from common.security import generate_keys, load_keys
+
+    try:
+        path, made = generate_keys(args.dir, force=args.force)
+        public = load_keys(args.dir).public.decode()
+    except (OSError, ValueError) as exc:
+        print(f"crescent keygen: {exc}", file=sys.stderr)
+        return 1
+    print(f"crescent keygen: {'wrote' if made else 'kept the existing'} {path} "
+          f"(public key {public}); set [security] curve_key_dir = \"{args.dir}\"", flush=True)
+    return 0
 
 
 def cmd_simulate(rest: list[str]) -> int:
@@ -70,7 +86,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     sub.add_parser("serve", help="run one service (multi-host deployments; "
                    "see crescent serve ROLE -h)")
     sub.add_parser("simulate", help="replay a Mooncake trace (see crescent simulate -h)")
+    keygen = sub.add_parser("keygen", help="make the cluster's CURVE keypair in DIR "
+                            "(kept if one is there)")
+    keygen.add_argument("dir")
+    keygen.add_argument("--force", action="store_true", help="replace an existing keypair")
     args = parser.parse_args(argv)
+    if args.command == "keygen":
+        return cmd_keygen(args)
     return cmd_up(args)
 
 

@@ -1,8 +1,14 @@
-"""Start, watch and stop a whole local Crescent cluster as separate processes.
+"""Start, supervise and stop a whole local Crescent cluster as separate processes.
 
 Used by ``crescent up`` and by the end-to-end tests. Every child gets the same config
 file; each one logs to ``<log_dir>/<role>-<index>.log``. Each child also gets its CPU
 core set and thread count in its environment (common/cpu.py) and pins itself at start.
+
+Supervision is a step, ``supervise()``, that whoever watches the cluster calls (the
+``crescent up`` loop, a test, or ``supervise_in_background``): a child that exited on its
+own is started again with the same role, index, CPU plan and log file after the back-off of
+launch/supervise.py; one that cannot be kept running raises ``ClusterError``. A cluster
+nobody supervises (most tests) leaves a dead child dead.
 """
 from __future__ import annotations
 
@@ -10,15 +16,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from common.config import ClusterConfig
 from common.cpu import ENV_CPUS, ENV_THREADS, CpuPlan, plan_cores, plan_env
+from launch.supervise import GiveUp, RestartPolicy
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,6 +37,7 @@ class Child:
     index: int
     proc: subprocess.Popen
     log_path: Path
+    restart_at: Optional[float] = None  # monotonic time of its next start, once it exited
 
     @property
     def name(self) -> str:
@@ -52,6 +61,13 @@ class LocalCluster:
         plan_cores(self.plan(), self.config.cpu, os.sched_getaffinity(0))  # fail fast
         self.log_dir = Path(log_dir)
         self.children: list[Child] = []
+        self.policy = RestartPolicy(self.config.supervise)
+        self.restarts: dict[tuple[str, int], int] = {}  # starts after the first, per child
+        self.say: Callable[[str], None] = lambda text: None  # restart notices (crescent up)
+        self._lock = threading.RLock()  # supervise() from a background thread and a test
+        self._watcher: Optional[threading.Thread] = None
+        self._stopping = threading.Event()
+        self.failure: Optional[ClusterError] = None  # what stopped background supervision
 
     @property
     def url(self) -> str:
@@ -81,12 +97,16 @@ class LocalCluster:
             processes.append((role, index))
         return plan_cores(processes, self.config.cpu, os.sched_getaffinity(0)).get((role, index))
 
-    def spawn(self, role: str, index: int) -> Child:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{role}-{index}.log"
+    def command(self, role: str, index: int) -> list[str]:
         cmd = [sys.executable, "-m", f"services.{role}"]
         cmd += ["--index", str(index)]  # every role: the same arguments (common/service.py)
-        cmd += ["--config", str(self.config_path)] if self.config_path else []
+        return cmd + (["--config", str(self.config_path)] if self.config_path else [])
+
+    def spawn(self, role: str, index: int, note: str = "") -> Child:
+        """Start one child (again: it replaces the old entry, and its log goes on)."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{role}-{index}.log"
+        cmd = self.command(role, index)
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         env.pop(ENV_CPUS, None)  # never inherit a plan from the launcher's own environment
@@ -95,10 +115,17 @@ class LocalCluster:
         if plan is not None:
             env.update(plan_env(plan))
         with open(log_path, "ab") as log:
+            if note:
+                log.write(f"--- crescent up: {note}\n".encode())
+                log.flush()
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     cwd=REPO, start_new_session=True)
         child = Child(role, index, proc, log_path)
-        self.children.append(child)
+        old = [i for i, c in enumerate(self.children) if (c.role, c.index) == (role, index)]
+        if old:
+            self.children[old[0]] = child
+        else:
+            self.children.append(child)
         return child
 
     def start(self, timeout_s: float = 120.0) -> None:
@@ -131,6 +158,73 @@ class LocalCluster:
             time.sleep(0.25)
         raise ClusterError(f"cluster not healthy after {timeout_s:.0f}s; logs in {self.log_dir}")
 
+    # ------------------------------------------------------------ supervision
+    def supervise(self, now: Optional[float] = None) -> list[Child]:
+        """One step: note the children that exited, start again those whose back-off is
+        over; returns the children started. Raises ``ClusterError`` for a child that
+        cannot be kept running (a crash loop, a bad config, restarts off)."""
+        with self._lock:
+            if self._stopping.is_set():
+                return []
+            now = time.monotonic() if now is None else now
+            started = []
+            for child in list(self.children):
+                if child.restart_at is None:
+                    code = child.proc.poll()
+                    if code is None:
+                        continue
+                    decision = self.policy.on_exit(child.name, code, now)
+                    if isinstance(decision, GiveUp):
+                        raise ClusterError(f"{decision}; its log:\n{child.log_tail()}")
+                    child.restart_at = now + decision.delay_s
+                    self.say(str(decision))
+                if now >= child.restart_at:
+                    key = (child.role, child.index)
+                    self.restarts[key] = self.restarts.get(key, 0) + 1
+                    note = (f"restart {self.restarts[key]} of {child.name} (exit code "
+                            f"{child.proc.returncode})")
+                    started.append(self.spawn(child.role, child.index, note))
+                    self.say(f"{note}: pid {started[-1].proc.pid}")
+            return started
+
+    def supervise_in_background(self, interval_s: float = 0.2) -> None:
+        """Call ``supervise`` every ``interval_s`` in a thread until ``stop``; a failure
+        is kept in ``failure`` (and raised by ``wait_restarted``)."""
+        def watch() -> None:
+            while not self._stopping.wait(interval_s):
+                try:
+                    self.supervise()
+                except ClusterError as exc:
+                    self.failure = exc
+                    return
+
+        self._watcher = threading.Thread(target=watch, name="supervise", daemon=True)
+        self._watcher.start()
+
+    def child(self, role: str, index: int = 0) -> Child:
+        for c in self.children:
+            if (c.role, c.index) == (role, index):
+                return c
+        raise KeyError(f"no child {role}-{index}")
+
+    def wait_restarted(self, role: str, index: int = 0, timeout_s: float = 30.0,
+                       since: Optional[int] = None) -> Child:
+        """Supervise (unless a background thread does) until ``role-index`` has been
+        started more than ``since`` times after its first start (default: as many as now)
+        and is running; returns the new child."""
+        key = (role, index)
+        since = self.restarts.get(key, 0) if since is None else since
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.failure is not None:
+                raise self.failure
+            if self._watcher is None:
+                self.supervise()
+            if self.restarts.get(key, 0) > since and self.child(role, index).proc.poll() is None:
+                return self.child(role, index)
+            time.sleep(0.05)
+        raise ClusterError(f"{role}-{index} was not restarted within {timeout_s:g} s")
+
     def kill(self, role: str, index: int = 0) -> None:
         """Hard-kill one child (failure tests)."""
         for child in self.children:
@@ -138,8 +232,14 @@ class LocalCluster:
                 os.killpg(child.proc.pid, signal.SIGKILL)
                 child.proc.wait(5)
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        """SIGTERM every child (router first), then SIGKILL what is left after ``grace_s``."""
+    def stop(self, grace_s: Optional[float] = None) -> None:
+        """SIGTERM every child (router first), then SIGKILL what is left after ``grace_s``
+        (default: the drain timeout of [supervise] and 5 s more)."""
+        self._stopping.set()
+        if self._watcher is not None:
+            self._watcher.join(5)
+        if grace_s is None:
+            grace_s = self.config.supervise.drain_timeout_s + 5.0
         for child in reversed(self.children):
             if child.proc.poll() is None:
                 try:

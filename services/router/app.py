@@ -11,6 +11,7 @@ from aiohttp import web
 from common.config import ClusterConfig
 from common.kv.memory import resolve_kv_dtype
 from common.mailbox import Mailbox, serve_inbox
+from services.router.auth import api_key_middleware, load_api_keys
 from services.router.block_hashing import make_block_hasher
 from services.router.errors import ApiError
 from services.router.handlers import STATE, routes
@@ -56,7 +57,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 def build_app(state: RouterState) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY)
+    keys = load_api_keys(state.config.security)  # none: the API is open
+    middlewares = [error_middleware] + ([api_key_middleware(keys)] if keys else [])
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
     app[STATE] = state
     app.add_routes(routes())
     return app
@@ -69,11 +72,14 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
                                resolve_kv_dtype(config.dtype, config.kv_dtype))
     mailbox = Mailbox(config.inbox("router"), "router")
     state = RouterState(config, mailbox, tokenizer, hasher)
+    state.drain.until(lambda: not state.streams)  # SIGTERM: finish the streams in flight
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.http_port).start()
-        log.info("router ready on http://%s:%d", config.host, config.http_port)
+        keyed = config.security.api_keys or config.security.api_key_file
+        log.info("router ready on http://%s:%d%s", config.host, config.http_port,
+                 " (API keys required)" if keyed else "")
         await serve_inbox(mailbox, state.handlers())
     finally:
         await runner.cleanup()

@@ -3,7 +3,10 @@
 Every wait has a deadline (``request_timeout_s``); a silent request becomes a 504 and is
 aborted at the conductor. Failures from the cluster become ``ApiError`` with the status the
 conductor chose; a rejection becomes a 429 whose code is the policy's reason and whose
-Retry-After is the policy's retry time.
+Retry-After is the policy's retry time. With the conductor lost (``RouterState.
+conductor_lost``) a new request is a 503 at once, and one already waiting fails with a 503
+within a heartbeat of the loss rather than at its deadline; a draining router (SIGTERM)
+takes no new request.
 """
 from __future__ import annotations
 
@@ -46,24 +49,57 @@ class RequestRun:
         self._last_token: Optional[float] = None
         state.metrics.in_flight.inc()
         try:
+            refusal = self._refusal()
+            if refusal is not None:
+                raise refusal
             self.queue = state.submit(req)
         except ConnectionError as exc:
             self.done = True
             self.finish(503)
             raise ApiError(503, str(exc), code="conductor_unavailable") from exc
+        except ApiError:
+            self.done = True
+            self.finish(503)
+            raise
+
+    def _refusal(self) -> Optional[ApiError]:
+        if self.state.draining:
+            return ApiError(503, "the router is shutting down", code="draining",
+                            retry_after_s=1.0)
+        return self._lost()
+
+    def _lost(self) -> Optional[ApiError]:
+        silent = self.state.conductor_lost()
+        if silent is None:
+            return None
+        return ApiError(503, f"the cluster is unavailable: no word from the conductor for "
+                        f"{silent:.1f} s", code="cluster_unavailable", retry_after_s=1.0)
 
     async def _next(self) -> RequestEvent:
         queue = self.queue
         if not queue.empty():  # the common case while streaming: no timer needed
             return queue.get_nowait()
-        try:
-            async with asyncio.timeout(self.timeout):
-                return await queue.get()
-        except TimeoutError:
-            self.state.abort(self.request_id, "router timeout")
-            self.done = True
-            raise ApiError(504, f"no response from the cluster within {self.timeout:g} s",
-                           code="timeout") from None
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + self.timeout
+        config = self.state.config
+        while (left := deadline - loop.time()) > 0:
+            try:  # look for a lost conductor every heartbeat
+                async with asyncio.timeout(min(left, config.heartbeat_interval_s)):
+                    return await queue.get()
+            except TimeoutError:
+                lost = self._lost()
+                # A decode worker streams without the conductor: only its silence counts.
+                streaming = self._last_token is not None and \
+                    loop.time() - start <= config.heartbeat_timeout_s
+                if lost is not None and not streaming:
+                    self.state.abort(self.request_id, "conductor lost")
+                    self.done = True
+                    raise lost from None
+        self.state.abort(self.request_id, "router timeout")
+        self.done = True
+        raise ApiError(504, f"no response from the cluster within {self.timeout:g} s",
+                       code="timeout")
 
     def _accepted(self, msg: RequestAccepted) -> None:
         self.state.metrics.queue_time.observe(max(0.0, time.time() - self.arrival))

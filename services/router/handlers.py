@@ -179,6 +179,8 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    if state.draining:
+        return _json({"status": "unavailable", "reason": "shutting down"}, status=503)
     if state.is_ready():
         return _json({"status": "ok"})
     age = state.status_age()

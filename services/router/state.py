@@ -2,6 +2,8 @@
 
 The inbox loop dispatches by message type through one table; request events go to the
 queue of their request (dropped if the request is gone), ClusterStatus replaces the last.
+The conductor publishes a status every heartbeat; none for ``heartbeat_timeout_s`` (the
+limit the conductor itself gives a worker) means it is gone: ``conductor_lost``.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 from common.config import ClusterConfig
+from common.drain import Drain, current as current_drain
 from common.mailbox import Mailbox
 from common.protocol import (AbortRequest, ClusterStatus, KVTransferReport, RequestAccepted,
                              RequestFailed, RequestRejected, SubmitRequest, TokenDelta)
@@ -34,6 +37,8 @@ class RouterState:
     status: Optional[ClusterStatus] = None
     status_time: Optional[float] = None  # monotonic time the status arrived
     started: int = field(default_factory=lambda: int(time.time()))
+    born: float = field(default_factory=time.monotonic)  # counts as a status at start
+    drain: Drain = field(default_factory=current_drain)  # SIGTERM (common/drain.py)
 
     # ------------------------------------------------------------ conductor side
     @property
@@ -59,6 +64,16 @@ class RouterState:
     # ------------------------------------------------------------ readiness
     def status_age(self) -> Optional[float]:
         return None if self.status_time is None else time.monotonic() - self.status_time
+
+    def conductor_lost(self) -> Optional[float]:
+        """Seconds without a ClusterStatus (since start if none came) once beyond
+        ``heartbeat_timeout_s``; None while the conductor is heard from."""
+        silent = time.monotonic() - (self.status_time or self.born)
+        return silent if silent > self.config.heartbeat_timeout_s else None
+
+    @property
+    def draining(self) -> bool:
+        return self.drain.active
 
     def is_ready(self) -> bool:
         age = self.status_age()

@@ -1,6 +1,7 @@
 """Fixtures: one router subprocess and one scripted fake cluster for the whole directory."""
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -8,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Iterator
@@ -15,11 +17,12 @@ from typing import Iterator
 import pytest
 
 from common.config import ClusterConfig
-from tests.router.fake_cluster import FakeCluster, default_script
+from tests.router.fake_cluster import READY, FakeCluster, default_script
 
 REPO = Path(__file__).resolve().parents[2]
 REQUEST_TIMEOUT_S = 1.5
 HEARTBEAT_S = 0.2
+CONDUCTOR_TIMEOUT_S = 0.8  # the router gives up on a silent conductor after this
 
 
 def _free(port: int) -> bool:
@@ -48,7 +51,8 @@ def router_config(tmp_path_factory: pytest.TempPathFactory) -> tuple[ClusterConf
     path = tmp_path_factory.mktemp("router") / "cluster.toml"
     path.write_text(f"http_port = {http}\nbase_port = {base}\n"
                     f"request_timeout_s = {REQUEST_TIMEOUT_S}\n"
-                    f"heartbeat_interval_s = {HEARTBEAT_S}\ndefault_max_tokens = 64\n")
+                    f"heartbeat_interval_s = {HEARTBEAT_S}\ndefault_max_tokens = 64\n"
+                    f"heartbeat_timeout_s = {CONDUCTOR_TIMEOUT_S}\n")
     return ClusterConfig.load(str(path)), path
 
 
@@ -68,17 +72,16 @@ def _wait_listening(proc: subprocess.Popen, url: str, log: Path, timeout: float)
         try:
             urllib.request.urlopen(url + "/v1/models", timeout=1.0).close()
             return
+        except urllib.error.HTTPError:  # an answer all the same (401 with API keys on)
+            return
         except OSError:
             time.sleep(0.1)
     raise RuntimeError(f"router did not start in {timeout} s:\n{log.read_text()}")
 
 
-@pytest.fixture(scope="session")
-def router(router_config: tuple[ClusterConfig, Path], fake: FakeCluster,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Base URL of a router subprocess wired to the fake cluster."""
-    config, path = router_config
-    log = tmp_path_factory.mktemp("router-log") / "router.log"
+@contextlib.contextmanager
+def router_process(config: ClusterConfig, path: Path, log: Path) -> Iterator[str]:
+    """A router subprocess on ``path``'s config: its base URL until the block ends."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
                                                          os.environ.get("PYTHONPATH")])))
@@ -100,10 +103,22 @@ def router(router_config: tuple[ClusterConfig, Path], fake: FakeCluster,
             proc.wait(5)
 
 
+@pytest.fixture(scope="session")
+def router(router_config: tuple[ClusterConfig, Path], fake: FakeCluster,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL of a router subprocess wired to the fake cluster."""
+    config, path = router_config
+    with router_process(config, path, tmp_path_factory.mktemp("router-log") / "router.log") \
+            as url:
+        yield url
+
+
 @pytest.fixture(autouse=True)
 def _reset_fake(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if "fake" in request.fixturenames:
         cluster = request.getfixturevalue("fake")
         cluster.script = default_script
-        cluster.status = None
+        if cluster.status is not READY:  # the next test starts with a live conductor
+            cluster.status = READY
+            time.sleep(3 * cluster.status_interval_s)

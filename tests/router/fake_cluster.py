@@ -2,7 +2,8 @@
 
 It binds ``config.inbox("conductor")``, records every message it receives, answers each
 SubmitRequest by playing ``script(request)`` (a list of ``(delay_s, message)``) to the
-router's inbox, and publishes ``status`` (if set) every ``status_interval_s``.
+router's inbox, and publishes ``status`` (if set; ``READY`` at first, as a live conductor
+would) every ``status_interval_s``.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from common.protocol import (AbortRequest, ClusterStatus, RequestAccepted, Submi
 Script = Callable[[SubmitRequest], list[tuple[float, Any]]]
 
 WORDS = ["Hello", " world", "!"]
+READY = ClusterStatus(True, [])
 
 
 def accepted(req: SubmitRequest) -> RequestAccepted:
@@ -48,7 +50,7 @@ class FakeCluster:
         self.config = config
         self.status_interval_s = status_interval_s
         self.script: Script = default_script
-        self.status: Optional[ClusterStatus] = None
+        self.status: Optional[ClusterStatus] = READY
         self.received: list[Any] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="fake-cluster", daemon=True)

@@ -57,6 +57,7 @@ def test_finished_request_sends_no_abort(router: str, fake: FakeCluster) -> None
 
 
 def test_health_follows_cluster_status(router: str, fake: FakeCluster) -> None:
+    fake.status = None
     assert eventually(lambda: get(router, "/health").status == 503)
     fake.status = ClusterStatus(False, [])
     reply = eventually(lambda: (r := get(router, "/health")).json().get("reason")

@@ -1,0 +1,62 @@
+"""The control path after a restart: an unknown heartbeat gets a ReRegister, a new
+incarnation replaces the old entry (its requests fail through the lost-worker hook), and a
+draining worker is given no new work."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from common.protocol import (BlocksReserved, ReRegister, RequestAccepted, RequestFailed,
+                             ReserveBlocks)
+from services.conductor.service import Conductor
+from tests.conductor.test_conductor import RecordingMail, beat, conductor, submit, worker
+
+__all__ = ["conductor"]  # the fixture
+
+
+def test_unknown_heartbeat_is_asked_to_register(conductor: tuple[Conductor, RecordingMail],
+                                                ) -> None:
+    c, mail = conductor
+    c.on_heartbeat(replace(beat("decode", 7), inbox="tcp://w/decode7"))
+    assert mail.take() == [("tcp://w/decode7", ReRegister("decode-7"))]
+    c.on_heartbeat(beat("decode", 8))  # no inbox to answer to: nothing sent
+    assert mail.take() == []
+    c.on_heartbeat(replace(beat("decode", 0), inbox="tcp://w/decode0"))  # known: no ask
+    assert mail.take() == []
+
+
+def test_a_new_incarnation_replaces_the_old_and_fails_its_requests(
+        conductor: tuple[Conductor, RecordingMail]) -> None:
+    c, mail = conductor
+    c.on_submit(submit("r"))
+    c.on_reserved(BlocksReserved("r", "decode-0", [1]))
+    mail.take()
+    c.on_register(worker("decode", 0))  # the periodic registration: nothing changes
+    assert mail.take() == [] and "r" in c.tracker.requests
+    old = c.registry.get("decode-0")
+    c.on_register(replace(worker("decode", 0), transfer_session="h:restarted", epoch=5))
+    failed = [m for _, m in mail.take() if isinstance(m, RequestFailed)]
+    assert [(m.request_id, m.status, m.error_type) for m in failed] == [
+        ("r", 503, "worker_lost")]
+    assert failed[0].message.endswith("decode-0 restarted")
+    new = c.registry.get("decode-0")
+    assert new is not old and new.info.transfer_session == "h:restarted"
+    assert c.tracker.requests == {} and not new.assigned
+
+
+def test_a_draining_worker_is_given_no_new_work(
+        conductor: tuple[Conductor, RecordingMail]) -> None:
+    c, mail = conductor
+    c.on_heartbeat(replace(beat("prefill", 0), draining=True))
+    assert [w.instance_id for w in c.registry.by_role("prefill")] == ["prefill-1"]
+    c.on_submit(submit("a"))
+    [accepted] = [m for _, m in mail.take() if isinstance(m, RequestAccepted)]
+    assert accepted.prefill_id == "prefill-1"
+    c.on_heartbeat(replace(beat("decode", 0), draining=True))
+    assert not c.ready()
+    c.on_submit(submit("b"))
+    [(_, msg)] = mail.take()
+    assert isinstance(msg, RequestFailed) and (msg.status, msg.error_type) == (
+        503, "service_unavailable")
+    c.on_heartbeat(beat("decode", 0))  # drained and back (or SIGTERM withdrawn)
+    c.on_submit(submit("c"))
+    assert [type(m) for _, m in mail.take()] == [ReserveBlocks, RequestAccepted]

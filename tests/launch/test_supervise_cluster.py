@@ -1,0 +1,115 @@
+"""A real cluster under supervision: a SIGKILLed conductor comes back and serving resumes
+(workers re-register at once); a decode worker that gets SIGTERM mid-stream finishes the
+stream, takes no new work meanwhile, and exits 0."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from launch.cluster import LocalCluster
+from tests.e2e.conftest import assert_one_bootstrap
+
+pytestmark = pytest.mark.e2e
+
+CONFIG = """
+http_port = 20320
+base_port = 20330
+decode_blocks = 256
+prefill_blocks = 256
+heartbeat_interval_s = 0.2
+heartbeat_timeout_s = 2.0
+
+[store]
+enabled = false
+
+[supervise]
+backoff_s = 0.2
+drain_timeout_s = 30.0
+"""
+URL = "http://127.0.0.1:20320"
+
+
+def body(max_tokens: int, stream: bool = False) -> dict:
+    return {"model": "smollm2-135m", "prompt": "The capital of France is",
+            "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    tmp = tmp_path_factory.mktemp("supervised")
+    (tmp / "c.toml").write_text(CONFIG)
+    c = LocalCluster(str(tmp / "c.toml"), tmp / "logs")
+    try:
+        c.start(timeout_s=180)
+        assert_one_bootstrap(c)
+        yield c
+    finally:
+        c.stop()
+
+
+def wait_healthy(cluster: LocalCluster, timeout_s: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        cluster.supervise()
+        if cluster.healthy():
+            return time.monotonic() - start
+        time.sleep(0.1)
+    raise AssertionError(f"not healthy within {timeout_s} s")
+
+
+def test_killed_conductor_is_restarted_and_serving_resumes(cluster: LocalCluster) -> None:
+    before = httpx.post(URL + "/v1/completions", json=body(8), timeout=60)
+    assert before.status_code == 200
+    old = cluster.child("conductor").proc.pid
+    cluster.kill("conductor", 0)
+    killed = time.monotonic()
+    lost = httpx.post(URL + "/v1/completions", json=body(8), timeout=60)
+    assert lost.status_code == 503  # fast: the router knows the conductor is gone ...
+    assert lost.json()["error"]["code"] in ("cluster_unavailable", "timeout")
+    child = cluster.wait_restarted("conductor", 0, timeout_s=30)
+    assert child.proc.pid != old and cluster.restarts == {("conductor", 0): 1}
+    wait_healthy(cluster, 60)
+    recovered = time.monotonic() - killed
+    after = httpx.post(URL + "/v1/completions", json=body(8), timeout=60)
+    assert after.status_code == 200, after.text
+    assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+    log = child.log_path.read_text()
+    assert "--- crescent up: restart 1 of conductor-0 (exit code -9)" in log
+    assert log.count("registered prefill-0") == 2 and log.count("registered decode-0") == 2
+    assert "asking it to register" in log  # the workers learned of it at once
+    print(f"conductor recovery: {recovered:.1f} s from SIGKILL to a healthy cluster")
+
+
+def test_sigterm_drains_a_decode_worker_mid_stream(cluster: LocalCluster) -> None:
+    wait_healthy(cluster, 60)
+    decode = cluster.child("decode")
+    with httpx.Client(base_url=URL, timeout=120) as client:
+        with client.stream("POST", "/v1/completions", json=body(48, stream=True)) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            os.killpg(decode.proc.pid, signal.SIGTERM)
+            time.sleep(0.5)  # the draining heartbeat reaches the conductor at once
+            refused = httpx.post(URL + "/v1/completions", json=body(4), timeout=30)
+            rest = [first] + [line for line in lines if line.startswith("data: ")]
+    assert refused.status_code == 503, refused.text  # no decode worker takes new work
+    assert refused.json()["error"]["code"] == "service_unavailable"
+    chunks = [json.loads(line[6:]) for line in rest if line != "data: [DONE]"]
+    assert rest[-1] == "data: [DONE]" and not any("error" in c for c in chunks)
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length") and text
+    assert decode.proc.wait(30) == 0
+    log = decode.log_path.read_text()
+    assert "SIGTERM: draining" in log and "drain: idle after" in log
+    # supervised, it comes back and serves again
+    cluster.wait_restarted("decode", 0, timeout_s=30)
+    wait_healthy(cluster, 120)
+    again = httpx.post(URL + "/v1/completions", json=body(48), timeout=120)
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == text
