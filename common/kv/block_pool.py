@@ -150,6 +150,15 @@ class BlockPool:
         events, self._events = self._events, []
         return events
 
+    @property
+    def last_seq(self) -> int:
+        """The sequence number of the latest event (0: none yet)."""
+        return self._seq
+
+    def cached_keys(self) -> list[bytes]:
+        """Every key cached now: the pool's contents as of event ``last_seq``."""
+        return list(self._by_key)
+
     # ---- integrity ----------------------------------------------------------------
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant of the pool is broken."""

@@ -8,6 +8,7 @@ import orjson
 import pytest
 
 from common.ipc import ProtocolError, decode, encode, message
+from common.kv.events import BlockEventMsg
 from common.protocol import (
     KVReady, PrefillTask, RequestRejected, SubmitRequest, TokenDelta, WorkerHeartbeat,
     WorkerLoad,
@@ -31,8 +32,10 @@ def test_nested_dataclasses_decode_into_their_types() -> None:
     assert sub.sampling.stop == ("\n",) and sub.sampling.stop_token_ids == (2,)
     rejected = RequestRejected("r", Rejection("ttft_slo", 2.5, "predicted TTFT 3.50 s"))
     assert decode(encode(rejected)) == rejected
-    beat = WorkerHeartbeat("d", "decode", WorkerLoad(1, 2, 3, 4), 5, 6, 11, ["ab"], [], 9)
+    beat = WorkerHeartbeat("d", "decode", WorkerLoad(1, 2, 3, 4), 5, 6, 11,
+                           [BlockEventMsg(9, "stored", "ab")], 9)
     assert decode(encode(beat)).load == WorkerLoad(1, 2, 3, 4)
+    assert decode(encode(beat)).events == [BlockEventMsg(9, "stored", "ab")]
 
 
 def test_nested_fields_are_json_objects_and_take_defaults() -> None:

@@ -19,7 +19,7 @@ def _registry(running: int, context: int) -> Registry:
                                     32, 1000, 16))
     reg.heartbeat(WorkerHeartbeat("decode-0", "decode",
                                   WorkerLoad(running=running, context_tokens=context), 900, 100,
-                                  1000, [], [], 1))
+                                  1000, [], 0))
     return reg
 
 

@@ -53,7 +53,7 @@ def register(c: Conductor, role: str, free: int = 100) -> None:
 
 def beat(c: Conductor, role: str, free: int, running: int = 0, context: int = 0) -> None:
     c.on_heartbeat(WorkerHeartbeat(f"{role}-0", role, WorkerLoad(running=running,
-                                   context_tokens=context), free, 100 - free, 100, [], [], 1))
+                                   context_tokens=context), free, 100 - free, 100, [], 0))
 
 
 def submit(c: Conductor, rid: str) -> None:

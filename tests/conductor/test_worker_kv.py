@@ -1,0 +1,189 @@
+"""Worker KV events reach the conductor in order, numbered; a gap asks for a snapshot; a
+restarted worker's old keys are dropped. The block pool, the heartbeat and snapshot code of
+``WorkerRuntime``, the codec and the conductor are the real ones (exact keys and messages)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from common.config import ClusterConfig
+from common.ipc import ProtocolError, decode, encode
+from common.kv.block_pool import BlockPool
+from common.kv.events import BlockEventMsg
+from common.protocol import KVResync, KVSnapshot, RegisterWorker, WorkerHeartbeat, WorkerLoad
+from common.worker import WorkerRuntime
+from services.conductor.service import Conductor
+from services.conductor.worker_kv import WorkerKV
+
+K = [bytes([i]) * 16 for i in range(8)]
+H = [k.hex() for k in K]
+INBOX = "tcp://prefill-0"
+
+
+def ev(seq: int, kind: str, key: str) -> BlockEventMsg:
+    return BlockEventMsg(seq, kind, key)
+
+
+# ------------------------------------------------------------------ WorkerKV alone
+
+
+def test_events_apply_in_order_within_one_beat() -> None:
+    kv = WorkerKV()
+    kv.apply([ev(1, "stored", "a"), ev(2, "stored", "b"), ev(3, "removed", "a")], 3)
+    assert kv.keys == {"b"} and kv.last_seq == 3  # stored then evicted: absent
+    kv.apply([ev(4, "removed", "b"), ev(5, "stored", "b")], 5)
+    assert kv.keys == {"b"}  # evicted then stored again: present
+    kv.apply([ev(5, "removed", "b")], 5)  # a replay of an applied event changes nothing
+    assert (kv.keys, kv.gaps, kv.resyncing) == ({"b"}, 0, False)
+
+
+def test_a_gap_starts_a_resync_and_the_snapshot_ends_it() -> None:
+    kv = WorkerKV()
+    kv.apply([ev(1, "stored", "a")], 1)
+    kv.apply([ev(4, "stored", "d")], 4)  # the beat with 2..3 was lost
+    assert (kv.resyncing, kv.gaps, kv.keys, kv.last_seq) == (True, 1, {"a"}, 1)
+    assert kv.snapshot_due(now=10.0, retry_s=1.0)
+    assert not kv.snapshot_due(now=10.5, retry_s=1.0)  # asked; wait for the answer
+    kv.apply([ev(5, "stored", "e")], 5)  # dropped: the snapshot will cover it
+    assert kv.keys == {"a"}
+    assert kv.snapshot_due(now=11.0, retry_s=1.0)  # unanswered: ask again
+    assert kv.on_snapshot(5, ["b", "d", "e"])
+    assert (kv.resyncing, kv.keys, kv.last_seq, kv.resyncs) == (False, {"b", "d", "e"}, 5, 1)
+    assert not kv.snapshot_due(now=20.0, retry_s=1.0)
+    kv.apply([ev(5, "stored", "e"), ev(6, "removed", "d")], 6)  # 5: in the snapshot already
+    assert kv.keys == {"b", "e"} and kv.last_seq == 6
+    assert not kv.on_snapshot(5, ["x"])  # the answer to the first ask, late: stale
+    assert kv.keys == {"b", "e"}
+
+
+def test_a_lost_beat_shows_even_without_events() -> None:
+    kv = WorkerKV()
+    kv.apply([], 0)
+    assert not kv.resyncing
+    kv.apply([], 2)  # events 1..2 went out in a beat that never arrived
+    assert kv.resyncing and kv.gaps == 1
+
+
+def test_wire_events_are_validated() -> None:
+    beat = WorkerHeartbeat("p", "prefill", WorkerLoad(), 1, 0, 1, [ev(1, "stored", "ab")], 1)
+    bad = encode(beat).replace(b'"stored"', b'"cached"')
+    with pytest.raises(ProtocolError, match="kind must be one of"):
+        decode(bad)
+    with pytest.raises(ValueError, match="seq must be positive"):
+        BlockEventMsg(0, "stored", "ab")
+
+
+# ------------------------------------------------------- worker → conductor, in process
+
+
+class Worker:
+    """The real heartbeat and KVResync code of WorkerRuntime over a real block pool."""
+
+    def __init__(self, epoch: int) -> None:
+        self.sent: list[Any] = []
+        self.rt = SimpleNamespace(
+            instance_id="prefill-0", role="prefill", epoch=epoch, inbox_address=INBOX,
+            conductor="tcp://conductor", engine=SimpleNamespace(pool=BlockPool(8)),
+            mail=SimpleNamespace(send=lambda address, msg: self.sent.append(msg) or True))
+        self.pool: BlockPool = self.rt.engine.pool
+
+    def registration(self) -> RegisterWorker:
+        return RegisterWorker("prefill-0", "prefill", INBOX, "h:1", 4096, 1024, 32, 8, 16,
+                              epoch=self.rt.epoch)
+
+    def beat(self) -> WorkerHeartbeat:
+        msg = WorkerRuntime.heartbeat(self.rt, WorkerLoad())  # type: ignore[arg-type]
+        return decode(encode(msg))  # over the wire
+
+    def cache(self, keys: list[bytes]) -> list[int]:
+        blocks = self.pool.allocate(len(keys))
+        self.pool.cache_full_blocks(blocks, keys)
+        self.pool.free(blocks)
+        return blocks
+
+    def evict(self, n: int) -> None:
+        self.pool.free(self.pool.allocate(n))  # reuses the oldest free blocks, cached last
+
+
+class Mail:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, Any]] = []
+
+    def send(self, address: str, msg: Any) -> bool:
+        self.sent.append((address, msg))
+        return True
+
+
+@pytest.fixture
+def conductor() -> tuple[Conductor, Mail]:
+    mail = Mail()
+    return Conductor(ClusterConfig(), mail), mail  # type: ignore[arg-type]
+
+
+def resyncs(mail: Mail) -> list[tuple[str, Any]]:
+    return [(a, m) for a, m in mail.sent if isinstance(m, KVResync)]
+
+
+def test_stored_and_evicted_within_one_beat_is_absent(conductor) -> None:
+    c, _ = conductor
+    w = Worker(epoch=1)
+    c.on_register(w.registration())
+    w.cache(K[:2])
+    w.evict(8)  # every block reused: both keys evicted before the next beat
+    w.cache(K[2:3])
+    beat = w.beat()
+    assert [(e.seq, e.kind, e.key) for e in beat.events] == [
+        (1, "stored", H[0]), (2, "stored", H[1]),
+        (3, "removed", H[1]), (4, "removed", H[0]),  # freed tail first, evicted in that order
+        (5, "stored", H[2])]
+    c.on_heartbeat(beat)
+    assert c.registry.get("prefill-0").cached_keys == {H[2]}
+
+
+def test_lost_beat_gets_a_resync_and_the_snapshot_fixes_the_keys(conductor) -> None:
+    c, mail = conductor
+    w = Worker(epoch=1)
+    c.on_register(w.registration())
+    w.cache(K[:2])
+    c.on_heartbeat(w.beat())
+    w.evict(8)
+    w.beat()  # lost: it said K0 and K1 were evicted
+    w.cache(K[2:4])
+    c.on_heartbeat(w.beat())
+    state = c.registry.get("prefill-0")
+    assert state.kv.resyncing and state.cached_keys == {H[0], H[1]}  # stale until the snapshot
+    c.sweep()
+    assert resyncs(mail) == [(INBOX, KVResync("prefill-0"))]
+    c.sweep()
+    assert len(resyncs(mail)) == 1  # asked once per retry interval, not per sweep
+    WorkerRuntime.on_kv_resync(w.rt, KVResync("prefill-0"))  # type: ignore[arg-type]
+    snapshot = decode(encode(w.sent[-1]))
+    assert isinstance(snapshot, KVSnapshot)
+    assert (snapshot.epoch, snapshot.event_seq, sorted(snapshot.keys)) == (1, 6, [H[2], H[3]])
+    c.on_kv_snapshot(snapshot)
+    assert not state.kv.resyncing and state.cached_keys == {H[2], H[3]}
+    w.cache(K[4:5])
+    c.on_heartbeat(w.beat())
+    assert state.cached_keys == {H[2], H[3], H[4]}
+
+
+def test_restarted_worker_loses_its_old_keys(conductor) -> None:
+    c, mail = conductor
+    old = Worker(epoch=1)
+    c.on_register(old.registration())
+    old.cache(K[:3])
+    c.on_heartbeat(old.beat())
+    assert c.registry.get("prefill-0").cached_keys == {H[0], H[1], H[2]}
+    new = Worker(epoch=2)  # SIGKILLed and started again: an empty pool
+    c.on_register(new.registration())
+    assert c.registry.get("prefill-0").cached_keys == set()
+    c.on_heartbeat(old.beat())  # a late beat of the old process: not applied
+    c.on_kv_snapshot(KVSnapshot("prefill-0", 1, 3, [H[0]]))  # nor its snapshot
+    assert c.registry.get("prefill-0").cached_keys == set()
+    new.cache(K[5:6])
+    c.on_heartbeat(new.beat())
+    assert c.registry.get("prefill-0").cached_keys == {H[5]}
+    c.sweep()
+    assert resyncs(mail) == []  # the new incarnation's events are complete
