@@ -40,6 +40,7 @@ class MasterServer:
         self.pub = make_socket(zmq.asyncio.Context.instance(), zmq.PUB,
                                config.store_events_address, bind=True)
         self.epochs: dict[str, int] = {}  # node_id → registration count
+        self.registered: dict[str, p.NodeRegister] = {}  # node_id → its last registration
         self.incarnation = uuid.uuid4().hex[:12]  # new on every start: subscribers resync
         self.last_publish = 0.0
         self.promotions: dict[tuple[str, str], asyncio.Future[bool]] = {}
@@ -191,11 +192,17 @@ class MasterServer:
         if identity != msg.node_id.encode():
             log.warning("register from %r claims node_id %s: dropped", identity, msg.node_id)
             return None
+        now = time.monotonic()
+        if self.registered.get(msg.node_id) == msg and self.md.heartbeat(msg.node_id, now):
+            # The same process again: heartbeats queued while this master was away all
+            # answered "unknown" at once. Keep its epoch and replicas.
+            return p.NodeAck(True, self.store.heartbeat_interval_s, self._live())
+        self.registered[msg.node_id] = msg
         epoch = self.epochs.get(msg.node_id, 0) + 1
         self.epochs[msg.node_id] = epoch
         info = {"session_id": msg.session_id, "base": msg.base, "shm_path": msg.shm_path,
                 "hostname": msg.hostname, "epoch": epoch, "segment_bytes": msg.segment_bytes}
-        self.md.add_node(msg.node_id, msg.segment_bytes, msg.ssd_bytes, info, time.monotonic())
+        self.md.add_node(msg.node_id, msg.segment_bytes, msg.ssd_bytes, info, now)
         log.info("node %s registered: %d MiB DRAM, %d MiB SSD, shm=%s", msg.node_id,
                  msg.segment_bytes >> 20, msg.ssd_bytes >> 20, msg.shm_path)
         return p.NodeAck(True, self.store.heartbeat_interval_s, self._live())
