@@ -16,6 +16,7 @@ from common.protocol import KVResync, KVSnapshot, RegisterWorker, WorkerHeartbea
 from common.worker import WorkerRuntime
 from services.conductor.service import Conductor
 from services.conductor.worker_kv import WorkerKV
+from tests.conductor.test_conductor import RecordingMail
 
 K = [bytes([i]) * 16 for i in range(8)]
 H = [k.hex() for k in K]
@@ -107,23 +108,23 @@ class Worker:
         self.pool.free(self.pool.allocate(n))  # reuses the oldest free blocks, cached last
 
 
-class Mail:
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, Any]] = []
-
-    def send(self, address: str, msg: Any) -> bool:
-        self.sent.append((address, msg))
-        return True
-
-
 @pytest.fixture
-def conductor() -> tuple[Conductor, Mail]:
-    mail = Mail()
+def conductor() -> tuple[Conductor, RecordingMail]:
+    mail = RecordingMail()
     return Conductor(ClusterConfig(), mail), mail  # type: ignore[arg-type]
 
 
-def resyncs(mail: Mail) -> list[tuple[str, Any]]:
+def resyncs(mail: RecordingMail) -> list[tuple[str, Any]]:
     return [(a, m) for a, m in mail.sent if isinstance(m, KVResync)]
+
+
+def started(c: Conductor, epoch: int, keys: list[bytes]) -> Worker:
+    """A worker incarnation registered, ``keys`` cached and reported in one beat."""
+    w = Worker(epoch)
+    c.on_register(w.registration())
+    w.cache(keys)
+    c.on_heartbeat(w.beat())
+    return w
 
 
 def test_stored_and_evicted_within_one_beat_is_absent(conductor) -> None:
@@ -144,10 +145,7 @@ def test_stored_and_evicted_within_one_beat_is_absent(conductor) -> None:
 
 def test_lost_beat_gets_a_resync_and_the_snapshot_fixes_the_keys(conductor) -> None:
     c, mail = conductor
-    w = Worker(epoch=1)
-    c.on_register(w.registration())
-    w.cache(K[:2])
-    c.on_heartbeat(w.beat())
+    w = started(c, 1, K[:2])
     w.evict(8)
     w.beat()  # lost: it said K0 and K1 were evicted
     w.cache(K[2:4])
@@ -171,10 +169,7 @@ def test_lost_beat_gets_a_resync_and_the_snapshot_fixes_the_keys(conductor) -> N
 
 def test_restarted_worker_loses_its_old_keys(conductor) -> None:
     c, mail = conductor
-    old = Worker(epoch=1)
-    c.on_register(old.registration())
-    old.cache(K[:3])
-    c.on_heartbeat(old.beat())
+    old = started(c, 1, K[:3])
     assert c.registry.get("prefill-0").cached_keys == {H[0], H[1], H[2]}
     new = Worker(epoch=2)  # SIGKILLed and started again: an empty pool
     c.on_register(new.registration())
