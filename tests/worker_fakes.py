@@ -122,7 +122,10 @@ class FakeEngine:
 
 class FakeTransfer:
     """Records writes by the remote block offsets they target. ``fail``: writes raise
-    TransferError with it; ``hold_s``: each write takes that long (a slow link)."""
+    TransferError with it; ``hold_s``: each write takes that long (a slow link);
+    ``stall[target]``: writes to that target wait for the event (a hung peer), and
+    ``started`` is set when one does; ``hung``: native calls still running after their
+    caller gave up (what ``in_flight`` reports)."""
 
     session_id = "fake-prefill:1"
 
@@ -131,6 +134,8 @@ class FakeTransfer:
         self.writes: list[tuple[str, int]] = []  # (session, bytes)
         self.fail: Optional[str] = None
         self.hold_s = 0.0
+        self.stall: dict[str, threading.Event] = {}
+        self.started = threading.Event()
         self.hung: list[Future] = []  # native calls that outlived their caller's deadline
 
     def in_flight(self, target: Optional[str] = None) -> list[Future]:
@@ -140,6 +145,10 @@ class FakeTransfer:
               lengths: Sequence[int]) -> int:
         if self.hold_s:
             time.sleep(self.hold_s)
+        if target in self.stall:
+            self.started.set()
+            if not self.stall[target].wait(10):
+                raise RuntimeError("test stall never released")
         self.trace.append(("write", target, sum(lengths)))
         if self.fail is not None:
             raise TransferError(self.fail)
@@ -214,16 +223,23 @@ def sampling(max_tokens: int = 4, **kw: Any) -> SamplingParams:
 
 def prefill_task(rid: str, tokens: list[int], decode_blocks: Optional[list[int]] = None,
                  deadline_s: float = 30.0, max_tokens: int = 4,
-                 fence: Fence = Fence(EPOCH, 1), epoch: int = EPOCH) -> PrefillTask:
+                 fence: Optional[Fence] = None, epoch: int = EPOCH,
+                 decode_id: str = "decode-0") -> PrefillTask:
     """A task whose decode side reserved ``decode_blocks`` (default: enough for the
-    prompt, ids 100, 101, ...) under ``fence``, for the worker incarnation ``epoch``."""
+    prompt, ids 100, 101, ...) under ``fence`` (default: ``fence_for(rid)``), for the
+    worker incarnation ``epoch``."""
     if decode_blocks is None:
         decode_blocks = list(range(100, 100 + len(tokens) // 4 + 1))
     return PrefillTask(request_id=rid, token_ids=tokens, sampling=sampling(max_tokens),
-                       decode_id="decode-0", decode_inbox=DECODE_INBOX,
-                       decode_session="fake-decode:1", decode_kv_base=1 << 20,
+                       decode_id=decode_id, decode_inbox=DECODE_INBOX,
+                       decode_session=f"fake-{decode_id}:1", decode_kv_base=1 << 20,
                        decode_block_ids=decode_blocks, deadline=time.time() + deadline_s,
-                       fence=fence, prefill_epoch=epoch)
+                       fence=fence or fence_for(rid), prefill_epoch=epoch)
+
+
+def fence_for(rid: str) -> Fence:
+    """A distinct fence per (short) request id, as if each had its own reservation."""
+    return Fence(EPOCH, int.from_bytes(rid.encode()[:7], "big"))
 
 
 def reserve(rid: str, prompt_tokens: int, deadline_s: float = 30.0, epoch: int = EPOCH,

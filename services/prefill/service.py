@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Coroutine, Optional
@@ -30,7 +30,8 @@ from common.idle_check import IdleCheck
 from common.kv.shm_kv import host_id
 from common.mailbox import serve_inbox
 from common.protocol import (
-    AbortRequest, KVFailed, KVReady, PrefillDone, PrefillTask, RequestFailed, WorkerLoad,
+    AbortRequest, Fence, KVFailed, KVReady, PrefillDone, PrefillTask, RequestFailed,
+    WorkerLoad,
 )
 from common.security import clamp_deadline
 from common.transfer import TransferError
@@ -40,6 +41,11 @@ from services.prefill.prefix import PrefixLoader, PrefixPlan
 from services.prefill.streaming import KVPaths, KVStream, RequestAborted
 
 log = logging.getLogger("prefill")
+
+# Fences of the latest tasks taken, remembered so that a replayed task never writes into
+# blocks its reservation may have given up since: 4,096 covers a minute of tasks (their
+# deadline) at ~70 requests per second on one worker.
+SERVED_MEMORY = 4096
 
 
 class PrefillFailure(Exception):
@@ -78,6 +84,7 @@ class PrefillWorker:
         self.admitting: Optional[PrefillTask] = None  # out of ``waiting``, not a job yet
         self.admitting_aborted = False
         self.dropped: Counter[str] = Counter()  # stale tasks, by reason
+        self.served: OrderedDict[Fence, None] = OrderedDict()  # the latest tasks taken
         self.wake = asyncio.Event()
         self.idle_check = IdleCheck(self.pool.check_idle, "KV block pool")
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="prefill")
@@ -94,11 +101,14 @@ class PrefillWorker:
     def on_task(self, task: PrefillTask) -> None:
         if task.prefill_epoch != self.rt.epoch:  # for an older incarnation of this worker
             return self._drop("epoch", task)
-        if self._known(task.request_id):  # a replay, or an older attempt still running
-            return self._drop("duplicate", task)
+        if task.fence in self.served or self._known(task.request_id):
+            return self._drop("duplicate", task)  # a replay, or an older attempt running
         if len(self.waiting) >= self.max_waiting:
             return self.fail(task, 503, "prefill_queue_full",
                              f"{self.max_waiting} prompts are queued on {self.rt.instance_id}")
+        self.served[task.fence] = None  # a replay of it must never write again
+        while len(self.served) > SERVED_MEMORY:
+            self.served.popitem(last=False)
         # a sender-chosen deadline reaches no further than this worker's own limit
         self.waiting.append(replace(task, deadline=clamp_deadline(
             task.deadline, self.rt.config.kv_wait_timeout_s)))

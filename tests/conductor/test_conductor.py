@@ -47,17 +47,24 @@ def submit(rid: str, n: int = 40, keys: list[str] | None = None) -> SubmitReques
     return SubmitRequest(rid, list(range(n)), keys or [], SamplingParams(max_tokens=8), time.time())
 
 
-@pytest.fixture
-def conductor() -> tuple[Conductor, RecordingMail]:
-    cfg = ClusterConfig(scheduler="kvcache_centric", max_queue=2,
+def started(max_queue: int, workers: list[tuple[RegisterWorker, WorkerHeartbeat]]
+            ) -> tuple[Conductor, RecordingMail]:
+    """A conductor (cache-aware, SLOs out of reach) that has heard from ``workers``."""
+    cfg = ClusterConfig(scheduler="kvcache_centric", max_queue=max_queue,
                         slo=SLOConfig(ttft_s=1000, tbt_s=1000))
     mail = RecordingMail()
     c = Conductor(cfg, mail)  # type: ignore[arg-type]
-    for role, i in (("prefill", 0), ("prefill", 1), ("decode", 0)):
-        c.on_register(worker(role, i))
-        c.on_heartbeat(beat(role, i))
+    for registration, heartbeat in workers:
+        c.on_register(registration)
+        c.on_heartbeat(heartbeat)
     mail.take()  # WorkerGone announcements of the registrations
     return c, mail
+
+
+@pytest.fixture
+def conductor() -> tuple[Conductor, RecordingMail]:
+    return started(2, [(worker(r, i), beat(r, i))
+                       for r, i in (("prefill", 0), ("prefill", 1), ("decode", 0))])
 
 
 def test_no_workers_is_503() -> None:

@@ -7,36 +7,24 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import pytest
 
 from common.engine.errors import EngineInputError
 from common.idle_check import IdleCheck
 from common.protocol import (
-    AbortRequest, Fence, KVFailed, KVReady, PrefillDone, RequestFailed, WorkerLoad,
+    AbortRequest, KVFailed, KVReady, PrefillDone, RequestFailed, WorkerLoad,
 )
 from services.prefill.service import PrefillWorker
 from tests.worker_fakes import (
-    CONDUCTOR, DECODE_INBOX, EPOCH, FakeEngine, FakeRuntime, Workers, prefill_task, run_until,
+    CONDUCTOR, DECODE_INBOX, FakeEngine, fence_for, prefill_task,
+    run_until,
 )
 
+from tests.prefill.conftest import Make, clean
+
 LAYER, BLOCK = 64, 128
-F1 = Fence(EPOCH, 1)  # the fence prefill_task's decode side reserved under
-Make = Callable[..., tuple[FakeRuntime, PrefillWorker]]
-
-
-@pytest.fixture
-def make() -> Iterator[Make]:
-    workers = Workers()
-    yield lambda **kw: workers.build(PrefillWorker, "prefill", **kw)
-    workers.close()
-
-
-def clean(worker: PrefillWorker) -> None:
-    """Idle, and the pool says so: every block free, invariants hold."""
-    assert worker.idle()
-    assert worker.idle_check.run()
 
 
 def chunks(engine: FakeEngine) -> list[list[tuple[int, int, int, list[int]]]]:
@@ -60,8 +48,8 @@ def test_prompts_batch_oldest_first_within_the_token_budget(make: Make) -> None:
     assert chunks(rt.engine) == [[(1, 0, 10, [0, 1, 2]), (20, 0, 4, [3]), (30, 0, 2, [4, 5, 6])],
                                  [(30, 2, 10, [4, 5, 6])]]
     ready = {m.request_id: m for m in rt.mail.of(KVReady, to=DECODE_INBOX)}
-    assert ready == {"a": KVReady("a", 11, None, 10, 0, F1), "b": KVReady("b", 24, None, 4, 0, F1),
-                     "c": KVReady("c", 40, None, 10, 0, F1)}
+    assert ready == {"a": KVReady("a", 11, None, 10, 0, fence_for("a")), "b": KVReady("b", 24, None, 4, 0, fence_for("b")),
+                     "c": KVReady("c", 40, None, 10, 0, fence_for("c"))}
     done = {m.request_id: m for m in rt.mail.of(PrefillDone, to=CONDUCTOR)}
     # Each chunk streams the blocks it wrote, per layer: c's block 0 in both of its chunks.
     assert {r: (d.prompt_tokens, d.cached_tokens, d.transfer_bytes) for r, d in done.items()} \
@@ -84,7 +72,7 @@ def test_a_cached_prefix_is_reused_and_sent_whole(make: Make) -> None:
 
     asyncio.run(go())
     assert chunks(rt.engine)[1] == [(1, 8, 11, [0, 1, 3])]
-    assert rt.mail.of(KVReady)[1] == KVReady("b", 53, None, 11, 8, F1)
+    assert rt.mail.of(KVReady)[1] == KVReady("b", 53, None, 11, 8, fence_for("b"))
     done = rt.mail.of(PrefillDone)[1]
     assert (done.cached_tokens, done.global_hit_tokens) == (8, 0)
     assert done.transfer_bytes == 2 * BLOCK + 2 * LAYER  # the prefix whole, then block 2
@@ -107,9 +95,9 @@ def test_kv_memory_full_with_nothing_running_fails_the_prompt(make: Make) -> Non
     worker.on_task(prefill_task("a", list(range(1, 9))))
     asyncio.run(worker.admit())
     assert rt.mail.sent == [
-        (DECODE_INBOX, KVFailed("a", "prefill_kv_full", F1)),
+        (DECODE_INBOX, KVFailed("a", "prefill_kv_full", fence_for("a"))),
         (CONDUCTOR, RequestFailed("a", 503, "prefill_kv_full", "prefill KV memory is full",
-                                   fence=F1))]
+                                   fence=fence_for("a")))]
     rt.engine.pool.free(held)
     clean(worker)
 
@@ -131,9 +119,9 @@ def test_a_prompt_failing_before_its_first_step(make: Make, case: str, status: i
     if case == "aborted":
         worker.on_abort(AbortRequest("a"))
     asyncio.run(worker.admit())
-    want = [(DECODE_INBOX, KVFailed("a", kind, F1))]
+    want = [(DECODE_INBOX, KVFailed("a", kind, fence_for("a")))]
     if message is not None:  # an abort is the conductor's own news
-        want.append((CONDUCTOR, RequestFailed("a", status, kind, message, fence=F1)))
+        want.append((CONDUCTOR, RequestFailed("a", status, kind, message, fence=fence_for("a"))))
     assert rt.mail.sent == want
     assert rt.engine.steps == [] and not worker.waiting
     clean(worker)
@@ -145,8 +133,8 @@ def test_a_failed_kv_stream_frees_the_blocks_and_fails_the_request(make: Make) -
     worker.on_task(prefill_task("a", list(range(1, 11))))
     serve(worker, lambda: bool(rt.mail.sent) and worker.idle())
     assert rt.mail.sent == [
-        (DECODE_INBOX, KVFailed("a", "kv_transfer_failed", F1)),
-        (CONDUCTOR, RequestFailed("a", 503, "kv_transfer_failed", "link down", fence=F1))]
+        (DECODE_INBOX, KVFailed("a", "kv_transfer_failed", fence_for("a"))),
+        (CONDUCTOR, RequestFailed("a", 503, "kv_transfer_failed", "link down", fence=fence_for("a")))]
     clean(worker)
 
 
@@ -171,9 +159,9 @@ def test_a_prompt_past_its_deadline_between_steps_is_dropped(make: Make) -> None
     threading.Timer(0.4, gate.set).start()  # the first step ends after the deadline
     serve(worker, lambda: bool(rt.mail.sent) and worker.idle())
     assert rt.mail.sent == [
-        (DECODE_INBOX, KVFailed("a", "timeout", F1)),
+        (DECODE_INBOX, KVFailed("a", "timeout", fence_for("a"))),
         (CONDUCTOR, RequestFailed("a", 504, "timeout", "prefill missed its deadline",
-                                   fence=F1))]
+                                   fence=fence_for("a")))]
     assert len(rt.engine.steps) == 1
     clean(worker)
 
@@ -188,7 +176,7 @@ def test_an_abort_during_a_step_drops_the_prompt_after_it(make: Make) -> None:
 
     asyncio.run(go())
     # Its last chunk ran, but it is not handed over; nothing was streamed after the abort.
-    assert rt.mail.sent == [(DECODE_INBOX, KVFailed("a", "aborted", F1))]
+    assert rt.mail.sent == [(DECODE_INBOX, KVFailed("a", "aborted", fence_for("a")))]
     assert rt.transfer.writes == []
     clean(worker)
 
@@ -202,13 +190,13 @@ def test_an_engine_error_fails_the_step_prompts_and_keeps_serving(make: Make) ->
         await run_until(worker.serve(), lambda: bool(rt.mail.of(KVFailed)) and worker.idle())
         assert rt.mail.sent == [
             (CONDUCTOR, RequestFailed("a", 500, "internal_error",
-                                      "prefill failed: bad block table", fence=F1)),
-            (DECODE_INBOX, KVFailed("a", "aborted", F1))]
+                                      "prefill failed: bad block table", fence=fence_for("a"))),
+            (DECODE_INBOX, KVFailed("a", "aborted", fence_for("a")))]
         worker.on_task(prefill_task("b", list(range(1, 11))))
         await run_until(worker.serve(), lambda: bool(rt.mail.of(PrefillDone)) and worker.idle())
 
     asyncio.run(go())
-    assert rt.mail.of(KVReady) == [KVReady("b", 11, None, 10, 0, F1)]
+    assert rt.mail.of(KVReady) == [KVReady("b", 11, None, 10, 0, fence_for("b"))]
     clean(worker)
 
 

@@ -3,7 +3,9 @@ exact block ids, references, cached keys and store calls (block size 4)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Optional
+from concurrent.futures import Future
+from types import SimpleNamespace
+from typing import Any, Optional
 
 from common.kv.block_pool import BlockPool
 from common.kv.memory import PagedKVMemory
@@ -18,6 +20,7 @@ class Store:
 
     def __init__(self, have: set[bytes], bad: Optional[set[bytes]] = None) -> None:
         self.have, self.bad, self.down = have, bad or set(), False
+        self.transfer: Any = None  # the client's transfer agent (in_flight), if any
         self.base = 0  # the KV memory's base address, to name blocks by id
         self.calls: list[tuple[str, int]] = []  # (verb, number of keys)
         self.puts: list[tuple[list[bytes], list[int]]] = []  # keys, block ids
@@ -132,4 +135,30 @@ def test_release_caches_puts_blocks_not_in_the_store_then_frees() -> None:
     asyncio.run(go())
     assert store.puts == [(ks[1:], [1, 2])]
     assert pl.pool.num_used == 0 and pl.pool.num_cached == 3
+    pl.pool.check_integrity()
+
+
+def test_blocks_of_a_read_that_outlived_its_deadline_stay_out_of_the_pool() -> None:
+    """The store's copy of block 1 timed out, but the native read still runs (the
+    transfer agent reports it in flight): the blocks it may land in are kept until it
+    returns, and the prompt computes into others."""
+    ks = keys(3)
+    store = Store(set(ks), bad={ks[1]})
+    native: Future = Future()
+    store.transfer = SimpleNamespace(in_flight=lambda: [f for f in [native] if not f.done()])
+    pl = loader(store, num_blocks=8)
+
+    async def go() -> None:
+        plan = await pl.acquire(list(range(13)), ks)
+        assert plan == PrefixPlan([0, 3, 4, 5], cached_blocks=1, global_blocks=1,
+                                  stored_from=3)
+        assert pl.busy and pl.pool.num_used == 6  # 1 and 2 held for the read
+        assert pl.pool.try_allocate(3) is None  # not even to a request asking for them
+        native.set_result(0)
+        while pl.busy:
+            await asyncio.sleep(0)
+        assert pl.pool.num_used == 4 and pl.pool.free_order()[-2:] == [2, 1]
+        pl.pool.free(plan.block_table)
+
+    asyncio.run(go())
     pl.pool.check_integrity()

@@ -1,0 +1,172 @@
+"""The conductor's failure policy per step, driven in-process with a recording mailbox:
+a lost prefill worker re-runs what it had not handed over (once, unseen by the client)
+and leaves what is decoding elsewhere alone; a lost decode worker fails its requests
+with a clear error; reports of an older attempt, fence or incarnation change nothing."""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from common.protocol import (
+    AbortRequest, BlocksReserved, Fence, KVTransferReport, PrefillDone, PrefillTask, RegisterWorker,
+    RequestFailed, RequestFinished, ReserveBlocks, WorkerGone, WorkerHeartbeat,
+)
+from services.conductor.service import Conductor
+from services.conductor.tracker import Phase
+from tests.conductor.test_conductor import RecordingMail, beat, started, submit, worker
+
+EPOCHS = {"prefill-0": 10, "prefill-1": 11, "decode-0": 20}
+F0, F1 = Fence(20, 1), Fence(20, 2)
+
+
+def reg(role: str, i: int, epoch: int = 0) -> RegisterWorker:
+    name = f"{role}-{i}"
+    return replace(worker(role, i), epoch=epoch or EPOCHS[name])
+
+
+def heartbeat(role: str, i: int, epoch: int = 0) -> WorkerHeartbeat:
+    return replace(beat(role, i), epoch=epoch or EPOCHS[f"{role}-{i}"])
+
+
+@pytest.fixture
+def conductor() -> tuple[Conductor, RecordingMail]:
+    return started(8, [(reg(r, i), heartbeat(r, i))
+                       for r, i in (("prefill", 0), ("prefill", 1), ("decode", 0))])
+
+
+def prefilling(c: Conductor, mail: RecordingMail, rid: str = "r") -> PrefillTask:
+    """Submit ``rid`` and reserve its blocks under F0: its PrefillTask."""
+    c.on_submit(submit(rid))
+    mail.take()
+    c.on_reserved(BlocksReserved(rid, "decode-0", [1, 2, 3], F0))
+    [(_, task)] = mail.take()
+    assert isinstance(task, PrefillTask)
+    return task
+
+
+def silence(c: Conductor, *names: str) -> None:
+    """Make ``names`` miss their heartbeats, then sweep."""
+    now = time.monotonic()
+    for w in c.registry.workers.values():
+        w.last_seen = now - 60 if w.instance_id in names else now
+    c.sweep()
+
+
+def test_a_prefill_lost_before_the_first_token_reruns_the_request_once(conductor) -> None:
+    c, mail = conductor
+    task = prefilling(c, mail)
+    first = c.tracker.get("r").prefill_id
+    other = "prefill-1" if first == "prefill-0" else "prefill-0"
+    assert (task.fence, task.prefill_epoch) == (F0, EPOCHS[first])
+    silence(c, first)
+    sent = mail.take()
+    # The old reservation is given back (fenced), a new one asked for with the other
+    # prefill worker as its writer; the client is told nothing.
+    again = sent[1][1]
+    assert sent == [
+        ("tcp://w/decode0", AbortRequest("r", "prefill_lost", F0)),
+        ("tcp://w/decode0", ReserveBlocks("r", 40, again.sampling, c.router_inbox,
+                                          again.deadline, epoch=20, writer=other,
+                                          writer_epoch=EPOCHS[other], attempt=1))]
+    t = c.tracker.get("r")
+    assert (t.prefill_id, t.phase, t.attempt, t.fence) == (other, Phase.RESERVING, 1, None)
+    assert c.metrics.reruns._value.get() == 1
+    # The new reservation: the task goes to the other prefill worker under its fence.
+    c.on_reserved(BlocksReserved("r", "decode-0", [4, 5, 6], F1, attempt=1))
+    [(addr, rerun)] = mail.take()
+    assert addr == f"tcp://w/prefill{other[-1]}"
+    assert (rerun.fence, rerun.decode_block_ids, rerun.prefill_epoch) == (
+        F1, [4, 5, 6], EPOCHS[other])
+    # The old attempt's late reports change nothing.
+    c.on_prefill_done(PrefillDone("r", first, 40, 0, 0, 0.1, 1000, 0.01, F0))
+    c.on_finished(RequestFinished("r", "decode-0", "abort", F0))
+    c.on_failed(RequestFailed("r", 504, "timeout", "late", fence=F0))
+    assert mail.take() == [] and c.tracker.get("r").phase is Phase.PREFILLING
+    # The re-run completes.
+    c.on_prefill_done(PrefillDone("r", other, 40, 0, 0, 0.1, 1000, 0.01, F1))
+    c.on_finished(RequestFinished("r", "decode-0", "stop", F1))
+    assert c.tracker.requests == {}
+    assert [type(m) for _, m in mail.take()] == [KVTransferReport]  # only the re-run's
+    assert all(not w.assigned for w in c.registry.workers.values())
+
+
+def test_a_request_loses_its_prefill_worker_on_the_rerun_too(conductor) -> None:
+    c, mail = conductor
+    prefilling(c, mail)
+    silence(c, c.tracker.get("r").prefill_id)
+    mail.take()
+    c.on_reserved(BlocksReserved("r", "decode-0", [4], F1, attempt=1))
+    mail.take()
+    silence(c, c.tracker.get("r").prefill_id)
+    failed = [m for _, m in mail.take() if isinstance(m, RequestFailed)]
+    assert [(m.status, m.error_type) for m in failed] == [(503, "worker_lost")]
+    assert failed[0].message.startswith("prefill worker lost on the re-run too: prefill-")
+    assert c.tracker.requests == {}
+
+
+def test_no_other_prefill_worker_fails_the_request_with_a_clear_error(conductor) -> None:
+    c, mail = conductor
+    prefilling(c, mail)
+    silence(c, "prefill-0", "prefill-1")
+    failed = [m for _, m in mail.take() if isinstance(m, RequestFailed)]
+    assert [(m.status, m.error_type) for m in failed] == [(503, "worker_lost")]
+    assert "no re-run possible: no_instances" in failed[0].message
+
+
+def test_a_prefill_loss_leaves_requests_decoding_elsewhere_alone(conductor) -> None:
+    c, mail = conductor
+    prefilling(c, mail)
+    first = c.tracker.get("r").prefill_id
+    c.on_prefill_done(PrefillDone("r", first, 40, 0, 0, 0.1, 1000, 0.01, F0))
+    mail.take()
+    silence(c, first)  # dead, or only a false heartbeat timeout
+    assert mail.take() == []
+    assert c.tracker.get("r").phase is Phase.DECODING
+    c.on_finished(RequestFinished("r", "decode-0", "stop", F0))
+    assert c.tracker.requests == {} and c.metrics.finished.labels(reason="stop")._value.get() == 1
+
+
+@pytest.mark.parametrize("decoding, what", [(True, "mid-stream"), (False, "before decoding")])
+def test_a_decode_loss_fails_its_requests_with_a_clear_error(conductor, decoding: bool,
+                                                             what: str) -> None:
+    c, mail = conductor
+    prefilling(c, mail)
+    if decoding:
+        c.on_prefill_done(PrefillDone("r", c.tracker.get("r").prefill_id, 40, 0, 0, 0.1,
+                                      1000, 0.01, F0))
+    mail.take()
+    silence(c, "decode-0")
+    failed = [m for _, m in mail.take() if isinstance(m, RequestFailed)]
+    assert failed == [RequestFailed("r", 503, "worker_lost",
+                                    f"decode worker lost {what}: decode-0 stopped responding")]
+
+
+def test_a_restarted_worker_is_announced_and_its_old_incarnation_fenced(conductor) -> None:
+    c, mail = conductor
+    c.on_register(reg("prefill", 0))  # the periodic registration: nothing new
+    assert mail.take() == []
+    c.on_register(reg("prefill", 0, epoch=30))  # restarted
+    assert mail.take() == [("tcp://w/decode0", WorkerGone("prefill-0", 30))]
+    c.on_register(reg("prefill", 0, epoch=10))  # a late one of the dead incarnation
+    assert c.registry.get("prefill-0").info.epoch == 30 and mail.take() == []
+    assert not c.registry.heartbeat(heartbeat("prefill", 0, epoch=10))  # its beat too
+    assert c.registry.heartbeat(heartbeat("prefill", 0, epoch=30))
+    # A decode worker new here learns of every worker it may hold quarantines for.
+    c.on_register(reg("decode", 0, epoch=21))
+    sent = mail.take()
+    gone = {(a, m) for a, m in sent if isinstance(m, WorkerGone)}
+    assert gone == {("tcp://w/decode0", WorkerGone(w, e)) for w, e in (
+        ("decode-0", 21), ("prefill-0", 30), ("prefill-1", 11))}
+
+
+def test_a_late_reservation_of_an_older_attempt_is_given_back_alone(conductor) -> None:
+    c, mail = conductor
+    c.on_submit(submit("r"))
+    mail.take()
+    silence(c, c.tracker.get("r").prefill_id)  # lost while reserving: re-run
+    mail.take()
+    c.on_reserved(BlocksReserved("r", "decode-0", [1], F0, attempt=0))  # the first ask's
+    assert mail.take() == [("tcp://w/decode0", AbortRequest("r", "stale", F0))]
+    assert c.tracker.get("r").phase is Phase.RESERVING
