@@ -4,8 +4,9 @@ A service with work in flight tells the process's drain how to see that it is do
 (``current().until(idle)``). On SIGTERM the bootstrap (common/service.py) calls ``begin``:
 ``active`` turns true at once — a worker says so in its heartbeats, so the conductor
 places nothing new on it; the router answers new requests 503 — and once every ``idle()``
-holds, or ``timeout_s`` has passed (then each ``on_timeout`` runs first, to end what is
-left with a clear error), the main task is cancelled and ``run`` unwinds as on any stop.
+holds, or ``timeout_s`` has passed, each ``leave`` runs (a worker tells the conductor it
+is going, so what it still holds fails or re-runs at once with a clear error) and the main
+task is cancelled: ``run`` unwinds as on any stop.
 A process that registered nothing stops at once, as does any process on SIGINT or on a
 second SIGTERM.
 """
@@ -29,15 +30,15 @@ class Drain:
         self.active = False
         self._waiters: list[asyncio.Future] = []  # heartbeats sleeping (``sleep``)
         self._idle: list[Callable[[], bool]] = []
-        self._on_timeout: list[Callable[[], None]] = []
+        self._leave: list[Callable[[], None]] = []
         self._task: Optional[asyncio.Task] = None
 
     def until(self, idle: Callable[[], bool],
-              on_timeout: Optional[Callable[[], None]] = None) -> None:
-        """Drain until ``idle()``; ``on_timeout`` ends what is left when time is up."""
+              leave: Optional[Callable[[], None]] = None) -> None:
+        """Drain until ``idle()``; then (or when time is up) ``leave()``."""
         self._idle.append(idle)
-        if on_timeout is not None:
-            self._on_timeout.append(on_timeout)
+        if leave is not None:
+            self._leave.append(leave)
 
     def idle(self) -> bool:
         return all(idle() for idle in self._idle)
@@ -73,17 +74,16 @@ class Drain:
         start = loop.time()
         while not self.idle():
             if loop.time() - start >= self.timeout_s:
-                log.warning("drain: still busy after %g s; ending what is left",
-                            self.timeout_s)
-                for end in self._on_timeout:
-                    try:
-                        end()
-                    except Exception:  # noqa: BLE001 - the stop must go on
-                        log.exception("drain: ending in-flight work failed")
+                log.warning("drain: still busy after %g s; leaving anyway", self.timeout_s)
                 break
             await asyncio.sleep(POLL_S)
         else:
             log.info("drain: idle after %.2f s", loop.time() - start)
+        for leave in self._leave:
+            try:
+                leave()
+            except Exception:  # noqa: BLE001 - the stop must go on
+                log.exception("drain: leaving failed")
         await asyncio.sleep(FLUSH_S)
         main.cancel()
 

@@ -131,6 +131,16 @@ class PrefillDone:
 
 
 @message
+class WorkerLeaving:
+    """Worker → conductor, last of a graceful stop (SIGTERM, common/drain.py): remove it
+    now, and fail or re-run what it still holds (a drain that ran out of time), rather
+    than after the heartbeat timeout."""
+
+    instance_id: str
+    epoch: int = 0  # the leaving incarnation: a newer one is kept
+
+
+@message
 class RequestFinished:
     """Decode → conductor: the request left the system (any reason); blocks are free."""
 

@@ -18,7 +18,7 @@ from common.kv.memory import resolve_kv_dtype
 from common.kv.shm_kv import close_at_exit, host_id, worker_segment
 from common.mailbox import Mailbox
 from common.protocol import (KVResync, KVSnapshot, ReRegister, RegisterWorker, RequestFailed,
-                             WorkerHeartbeat, WorkerLoad)
+                             WorkerHeartbeat, WorkerLeaving, WorkerLoad)
 from common.sampling_params import SamplingParams
 from common.transfer import TransferAgent, TransferConfig
 
@@ -56,6 +56,7 @@ class WorkerRuntime:
         kv = self.engine.kv
         self.transfer.register(kv.base_address, kv.nbytes)
         self.epoch = time.time_ns()  # this incarnation: fences its messages (protocol.Fence)
+        self.left = False  # a drain ended (``leave``): no more beats or registrations
 
     def registration(self) -> RegisterWorker:
         kv = self.engine.kv
@@ -82,9 +83,14 @@ class WorkerRuntime:
         """What every worker's inbox handles the same way (merged into its table)."""
         return {ReRegister: self.on_reregister, KVResync: self.on_kv_resync}
 
+    def leave(self) -> None:
+        """The end of a drain: the conductor removes us now; no beat follows."""
+        self.left = True
+        self.mail.send(self.conductor, WorkerLeaving(self.instance_id, self.epoch))
+
     def on_reregister(self, msg: ReRegister) -> None:
         """The conductor does not know us (it restarted): register now."""
-        if msg.instance_id == self.instance_id:
+        if msg.instance_id == self.instance_id and not self.left:
             log.info("%s: the conductor asked; registering again", self.instance_id)
             self.mail.send(self.conductor, self.registration())
 
@@ -104,9 +110,9 @@ class WorkerRuntime:
         says ``draining``, and the process stops once ``idle()``."""
         drain = current_drain()
         if idle is not None:
-            drain.until(idle)
+            drain.until(idle, self.leave)
         beats = 0
-        while True:
+        while not self.left:
             if beats % 20 == 0:
                 self.mail.send(self.conductor, self.registration())
             self.mail.send(self.conductor, self.heartbeat(load()))

@@ -68,6 +68,7 @@ class LocalCluster:
         self._watcher: Optional[threading.Thread] = None
         self._stopping = threading.Event()
         self.failure: Optional[ClusterError] = None  # what stopped background supervision
+        self.extra_args: dict[tuple[str, int], list[str]] = {}  # e.g. --set for one child
 
     @property
     def url(self) -> str:
@@ -100,7 +101,8 @@ class LocalCluster:
     def command(self, role: str, index: int) -> list[str]:
         cmd = [sys.executable, "-m", f"services.{role}"]
         cmd += ["--index", str(index)]  # every role: the same arguments (common/service.py)
-        return cmd + (["--config", str(self.config_path)] if self.config_path else [])
+        cmd += ["--config", str(self.config_path)] if self.config_path else []
+        return cmd + self.extra_args.get((role, index), [])
 
     def spawn(self, role: str, index: int, note: str = "") -> Child:
         """Start one child (again: it replaces the old entry, and its log goes on)."""

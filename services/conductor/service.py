@@ -18,7 +18,7 @@ from common.protocol import (
     AbortRequest, BlocksReserved, ClusterStatus, KVResync, KVSnapshot, KVTransferReport,
     PrefillDone, PrefillTask,
     ReRegister, RegisterWorker, RequestAccepted, RequestFailed, RequestFinished, RequestRejected,
-    ReserveBlocks, ReserveFailed, SubmitRequest, WorkerGone, WorkerHeartbeat,
+    ReserveBlocks, ReserveFailed, SubmitRequest, WorkerGone, WorkerHeartbeat, WorkerLeaving,
 )
 from common.scheduling import Rejection
 from services.conductor.metrics import ConductorMetrics
@@ -56,6 +56,7 @@ class Conductor:
             PrefillDone: self.on_prefill_done,
             RequestFinished: self.on_finished,
             RequestFailed: self.on_failed,
+            WorkerLeaving: self.on_leaving,
         }
 
     # ------------------------------------------------------------ registry
@@ -267,6 +268,13 @@ class Conductor:
         decode = self.registry.get(t.decode_id)
         if decode is not None:
             decode.assigned.discard(t.req.request_id)
+
+    def on_leaving(self, msg: WorkerLeaving) -> None:
+        w = self.registry.get(msg.instance_id)
+        if w is not None and w.info.epoch == msg.epoch:
+            del self.registry.workers[msg.instance_id]
+            log.info("%s left (SIGTERM)", msg.instance_id)
+            self.worker_lost(msg.instance_id, "shut down")
 
     def worker_lost(self, instance_id: str, why: str) -> None:
         """Apply the failure policy (``tracker.Loss``) to the requests on a lost worker."""

@@ -41,7 +41,7 @@ def test_stops_once_idle_and_wakes_a_sleeping_heartbeat() -> None:
         loop = asyncio.get_running_loop()
         busy = [True]
         drain = Drain(5.0)
-        drain.until(lambda: not busy[0])
+        drain.until(lambda: not busy[0], lambda: busy.append("left"))
         task, _ = await serve(drain)
         beat = loop.create_task(drain.sleep(30))  # a heartbeat between beats
         await asyncio.sleep(0)
@@ -55,18 +55,19 @@ def test_stops_once_idle_and_wakes_a_sleeping_heartbeat() -> None:
         busy[0] = False
         with pytest.raises(asyncio.CancelledError):
             await task
+        assert busy == [False, "left"]
         return woke, loop.time() - start, drain.active
 
     woke, stopped, active = asyncio.run(go())
     assert woke < 0.05 and 0.3 + FLUSH_S <= stopped < 0.3 + FLUSH_S + 0.2 and active
 
 
-def test_time_up_ends_what_is_left_then_stops() -> None:
+def test_time_up_leaves_anyway_then_stops() -> None:
     async def go() -> tuple[list[str], float]:
         loop = asyncio.get_running_loop()
         ended: list[str] = []
         drain = Drain(0.2)
-        drain.until(lambda: False, lambda: ended.append("ended"))
+        drain.until(lambda: False, lambda: ended.append("left"))
         task, _ = await serve(drain)
         start = loop.time()
         drain.begin(task)
@@ -75,7 +76,7 @@ def test_time_up_ends_what_is_left_then_stops() -> None:
         return ended, loop.time() - start
 
     ended, took = asyncio.run(go())
-    assert ended == ["ended"] and 0.2 + FLUSH_S <= took < 0.2 + FLUSH_S + 0.2
+    assert ended == ["left"] and 0.2 + FLUSH_S <= took < 0.2 + FLUSH_S + 0.2
 
 
 def test_a_second_sigterm_stops_at_once() -> None:

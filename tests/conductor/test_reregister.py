@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from common.protocol import (BlocksReserved, ReRegister, RequestAccepted, RequestFailed,
-                             ReserveBlocks)
+                             ReserveBlocks, WorkerLeaving)
 from services.conductor.service import Conductor
 from tests.conductor.test_conductor import RecordingMail, beat, conductor, submit, worker
 
@@ -60,3 +60,19 @@ def test_a_draining_worker_is_given_no_new_work(
     c.on_heartbeat(beat("decode", 0))  # drained and back (or SIGTERM withdrawn)
     c.on_submit(submit("c"))
     assert [type(m) for _, m in mail.take()] == [ReserveBlocks, RequestAccepted]
+
+
+def test_a_leaving_worker_is_removed_at_once(conductor: tuple[Conductor, RecordingMail],
+                                             ) -> None:
+    c, mail = conductor
+    c.on_submit(submit("r"))
+    c.on_reserved(BlocksReserved("r", "decode-0", [1]))
+    mail.take()
+    c.on_leaving(WorkerLeaving("decode-0", epoch=99))  # not this incarnation: kept
+    assert c.registry.get("decode-0") is not None and mail.take() == []
+    c.on_leaving(WorkerLeaving("decode-0"))
+    assert c.registry.get("decode-0") is None and not c.ready()
+    failed = [m for _, m in mail.take() if isinstance(m, RequestFailed)]
+    assert [(m.request_id, m.status, m.error_type) for m in failed] == [
+        ("r", 503, "worker_lost")]
+    assert failed[0].message.endswith("decode-0 shut down")

@@ -1,4 +1,5 @@
-"""`crescent up` starts every role, says where the API is, and Ctrl-C stops them all."""
+"""`crescent up` starts every role, says where the API is, restarts a child that dies, and
+Ctrl-C stops them all."""
 from __future__ import annotations
 
 import os
@@ -58,6 +59,15 @@ def test_up_serves_then_ctrl_c_stops_every_child(tmp_path: Path) -> None:
                               capture_output=True, text=True).stdout.split()
         kids = [int(p) for p in pids]
         assert len(kids) == 4
+        conductor = int(subprocess.run(["pgrep", "-f", f"services.conductor .*--config {cfg}"],
+                                       capture_output=True, text=True).stdout.split()[0])
+        os.kill(conductor, signal.SIGKILL)
+        said = [proc.stdout.readline() for _ in range(2)]
+        assert said == ["crescent: conductor-0 exited with code -9; restart 1 in 0.5 s\n",
+                        said[1]] and said[1].startswith("crescent: restart 1 of conductor-0")
+        kids = [int(p) for p in subprocess.run(["pgrep", "-f", f"services.* --config {cfg}"],
+                                               capture_output=True, text=True).stdout.split()]
+        assert len(kids) == 4 and conductor not in kids
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
         time.sleep(0.5)

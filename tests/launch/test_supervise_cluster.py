@@ -1,6 +1,7 @@
 """A real cluster under supervision: a SIGKILLed conductor comes back and serving resumes
 (workers re-register at once); a decode worker that gets SIGTERM mid-stream finishes the
-stream, takes no new work meanwhile, and exits 0."""
+stream, takes no new work meanwhile, and exits 0; one whose stream outlasts the grace
+ends it with a clear error event at once."""
 from __future__ import annotations
 
 import json
@@ -41,6 +42,12 @@ def body(max_tokens: int, stream: bool = False) -> dict:
             "max_tokens": max_tokens, "temperature": 0, "stream": stream}
 
 
+def long_body() -> dict:
+    """A stream of some 400 tokens: seeded sampling (greedy stops early on this prompt)."""
+    return {"model": "smollm2-135m", "prompt": "Once upon a time", "max_tokens": 400,
+            "temperature": 1.0, "seed": 7, "stream": True}
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     tmp = tmp_path_factory.mktemp("supervised")
@@ -62,6 +69,20 @@ def wait_healthy(cluster: LocalCluster, timeout_s: float) -> float:
             return time.monotonic() - start
         time.sleep(0.1)
     raise AssertionError(f"not healthy within {timeout_s} s")
+
+
+def registrations(cluster: LocalCluster, name: str) -> int:
+    return cluster.child("conductor").log_path.read_text().count(f"registered {name} ")
+
+
+def wait_registered(cluster: LocalCluster, name: str, more_than: int) -> None:
+    """Until the conductor registered a new incarnation of ``name`` (a SIGKILLed one stays
+    listed until its heartbeats are missed: a request placed there meanwhile fails)."""
+    deadline = time.monotonic() + 120
+    while registrations(cluster, name) <= more_than:
+        assert time.monotonic() < deadline, f"{name} did not register again"
+        cluster.supervise()
+        time.sleep(0.1)
 
 
 def test_killed_conductor_is_restarted_and_serving_resumes(cluster: LocalCluster) -> None:
@@ -113,3 +134,28 @@ def test_sigterm_drains_a_decode_worker_mid_stream(cluster: LocalCluster) -> Non
     wait_healthy(cluster, 120)
     again = httpx.post(URL + "/v1/completions", json=body(48), timeout=120)
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == text
+
+
+def test_a_stream_longer_than_the_grace_ends_with_a_clear_error(
+        cluster: LocalCluster) -> None:
+    cluster.extra_args[("decode", 0)] = ["--set", "supervise.drain_timeout_s=1.0"]
+    seen = registrations(cluster, "decode-0")
+    cluster.kill("decode", 0)
+    decode = cluster.wait_restarted("decode", 0, timeout_s=30)
+    wait_registered(cluster, "decode-0", seen)
+    wait_healthy(cluster, 120)
+    with httpx.Client(base_url=URL, timeout=120) as client:
+        with client.stream("POST", "/v1/completions", json=long_body()) as resp:
+            assert resp.status_code == 200
+            lines = (line for line in resp.iter_lines() if line.startswith("data: "))
+            next(lines)
+            os.killpg(decode.proc.pid, signal.SIGTERM)
+            start = time.monotonic()
+            rest = list(lines)
+            ended = time.monotonic() - start
+    assert rest[-1] == "data: [DONE]" and len(rest) > 2, rest
+    error = json.loads(rest[-2][6:])["error"]
+    assert error["code"] == "worker_lost" and "decode-0 shut down" in error["message"]
+    assert ended < 1.0 + 2.0  # the grace, then at once (not the 2 s heartbeat timeout)
+    assert decode.proc.wait(10) == 0
+    assert "drain: still busy after 1 s; leaving anyway" in decode.log_path.read_text()
