@@ -56,6 +56,7 @@ class NodeServer:
         self.link = DealerLink(self.master_address, "store_node", self.node_id.encode())
         self.heartbeat_s = store.heartbeat_interval_s
         self.last_ack = time.monotonic()
+        self.registered_at = 0.0  # when a registration was last sent from on_ack
         self.handlers = {p.NodeAck: self.on_ack, p.NodeCommandMsg: self.on_command}
 
     def _register_msg(self) -> p.NodeRegister:
@@ -105,6 +106,10 @@ class NodeServer:
             self.copier.submit(self.peers.retain, msg.live)
         if msg.known:
             return None
+        now = time.monotonic()
+        if now - self.registered_at < self.heartbeat_s:
+            return None  # the acks of beats queued while the master was away: one will do
+        self.registered_at = now
         log.warning("master forgot node %s; registering again", self.node_id)  # or restarted
         return self._register_msg()
 
