@@ -1,0 +1,38 @@
+"""A real cluster under a steady greedy load while each role is SIGKILLed and restarted by
+the cluster's supervisor (benchmarks/faults.py, short phases). For every fault: nothing
+lost, no wrong output, no leaked KV block, every error clear, every worker back, and the
+cluster serving again. The ``none`` row is the control: the same load, nothing killed."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.faults import FAULTS, FaultResult, Timing, run, table
+
+pytestmark = pytest.mark.e2e
+HTTP_PORT = 20600  # this file's ports: 20600-20629
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FaultResult]:
+    workdir: Path = tmp_path_factory.mktemp("faults")
+    rows = run(workdir, HTTP_PORT, FAULTS, Timing(warm=1.5, phase=2.0), concurrency=3,
+               max_tokens=12, n_prompts=12)
+    print("\n" + table(rows))
+    return {r.fault: r for r in rows}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_fault_loses_nothing_and_corrupts_nothing(results: dict[str, FaultResult],
+                                                  fault: str) -> None:
+    r = results[fault]
+    assert r.lost == 0, r
+    assert r.wrong == 0, r
+    assert r.leaked == 0, r
+    assert r.unclear == 0, r  # every failure told the client why
+    assert r.missing == 0, r  # every worker registered again
+    assert r.recovery_s is not None, r  # a request sent after the kill succeeded
+    assert r.completed > 0, r
+    if fault == "none":
+        assert r.failed == 0, r
