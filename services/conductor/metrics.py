@@ -59,6 +59,12 @@ class ConductorMetrics:
                                     registry=r)
         self.in_flight = Gauge("crescent_conductor_in_flight", "admitted, unfinished",
                                registry=r)
+        self.kv_resyncs = Counter("crescent_conductor_kv_resyncs",
+                                  "KVResync asks sent to workers (their KV events had a gap)",
+                                  registry=r)
+        self.global_index_keys = Gauge("crescent_conductor_global_index_keys",
+                                       "keys in the global prefix index (the store's)",
+                                       registry=r)
 
     def observe_ttft(self, rec: TTFTRecord) -> None:
         """One request's predicted vs actual (accept → KV on decode) TTFT."""

@@ -315,6 +315,8 @@ class Conductor:
             self.fail(t, 504, "timeout", f"request stuck in {t.phase.value}")
         for w in self.registry.kv_resyncs_due():  # KV events had a gap
             self.mail.send(w.info.inbox, KVResync(w.instance_id))
+            self.metrics.kv_resyncs.inc()
+        self.metrics.global_index_keys.set(len(self.placer.global_index))
         self.mail.send(self.router_inbox, ClusterStatus(self.ready(), self.registry.status()))
         self.metrics.update_gauges(self.registry, self.tracker)
 

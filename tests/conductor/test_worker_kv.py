@@ -156,6 +156,7 @@ def test_lost_beat_gets_a_resync_and_the_snapshot_fixes_the_keys(conductor) -> N
     assert resyncs(mail) == [(INBOX, KVResync("prefill-0"))]
     c.sweep()
     assert len(resyncs(mail)) == 1  # asked once per retry interval, not per sweep
+    assert c.metrics.kv_resyncs._value.get() == 1
     WorkerRuntime.on_kv_resync(w.rt, KVResync("prefill-0"))  # type: ignore[arg-type]
     snapshot = decode(encode(w.sent[-1]))
     assert isinstance(snapshot, KVSnapshot)
