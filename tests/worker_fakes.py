@@ -89,9 +89,13 @@ class FakeEngine:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
     def _logits(self, tokens: Sequence[int]) -> torch.Tensor:
-        out = torch.full((len(tokens), VOCAB), -1e4)
-        out[range(len(tokens)), [self.next_token(t) for t in tokens]] = 0.0
-        return out
+        return one_hot([self.next_token(t) for t in tokens])
+
+    def compute_layer(self, chunks: Sequence[PrefillChunk], layer: int) -> None:
+        """What one layer of a step leaves in the KV memory: nothing here."""
+
+    def decode_logits(self, decodes: Sequence[DecodeInput]) -> torch.Tensor:
+        return self._logits([d.token_id for d in decodes])
 
     def step(self, chunks: Sequence[PrefillChunk] = (), decodes: Sequence[DecodeInput] = (),
              layer_hook: Optional[Callable[[int], None]] = None,
@@ -110,14 +114,22 @@ class FakeEngine:
             if not 0 <= c.start < c.end <= len(c.token_ids) or len(c.block_table) * bs < c.end:
                 raise EngineInputError(f"bad chunk [{c.start}, {c.end})")
         for layer in range(self.model_config.num_layers):
+            self.compute_layer(chunks, layer)
             if layer_hook is not None:
                 layer_hook(layer)
         rows = [self._logits([c.token_ids[-1]])[0] if c.end == len(c.token_ids) else None
                 for c in chunks]
-        return rows, (self._logits([d.token_id for d in decodes]) if decodes else None)
+        return rows, (self.decode_logits(decodes) if decodes else None)
 
     def decode_step(self, batch: list[DecodeInput]) -> torch.Tensor:
         return self.step((), batch)[1]
+
+
+def one_hot(tokens: Sequence[int]) -> torch.Tensor:
+    """Logits that make greedy sampling pick ``tokens``."""
+    out = torch.full((len(tokens), VOCAB), -1e4)
+    out[range(len(tokens)), list(tokens)] = 0.0
+    return out
 
 
 class FakeTransfer:
