@@ -1,0 +1,230 @@
+"""Soak: many requests at high concurrency on the default cluster; nothing lost, nothing
+leaked, and the memory of every process flat once warmed up.
+
+A real cluster from launch/configs/default.toml (the default model, ``crescent up``'s
+supervisor on) serves ``--requests`` greedy chat requests from ``--concurrency`` clients
+(benchmarks/fault_load.py: every outcome classified; half of them streamed) over
+``--prompts`` distinct prompts. Meanwhile the resident memory (VmRSS, /proc) of every
+cluster process is sampled every ``--sample`` seconds. Afterwards the pools must be idle
+(``/debug/pools``: no referenced block) and no process may have been restarted.
+
+Flat after warm-up: per process, the median RSS of the samples taken while the requests
+``--warmup`` to ``--warmup`` + 10 % completed is compared with the median of the last
+10 %; growth over ``--tolerance-mb`` is a fail. The slope (MB per 1,000 requests, least
+squares over the samples after warm-up) is printed too. ``inconsistent`` counts answers
+that differ from the first answer to the same prompt (greedy: expected 0; informational).
+
+    python benchmarks/soak.py [--requests 2000] [--concurrency 32] [--max-tokens 32]
+        [--prompts 200] [--http-port 20650]
+
+Prints the outcome counts, one RSS row per process, and one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.fault_load import Load, prompts, tally, wait_idle  # noqa: E402
+from benchmarks.live_replay import cluster_config_data, to_toml  # noqa: E402
+from launch.cluster import LocalCluster  # noqa: E402
+
+
+def rss_mb(pid: int) -> Optional[float]:
+    """Resident memory of ``pid`` in MiB (None: the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+@dataclass
+class Sample:
+    t: float  # seconds since the load started
+    done: int  # requests finished by then
+    rss: dict[str, float]  # process name -> MiB
+
+
+class Sampler:
+    """Samples every cluster child's RSS in a thread until ``stop``."""
+
+    def __init__(self, cluster: LocalCluster, load: Load, interval_s: float) -> None:
+        self.cluster, self.load, self.interval_s = cluster, load, interval_s
+        self.samples: list[Sample] = []
+        self.pids: dict[str, set[int]] = {}
+        self._stop = threading.Event()
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="rss", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sample()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def sample(self) -> None:
+        rss = {}
+        for child in list(self.cluster.children):
+            mb = rss_mb(child.proc.pid)
+            if mb is not None:
+                rss[child.name] = mb
+                self.pids.setdefault(child.name, set()).add(child.proc.pid)
+        self.samples.append(Sample(round(time.monotonic() - self._t0, 1),
+                                   len(self.load.outcomes), rss))
+
+
+@dataclass
+class Memory:
+    process: str
+    start_mb: float
+    warm_mb: float
+    end_mb: float
+    peak_mb: float
+    growth_mb: float
+    slope_mb_per_1k: float
+    flat: bool
+    restarted: bool
+
+
+def _slope(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (x, y) points (0 with fewer than two distinct x)."""
+    xs = [x for x, _ in points]
+    if len(set(xs)) < 2:
+        return 0.0
+    mx, my = statistics.fmean(xs), statistics.fmean(y for _, y in points)
+    num = sum((x - mx) * (y - my) for x, y in points)
+    return num / sum((x - mx) ** 2 for x in xs)
+
+
+def memory(samples: list[Sample], pids: dict[str, set[int]], total: int, warmup: float,
+           tolerance_mb: float) -> list[Memory]:
+    """Per process: RSS after warm-up vs at the end (see the module doc)."""
+    rows = []
+    for name in sorted(pids):
+        series = [(s.done, s.rss[name]) for s in samples if name in s.rss]
+        if not series:
+            continue
+        warm = [mb for d, mb in series if warmup * total <= d <= (warmup + 0.1) * total]
+        end = [mb for d, mb in series if d >= 0.9 * total]
+        after = [(d / 1000, mb) for d, mb in series if d >= warmup * total]
+        warm_mb = statistics.median(warm or [series[0][1]])
+        end_mb = statistics.median(end or [series[-1][1]])
+        growth = end_mb - warm_mb
+        rows.append(Memory(name, round(series[0][1], 1), round(warm_mb, 1), round(end_mb, 1),
+                           round(max(mb for _, mb in series), 1), round(growth, 1),
+                           round(_slope(after), 2), growth <= tolerance_mb,
+                           len(pids[name]) > 1))
+    return rows
+
+
+async def soak(cluster: LocalCluster, args: argparse.Namespace) -> tuple[Load, Sampler]:
+    load = Load(cluster.url, prompts(args.prompts), args.concurrency, args.max_tokens,
+                args.deadline, limit=args.requests)
+    sampler = Sampler(cluster, load, args.sample)
+    sampler.start()
+    runner = asyncio.create_task(load.run(asyncio.Event()))
+    while not runner.done():
+        await asyncio.wait([runner], timeout=30)
+        print(f"[{datetime.now().strftime('%H:%M:%S')}] {len(load.outcomes)}/{args.requests}"
+              f" done", file=sys.stderr, flush=True)
+    await runner
+    sampler.stop()
+    return load, sampler
+
+
+def inconsistent(load: Load) -> int:
+    first: dict[int, str] = {}
+    bad = 0
+    for o in load.outcomes:
+        if o.kind == "ok":
+            bad += first.setdefault(o.prompt, o.text) != o.text
+    return bad
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompts", type=int, default=200, help="distinct prompts")
+    p.add_argument("--deadline", type=float, default=300.0, help="per request, seconds")
+    p.add_argument("--sample", type=float, default=2.0, help="RSS sampling period, seconds")
+    p.add_argument("--warmup", type=float, default=0.25, help="fraction of the requests")
+    p.add_argument("--tolerance-mb", type=float, default=64.0)
+    p.add_argument("--http-port", type=int, default=20650,
+                   help="router HTTP port; the cluster's inboxes start at +10")
+    p.add_argument("--out", default=None, help="default: out/soak/<UTC time>")
+    args = p.parse_args(argv)
+    if args.requests < 1 or args.concurrency < 1 or not 0 <= args.warmup < 0.9:
+        p.error("--requests and --concurrency must be >= 1, --warmup in [0, 0.9)")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the cluster on the way out
+    started = datetime.now(timezone.utc)
+    out = Path(args.out or REPO / "out" / "soak" / started.strftime("%Y%m%dT%H%M%SZ"))
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = out / "cluster.toml"
+    cfg.write_text(to_toml(cluster_config_data("disagg-store", args.http_port)))
+    cluster = LocalCluster(str(cfg), out / "logs")
+    try:
+        cluster.start(timeout_s=180)
+        cluster.supervise_in_background()
+        t0 = time.monotonic()
+        load, sampler = asyncio.run(soak(cluster, args))
+        wall = time.monotonic() - t0
+        workers = sum(r in ("prefill", "decode") for r, _ in cluster.plan())
+        leaked, _ = asyncio.run(wait_idle(cluster.url, workers, 30.0))
+        restarts = {f"{r}-{i}": n for (r, i), n in cluster.restarts.items() if n}
+    finally:
+        cluster.stop()
+    counts = tally(load.outcomes, None)
+    counts.pop("wrong")
+    mem = memory(sampler.samples, sampler.pids, args.requests, args.warmup, args.tolerance_mb)
+    summary = dict(counts, leaked=leaked, inconsistent=inconsistent(load),
+                   restarts=restarts, wall_s=round(wall, 1),
+                   req_per_s=round(len(load.outcomes) / wall, 2),
+                   rss_flat=all(m.flat for m in mem))
+    print(" ".join(f"{k}={v}" for k, v in summary.items()))
+    rows = [list(asdict(mem[0]))] if mem else []
+    rows += [[str(v) for v in asdict(m).values()] for m in mem]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))] if rows else []
+    for r in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    (out / "rss_samples.json").write_text(json.dumps([asdict(s) for s in sampler.samples]))
+    print(json.dumps({"bench": "soak", "started": started.isoformat(timespec="seconds"),
+                      "requests": args.requests, "concurrency": args.concurrency,
+                      "max_tokens": args.max_tokens, "prompts": args.prompts,
+                      "tolerance_mb": args.tolerance_mb, "out": str(out), **summary,
+                      "memory": [asdict(m) for m in mem]}))
+    ok = (counts["lost"] == counts["unclear"] == 0 and leaked == 0 and not restarts
+          and summary["rss_flat"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
