@@ -20,6 +20,8 @@ import orjson
 import zmq
 import zmq.asyncio
 
+from common.security import secure
+
 log = logging.getLogger(__name__)
 
 _REGISTRY: dict[str, type] = {}
@@ -170,7 +172,8 @@ def decode(frame: bytes) -> Any:
 
 def make_socket(ctx: zmq.asyncio.Context, kind: int, address: str, bind: bool,
                 identity: Optional[bytes] = None, hwm: int = 0) -> zmq.asyncio.Socket:
-    """The one socket factory: no linger, unbounded high-water marks unless given."""
+    """The one socket factory: no linger, unbounded high-water marks unless given, and
+    CURVE with the cluster key when one is installed (common/security.py)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
@@ -179,6 +182,7 @@ def make_socket(ctx: zmq.asyncio.Context, kind: int, address: str, bind: bool,
         sock.setsockopt(zmq.IDENTITY, identity)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    secure(ctx, sock, bind, address)
     if bind:
         sock.bind(address)
     else:

@@ -35,13 +35,14 @@ def connect(url: str, timeout: float = 10.0) -> http.client.HTTPConnection:
 
 
 def request(url: str, method: str, path: str, body: Optional[Any] = None,
-            raw: Optional[bytes] = None, timeout: float = 10.0) -> Reply:
+            raw: Optional[bytes] = None, timeout: float = 10.0,
+            headers: Optional[dict[str, str]] = None) -> Reply:
     conn = connect(url, timeout)
     try:
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None
                                             else None)
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        conn.request(method, path, body=data, headers=headers)
+        sent = {"Content-Type": "application/json"} if data is not None else {}
+        conn.request(method, path, body=data, headers={**sent, **(headers or {})})
         resp = conn.getresponse()
         return Reply(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
     finally:
