@@ -46,16 +46,23 @@ class Mailbox:
         return sock
 
     def send(self, address: str, msg: Any) -> bool:
-        """Queue ``msg`` for ``address`` without blocking; False if it cannot be queued."""
+        """Queue ``msg`` for ``address`` without blocking; False if it cannot be queued
+        (the outbox is full: the message is dropped, logged and counted)."""
         try:
-            self._socket(address).send(encode(msg), flags=zmq.NOBLOCK)
-            return True
+            sent = self._socket(address).send(encode(msg), flags=zmq.NOBLOCK)
         except zmq.Again:
-            self.dropped[address] += 1
-            log.warning("%s: outbox to %s is full (%d queued); dropped %s (%d so far)",
-                        self.name, address, OUTBOX_HWM, type(msg).__name__,
-                        self.dropped[address])
-            return False
+            return self._dropped(address, msg)
+        # An asyncio socket answers with a future, failed at once when the queue is full.
+        if sent is not None and sent.done() and isinstance(sent.exception(), zmq.Again):
+            return self._dropped(address, msg)
+        return True
+
+    def _dropped(self, address: str, msg: Any) -> bool:
+        self.dropped[address] += 1
+        log.warning("%s: outbox to %s is full (%d queued); dropped %s (%d so far)",
+                    self.name, address, OUTBOX_HWM, type(msg).__name__,
+                    self.dropped[address])
+        return False
 
     async def recv(self) -> Any:
         """Next valid message; malformed frames are logged and dropped."""
