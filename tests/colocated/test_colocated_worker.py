@@ -40,6 +40,12 @@ def finished(rt: FakeRuntime) -> list[tuple[str, str]]:
 async def request(rt: FakeRuntime, worker: ColocatedWorker, rid: str, tokens: list[int]) -> None:
     """Reserve, send the prompt, and step until the request is finished."""
     worker.on_reserve(reserve(rid, prompt_tokens=len(tokens), max_tokens=3))
+    await request_task(rt, worker, rid, tokens)
+
+
+async def request_task(rt: FakeRuntime, worker: ColocatedWorker, rid: str,
+                       tokens: list[int] = PROMPT) -> None:
+    """Send the prompt of a reserved request and step until it is finished."""
     worker.on_task(prefill_task(rid, tokens, fence=fence_of(rt, rid)))
     assert not worker.idle()
     await run_until(worker.step_loop(), lambda: rid in dict(finished(rt)) and worker.idle())
@@ -89,3 +95,16 @@ def test_an_abort_during_a_prefill_step_frees_the_blocks_after_it(make: Make) ->
     assert rt.mail.of(PrefillDone) == [] and rt.mail.of(TokenDelta) == []
     assert len(rt.engine.steps) == 1
     assert worker.idle_check.run()
+
+
+def test_a_task_for_another_incarnation_or_reservation_is_dropped(make: Make) -> None:
+    rt, worker = make()
+    worker.on_reserve(reserve("a", prompt_tokens=10, max_tokens=3))
+    live = fence_of(rt, "a")
+    worker.on_task(prefill_task("a", PROMPT, fence=live, epoch=EPOCH + 1))
+    worker.on_task(prefill_task("a", PROMPT, fence=Fence(EPOCH, live.generation + 1)))
+    worker.on_task(prefill_task("b", PROMPT, fence=live))  # no reservation for b
+    assert worker.dropped == {"PrefillTask": 3} and not worker.prefilling
+    assert list(worker.reserved) == ["a"]
+    asyncio.run(request_task(rt, worker, "a"))
+    assert finished(rt) == [("a", "length")] and worker.idle_check.run()
