@@ -80,12 +80,13 @@ def bench_memcpy(size: int) -> float:
 
 
 # ------------------------------------------------------------------- ours
-async def _ours_sizes(address: str, use_shm: bool) -> dict[int, tuple[float, float]]:
+async def _ours_sizes(address: str, use_shm: bool,
+                      shm_dir: str) -> dict[int, tuple[float, float]]:
     from common.store.client import StoreClient
     from common.transfer import TransferAgent, TransferConfig
 
     transfer = TransferAgent(TransferConfig())
-    client = StoreClient(address, transfer, timeout_s=30.0, use_shm=use_shm)
+    client = StoreClient(address, transfer, timeout_s=30.0, use_shm=use_shm, shm_dir=shm_dir)
     await client.start()
     src, dst = buffers()
     client.register_local(src.ctypes.data, TOTAL)
@@ -145,8 +146,8 @@ def bench_ours() -> dict[str, Any]:
                                 text=True)
         procs.append(node)
         wait_ready(node)
-        shm = asyncio.run(_ours_sizes(address, use_shm=True))
-        tcp = asyncio.run(_ours_sizes(address, use_shm=False))
+        shm = asyncio.run(_ours_sizes(address, use_shm=True, shm_dir=tmp))
+        tcp = asyncio.run(_ours_sizes(address, use_shm=False, shm_dir=tmp))
         exists = asyncio.run(_exists_rate(address))
         return {"shm": shm, "tcp": tcp, "exists_calls_per_s": exists}
     finally:

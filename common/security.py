@@ -257,9 +257,16 @@ def clamp_interval(value: float, low: float, high: float) -> float:
     return min(max(value, low), high)
 
 
+# Segment file names, as common/store/shm.py:owned_path makes them:
+# crescent-<kind>-<hostname>-<name>-<pid> (a store node's, a worker's KV memory).
+STORE_SEGMENT = re.compile(r"crescent-store-[\w.-]+-\d+")
+KV_SEGMENT = re.compile(r"crescent-kv-[\w.-]+-\d+")
+
+
 def checked_shm_path(path: str, directory: Optional[str], name: "re.Pattern[str]") -> str:
-    """``path`` if it names a regular file (not a symlink) directly in ``directory`` whose
-    name matches ``name``; else ValueError. What a peer names is mapped only after this."""
+    """``path`` if it names a regular file (not a symlink) of this process's user directly
+    in ``directory`` whose name matches ``name``; else ValueError. A file a peer names is
+    mapped only after this (and opened with O_NOFOLLOW: common/store/shm.py)."""
     if not directory:
         raise ValueError(f"{path!r}: no shared-memory directory is configured here")
     if not isinstance(path, str) or not os.path.isabs(path):
@@ -270,9 +277,11 @@ def checked_shm_path(path: str, directory: Optional[str], name: "re.Pattern[str]
     if not name.fullmatch(base):
         raise ValueError(f"{path!r} is not a Crescent segment name")
     try:
-        mode = os.lstat(path).st_mode
+        st = os.lstat(path)
     except OSError as exc:
         raise ValueError(f"{path!r}: {exc.strerror}") from None
-    if not stat.S_ISREG(mode):
+    if not stat.S_ISREG(st.st_mode):
         raise ValueError(f"{path!r} is not a regular file")
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"{path!r} belongs to another user (uid {st.st_uid})")
     return path

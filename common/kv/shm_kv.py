@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from common.kv.memory import PagedKVMemory
+from common.security import KV_SEGMENT, checked_shm_path
 from common.store.shm import Segment, copy_many, owned_path, sweep_dead
 from common.transfer import coalesce
 
@@ -150,8 +151,9 @@ class PeerKVMaps:
     peer advertises another file (it restarted); a file that cannot be mapped is
     remembered as such (the caller uses the transfer engine) until the path changes."""
 
-    def __init__(self, local: PagedKVMemory) -> None:
+    def __init__(self, local: PagedKVMemory, directory: str = SHM_DIR) -> None:
         self.local = local
+        self.directory = directory  # only KV segment files in it are mapped
         self._maps: dict[str, tuple[str, Optional[PeerKV]]] = {}
 
     def get(self, instance_id: str, path: str) -> Optional[PeerKV]:
@@ -162,7 +164,8 @@ class PeerKVMaps:
             cached[1].close()
         peer: Optional[PeerKV] = None
         try:
-            peer = PeerKV(path, self.local)
+            # a peer-named path: only a worker's KV file (never /etc/passwd, a symlink)
+            peer = PeerKV(checked_shm_path(path, self.directory, KV_SEGMENT), self.local)
             log.info("KV to %s over shared memory (%s, %d blocks)", instance_id, path,
                      peer.num_blocks)
         except (OSError, ValueError) as exc:

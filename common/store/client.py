@@ -49,7 +49,7 @@ class ClientStats:
 class StoreClient:
     def __init__(self, master_address: str, transfer: Optional[TransferAgent],
                  timeout_s: float = 5.0, *, use_shm: bool = True,
-                 copy_threads: int = 2) -> None:
+                 copy_threads: int = 2, shm_dir: Optional[str] = "/dev/shm") -> None:
         self.master_address = master_address
         self.transfer = transfer
         self.timeout_s = timeout_s
@@ -62,7 +62,8 @@ class StoreClient:
         self._reader: Optional[asyncio.Task[None]] = None
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count(1)
-        self._maps = SegmentMaps()  # same-host node segments, remapped on a new epoch
+        # same-host node segments in [store] shm_dir, remapped on a new epoch
+        self._maps = SegmentMaps(shm_dir)
         self._registered: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------- lifecycle

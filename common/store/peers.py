@@ -7,7 +7,9 @@ old mapping closed and a fresh one. A node the master no longer lists is dead: `
 closes its mapping, so a SIGKILLed node's file does not stay mapped (and its tmpfs pages
 held) for the life of every client. A file this host cannot open is remembered as ``None``
 for that epoch, so the caller falls back to the transfer engine without trying again on
-every block.
+every block. Only a node segment file is mapped: a regular file of ours directly in the
+configured ``[store] shm_dir``, named as nodes name them (``checked_shm_path``); a node info
+naming anything else (``/etc/passwd``, a symlink) is refused and logged.
 
 Closing never unmaps bytes under a running copy: a copy pins the mapping with a view
 (``Segment.view``, passed as ``copy_many``'s ``pin``) and the unmapping waits for it.
@@ -18,6 +20,7 @@ import logging
 import os
 from typing import Any, Iterable, Optional
 
+from common.security import STORE_SEGMENT, checked_shm_path
 from common.store.shm import Segment
 
 log = logging.getLogger(__name__)
@@ -26,7 +29,8 @@ log = logging.getLogger(__name__)
 class SegmentMaps:
     """node_id + node info (``shm_path``, ``segment_bytes``, ``epoch``) → a mapping here."""
 
-    def __init__(self, own_path: Optional[str] = None) -> None:
+    def __init__(self, shm_dir: Optional[str], own_path: Optional[str] = None) -> None:
+        self.shm_dir = shm_dir  # [store] shm_dir: only segment files in it are mapped
         self.own_path = own_path  # never map our own segment a second time
         # node_id → (path, epoch, mapping or None: not mappable here)
         self._maps: dict[str, tuple[str, int, Optional[Segment]]] = {}
@@ -42,11 +46,13 @@ class SegmentMaps:
             return cached[2]
         self._drop(node_id)
         seg: Optional[Segment] = None
-        if os.path.exists(path):
+        if os.path.lexists(path):  # else on another host: the transfer engine, silently
             try:
+                checked_shm_path(path, self.shm_dir, STORE_SEGMENT)
                 seg = Segment(int(info["segment_bytes"]), path)
             except (OSError, ValueError, KeyError) as exc:
-                log.info("cannot map %s (%s): using the transfer engine", path, exc)
+                log.warning("node %s: not mapping %s (%s): using the transfer engine",
+                            node_id, path, exc)
         self._maps[node_id] = (path, epoch, seg)
         return seg
 

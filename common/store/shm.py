@@ -16,6 +16,7 @@ import mmap
 import os
 import re
 import socket
+import stat
 from typing import Any, Optional, Sequence
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ class Segment:
         if path is None:
             self._mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
         else:
-            fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+            mode = os.O_RDWR | os.O_NOFOLLOW  # never through a symlink a peer planted
+            fd = os.open(path, mode | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
             try:
                 if create:
                     try:  # reserve now: a full tmpfs fails here, not with SIGBUS on a write
@@ -82,6 +84,8 @@ class Segment:
                     except OSError:
                         os.unlink(path)
                         raise
+                elif not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OSError(f"{path} is not a regular file")
                 elif os.fstat(fd).st_size < nbytes:
                     raise OSError(f"{path} is smaller than {nbytes} bytes")
                 self._mm = mmap.mmap(fd, nbytes, flags=flags)

@@ -78,8 +78,8 @@ class DecodeWorker:
         fence = Fence(self.rt.epoch, next(self.generations))
         self.reserved[msg.request_id] = Reservation(
             msg.request_id, blocks, msg.prompt_tokens, msg.sampling, msg.router_inbox,
-            deadline=clamp_deadline(msg.deadline, self.rt.config.kv_wait_timeout_s), fence=fence, writer=msg.writer,
-            writer_epoch=msg.writer_epoch)
+            deadline=clamp_deadline(msg.deadline, self.rt.config.kv_wait_timeout_s),
+            fence=fence, writer=msg.writer, writer_epoch=msg.writer_epoch)
         self.rt.mail.send(self.rt.conductor, BlocksReserved(msg.request_id, self.rt.instance_id,
                                                             blocks, fence, msg.attempt))
 

@@ -55,7 +55,7 @@ class PrefixLoader:
             from common.store.client import StoreClient
 
             store = StoreClient(rt.config.inbox("store_master"), rt.transfer,
-                                timeout_s=STORE_TIMEOUT_S)
+                                timeout_s=STORE_TIMEOUT_S, shm_dir=rt.config.store.shm_dir)
             await store.start()
             store.register_local(rt.engine.kv.base_address, rt.engine.kv.nbytes)
         return cls(rt.engine.pool, rt.engine.kv, store)

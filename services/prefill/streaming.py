@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
 from common.kv.memory import PagedKVMemory
-from common.kv.shm_kv import KV_PATHS, PeerKV, PeerKVMaps
+from common.kv.shm_kv import KV_PATHS, SHM_DIR, PeerKV, PeerKVMaps
 from common.protocol import PrefillTask
 from common.transfer import TransferAgent, TransferError
 
@@ -165,12 +165,13 @@ class KVPaths:
     transfer engine, with a warning, when the segment cannot be mapped.
     """
 
-    def __init__(self, mode: str, kv: PagedKVMemory, host_id: str) -> None:
+    def __init__(self, mode: str, kv: PagedKVMemory, host_id: str,
+                 shm_dir: str = SHM_DIR) -> None:
         if mode not in KV_PATHS:
             raise ValueError(f"kv_path must be one of {KV_PATHS}, got {mode!r}")
         self.mode = mode
         self.host_id = host_id
-        self.maps = PeerKVMaps(kv)
+        self.maps = PeerKVMaps(kv, shm_dir)
         self.bytes: dict[str, int] = {SHM: 0, TRANSFER_ENGINE: 0}
         self.streams: dict[str, int] = {SHM: 0, TRANSFER_ENGINE: 0}
 

@@ -52,7 +52,7 @@ class NodeServer:
         self.transfer.register(self.segment.base, self.segment.nbytes)
         self.io = ThreadPoolExecutor(1, thread_name_prefix="ssd")  # keeps command order
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="replicate")  # one: no map races
-        self.peers = SegmentMaps(own_path=self.segment.path)  # other nodes' segments here
+        self.peers = SegmentMaps(store.shm_dir, own_path=self.segment.path)  # other nodes
         self.link = DealerLink(self.master_address, "store_node", self.node_id.encode())
         self.heartbeat_s = store.heartbeat_interval_s
         self.last_ack = time.monotonic()

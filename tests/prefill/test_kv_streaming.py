@@ -141,13 +141,14 @@ def test_path_choice_and_fallback(shm_dir, caplog) -> None:
     path = f"{shm_dir}/crescent-kv-test-choice-{os.getpid()}"
     dst = decode_memory(path)
     try:
-        auto = KVPaths("auto", src, host_id="h1")
+        auto = KVPaths("auto", src, host_id="h1", shm_dir=shm_dir)
         assert auto.peer(task(path, "h1")) is not None  # same host: mapped
         assert auto.peer(task(path, "h1")) is auto.peer(task(path, "h1"))  # mapped once
         assert auto.peer(task(path, "h2", decode_id="decode-1")) is None  # other host
         assert auto.peer(task(None, "h1")) is None  # nothing advertised
         assert KVPaths("transfer_engine", src, "h1").peer(task(path, "h1")) is None
-        assert KVPaths("shm", src, "h1").peer(task(path, "h2")) is not None  # host check off
+        shm = KVPaths("shm", src, "h1", shm_dir)
+        assert shm.peer(task(path, "h2")) is not None  # host check off
         with caplog.at_level(logging.WARNING):
             missing = task(path + "-gone", "h1", decode_id="decode-2", blocks=[3])
             assert auto.peer(missing) is None  # cannot be opened: transfer engine

@@ -182,7 +182,8 @@ def keys(n: int) -> list[bytes]:
     return [os.urandom(16) for _ in range(n)]
 
 
-async def client_for(address: str, transfer, use_shm: bool) -> StoreClient:
-    c = StoreClient(address, transfer, timeout_s=3.0, use_shm=use_shm)
+async def client_for(address: str, transfer, use_shm: bool, shm_dir: str) -> StoreClient:
+    """A client of the master at ``address``; it maps node segments in ``shm_dir`` only."""
+    c = StoreClient(address, transfer, timeout_s=3.0, use_shm=use_shm, shm_dir=shm_dir)
     await c.start()
     return c

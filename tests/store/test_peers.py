@@ -29,14 +29,19 @@ def mappings_of(path: str) -> int:
         return sum(1 for line in fh if line.rstrip().split(" ")[-1] == path)
 
 
+def seg_path(shm_dir: str, name: str) -> str:
+    """A file named as store nodes name their segments (only those are mapped)."""
+    return os.path.join(shm_dir, f"crescent-store-testhost-{name}-1")
+
+
 def info(path: str, epoch: int, nbytes: int = NBYTES) -> dict:
     return {"shm_path": path, "segment_bytes": nbytes, "epoch": epoch}
 
 
 def test_maps_once_per_epoch_and_sees_the_owners_bytes(shm_dir):
-    path = os.path.join(shm_dir, "node-a")
+    path = seg_path(shm_dir, "a")
     owner = Segment(NBYTES, path, create=True)
-    maps = SegmentMaps()
+    maps = SegmentMaps(shm_dir)
     try:
         ctypes.memmove(owner.base + 100, b"crescent", 8)
         seg = maps.get("a", info(path, 1))
@@ -55,16 +60,16 @@ def test_maps_once_per_epoch_and_sees_the_owners_bytes(shm_dir):
 
 
 def test_no_mapping_for_missing_unopenable_or_own_files(shm_dir):
-    own = os.path.join(shm_dir, "self")
-    small = os.path.join(shm_dir, "small")
+    own = seg_path(shm_dir, "self")
+    small = seg_path(shm_dir, "small")
     Segment(1024, small, create=True).close()
-    maps = SegmentMaps(own_path=own)
+    maps = SegmentMaps(shm_dir, own_path=own)
     Segment(NBYTES, own, create=True).close()
     try:
         assert maps.get("a", {"segment_bytes": NBYTES, "epoch": 1}) is None  # no shm file
         assert maps.get("a", info("", 1)) is None
         assert maps.get("a", info(own, 1)) is None  # our own segment: never mapped twice
-        missing = os.path.join(shm_dir, "gone")
+        missing = seg_path(shm_dir, "gone")
         assert maps.get("a", info(missing, 1)) is None
         assert maps.get("a", info(small, 1)) is None  # smaller than announced: refused
         assert maps.get("a", info(small, 1, nbytes=1024)) is None  # remembered for epoch 1
@@ -74,9 +79,9 @@ def test_no_mapping_for_missing_unopenable_or_own_files(shm_dir):
 
 
 def test_retain_unmaps_nodes_the_master_no_longer_lists(shm_dir):
-    paths = {n: os.path.join(shm_dir, f"node-{n}") for n in "abc"}
+    paths = {n: seg_path(shm_dir, n) for n in "abc"}
     owners = {n: Segment(NBYTES, path, create=True) for n, path in paths.items()}
-    maps = SegmentMaps()
+    maps = SegmentMaps(shm_dir)
     try:
         for n, path in paths.items():
             assert maps.get(n, info(path, 1)) is not None
@@ -87,7 +92,7 @@ def test_retain_unmaps_nodes_the_master_no_longer_lists(shm_dir):
         assert [mappings_of(p) for p in paths.values()] == [2, 1, 2]  # b unmapped here
         assert maps.retain([]) == ["a", "c"] and maps.mapped() == {}
         assert [mappings_of(p) for p in paths.values()] == [1, 1, 1]
-        restarted = os.path.join(shm_dir, "node-b2")  # b came back with a new file
+        restarted = seg_path(shm_dir, "b2")  # b came back with a new file
         owner_b2 = Segment(NBYTES, restarted, create=True)
         assert maps.get("b", info(paths["b"], 1)) is not None
         assert maps.get("b", info(restarted, 1)) is not None
@@ -100,9 +105,9 @@ def test_retain_unmaps_nodes_the_master_no_longer_lists(shm_dir):
 
 
 def test_close_waits_for_a_pinned_copy(shm_dir):
-    path = os.path.join(shm_dir, "node-a")
+    path = seg_path(shm_dir, "a")
     owner = Segment(NBYTES, path, create=True)
-    maps = SegmentMaps()
+    maps = SegmentMaps(shm_dir)
     try:
         seg = maps.get("a", info(path, 1))
         assert seg is not None

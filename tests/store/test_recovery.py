@@ -39,7 +39,7 @@ def test_master_restart_nodes_reregister_and_the_index_converges(cluster, transf
     async def go() -> None:
         feed = StoreEventFeed(config, PrefixIndex())
         task = asyncio.create_task(feed.run())
-        c = await client_for(address, transfer, use_shm=True)
+        c = await client_for(address, transfer, use_shm=True, shm_dir=cluster.tmp)
         old, new = keys(4), keys(3)
         everything = old + new
         assert await c.batch_put_from(old, addrs(src, range(4)), BLOCK) == 4
@@ -85,7 +85,7 @@ def test_feed_started_late_learns_existing_keys_and_forgets_a_dead_master(
     config = ClusterConfig.load(cluster.config)  # heartbeat_timeout_s = 1.0
 
     async def go() -> None:
-        c = await client_for(address, transfer, use_shm=True)
+        c = await client_for(address, transfer, use_shm=True, shm_dir=cluster.tmp)
         ks = keys(5)
         assert await c.batch_put_from(ks, addrs(src, range(5)), BLOCK) == 5
         assert await c.remove(ks[:1]) == 1
@@ -143,7 +143,7 @@ def test_client_unmaps_a_dead_nodes_segment(cluster, transfer, buffers):
             return any(path in line for line in fh)
 
     async def go() -> None:
-        c = await client_for(address, transfer, use_shm=True)
+        c = await client_for(address, transfer, use_shm=True, shm_dir=cluster.tmp)
         ks = keys(4)
         assert await c.batch_put_from(ks, addrs(src, range(4)), BLOCK, replica_num=2) == 4
         a, b = cluster.ids["a"], cluster.ids["b"]

@@ -17,7 +17,7 @@ def test_put_get_byte_exact(cluster, transfer, buffers, shm_node, shm_client):
     cluster.node("b", shm=shm_node)
 
     async def go() -> None:
-        c = await client_for(address, transfer, shm_client)
+        c = await client_for(address, transfer, shm_client, shm_dir=cluster.tmp)
         ks = keys(8)
         assert await c.batch_put_from(ks, addrs(src, range(8)), BLOCK, replica_num=2) == 8
         assert await c.batch_put_from(ks[:4], addrs(src, range(4)), BLOCK) == 0  # present
@@ -46,7 +46,7 @@ def test_killed_node_gives_misses_never_wrong_bytes(cluster, transfer, buffers):
     cluster.node("b", shm=False)
 
     async def go() -> None:
-        c = await client_for(address, transfer, use_shm=False)
+        c = await client_for(address, transfer, use_shm=False, shm_dir=cluster.tmp)
         ks = keys(16)
         assert await c.batch_put_from(ks, addrs(src, range(16)), BLOCK) == 16
         cluster.nodes["b"].kill()
@@ -77,7 +77,7 @@ def test_ssd_offload_and_promotion_byte_exact(cluster, transfer, buffers):
     cluster.node("a", segment_mib=4, ssd_mib=32)  # 16 blocks of DRAM, 128 of SSD
 
     async def go() -> None:
-        c = await client_for(address, transfer, use_shm=True)
+        c = await client_for(address, transfer, use_shm=True, shm_dir=cluster.tmp)
         ks = keys(40)
         for i in range(0, 40, 4):
             assert await c.batch_put_from(ks[i:i + 4], addrs(src, range(i, i + 4)), BLOCK) == 4
@@ -121,7 +121,7 @@ def test_hot_objects_replicate_and_survive_their_first_node(cluster, transfer, b
     cluster.node("b", shm=shm)
 
     async def go() -> None:
-        c = await client_for(address, transfer, use_shm=shm)
+        c = await client_for(address, transfer, use_shm=shm, shm_dir=cluster.tmp)
         ks = keys(4)
         assert await c.batch_put_from(ks, addrs(src, range(4)), BLOCK, replica_num=1) == 4
         stats = await c.master_stats()
