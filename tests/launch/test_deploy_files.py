@@ -11,10 +11,14 @@ from common.service import ROLES
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_compose_has_one_service_per_role() -> None:
+def compose() -> dict:
     yaml = pytest.importorskip("yaml")
-    doc = yaml.safe_load((REPO / "docker-compose.yml").read_text())
-    services = doc["services"]
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+
+
+def test_compose_has_one_service_per_role() -> None:
+    services = dict(compose()["services"])
+    services.pop("keygen")
     assert set(services) == set(ROLES) - {"colocated"}  # compose runs the disaggregated shape
     for name, svc in services.items():
         assert svc["command"][0] == name
@@ -23,6 +27,23 @@ def test_compose_has_one_service_per_role() -> None:
     for gpu_role in ("prefill", "decode"):
         devices = services[gpu_role]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"]
+
+
+def test_compose_closes_the_control_plane() -> None:
+    """CURVE on by default: a one-shot keygen fills a volume every role reads, the roles
+    start only after it succeeded, and the config points [security] at it."""
+    doc = compose()
+    keygen = doc["services"]["keygen"]
+    assert keygen["entrypoint"] == ["crescent", "keygen"] and keygen["command"] == ["/keys"]
+    assert keygen["volumes"] == ["crescent-keys:/keys"] and keygen["restart"] == "no"
+    assert "crescent-keys" in doc["volumes"]
+    for name in set(ROLES) - {"colocated"}:
+        svc = doc["services"][name]
+        assert "crescent-keys:/keys:ro" in svc["volumes"]
+        assert svc["depends_on"]["keygen"] == {"condition": "service_completed_successfully"}
+    config = ClusterConfig.load(str(REPO / "launch" / "configs" / "compose.toml"))
+    assert config.security.curve_key_dir == "/keys"
+    assert ClusterConfig().security.curve_key_dir is None  # `crescent up` on one host: off
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "launch" / "configs").glob("*.toml")))
