@@ -81,6 +81,16 @@ def assert_plain_peer_logged(text: str, address: str) -> None:
                      r"this cluster|handshake failed)", text), text
 
 
+def assert_listens_on_host_only(port: int, metric: bytes) -> None:
+    """``/metrics`` answers on the configured host (127.0.0.1) and nothing listens on
+    another local address: bound to ``host``, not to every interface."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        assert metric in resp.read()
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(
+            ("127.0.0.2", port), timeout=5):
+        pass
+
+
 def register(instance_id: str) -> RegisterWorker:
     return RegisterWorker(instance_id, "prefill", "tcp://127.0.0.1:1", "127.0.0.1:1", 0,
                           1024, 512, 8, 16)
@@ -129,6 +139,7 @@ def test_conductor_registers_only_keyed_workers(keyed: security.CurveKeys, key_d
     with service("conductor", BASE, key_dir, tmp_path / "conductor.log", "conductor ready",
                  "--set", "store.enabled=false", "--set", "heartbeat_interval_s=0.1") as log:
         before, after = asyncio.run(go())
+        assert_listens_on_host_only(config.port("conductor_http"), b"crescent_conductor")
     assert before == set()
     assert after == {"prefill-keyed"}
     text = log.read_text()
@@ -160,12 +171,7 @@ def test_store_master_answers_only_keyed_clients(keyed: security.CurveKeys, key_
     with service("store_master", BASE + 10, key_dir, tmp_path / "master.log",
                  "store master listening") as log:
         reply, heard = asyncio.run(go())
-        port = config.port("store_master_http")
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-            assert b"store_objects" in resp.read()
-        with pytest.raises(ConnectionRefusedError), socket.create_connection(
-                ("127.0.0.2", port), timeout=5):
-            pass  # bound to the configured host (127.0.0.1), not to every address
+        assert_listens_on_host_only(config.port("store_master_http"), b"store_objects")
     assert isinstance(reply, sp.StoreStatsReply) and reply.req_id == 2
     assert heard == [0, 0]
     text = log.read_text()

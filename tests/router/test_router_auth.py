@@ -2,8 +2,10 @@
 the config and from a key file, behind its own scripted fake cluster."""
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from typing import Iterator
+from urllib.parse import urlsplit
 
 import openai
 import pytest
@@ -87,6 +89,14 @@ def test_health_and_metrics_stay_open(keyed: tuple[str, FakeCluster]) -> None:
     assert request(url, "GET", "/health").json() == {"status": "ok"}
     metrics = request(url, "GET", "/metrics")
     assert metrics.status == 200 and b"crescent_router" in metrics.body
+
+
+def test_the_api_listens_on_the_configured_host_only(keyed: tuple[str, FakeCluster]) -> None:
+    port = urlsplit(keyed[0]).port
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(
+            ("127.0.0.2", port), timeout=5):
+        pass
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
 def test_official_openai_client_with_and_without_the_key(
