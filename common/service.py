@@ -4,8 +4,8 @@ Every process of a cluster starts the same way, in this order:
 
 1. pin itself to the CPU plan in its environment (common/cpu.py), before any thread exists;
 2. parse the same arguments: ``--config FILE --index N --set key=value ... --log-level L``;
-3. load the cluster config (the TOML file, then each ``--set`` laid over it) and log as
-   ``<role>-<index>``;
+3. load the cluster config (the TOML file, then each ``--set`` laid over it), install its
+   cluster key for CURVE if it names one (common/security.py), and log as ``<role>-<index>``;
 4. install uvloop; SIGINT cancels the main task, SIGTERM first drains (common/drain.py:
    a service that registered in-flight work finishes it, up to
    ``supervise.drain_timeout_s``, taking nothing new) and then cancels it;

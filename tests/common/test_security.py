@@ -7,6 +7,8 @@ import asyncio
 import logging
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -187,3 +189,14 @@ def test_security_table(tmp_path: Path) -> None:
     assert ClusterConfig().security == SecurityConfig()  # off by default
     with pytest.raises(ValueError, match=r"in \[security\]: \['curve_key'\]"):
         ClusterConfig.from_dict({"security": {"curve_key": "x"}})
+
+
+def test_a_missing_key_stops_a_service_as_a_bad_config(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "services.conductor", "--set",
+                          f'security.curve_key_dir="{tmp_path / "none"}"'], cwd=repo,
+                         capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=str(repo)))
+    assert out.returncode == 2
+    assert "bad config: security.curve_key_dir: no " in out.stderr
+    assert "crescent keygen" in out.stderr
