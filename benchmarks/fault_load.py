@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import sys
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Optional
 
 import httpx
@@ -230,3 +234,22 @@ async def wait_healthy(url: str, timeout_s: float) -> bool:
                 pass
             await asyncio.sleep(0.2)
     return False
+
+
+# --------------------------------------------------------------------------- CLI helpers
+def begin_run(bench: str, out: Optional[str], repo: Path) -> tuple[datetime, Path]:
+    """(start time, output folder ``out`` or out/<bench>/<UTC time>); SIGTERM becomes a
+    clean exit, so the ``finally`` that stops the cluster runs."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    started = datetime.now(timezone.utc)
+    folder = Path(out or repo / "out" / bench / started.strftime("%Y%m%dT%H%M%SZ"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return started, folder
+
+
+def aligned(rows: list[list[str]]) -> str:
+    """Rows of cells as right-aligned columns."""
+    if not rows:
+        return ""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)

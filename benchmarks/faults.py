@@ -27,12 +27,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
@@ -40,7 +39,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.fault_load import (  # noqa: E402
-    Load, prompts, reference_answers, tally, wait_healthy, wait_idle,
+    Load, aligned, begin_run, prompts, reference_answers, tally, wait_healthy, wait_idle,
+    wrong,
 )
 from benchmarks.live_replay import to_toml  # noqa: E402
 from launch.cluster import LocalCluster  # noqa: E402
@@ -86,6 +86,7 @@ class FaultResult:
     recovery_s: Optional[float]
     exited: list[str] = field(default_factory=list)  # others the supervisor restarted
     errors: list[str] = field(default_factory=list)  # the commonest failure details
+    wrong_examples: list[str] = field(default_factory=list)  # got vs expected, the first 2
 
 
 def write_config(workdir: Path, http: int, prefill: int = 1, decode: int = 1,
@@ -141,7 +142,9 @@ async def run_fault(cluster: LocalCluster, fault: str, questions: list[str],
         unclear=counts["unclear"], lost=counts["lost"], wrong=counts["wrong"],
         leaked=leaked, missing=max(0, workers - len(instances)),
         recovery_s=None if first is None else round(first.done - t_kill, 2),
-        exited=sorted(exited), errors=[f"{n}x {d}" for d, n in errors.most_common(3)])
+        exited=sorted(exited), errors=[f"{n}x {d}" for d, n in errors.most_common(3)],
+        wrong_examples=[f"prompt {o.prompt} ({o.kind}): {o.text!r} != {reference[o.prompt]!r}"
+                        for o in outcomes if wrong(o, reference[o.prompt])][:2])
 
 
 def run(workdir: Path, http_port: int, faults: list[str], timing: Timing,
@@ -191,9 +194,7 @@ def row_text(r: FaultResult) -> str:
 
 
 def table(results: list[FaultResult]) -> str:
-    body = [COLUMNS] + [cells(r) for r in results]
-    widths = [max(len(row[i]) for row in body) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in body)
+    return aligned([COLUMNS] + [cells(r) for r in results])
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -221,15 +222,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the cluster on the way out
-    started = datetime.now(timezone.utc)
-    out = Path(args.out or REPO / "out" / "faults" / started.strftime("%Y%m%dT%H%M%SZ"))
+    started, out = begin_run("faults", args.out, REPO)
     timing = Timing(warm=args.warm, phase=args.phase, deadline=args.deadline)
     results = run(out, args.http_port, args.fault_list, timing, args.concurrency,
                   args.max_tokens, args.prompts, args.prefill, args.decode, args.scheduler)
     print(table(results))
     for r in results:
-        for err in r.errors:
+        for err in r.errors + r.wrong_examples:
             print(f"  {r.fault}: {err}")
     print(json.dumps({"bench": "faults", "started": started.isoformat(timespec="seconds"),
                       "timing": asdict(timing), "concurrency": args.concurrency,

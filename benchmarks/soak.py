@@ -24,20 +24,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import statistics
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.fault_load import Load, prompts, tally, wait_idle  # noqa: E402
+from benchmarks.fault_load import (  # noqa: E402
+    Load, aligned, begin_run, prompts, tally, wait_idle,
+)
 from benchmarks.live_replay import cluster_config_data, to_toml  # noqa: E402
 from launch.cluster import LocalCluster  # noqa: E402
 
@@ -184,10 +185,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the cluster on the way out
-    started = datetime.now(timezone.utc)
-    out = Path(args.out or REPO / "out" / "soak" / started.strftime("%Y%m%dT%H%M%SZ"))
-    out.mkdir(parents=True, exist_ok=True)
+    started, out = begin_run("soak", args.out, REPO)
     cfg = out / "cluster.toml"
     cfg.write_text(to_toml(cluster_config_data("disagg-store", args.http_port)))
     cluster = LocalCluster(str(cfg), out / "logs")
@@ -211,10 +209,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    rss_flat=all(m.flat for m in mem))
     print(" ".join(f"{k}={v}" for k, v in summary.items()))
     rows = [list(asdict(mem[0]))] if mem else []
-    rows += [[str(v) for v in asdict(m).values()] for m in mem]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))] if rows else []
-    for r in rows:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    print(aligned(rows + [[str(v) for v in asdict(m).values()] for m in mem]))
     (out / "rss_samples.json").write_text(json.dumps([asdict(s) for s in sampler.samples]))
     print(json.dumps({"bench": "soak", "started": started.isoformat(timespec="seconds"),
                       "requests": args.requests, "concurrency": args.concurrency,
