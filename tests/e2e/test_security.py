@@ -54,6 +54,19 @@ def test_keyed_clients_are_served_and_others_refused(closed: LocalCluster) -> No
     with pytest.raises(openai.AuthenticationError):
         stranger.chat.completions.create(**BODY)
     assert httpx.get(closed.url + "/debug/pools", timeout=5).status_code == 401
+    # the store master's KV events reach the conductor's global index (PUB/SUB and the
+    # snapshot DEALER are CURVE sockets too)
+    metrics = f"http://127.0.0.1:{ClusterConfig(base_port=BASE).port('conductor_http')}/metrics"
+    deadline = time.monotonic() + 10
+    while global_index_keys(httpx.get(metrics, timeout=5).text) == 0:
+        assert time.monotonic() < deadline, "no store event reached the conductor"
+        time.sleep(0.2)
+
+
+def global_index_keys(metrics: str) -> float:
+    line = next(x for x in metrics.splitlines()
+                if x.startswith("crescent_conductor_global_index_keys "))
+    return float(line.split()[1])
 
 
 def test_a_worker_without_the_cluster_key_cannot_register(closed: LocalCluster) -> None:
