@@ -113,14 +113,20 @@ def load_keys(directory: str) -> CurveKeys:
 
 
 class _Throttle:
-    """At most one log line per ``period_s`` per key; the count of those held back."""
+    """At most one log line per ``period_s`` per key; the count of those held back. Keys
+    (peer addresses) are bounded: past ``max_keys`` the quiet ones are forgotten."""
 
-    def __init__(self, period_s: float = 1.0) -> None:
+    def __init__(self, period_s: float = 1.0, max_keys: int = 1024) -> None:
         self.period_s = period_s
+        self.max_keys = max_keys
         self._last: dict[str, tuple[float, int]] = {}
 
     def warn(self, key: str, fmt: str, *args: Any) -> None:
         now = time.monotonic()
+        if key not in self._last and len(self._last) >= self.max_keys:
+            self._last = {k: v for k, v in self._last.items() if now - v[0] < self.period_s}
+            if len(self._last) >= self.max_keys:
+                return  # a flood from more peers than that in one period: counted by none
         last, held = self._last.get(key, (-1e9, 0))
         if now - last < self.period_s:
             self._last[key] = (last, held + 1)

@@ -200,3 +200,15 @@ def test_a_missing_key_stops_a_service_as_a_bad_config(tmp_path: Path) -> None:
     assert out.returncode == 2
     assert "bad config: security.curve_key_dir: no " in out.stderr
     assert "crescent keygen" in out.stderr
+
+
+def test_refusal_log_is_throttled_and_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    throttle = security._Throttle(period_s=60.0, max_keys=3)
+    with caplog.at_level(logging.WARNING, logger="common.security"):
+        for _ in range(5):
+            throttle.warn("peer-a", "refused %s", "a")
+        for peer in ("b", "c", "d", "e"):
+            throttle.warn(f"peer-{peer}", "refused %s", peer)
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused a", "refused b", "refused c"]  # d, e: over max_keys within one period
+    assert len(throttle._last) == 3 and throttle._last["peer-a"][1] == 4  # 4 held back
