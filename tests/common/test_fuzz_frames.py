@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 PORT = 20780  # this file's ports: 20780-20782 in-process, 20740-20745 conductor,
 CONDUCTOR_BASE = 20740  # 20760-20765 store master
 STORE_BASE = 20760
-SETTINGS = settings(max_examples=80, deadline=None, derandomize=True, database=None,
+SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow, HealthCheck.filter_too_much])
 

@@ -21,7 +21,7 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens",
           "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options",
           "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
           "user", "echo", "best_of", "suffix", "response_format", "tools"]
-SETTINGS = settings(max_examples=120, deadline=None, derandomize=True, database=None,
+SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])
 
