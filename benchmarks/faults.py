@@ -11,7 +11,8 @@ waits for every request to end and checks the pools.
 Per fault: completed, failed (with a clear error), unclear (an error without a message or
 a stream cut without one), lost (no answer and no error within the request deadline),
 wrong (answers that differ from the reference), leaked (KV blocks still referenced once
-idle, from ``/debug/pools``), missing (workers not registered again), recovery (kill →
+idle, from ``/debug/pools``), missing (workers not registered again), orphans (shared
+memory segment files of this cluster's dead processes still on disk), recovery (kill →
 first success of a request sent after it), and which other processes the supervisor had
 to restart meanwhile (a cascade).
 The first row, ``none``, is the same load with nothing killed: the control.
@@ -27,6 +28,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import re
 import sys
 import time
 from collections import Counter
@@ -43,6 +46,7 @@ from benchmarks.fault_load import (  # noqa: E402
     wrong,
 )
 from benchmarks.live_replay import to_toml  # noqa: E402
+from common.store.shm import pid_alive  # noqa: E402
 from launch.cluster import LocalCluster  # noqa: E402
 
 FAULTS = ["none", "decode", "prefill", "store_node", "store_master", "conductor"]
@@ -83,6 +87,7 @@ class FaultResult:
     wrong: int
     leaked: int
     missing: int
+    orphans: int
     recovery_s: Optional[float]
     exited: list[str] = field(default_factory=list)  # others the supervisor restarted
     errors: list[str] = field(default_factory=list)  # the commonest failure details
@@ -107,6 +112,31 @@ def target(cluster: LocalCluster, fault: str) -> Optional[tuple[str, int]]:
     return fault, 0
 
 
+KV_SHM_DIR = "/dev/shm"  # workers' KV segments (common/kv/shm_kv.py SHM_DIR)
+_OWNER = re.compile(r"^crescent-.+-(\d+)$")  # common/store/shm.py names: ...-<pid>
+
+
+def orphan_segments(cluster: LocalCluster, pids: set[int]) -> list[str]:
+    """Segment files (store nodes', workers' KV) whose owner is a dead process of this
+    cluster: what a killed process left and nobody cleaned."""
+    dirs = {KV_SHM_DIR, cluster.config.store.shm_dir or KV_SHM_DIR}
+    found = []
+    for d in sorted(dirs):
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for name in names:
+            m = _OWNER.match(name)
+            if m and int(m.group(1)) in pids and not pid_alive(int(m.group(1))):
+                found.append(os.path.join(d, name))
+    return found
+
+
+def child_pids(cluster: LocalCluster) -> set[int]:
+    return {c.proc.pid for c in list(cluster.children)}
+
+
 async def run_fault(cluster: LocalCluster, fault: str, questions: list[str],
                     reference: list[str], timing: Timing, concurrency: int,
                     max_tokens: int) -> FaultResult:
@@ -118,6 +148,7 @@ async def run_fault(cluster: LocalCluster, fault: str, questions: list[str],
     runner = asyncio.create_task(load.run(stop))
     await asyncio.sleep(timing.warm)
     before = dict(cluster.restarts)
+    pids = child_pids(cluster)
     t_kill = time.monotonic()
     if kill is not None:
         await asyncio.to_thread(cluster.kill, *kill)
@@ -133,6 +164,7 @@ async def run_fault(cluster: LocalCluster, fault: str, questions: list[str],
     await wait_healthy(cluster.url, timing.recover)
     workers = sum(role in ("prefill", "decode", "colocated") for role, _ in cluster.plan())
     leaked, instances = await wait_idle(cluster.url, workers, timing.idle)
+    orphans = orphan_segments(cluster, pids | child_pids(cluster))
     counts = tally(outcomes, reference)
     errors = Counter(o.detail[:100] for o in outcomes if o.kind != "ok")
     exited = [f"{role}-{i}" for (role, i), n in cluster.restarts.items()
@@ -140,7 +172,7 @@ async def run_fault(cluster: LocalCluster, fault: str, questions: list[str],
     return FaultResult(
         fault=fault, completed=counts["ok"], failed=counts["failed"],
         unclear=counts["unclear"], lost=counts["lost"], wrong=counts["wrong"],
-        leaked=leaked, missing=max(0, workers - len(instances)),
+        leaked=leaked, missing=max(0, workers - len(instances)), orphans=len(orphans),
         recovery_s=None if first is None else round(first.done - t_kill, 2),
         exited=sorted(exited), errors=[f"{n}x {d}" for d, n in errors.most_common(3)],
         wrong_examples=[f"prompt {o.prompt} ({o.kind}): {o.text!r} != {reference[o.prompt]!r}"
@@ -149,7 +181,7 @@ async def run_fault(cluster: LocalCluster, fault: str, questions: list[str],
 
 def run(workdir: Path, http_port: int, faults: list[str], timing: Timing,
         concurrency: int = 4, max_tokens: int = 16, n_prompts: int = 16, prefill: int = 1,
-        decode: int = 1, scheduler: str = "kvcache_centric") -> list[FaultResult]:
+        decode: int = 1, scheduler: str = "kvcache_centric") -> "Run":
     """Start a cluster, take the reference, inject ``faults`` in order, stop the cluster."""
     for fault in faults:
         if fault not in FAULTS:
@@ -159,6 +191,7 @@ def run(workdir: Path, http_port: int, faults: list[str], timing: Timing,
     cluster = LocalCluster(str(cfg), workdir / "logs")
     questions = prompts(n_prompts)
     results: list[FaultResult] = []
+    pids: set[int] = set()
     try:
         cluster.start(timeout_s=180)
         cluster.supervise_in_background()
@@ -167,18 +200,26 @@ def run(workdir: Path, http_port: int, faults: list[str], timing: Timing,
             asyncio.run(wait_healthy(cluster.url, timing.recover))
             if cluster.failure is not None:  # the supervisor gave up (a crash loop)
                 raise cluster.failure
+            pids |= child_pids(cluster)
             results.append(asyncio.run(run_fault(cluster, fault, questions, reference,
                                                  timing, concurrency, max_tokens)))
             print(f"[{datetime.now().strftime('%H:%M:%S')}] {row_text(results[-1])}",
                   file=sys.stderr, flush=True)
+        pids |= child_pids(cluster)
     finally:
         cluster.stop()
-    return results
+    return Run(results, orphan_segments(cluster, pids))
+
+
+@dataclass
+class Run:
+    results: list[FaultResult]
+    left_after_stop: list[str]  # segment files of this cluster still there once it stopped
 
 
 # --------------------------------------------------------------------------- output
 COLUMNS = ["fault", "completed", "failed", "unclear", "lost", "wrong", "leaked", "missing",
-           "recovery s", "exited"]
+           "orphans", "recovery s", "exited"]
 
 
 def cells(r: FaultResult) -> list[str]:
@@ -186,7 +227,8 @@ def cells(r: FaultResult) -> list[str]:
     if r.recovery_s is None and r.fault != "none":
         rec = "never"
     return [r.fault, str(r.completed), str(r.failed), str(r.unclear), str(r.lost),
-            str(r.wrong), str(r.leaked), str(r.missing), rec, ",".join(r.exited) or "-"]
+            str(r.wrong), str(r.leaked), str(r.missing), str(r.orphans), rec,
+            ",".join(r.exited) or "-"]
 
 
 def row_text(r: FaultResult) -> str:
@@ -224,18 +266,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     started, out = begin_run("faults", args.out, REPO)
     timing = Timing(warm=args.warm, phase=args.phase, deadline=args.deadline)
-    results = run(out, args.http_port, args.fault_list, timing, args.concurrency,
-                  args.max_tokens, args.prompts, args.prefill, args.decode, args.scheduler)
+    done = run(out, args.http_port, args.fault_list, timing, args.concurrency,
+               args.max_tokens, args.prompts, args.prefill, args.decode, args.scheduler)
+    results = done.results
     print(table(results))
     for r in results:
         for err in r.errors + r.wrong_examples:
             print(f"  {r.fault}: {err}")
+    print(f"segment files left after the cluster stopped: {len(done.left_after_stop)}")
     print(json.dumps({"bench": "faults", "started": started.isoformat(timespec="seconds"),
                       "timing": asdict(timing), "concurrency": args.concurrency,
                       "max_tokens": args.max_tokens, "prefill": args.prefill,
                       "decode": args.decode, "scheduler": args.scheduler, "logs": str(out),
-                      "results": [asdict(r) for r in results]}))
-    bad = any(r.lost or r.wrong or r.leaked or r.unclear or r.missing for r in results)
+                      "results": [asdict(r) for r in results],
+                      "left_after_stop": done.left_after_stop}))
+    bad = done.left_after_stop or any(r.lost or r.wrong or r.leaked or r.unclear
+                                      or r.missing or r.orphans for r in results)
     return 1 if bad else 0
 
 

@@ -11,19 +11,24 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.faults import FAULTS, FaultResult, Timing, run, table
+from benchmarks.faults import FAULTS, FaultResult, Run, Timing, run, table
 
 pytestmark = pytest.mark.e2e
 HTTP_PORT = 20600  # this file's ports: 20600-20629
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FaultResult]:
+def measured(tmp_path_factory: pytest.TempPathFactory) -> Run:
     workdir: Path = tmp_path_factory.mktemp("faults")
-    rows = run(workdir, HTTP_PORT, FAULTS, Timing(warm=1.5, phase=2.0), concurrency=3,
+    done = run(workdir, HTTP_PORT, FAULTS, Timing(warm=1.5, phase=2.0), concurrency=3,
                max_tokens=12, n_prompts=12, prefill=2)
-    print("\n" + table(rows))
-    return {r.fault: r for r in rows}
+    print("\n" + table(done.results))
+    return done
+
+
+@pytest.fixture(scope="module")
+def results(measured: Run) -> dict[str, FaultResult]:
+    return {r.fault: r for r in measured.results}
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -35,7 +40,12 @@ def test_fault_loses_nothing_and_corrupts_nothing(results: dict[str, FaultResult
     assert r.leaked == 0, r
     assert r.unclear == 0, r  # every failure told the client why
     assert r.missing == 0, r  # every worker registered again
+    assert r.orphans == 0, r  # the killed process's shared memory file was cleaned
     assert r.recovery_s is not None, r  # a request sent after the kill succeeded
     assert r.completed > 0, r
     if fault in ("none", "prefill"):
         assert r.failed == 0, r
+
+
+def test_no_segment_file_left_once_the_cluster_stopped(measured: Run) -> None:
+    assert measured.left_after_stop == []
