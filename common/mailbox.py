@@ -97,7 +97,11 @@ class RouterInbox:
         """(sender, next valid message); malformed frames are logged and dropped."""
         while True:
             frames = await self.sock.recv_multipart()
-            msg = try_decode(frames[-1], self.name) if len(frames) == 2 else None
+            if len(frames) != 2:  # a DEALER sends one frame; the ROUTER prefixes its id
+                log.warning("%s: dropped a message of %d frames from %r (expected 1)",
+                            self.name, len(frames) - 1, frames[0])
+                continue
+            msg = try_decode(frames[1], self.name)
             if msg is not None:
                 return frames[0], msg
 

@@ -228,6 +228,7 @@ class ReserveBlocks:
     writer: Optional[str] = None  # the prefill instance that will write the KV
     writer_epoch: int = 0  # and its incarnation (WorkerGone names dead ones)
     attempt: int = 0  # 1 for a request re-run after its prefill worker was lost
+    writer_inbox: Optional[str] = None  # where to ask it about the fence (FenceQuery)
 
 
 @message
@@ -249,6 +250,19 @@ class KVFailed:
     request_id: str
     reason: str
     fence: Fence = Fence()
+
+
+@message
+class FenceQuery:
+    """Decode → prefill: may a write under ``fence`` still land? Asked, every second, for
+    a quarantined reservation. A task computing under it answers when its writes settle
+    (KVReady/KVFailed); otherwise no write can come any more (the task never arrived, was
+    dropped, or was answered long ago): the prefill worker says so with KVFailed and
+    refuses any later task under that fence."""
+
+    request_id: str
+    fence: Fence
+    decode_inbox: str
 
 
 @message
@@ -318,7 +332,10 @@ class InstanceStatus:
 
 @message
 class ClusterStatus:
-    """Conductor → router, every heartbeat interval: readiness and per-instance load."""
+    """Conductor → router, every heartbeat interval: readiness and per-instance load.
+    ``conductor_epoch`` names the conductor's incarnation: a new one knows nothing of the
+    requests its predecessor accepted (the router stops waiting for those)."""
 
     ready: bool
     instances: list[InstanceStatus]
+    conductor_epoch: int = 0

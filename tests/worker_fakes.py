@@ -195,6 +195,7 @@ class FakeRuntime:
     trace: list = field(default_factory=list)
     instance_id: str = "worker-0"
     conductor: str = CONDUCTOR
+    inbox_address: str = "tcp://127.0.0.1:1"
     epoch: int = EPOCH
     handlers: dict = field(default_factory=dict)  # WorkerRuntime's own (ReRegister)
 
@@ -256,11 +257,11 @@ def fence_for(rid: str) -> Fence:
 
 def reserve(rid: str, prompt_tokens: int, deadline_s: float = 30.0, epoch: int = EPOCH,
             writer: Optional[str] = "prefill-0", writer_epoch: int = 1,
-            **sampling_kw: Any) -> ReserveBlocks:
+            writer_inbox: Optional[str] = None, **sampling_kw: Any) -> ReserveBlocks:
     return ReserveBlocks(request_id=rid, prompt_tokens=prompt_tokens,
                          sampling=sampling(**sampling_kw), router_inbox=ROUTER_INBOX,
                          deadline=time.time() + deadline_s, epoch=epoch, writer=writer,
-                         writer_epoch=writer_epoch)
+                         writer_epoch=writer_epoch, writer_inbox=writer_inbox)
 
 
 def fence_of(rt: FakeRuntime, rid: str) -> Fence:

@@ -39,6 +39,7 @@ class Conductor:
         self.config = config
         self.mail = mailbox
         self.clock = clock  # wall clock of placement, accept, decode start and finish
+        self.epoch = time.time_ns()  # this incarnation (ClusterStatus tells the router)
         self.registry = Registry(config.heartbeat_timeout_s)
         self.tracker = Tracker()
         self.placer = Placer(config)
@@ -152,7 +153,8 @@ class Conductor:
             request_id=req.request_id, prompt_tokens=len(req.token_ids),
             sampling=req.sampling, router_inbox=self.router_inbox,
             deadline=time.time() + self.config.kv_wait_timeout_s, epoch=decode.info.epoch,
-            writer=prefill.instance_id, writer_epoch=prefill.info.epoch, attempt=attempt))
+            writer=prefill.instance_id, writer_epoch=prefill.info.epoch, attempt=attempt,
+            writer_inbox=prefill.info.inbox))
 
     def on_reserved(self, msg: BlocksReserved) -> None:
         t = self.tracker.get(msg.request_id)
@@ -317,7 +319,8 @@ class Conductor:
             self.mail.send(w.info.inbox, KVResync(w.instance_id))
             self.metrics.kv_resyncs.inc()
         self.metrics.global_index_keys.set(len(self.placer.global_index))
-        self.mail.send(self.router_inbox, ClusterStatus(self.ready(), self.registry.status()))
+        self.mail.send(self.router_inbox, ClusterStatus(self.ready(), self.registry.status(),
+                                                        self.epoch))
         self.metrics.update_gauges(self.registry, self.tracker)
 
 

@@ -24,7 +24,9 @@ class Reservation:
     fence: Fence  # its epoch and generation: only KV under this fence is admitted
     writer: Optional[str] = None  # the prefill instance writing into the blocks
     writer_epoch: int = 0
+    writer_inbox: Optional[str] = None  # where its writer is asked about the fence
     release_at: Optional[float] = None  # quarantined: the last-resort free (time.time)
+    next_query: float = 0.0  # quarantined: when to ask the writer again (time.time)
 
 
 @dataclass

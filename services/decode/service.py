@@ -19,8 +19,8 @@ from common.engine.sampling import sample
 from common.idle_check import IdleCheck
 from common.security import clamp_deadline
 from common.protocol import (
-    AbortRequest, BlocksReserved, Fence, KVFailed, KVReady, RequestFailed, RequestFinished,
-    ReserveBlocks, ReserveFailed, TokenDelta, WorkerGone, WorkerLoad,
+    AbortRequest, BlocksReserved, Fence, FenceQuery, KVFailed, KVReady, RequestFailed,
+    RequestFinished, ReserveBlocks, ReserveFailed, TokenDelta, WorkerGone, WorkerLoad,
 )
 from common.worker import WorkerRuntime, make_generator
 from services.decode.detok import IncrementalText
@@ -35,6 +35,7 @@ log = logging.getLogger("decode")
 # write still lands; a prefill never starts a write after its task's deadline
 # (kv_wait_timeout_s) and every write has its own, so 10 minutes is far past both.
 QUARANTINE_S = 600.0
+FENCE_QUERY_EVERY_S = 1.0  # a quarantined reservation's writer is asked this often
 
 
 class DecodeWorker:
@@ -79,7 +80,8 @@ class DecodeWorker:
         self.reserved[msg.request_id] = Reservation(
             msg.request_id, blocks, msg.prompt_tokens, msg.sampling, msg.router_inbox,
             deadline=clamp_deadline(msg.deadline, self.rt.config.kv_wait_timeout_s),
-            fence=fence, writer=msg.writer, writer_epoch=msg.writer_epoch)
+            fence=fence, writer=msg.writer, writer_epoch=msg.writer_epoch,
+            writer_inbox=msg.writer_inbox)
         self.rt.mail.send(self.rt.conductor, BlocksReserved(msg.request_id, self.rt.instance_id,
                                                             blocks, fence, msg.attempt))
 
@@ -149,9 +151,15 @@ class DecodeWorker:
             self._release(q, "abort")
 
     def sweep(self) -> None:
-        """Fail reservations whose KV never came (their blocks go to quarantine), and
-        free quarantined ones at their last-resort time."""
+        """Fail reservations whose KV never came (their blocks go to quarantine), ask the
+        writers of quarantined ones whether a write may still land (FenceQuery, every
+        second until answered), and free them at their last-resort time."""
         now = time.time()
+        for q in self.quarantine.values():
+            if q.writer_inbox is not None and now >= q.next_query:
+                q.next_query = now + FENCE_QUERY_EVERY_S
+                self.rt.mail.send(q.writer_inbox, FenceQuery(q.request_id, q.fence,
+                                                             self.rt.inbox_address))
         for r in [r for r in self.reserved.values() if now > r.deadline]:
             del self.reserved[r.request_id]
             self._quarantine(r)

@@ -30,7 +30,7 @@ from common.idle_check import IdleCheck
 from common.kv.shm_kv import host_id
 from common.mailbox import serve_inbox
 from common.protocol import (
-    AbortRequest, Fence, KVFailed, KVReady, PrefillDone, PrefillTask, RequestFailed,
+    AbortRequest, Fence, FenceQuery, KVFailed, KVReady, PrefillDone, PrefillTask, RequestFailed,
     WorkerLoad,
 )
 from common.security import clamp_deadline
@@ -91,10 +91,12 @@ class PrefillWorker:
         self.lanes = Lanes()  # one write thread per decode peer (lanes.py)
         self.kv_paths = KVPaths(rt.config.kv_path, self.engine.kv, host_id())
         self._finishing: set[asyncio.Task] = set()
+        self.settling: set[Fence] = set()  # fences whose writes are still settling
         self.handlers: dict[type, Callable[[Any], None]] = {
             **rt.handlers,  # ReRegister
             PrefillTask: self.on_task,
             AbortRequest: self.on_abort,
+            FenceQuery: self.on_fence_query,
         }
 
     # ------------------------------------------------------------ inbox
@@ -106,13 +108,28 @@ class PrefillWorker:
         if len(self.waiting) >= self.max_waiting:
             return self.fail(task, 503, "prefill_queue_full",
                              f"{self.max_waiting} prompts are queued on {self.rt.instance_id}")
-        self.served[task.fence] = None  # a replay of it must never write again
-        while len(self.served) > SERVED_MEMORY:
-            self.served.popitem(last=False)
+        self._remember(task.fence)  # a replay of it must never write again
         # a sender-chosen deadline reaches no further than this worker's own limit
         self.waiting.append(replace(task, deadline=clamp_deadline(
             task.deadline, self.rt.config.kv_wait_timeout_s)))
         self.wake.set()
+
+    def _remember(self, fence: Fence) -> None:
+        self.served[fence] = None
+        while len(self.served) > SERVED_MEMORY:
+            self.served.popitem(last=False)
+
+    def on_fence_query(self, q: FenceQuery) -> None:
+        """May a write under ``q.fence`` still land? A task admitting, computing or
+        settling under it answers when its writes settle. Otherwise none can: a task queued
+        under it is dropped, and the fence is remembered so a late task under it is too."""
+        if q.fence in self.settling or any(j.task.fence == q.fence for j in self.jobs) or (
+                self.admitting is not None and self.admitting.fence == q.fence):
+            return
+        for task in [t for t in self.waiting if t.fence == q.fence]:
+            self.waiting.remove(task)
+        self._remember(q.fence)
+        self.rt.mail.send(q.decode_inbox, KVFailed(q.request_id, "released", q.fence))
 
     def _known(self, request_id: str) -> bool:
         return any(t.request_id == request_id for t in self.waiting) or any(
@@ -233,12 +250,15 @@ class PrefillWorker:
             job.compute_s += step_s * n / total
             if row is not None and not job.aborted:
                 self.jobs.remove(job)
-                self._spawn(self.finish(job, row))
+                self._spawn(job, self.finish(job, row))
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, job: Job, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` (finish or give up) for a job whose writes are still settling."""
         task = asyncio.create_task(coro)
         self._finishing.add(task)
+        self.settling.add(job.task.fence)
         task.add_done_callback(self._finishing.discard)
+        task.add_done_callback(lambda _: self.settling.discard(job.task.fence))
 
     def _drop_failed(self) -> None:
         """Aborted prompts and prompts past their deadline leave between steps."""
@@ -247,7 +267,7 @@ class PrefillWorker:
             self.jobs.remove(job)
             failure = (PrefillFailure(499, "aborted", "aborted during prefill") if job.aborted
                        else PrefillFailure(504, "timeout", "prefill missed its deadline"))
-            self._spawn(self.give_up(job, failure))
+            self._spawn(job, self.give_up(job, failure))
 
     async def give_up(self, job: Job, failure: PrefillFailure) -> None:
         """Stop the stream and wait until none of its writes can land (they read our

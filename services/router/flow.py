@@ -47,6 +47,7 @@ class RequestRun:
         self.status = 500  # the HTTP status counted at the end
         self._pending: Optional[TokenDelta] = None
         self._last_token: Optional[float] = None
+        self._last_word = time.monotonic()  # the last event about this request
         state.metrics.in_flight.inc()
         try:
             refusal = self._refusal()
@@ -75,7 +76,22 @@ class RequestRun:
         return ApiError(503, f"the cluster is unavailable: no word from the conductor for "
                         f"{silent:.1f} s", code="cluster_unavailable", retry_after_s=1.0)
 
+    def _orphaned(self) -> Optional[ApiError]:
+        """The conductor was replaced after this request's last event, and nothing came
+        within the grace: the new one does not know it, so nothing will."""
+        restarted, grace = self.state.restarted_at, self.state.orphan_grace_s
+        if restarted is None or self._last_word > restarted or \
+                time.monotonic() - restarted < grace:
+            return None
+        return ApiError(503, f"the conductor restarted and this request made no progress for "
+                        f"{grace:g} s after it", code="conductor_restarted", retry_after_s=1.0)
+
     async def _next(self) -> RequestEvent:
+        msg = await self._wait()
+        self._last_word = time.monotonic()
+        return msg
+
+    async def _wait(self) -> RequestEvent:
         queue = self.queue
         if not queue.empty():  # the common case while streaming: no timer needed
             return queue.get_nowait()
@@ -88,7 +104,7 @@ class RequestRun:
                 async with asyncio.timeout(min(left, config.heartbeat_interval_s)):
                     return await queue.get()
             except TimeoutError:
-                lost = self._lost()
+                lost = self._lost() or self._orphaned()
                 # A decode worker streams without the conductor: only its silence counts.
                 streaming = self._last_token is not None and \
                     loop.time() - start <= config.heartbeat_timeout_s

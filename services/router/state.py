@@ -39,6 +39,7 @@ class RouterState:
     started: int = field(default_factory=lambda: int(time.time()))
     born: float = field(default_factory=time.monotonic)  # counts as a status at start
     drain: Drain = field(default_factory=current_drain)  # SIGTERM (common/drain.py)
+    restarted_at: Optional[float] = None  # monotonic time a new conductor epoch was seen
 
     # ------------------------------------------------------------ conductor side
     @property
@@ -89,8 +90,18 @@ class RouterState:
         queue.put_nowait(msg)
 
     def _on_status(self, msg: ClusterStatus) -> None:
+        if self.status is not None and msg.conductor_epoch != self.status.conductor_epoch:
+            self.restarted_at = time.monotonic()
+            log.warning("a new conductor (epoch %d): requests its predecessor accepted get "
+                        "%.0f s to show progress", msg.conductor_epoch, self.orphan_grace_s)
         self.status = msg
         self.status_time = time.monotonic()
+
+    @property
+    def orphan_grace_s(self) -> float:
+        """How long a request waits for any word after the conductor that took it was
+        replaced (work already handed to workers still completes without a conductor)."""
+        return 4 * self.config.heartbeat_timeout_s
 
     def _on_kv_transfer(self, msg: KVTransferReport) -> None:
         self.metrics.record_kv_transfer(msg.kind, msg.nbytes, msg.seconds)

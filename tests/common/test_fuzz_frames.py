@@ -234,8 +234,6 @@ def test_inbox_drops_and_logs_junk(inboxes: Inboxes, drops: DropLog, kind: str,
             sock.close(0)
 
 
-@pytest.mark.xfail(strict=False, reason="common/mailbox.py RouterInbox.next drops a "
-                   "multipart message of other than 2 frames without a log line")
 def test_router_inbox_logs_a_wrong_number_of_frames(inboxes: Inboxes, drops: DropLog) -> None:
     dealer = _socket(inboxes.ctx, zmq.DEALER, f"tcp://127.0.0.1:{PORT + 1}")
     try:

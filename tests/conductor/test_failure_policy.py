@@ -69,7 +69,8 @@ def test_a_prefill_lost_before_the_first_token_reruns_the_request_once(conductor
         ("tcp://w/decode0", AbortRequest("r", "prefill_lost", F0)),
         ("tcp://w/decode0", ReserveBlocks("r", 40, again.sampling, c.router_inbox,
                                           again.deadline, epoch=20, writer=other,
-                                          writer_epoch=EPOCHS[other], attempt=1))]
+                                          writer_epoch=EPOCHS[other], attempt=1,
+                                          writer_inbox="tcp://w/prefill1"))]
     t = c.tracker.get("r")
     assert (t.prefill_id, t.phase, t.attempt, t.fence) == (other, Phase.RESERVING, 1, None)
     assert c.metrics.reruns._value.get() == 1

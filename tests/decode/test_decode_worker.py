@@ -13,8 +13,8 @@ import pytest
 
 from common.engine.config import DecodeInput
 from common.protocol import (
-    AbortRequest, BlocksReserved, Fence, KVFailed, KVReady, RequestFailed, RequestFinished,
-    ReserveFailed, TokenDelta, WorkerGone, WorkerLoad,
+    AbortRequest, BlocksReserved, Fence, FenceQuery, KVFailed, KVReady, RequestFailed,
+    RequestFinished, ReserveFailed, TokenDelta, WorkerGone, WorkerLoad,
 )
 from services.decode.service import DecodeWorker
 from tests.worker_fakes import (
@@ -188,6 +188,28 @@ def test_a_quarantine_ends_when_its_writer_incarnation_is_gone(make: Make) -> No
     assert finished(rt) == [] and rt.engine.pool.num_used == 6
     worker.on_worker_gone(WorkerGone("prefill-0", live_epoch=2))  # restarted: 1 is dead
     assert finished(rt) == [("a", "abort")] and sorted(worker.quarantine) == [2]
+    worker.on_kv_failed(KVFailed("b", "aborted", Fence(EPOCH, 2)))
+    clean(worker)
+
+
+def test_a_quarantined_reservation_asks_its_writer_every_second(make: Make) -> None:
+    """The writer may never have received its task (e.g. the conductor that sent it
+    died): asking it ends the quarantine in about a second, not at the last resort."""
+    rt, worker = make()
+    writer = "tcp://127.0.0.1:9"
+    worker.on_reserve(reserve("a", prompt_tokens=6, writer_inbox=writer))
+    worker.on_reserve(reserve("b", prompt_tokens=6, writer_inbox=writer))
+    worker.on_abort(AbortRequest("a"))
+    worker.sweep()
+    worker.sweep()  # asked once a second, not once a sweep
+    query = FenceQuery("a", F1, rt.inbox_address)
+    assert [(to, m) for to, m in rt.mail.sent if isinstance(m, FenceQuery)] == [(writer, query)]
+    worker.quarantine[F1.generation].next_query = 0.0
+    worker.sweep()
+    assert rt.mail.of(FenceQuery) == [query, query]  # no answer yet: asked again
+    worker.on_kv_failed(KVFailed("a", "released", F1))  # the writer's word
+    assert finished(rt) == [("a", "abort")] and not worker.quarantine
+    worker.on_abort(AbortRequest("b"))
     worker.on_kv_failed(KVFailed("b", "aborted", Fence(EPOCH, 2)))
     clean(worker)
 

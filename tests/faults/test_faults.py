@@ -31,16 +31,7 @@ def results(measured: Run) -> dict[str, FaultResult]:
     return {r.fault: r for r in measured.results}
 
 
-# Known and open (issue 11): a conductor restarted faster than the router's
-# heartbeat_timeout_s orphans the requests the old incarnation held. The router never
-# sees it lost (ClusterStatus carries no incarnation) and waits out request_timeout_s; a
-# decode reservation made for one of them times out into a 600 s quarantine (its writer,
-# alive, never got the PrefillTask), so its blocks stay used. A race: some runs hit it.
-CONDUCTOR_ORPHANS = pytest.mark.xfail(strict=False, reason=(
-    "conductor restart orphans in-flight requests: lost until the router's timeout, their "
-    "decode blocks quarantined 600 s (services/router/state.py conductor_lost, "
-    "services/decode/service.py sweep/_quarantine)"))
-CASES = [pytest.param(f, marks=CONDUCTOR_ORPHANS) if f == "conductor" else f for f in FAULTS]
+CASES = FAULTS
 
 
 @pytest.mark.parametrize("fault", CASES)

@@ -12,7 +12,7 @@ from typing import Callable
 
 import pytest
 
-from common.protocol import AbortRequest, Fence, KVFailed, KVReady, RequestFailed
+from common.protocol import AbortRequest, Fence, FenceQuery, KVFailed, KVReady, RequestFailed
 from services.prefill.lanes import Lanes
 from tests.prefill.conftest import Make, clean
 from tests.worker_fakes import (
@@ -155,3 +155,37 @@ def test_lanes_are_one_thread_per_peer_and_bounded() -> None:
     lanes.close()
     with pytest.raises(ValueError):
         Lanes(limit=0)
+
+
+def test_a_fence_query_is_answered_only_when_no_write_can_land(make: Make) -> None:
+    """Never received → released at once, and the task arriving later is dropped; queued →
+    dropped and released; writing → no answer until its writes settle (then KVFailed)."""
+    rt, worker = make()
+    worker.on_fence_query(FenceQuery("x", fence_for("x"), DECODE_INBOX))
+    assert rt.mail.sent == [(DECODE_INBOX, KVFailed("x", "released", fence_for("x")))]
+    worker.on_task(prefill_task("x", list(range(1, 11))))  # late: must never write
+    assert not worker.waiting and worker.dropped == {"duplicate": 1}
+    worker.on_task(prefill_task("q", list(range(1, 11))))
+    worker.on_fence_query(FenceQuery("q", fence_for("q"), DECODE_INBOX))
+    assert not worker.waiting and rt.mail.of(KVFailed)[-1] == KVFailed(
+        "q", "released", fence_for("q"))
+    rt.mail.sent.clear()
+    rt.transfer.stall["fake-decode-0:1"] = gate = threading.Event()
+    worker.on_task(prefill_task("a", list(range(1, 11)), deadline_s=0.2))
+
+    async def go() -> None:
+        serve = asyncio.ensure_future(worker.serve())
+        await until(rt.transfer.started.is_set)
+        worker.on_fence_query(FenceQuery("a", fence_for("a"), DECODE_INBOX))  # computing
+        await asyncio.sleep(1.5)  # past the stream's deadline: settling
+        assert fence_for("a") in worker.settling
+        worker.on_fence_query(FenceQuery("a", fence_for("a"), DECODE_INBOX))
+        assert rt.mail.sent == []  # a write still runs: nothing may be said
+        gate.set()
+        await until(lambda: bool(rt.mail.sent) and worker.idle())
+        serve.cancel()
+
+    asyncio.run(go())
+    assert rt.mail.of(KVFailed) == [KVFailed("a", "kv_transfer_failed", fence_for("a"))]
+    assert not worker.settling
+    clean(worker)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from common.config import ClusterConfig
+from common.protocol import ClusterStatus
 from tests.router.conftest import (CONDUCTOR_TIMEOUT_S, HEARTBEAT_S, REPO,
                                    REQUEST_TIMEOUT_S, _wait_listening)
 from tests.router.fake_cluster import READY, FakeCluster, accepted, deltas
@@ -130,3 +131,29 @@ def test_sigterm_finishes_the_stream_in_flight_and_refuses_new_work(tmp_path: Pa
             proc.kill()
             proc.wait(5)
         fake.stop()
+
+
+
+def test_a_request_orphaned_by_a_conductor_restart_fails_after_the_grace() -> None:
+    """Accepted by a conductor that is then replaced faster than the router calls it lost:
+    the new one never heard of the request. Once the grace after the new epoch passes
+    without any word about it, it fails with a 503; one with news since does not."""
+    from services.router.flow import RequestRun
+    from services.router.state import RouterState
+
+    config = ClusterConfig(heartbeat_timeout_s=0.5)
+    state = RouterState(config, mailbox=None, tokenizer=None, block_keys=None)  # type: ignore
+    state._on_status(ClusterStatus(True, [], conductor_epoch=1))
+    run = object.__new__(RequestRun)  # the wait logic only; nothing is submitted
+    run.state, run._last_word = state, time.monotonic()
+    assert run._orphaned() is None and state.restarted_at is None
+    time.sleep(0.01)
+    state._on_status(ClusterStatus(True, [], conductor_epoch=2))
+    assert state.restarted_at is not None and state.orphan_grace_s == 2.0
+    assert run._orphaned() is None  # within the grace
+    state.restarted_at -= 2.0  # as if the grace had passed ...
+    run._last_word -= 2.0  # ... with no word since before the restart
+    err = run._orphaned()
+    assert err is not None and (err.status, err.code) == (503, "conductor_restarted")
+    run._last_word = time.monotonic()  # e.g. the new conductor accepted it after all
+    assert run._orphaned() is None
