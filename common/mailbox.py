@@ -30,6 +30,19 @@ log = logging.getLogger(__name__)
 OUTBOX_HWM = 10_000
 
 
+def send_nowait(sock: zmq.asyncio.Socket, frames: list[bytes]) -> Optional[BaseException]:
+    """Queue ``frames`` without blocking; the error if they could not be (a full queue, a
+    gone peer). An asyncio socket answers a full queue with a future failed at once, not a
+    raise: both are caught here, so no drop is silent."""
+    try:
+        sent = sock.send_multipart(frames, flags=zmq.NOBLOCK)
+    except zmq.ZMQError as exc:
+        return exc
+    if sent is not None and sent.done() and not sent.cancelled():
+        return sent.exception()
+    return None
+
+
 class Mailbox:
     def __init__(self, inbox: Optional[str], name: str) -> None:
         self.name = name
@@ -48,12 +61,7 @@ class Mailbox:
     def send(self, address: str, msg: Any) -> bool:
         """Queue ``msg`` for ``address`` without blocking; False if it cannot be queued
         (the outbox is full: the message is dropped, logged and counted)."""
-        try:
-            sent = self._socket(address).send(encode(msg), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            return self._dropped(address, msg)
-        # An asyncio socket answers with a future, failed at once when the queue is full.
-        if sent is not None and sent.done() and isinstance(sent.exception(), zmq.Again):
+        if send_nowait(self._socket(address), [encode(msg)]) is not None:
             return self._dropped(address, msg)
         return True
 
@@ -91,7 +99,8 @@ class RouterInbox:
 
     def __init__(self, address: str, name: str) -> None:
         self.name = name
-        self.sock = make_socket(zmq.asyncio.Context.instance(), zmq.ROUTER, address, bind=True)
+        self.sock = make_socket(zmq.asyncio.Context.instance(), zmq.ROUTER, address, bind=True,
+                                hwm=OUTBOX_HWM)
 
     async def next(self) -> tuple[bytes, Any]:
         """(sender, next valid message); malformed frames are logged and dropped."""
@@ -107,9 +116,8 @@ class RouterInbox:
 
     def reply(self, sender: bytes, msg: Any) -> None:
         """Send ``msg`` to ``sender`` without blocking; a gone or slow peer loses it."""
-        try:
-            self.sock.send_multipart([sender, encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # EHOSTUNREACH (ROUTER_MANDATORY) or EAGAIN
+        exc = send_nowait(self.sock, [sender, encode(msg)])
+        if exc is not None:  # EHOSTUNREACH (ROUTER_MANDATORY) or EAGAIN
             log.warning("%s: %s to %r dropped: %s", self.name, type(msg).__name__, sender, exc)
 
     def close(self) -> None:
@@ -122,10 +130,12 @@ class DealerLink:
     def __init__(self, address: str, name: str, identity: bytes) -> None:
         self.name = name
         self.sock = make_socket(zmq.asyncio.Context.instance(), zmq.DEALER, address,
-                                bind=False, identity=identity)
+                                bind=False, identity=identity, hwm=OUTBOX_HWM)
 
     async def send(self, msg: Any) -> None:
-        await self.sock.send(encode(msg))
+        """Queue ``msg`` without blocking: with the peer away, beyond ``OUTBOX_HWM`` queued
+        messages it is dropped and logged, never waited for."""
+        self.reply(None, msg)
 
     async def request(self, msg: Any, timeout_s: float) -> Optional[Any]:
         """Send ``msg``, then the next valid message within ``timeout_s`` (None: none)."""
@@ -141,9 +151,8 @@ class DealerLink:
                 return None, msg
 
     def reply(self, sender: Optional[bytes], msg: Any) -> None:
-        try:
-            self.sock.send(encode(msg), flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
+        exc = send_nowait(self.sock, [encode(msg)])
+        if exc is not None:
             log.warning("%s: %s dropped: %s", self.name, type(msg).__name__, exc)
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from common.ipc import encode, make_socket, try_decode
+from common.mailbox import OUTBOX_HWM
 from common.store import protocol as p
 from common.store.peers import SegmentMaps
 from common.store.shm import copy_many
@@ -69,7 +70,8 @@ class StoreClient:
     # ------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER, self.master_address, bind=False)
+        self._sock = make_socket(self._ctx, zmq.DEALER, self.master_address, bind=False,
+                                 hwm=OUTBOX_HWM)
         self._pool = ThreadPoolExecutor(self._copy_threads, thread_name_prefix="store-copy")
         self._reader = asyncio.create_task(self._read_replies())
 
@@ -258,7 +260,8 @@ class StoreClient:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[req_id] = fut
         try:
-            await self._sock.send(encode(make(req_id)))
+            # NOBLOCK: with the master away, requests beyond the high-water mark fail at once
+            await self._sock.send(encode(make(req_id)), flags=zmq.NOBLOCK)
             return await asyncio.wait_for(fut, self.timeout_s)
         except (asyncio.TimeoutError, zmq.ZMQError) as exc:
             self.stats.errors += 1

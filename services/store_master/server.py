@@ -17,7 +17,7 @@ import zmq.asyncio
 from common.config import ClusterConfig
 from common.idle_check import IdleCheck
 from common.ipc import encode, make_socket
-from common.mailbox import RouterInbox, serve_inbox
+from common.mailbox import OUTBOX_HWM, RouterInbox, serve_inbox
 from common.store import protocol as p
 from common.store.metadata import StoreMetadata
 from services.store_master.metrics import MasterMetrics
@@ -38,7 +38,7 @@ class MasterServer:
         self.metrics = MasterMetrics(config.host)  # its HTTP listener binds the cluster host
         self.inbox = RouterInbox(self.address, "store_master")
         self.pub = make_socket(zmq.asyncio.Context.instance(), zmq.PUB,
-                               config.store_events_address, bind=True)
+                               config.store_events_address, bind=True, hwm=OUTBOX_HWM)
         self.epochs: dict[str, int] = {}  # node_id → registration count
         self.registered: dict[str, p.NodeRegister] = {}  # node_id → its last registration
         self.incarnation = uuid.uuid4().hex[:12]  # new on every start: subscribers resync

@@ -33,3 +33,21 @@ def test_a_full_outbox_drops_and_counts(monkeypatch: pytest.MonkeyPatch,
 
 def test_the_bound_is_sane() -> None:
     assert 1_000 <= mailbox.OUTBOX_HWM <= 20_000
+
+
+def test_a_dealer_link_to_an_absent_master_drops_instead_of_blocking(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A store node's link while its master is away: heartbeats queue up to the bound,
+    then are dropped and logged; ``send`` never waits."""
+    monkeypatch.setattr(mailbox, "OUTBOX_HWM", 5)
+    link = mailbox.DealerLink(NOBODY, "node", b"n0")
+
+    async def go() -> None:
+        for i in range(12):
+            await asyncio.wait_for(link.send(AbortRequest(f"r{i}")), 0.5)
+
+    try:
+        asyncio.run(go())
+    finally:
+        link.close()
+    assert caplog.text.count("node: AbortRequest dropped") == 7
