@@ -29,6 +29,8 @@ bench: setup
 	$(PY) benchmarks/simulate_paper.py
 	$(PY) benchmarks/kv_path.py
 	$(PY) benchmarks/live_replay.py
+	$(PY) benchmarks/faults.py
+	$(PY) benchmarks/soak.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
