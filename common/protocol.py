@@ -10,7 +10,7 @@ Store messages live in common/store/protocol.py.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from common.ipc import message
@@ -59,6 +59,7 @@ class WorkerLoad:
     queued_tokens: int = 0  # prefill: uncached prompt tokens still to compute
     running: int = 0  # decode: batch size
     context_tokens: int = 0  # decode: sum of contexts in the batch
+    quarantined: int = 0  # decode: reservations held until their writer's word
 
 
 @message
@@ -74,6 +75,9 @@ class WorkerHeartbeat:
     epoch: int = 0  # the sender's incarnation: a beat of a replaced one is dropped
     inbox: Optional[str] = None  # the sender's: where a ReRegister goes
     draining: bool = False  # SIGTERM: finishing in-flight work; place nothing new here
+    # What this incarnation dropped or gave up on, by reason, cumulative: stale messages
+    # (e.g. "KVReady", "duplicate"), "outbox_full", "quarantine_expired".
+    dropped: dict[str, int] = field(default_factory=dict)
 
 
 @message

@@ -2,9 +2,9 @@
 KV memory, registration with the conductor, and heartbeats carrying load and KV events."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
+from collections import Counter
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
@@ -47,6 +47,7 @@ class WorkerRuntime:
         self.instance_id = config.instance_id(role, index)
         self.inbox_address = config.inbox(role, index)
         self.conductor = config.inbox("conductor")
+        self.dropped: Counter[str] = Counter()  # the worker's drops, reported in heartbeats
         shm = worker_segment(self.instance_id, config.kv_path, config.device)
         self.engine = Engine(replace(engine_config(config, role), kv_shm_path=shm))
         close_at_exit(self.engine.kv)
@@ -76,7 +77,7 @@ class WorkerRuntime:
             free_blocks=pool.num_free, used_blocks=pool.num_used,
             total_blocks=pool.num_blocks, events=events, event_seq=pool.last_seq,
             epoch=self.epoch, inbox=self.inbox_address,
-            draining=current_drain().active)
+            draining=current_drain().active, dropped=drop_counts(self.dropped, self.mail))
 
     @property
     def handlers(self) -> dict[type, Callable[[Any], None]]:
@@ -123,6 +124,15 @@ class WorkerRuntime:
         self.mail.close()
         self.transfer.close()
         self.engine.kv.close()
+
+
+def drop_counts(dropped: Counter[str], mail: Mailbox) -> dict[str, int]:
+    """What a worker dropped, by reason, with its full outboxes as ``outbox_full``."""
+    counts = dict(dropped)
+    outbox = sum(mail.dropped.values())
+    if outbox:
+        counts["outbox_full"] = outbox
+    return counts
 
 
 def fail_step(rt: WorkerRuntime, planned: list, exc: Exception) -> None:

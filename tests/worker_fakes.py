@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
@@ -198,6 +199,7 @@ class FakeRuntime:
     inbox_address: str = "tcp://127.0.0.1:1"
     epoch: int = EPOCH
     handlers: dict = field(default_factory=dict)  # WorkerRuntime's own (ReRegister)
+    dropped: Counter = field(default_factory=Counter)  # WorkerRuntime.dropped
 
     def __post_init__(self) -> None:
         self.engine.trace = self.trace

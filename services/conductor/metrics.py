@@ -65,6 +65,20 @@ class ConductorMetrics:
         self.global_index_keys = Gauge("crescent_conductor_global_index_keys",
                                        "keys in the global prefix index (the store's)",
                                        registry=r)
+        # Workers have no HTTP endpoint: what they report in heartbeats is served here.
+        self.worker_dropped = Gauge(
+            "crescent_worker_dropped", "messages a worker incarnation dropped or gave up on "
+            "(stale fences/epochs, full outboxes, expired quarantines), cumulative",
+            ["instance", "reason"], registry=r)
+        self.worker_quarantined = Gauge(
+            "crescent_worker_quarantined", "decode reservations held until their writer's word",
+            ["instance"], registry=r)
+
+    def observe_worker(self, instance_id: str, dropped: dict[str, int],
+                       quarantined: int) -> None:
+        for reason, n in dropped.items():
+            self.worker_dropped.labels(instance=instance_id, reason=reason).set(n)
+        self.worker_quarantined.labels(instance=instance_id).set(quarantined)
 
     def observe_ttft(self, rec: TTFTRecord) -> None:
         """One request's predicted vs actual (accept → KV on decode) TTFT."""

@@ -89,9 +89,12 @@ class Conductor:
                     self.mail.send(msg.inbox, WorkerGone(w.instance_id, w.info.epoch))
 
     def on_heartbeat(self, msg: WorkerHeartbeat) -> None:
-        if not self.registry.heartbeat(msg) and msg.inbox:
-            log.info("heartbeat from unknown %s: asking it to register", msg.instance_id)
-            self.mail.send(msg.inbox, ReRegister(msg.instance_id))
+        if not self.registry.heartbeat(msg):
+            if msg.inbox:
+                log.info("heartbeat from unknown %s: asking it to register", msg.instance_id)
+                self.mail.send(msg.inbox, ReRegister(msg.instance_id))
+            return
+        self.metrics.observe_worker(msg.instance_id, msg.dropped, msg.load.quarantined)
 
     def on_kv_snapshot(self, msg: KVSnapshot) -> None:
         if not self.registry.kv_snapshot(msg):

@@ -6,7 +6,6 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
@@ -47,7 +46,7 @@ class DecodeWorker:
         self.quarantine: dict[int, Reservation] = {}  # by generation: a writer may be alive
         self.quarantine_s = QUARANTINE_S
         self.generations = itertools.count(1)
-        self.dropped: Counter[str] = Counter()  # stale messages and last-resort frees
+        self.dropped = rt.dropped  # stale messages, by kind: reported in heartbeats
         self.running: dict[str, Running] = {}
         self.wake = asyncio.Event()
         self.idle_check = IdleCheck(self.pool.check_idle, "KV block pool")
@@ -247,7 +246,7 @@ class DecodeWorker:
     def load(self) -> WorkerLoad:
         context = sum(s.context_tokens for s in self.running.values())
         return WorkerLoad(queued=len(self.reserved), running=len(self.running),
-                          context_tokens=context)
+                          context_tokens=context, quarantined=len(self.quarantine))
 
 
 async def serve_worker(rt: WorkerRuntime, worker: DecodeWorker) -> None:

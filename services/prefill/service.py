@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Coroutine, Optional
@@ -83,7 +83,7 @@ class PrefillWorker:
         self.jobs: list[Job] = []  # admitted and computing, oldest first
         self.admitting: Optional[PrefillTask] = None  # out of ``waiting``, not a job yet
         self.admitting_aborted = False
-        self.dropped: Counter[str] = Counter()  # stale tasks, by reason
+        self.dropped = rt.dropped  # stale messages, by kind: reported in heartbeats
         self.served: OrderedDict[Fence, None] = OrderedDict()  # the latest tasks taken
         self.wake = asyncio.Event()
         self.idle_check = IdleCheck(self.pool.check_idle, "KV block pool")

@@ -76,3 +76,21 @@ def test_a_leaving_worker_is_removed_at_once(conductor: tuple[Conductor, Recordi
     assert [(m.request_id, m.status, m.error_type) for m in failed] == [
         ("r", 503, "worker_lost")]
     assert failed[0].message.endswith("decode-0 shut down")
+
+
+def test_what_workers_drop_is_served_as_metrics(
+        conductor: tuple[Conductor, RecordingMail]) -> None:
+    """Workers have no HTTP endpoint: their drop counters and quarantine ride heartbeats."""
+    from prometheus_client import generate_latest
+
+    from common.protocol import WorkerLoad
+
+    c, _ = conductor
+    c.on_heartbeat(replace(beat("decode", 0), dropped={"KVReady": 2, "outbox_full": 1},
+                           load=WorkerLoad(quarantined=3)))
+    c.on_heartbeat(replace(beat("decode", 9), dropped={"KVReady": 50}))  # unknown: ignored
+    text = generate_latest(c.metrics.registry).decode()
+    assert 'crescent_worker_dropped{instance="decode-0",reason="KVReady"} 2.0' in text
+    assert 'crescent_worker_dropped{instance="decode-0",reason="outbox_full"} 1.0' in text
+    assert 'crescent_worker_quarantined{instance="decode-0"} 3.0' in text
+    assert "decode-9" not in text

@@ -87,7 +87,8 @@ class Worker:
         self.rt = SimpleNamespace(
             instance_id="prefill-0", role="prefill", epoch=epoch, inbox_address=INBOX,
             conductor="tcp://conductor", engine=SimpleNamespace(pool=BlockPool(8)),
-            mail=SimpleNamespace(send=lambda address, msg: self.sent.append(msg) or True))
+            mail=SimpleNamespace(send=lambda address, msg: self.sent.append(msg) or True,
+                                 dropped={}), dropped={})
         self.pool: BlockPool = self.rt.engine.pool
 
     def registration(self) -> RegisterWorker:

@@ -269,3 +269,16 @@ def test_kv_for_an_unknown_request_is_ignored(make: Make) -> None:
     assert rt.mail.sent == [] and not worker.running
     assert worker.dropped == {"KVReady": 1, "KVFailed": 1}
     clean(worker)
+
+
+def test_drops_are_counted_on_the_runtime_for_heartbeats(make: Make) -> None:
+    from types import SimpleNamespace
+
+    from common.worker import drop_counts
+
+    rt, worker = make()
+    worker.on_kv_ready(KVReady("ghost", 1, None, 6, 0, Fence(EPOCH, 99)))
+    assert worker.dropped is rt.dropped and rt.dropped == {"KVReady": 1}
+    outboxes = SimpleNamespace(dropped={"tcp://a": 2, "tcp://b": 1})
+    assert drop_counts(rt.dropped, outboxes) == {"KVReady": 1, "outbox_full": 3}
+    clean(worker)

@@ -68,7 +68,7 @@ def test_decode_worker_serves_every_sequence_within_ceil_n_over_max_steps() -> N
                                  max_batch_size=2))
     mail = RecordingMail()
     rt = SimpleNamespace(engine=engine, mail=mail, conductor="conductor",
-                         instance_id="decode-0", epoch=1, handlers={},
+                         instance_id="decode-0", epoch=1, handlers={}, dropped={},
                          config=ClusterConfig())
     worker = DecodeWorker(rt)  # type: ignore[arg-type]
     stepped: list[list[int]] = []
