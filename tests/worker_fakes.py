@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 
@@ -230,6 +230,23 @@ class Workers:
             worker.compute.shutdown()
             if hasattr(worker, "lanes"):
                 worker.lanes.close()
+
+
+def workers_of(cls: Callable[..., W], role: str
+               ) -> Iterator[Callable[..., tuple[FakeRuntime, W]]]:
+    """The body of a test module's ``make`` fixture (``yield from``): builds workers of
+    ``cls`` (keywords as ``Workers.build``) and shuts them down afterwards."""
+    workers = Workers()
+    try:
+        yield lambda **kw: workers.build(cls, role, **kw)
+    finally:
+        workers.close()
+
+
+def clean(worker: Any) -> None:
+    """Idle, and the pool says so: every block free, invariants hold."""
+    assert worker.idle()
+    assert worker.idle_check.run()
 
 
 def sampling(max_tokens: int = 4, **kw: Any) -> SamplingParams:

@@ -13,7 +13,7 @@ from common.protocol import (
 )
 from services.colocated.service import ColocatedWorker
 from tests.worker_fakes import (
-    EPOCH, FakeEngine, FakeRuntime, Workers, fence_of, prefill_task, reserve, run_until,
+    EPOCH, FakeEngine, FakeRuntime, fence_of, prefill_task, reserve, run_until, workers_of,
 )
 
 Make = Callable[[], tuple[FakeRuntime, ColocatedWorker]]
@@ -22,9 +22,7 @@ PROMPT = list(range(1, 11))
 
 @pytest.fixture
 def make() -> Iterator[Make]:
-    workers = Workers()
-    yield lambda: workers.build(ColocatedWorker, "colocated")
-    workers.close()
+    yield from workers_of(ColocatedWorker, "colocated")
 
 
 def steps(engine: FakeEngine) -> list[tuple[list, list]]:

@@ -18,7 +18,8 @@ from common.protocol import (
 )
 from services.decode.service import DecodeWorker
 from tests.worker_fakes import (
-    CONDUCTOR, EOS, EPOCH, ROUTER_INBOX, FakeRuntime, Workers, fence_of, reserve, run_until,
+    CONDUCTOR, EOS, EPOCH, ROUTER_INBOX, FakeRuntime, clean, fence_of, reserve, run_until,
+    workers_of,
 )
 
 F1 = Fence(EPOCH, 1)  # the first reservation's fence
@@ -28,14 +29,7 @@ Make = Callable[..., tuple[FakeRuntime, DecodeWorker]]
 
 @pytest.fixture
 def make() -> Iterator[Make]:
-    workers = Workers()
-    yield lambda **kw: workers.build(DecodeWorker, "decode", **kw)
-    workers.close()
-
-
-def clean(worker: DecodeWorker) -> None:
-    assert worker.idle()
-    assert worker.idle_check.run()
+    yield from workers_of(DecodeWorker, "decode")
 
 
 def deltas(rt: FakeRuntime) -> list[tuple[list[int], str, object, int]]:
