@@ -87,7 +87,10 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     http_port: int = 8000
     base_port: int = 7500  # inbox ports are allocated from here; see inbox()
-    prefill_workers: int = 1
+    prefill_workers: int = 1  # prefill instances (with prefill_stages > 1: groups)
+    # Chunked pipeline parallelism: each prefill instance is a group of this many processes,
+    # each holding a contiguous range of layers (services/prefill/group.py). 1: no pipeline.
+    prefill_stages: int = 1
     decode_workers: int = 1
     block_size: int = 16
     prefill_blocks: int = 1024
@@ -139,7 +142,7 @@ class ClusterConfig:
         port per prefill worker, decode worker, store node and colocated worker in order."""
         if role in ("router", "conductor", "store_master"):
             return f"tcp://{self.host}:{self.port(role)}"
-        counts = {"prefill": self.prefill_workers, "decode": self.decode_workers,
+        counts = {"prefill": self.prefill_processes, "decode": self.decode_workers,
                   "store_node": self.store.nodes, "colocated": self.colocated_workers}
         if role not in counts:
             raise ValueError(f"unknown role {role!r}")
@@ -155,7 +158,20 @@ class ClusterConfig:
         """The store master's PUB socket of KV events (the conductor subscribes)."""
         return f"tcp://{self.host}:{self.port('store_events')}"
 
+    @property
+    def prefill_processes(self) -> int:
+        """Prefill processes: ``prefill_stages`` per instance (index = group * stages +
+        stage; stage 0 is the group's head, the one the conductor knows)."""
+        return self.prefill_workers * self.prefill_stages
+
+    def prefill_stage(self, index: int) -> tuple[int, int]:
+        """(group, stage) of prefill process ``index``."""
+        return divmod(index, self.prefill_stages)
+
     def instance_id(self, role: str, index: int) -> str:
+        if role == "prefill" and self.prefill_stages > 1:
+            group, stage = self.prefill_stage(index)
+            return f"prefill-{group}" if stage == 0 else f"prefill-{group}.stage{stage}"
         return f"{role}-{index}"
 
     @property
@@ -174,6 +190,9 @@ class ClusterConfig:
         if data.get("prefill_dtype") not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"prefill_dtype must be float32, bfloat16 or float16, not "
                              f"{data['prefill_dtype']!r}")
+        if not isinstance(data.get("prefill_stages", 1), int) or data.get("prefill_stages", 1) < 1:
+            raise ValueError(f"prefill_stages must be a positive integer, not "
+                             f"{data['prefill_stages']!r}")
         if data.get("mode", "disaggregated") not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be 'disaggregated' or 'colocated', not {data['mode']!r}")
         return _build(cls, data, "")

@@ -199,6 +199,19 @@ class ReRegister:
 # ---------------------------------------------------------------- to a prefill worker
 
 
+@dataclass(frozen=True)
+class StreamTarget:
+    """Where a request's KV goes: its decode worker's reserved blocks, by the transfer
+    engine (``session`` at ``kv_base``) or, on the same host, its shared-memory file."""
+
+    decode_id: str
+    session: str
+    kv_base: int
+    block_ids: list[int]
+    shm_path: Optional[str] = None
+    host_id: Optional[str] = None
+
+
 @message
 class PrefillTask:
     request_id: str
@@ -214,6 +227,11 @@ class PrefillTask:
     decode_host_id: Optional[str] = None
     fence: Fence = Fence()  # the reservation written into; every answer carries it
     prefill_epoch: int = 0  # the incarnation it is for: another one drops it
+
+    @property
+    def target(self) -> StreamTarget:
+        return StreamTarget(self.decode_id, self.decode_session, self.decode_kv_base,
+                            self.decode_block_ids, self.decode_shm_path, self.decode_host_id)
 
 
 # ---------------------------------------------------------------- to a decode worker

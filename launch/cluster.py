@@ -85,7 +85,7 @@ class LocalCluster:
         if c.mode == "colocated":
             order += [("colocated", i) for i in range(c.colocated_workers)]
         else:
-            order += [("prefill", i) for i in range(c.prefill_workers)]
+            order += [("prefill", i) for i in range(c.prefill_processes)]
             order += [("decode", i) for i in range(c.decode_workers)]
         order.append(("router", 0))
         return order

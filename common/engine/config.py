@@ -20,6 +20,7 @@ class EngineConfig:
     seed: int = 0
     num_layers: Optional[int] = None  # instantiate only the first N layers (huge dummies)
     num_threads: Optional[int] = None  # torch intra-op threads; None keeps torch's default
+    layers: Optional[tuple[int, int]] = None  # a pipeline stage's layers [a, b); None: all
 
 
 @dataclass(frozen=True)

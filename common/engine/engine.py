@@ -47,12 +47,18 @@ class Engine:
         if not weights:
             weights = random_weights(model_config, seed=0)
         self.model_config: ModelConfig = model_config
-        self.model = LlamaModel(model_config, weights, self.dtype, self.device)
+        # a pipeline stage's layers [a, b) of the model (None: every layer)
+        self.layers = range(*config.layers) if config.layers else range(model_config.num_layers)
+        try:
+            self.model = LlamaModel(model_config, weights, self.dtype, self.device,
+                                    layers=self.layers)
+        except ValueError as exc:
+            raise EngineInputError(str(exc)) from exc
         del weights
         self.tokenizer = (Tokenizer(tok_spec) if tok_spec is not None
                           else ByteTokenizer(model_config.vocab_size))
         self.fingerprint: bytes = model_fingerprint(model_config, self.kv_dtype)
-        self.kv = PagedKVMemory(config.num_blocks, model_config.num_layers, config.block_size,
+        self.kv = PagedKVMemory(config.num_blocks, len(self.layers), config.block_size,
                                 model_config.num_kv_heads, model_config.head_dim,
                                 KV_DTYPES[self.kv_dtype], self.device, config.kv_shm_path)
         self.pool = BlockPool(config.num_blocks)
@@ -137,17 +143,54 @@ class Engine:
         layer_hook(layer) runs after each layer."""
         if not chunks and not decodes:
             raise EngineInputError("a step needs at least one prefill chunk or decode")
+        if len(self.layers) != self.model_config.num_layers:
+            raise EngineInputError(f"a pipeline stage (layers {self.layers.start}-"
+                                   f"{self.layers.stop - 1}) runs stage_step, not step")
+        self._check_chunks(chunks)
+        self._check_decodes(decodes)
+        return self._forward(chunks, decodes, layer_hook)
+
+    @torch.inference_mode()
+    def stage_step(self, chunks: Sequence[PrefillChunk], hidden: Optional[torch.Tensor] = None,
+                   layer_hook: Optional[Callable[[int], None]] = None,
+                   before_layer: Optional[Callable[[int], None]] = None,
+                   ) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+        """A pipeline stage's share of a prefill step: this stage's layers over the chunks,
+        starting from the previous stage's ``hidden`` states (the first stage embeds).
+        Returns (hidden states [T, hidden] out of its last layer, logits per chunk: those
+        ending their prompt, on the last stage only). Hooks take the stage-local layer."""
+        if not chunks:
+            raise EngineInputError("a stage step needs at least one prefill chunk")
+        self._check_chunks(chunks)
+        tokens = sum(c.end - c.start for c in chunks)
+        if not self.model.first_stage and (hidden is None or hidden.shape != (
+                tokens, self.model_config.hidden_size)):
+            got = None if hidden is None else tuple(hidden.shape)
+            raise EngineInputError(f"stage at layer {self.layers.start} needs hidden states "
+                                   f"[{tokens}, {self.model_config.hidden_size}], got {got}")
+        out, parts = self._hidden(chunks, (), layer_hook, hidden, before_layer)
+        if not self.model.last_stage:
+            return out, [None] * len(chunks)
+        return out, self._logits(out, parts, chunks, ())[0]
+
+    def _check_chunks(self, chunks: Sequence[PrefillChunk]) -> None:
         for c in chunks:
             if not 0 <= c.start < c.end <= len(c.token_ids):
                 raise EngineInputError(f"chunk [{c.start}, {c.end}) outside a prompt of "
                                        f"{len(c.token_ids)} tokens")
             self._check_block_table(c.block_table, c.end)
-        self._check_decodes(decodes)
-        return self._forward(chunks, decodes, layer_hook)
 
     def _forward(self, chunks: Sequence[PrefillChunk], decodes: Sequence[DecodeInput],
                  layer_hook: Optional[Callable[[int], None]],
                  ) -> tuple[list[Optional[torch.Tensor]], Optional[torch.Tensor]]:
+        hidden, parts = self._hidden(chunks, decodes, layer_hook)
+        return self._logits(hidden, parts, chunks, decodes)
+
+    def _hidden(self, chunks: Sequence[PrefillChunk], decodes: Sequence[DecodeInput],
+                layer_hook: Optional[Callable[[int], None]],
+                hidden_in: Optional[torch.Tensor] = None,
+                before_layer: Optional[Callable[[int], None]] = None,
+                ) -> tuple[torch.Tensor, list[tuple[int, int, AttnMetadata]]]:
         ids: list[int] = []
         parts: list[tuple[int, int, AttnMetadata]] = []
         for c in chunks:
@@ -161,7 +204,12 @@ class Engine:
             ids += [d.token_id for d in decodes]
         meta = parts[0][2] if len(parts) == 1 else _mixed_meta(parts)
         hidden = self.model.forward(torch.tensor(ids, dtype=torch.long, device=self.device),
-                                    meta, self.attention, layer_hook)
+                                    meta, self.attention, layer_hook, hidden_in, before_layer)
+        return hidden, parts
+
+    def _logits(self, hidden: torch.Tensor, parts: list[tuple[int, int, AttnMetadata]],
+                chunks: Sequence[PrefillChunk], decodes: Sequence[DecodeInput],
+                ) -> tuple[list[Optional[torch.Tensor]], Optional[torch.Tensor]]:
         # Logits only where a token is sampled: the last token of finished prompts, and
         # every decode row; one lm_head call for all of them.
         rows = [e - 1 for (_, e, _), c in zip(parts, chunks) if c.last]

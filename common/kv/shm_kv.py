@@ -88,19 +88,28 @@ class PeerKV:
     the mapping (for checks and tests).
     """
 
-    def __init__(self, path: str, local: PagedKVMemory) -> None:
+    def __init__(self, path: str, local: PagedKVMemory, first_layer: int = 0,
+                 total_layers: Optional[int] = None) -> None:
+        # A pipeline stage holds layers [first_layer, first_layer + local.num_layers) of a
+        # model of ``total_layers``: its blocks are that window of the peer's blocks.
+        total = local.num_layers if total_layers is None else total_layers
+        if not 0 <= first_layer <= total - local.num_layers:
+            raise ValueError(f"layers from {first_layer} of {local.num_layers} do not fit a "
+                             f"model of {total}")
+        self.block_nbytes = total * local.layer_nbytes  # a peer block: every layer
+        self.first_offset = first_layer * local.layer_nbytes
         size = os.stat(path).st_size
-        if size == 0 or size % local.block_nbytes:
+        if size == 0 or size % self.block_nbytes:
             raise OSError(f"{path}: {size} bytes is not a whole number of "
-                          f"{local.block_nbytes}-byte blocks (KV layouts differ)")
+                          f"{self.block_nbytes}-byte blocks (KV layouts differ)")
         self.path = path
         self.local = local
-        self.num_blocks = size // local.block_nbytes
+        self.num_blocks = size // self.block_nbytes
         self.segment = Segment(size, path)
         # Held by every copy while it runs: the mapping cannot be unmapped under it.
         self._view: Optional[memoryview] = self.segment.view(0, size)
         raw = torch.frombuffer(self._view, dtype=torch.uint8).view(local.dtype)
-        self.rows = raw.view(self.num_blocks * local.num_layers, -1)
+        self.rows = raw.view(self.num_blocks * total, -1)
         self.blocks = raw.view(self.num_blocks, -1)
 
     def _check(self, local: Sequence[int], remote: Sequence[int]) -> None:
@@ -114,16 +123,17 @@ class PeerKV:
 
     def _copy(self, local: Sequence[int], remote: Sequence[int], offset: int, n: int) -> int:
         """memmove ``n`` bytes at ``offset`` in each local block to the same offset in the
-        matching peer block; adjacent pieces merged."""
+        matching peer block (within this stage's window); adjacent pieces merged."""
         self._check(local, remote)
         view = self._view  # keeps the mapping alive until this copy is done
         if view is None:
             raise OSError(f"{self.path} is no longer mapped")
-        bn = self.local.block_nbytes
-        src0, dst0 = self.local.base_address + offset, self.segment.base + offset
+        bn, rbn = self.local.block_nbytes, self.block_nbytes
+        src0 = self.local.base_address + offset
+        dst0 = self.segment.base + self.first_offset + offset
         src = [src0 + b * bn for b in local]
-        dst = [dst0 + b * bn for b in remote]
-        if n == bn:
+        dst = [dst0 + b * rbn for b in remote]
+        if n == bn == rbn:
             src, dst, lengths = coalesce(src, dst, [n] * len(src))
             return copy_many(list(zip(dst, src, lengths)))
         return copy_many([(d, s, n) for s, d in zip(src, dst)])
@@ -151,8 +161,10 @@ class PeerKVMaps:
     peer advertises another file (it restarted); a file that cannot be mapped is
     remembered as such (the caller uses the transfer engine) until the path changes."""
 
-    def __init__(self, local: PagedKVMemory, directory: str = SHM_DIR) -> None:
+    def __init__(self, local: PagedKVMemory, directory: str = SHM_DIR, first_layer: int = 0,
+                 total_layers: Optional[int] = None) -> None:
         self.local = local
+        self.window = (first_layer, total_layers)  # a pipeline stage's layers (PeerKV)
         self.directory = directory  # only KV segment files in it are mapped
         self._maps: dict[str, tuple[str, Optional[PeerKV]]] = {}
 
@@ -165,7 +177,8 @@ class PeerKVMaps:
         peer: Optional[PeerKV] = None
         try:
             # a peer-named path: only a worker's KV file (never /etc/passwd, a symlink)
-            peer = PeerKV(checked_shm_path(path, self.directory, KV_SEGMENT), self.local)
+            peer = PeerKV(checked_shm_path(path, self.directory, KV_SEGMENT), self.local,
+                          *self.window)
             log.info("KV to %s over shared memory (%s, %d blocks)", instance_id, path,
                      peer.num_blocks)
         except (OSError, ValueError) as exc:

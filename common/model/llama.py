@@ -2,6 +2,11 @@
 
 Weights arrive as a dict in HF names; Q/K/V and gate/up are fused into one matmul each.
 Attention is delegated to a backend that writes/reads the paged KV memory.
+
+A pipeline stage holds only a contiguous range of layers (``layers``): the first stage
+embeds tokens, a later one starts from the hidden states its predecessor computed, and
+only the last one has the final norm and the LM head. Layer indices given to the KV
+memory and to the hooks are local to the stage (0 is its first layer).
 """
 from __future__ import annotations
 
@@ -99,21 +104,30 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 pack_weights: bool = True):
+                 pack_weights: bool = True, layers: Optional[range] = None):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        self.layer_range = range(config.num_layers) if layers is None else layers
+        if not (0 <= self.layer_range.start < self.layer_range.stop <= config.num_layers
+                and self.layer_range.step == 1):
+            raise ValueError(f"layers {self.layer_range} is not a contiguous, non-empty range "
+                             f"of the model's {config.num_layers} layers")
 
         def get(name: str) -> torch.Tensor:
             if name not in weights:
                 raise KeyError(f"checkpoint is missing weight {name!r}")
             return weights[name].to(device=self.device, dtype=dtype)
 
-        self.embed = get("model.embed_tokens.weight")
-        self.norm = get("model.norm.weight")
-        self.lm_head = Linear(self.embed if config.tie_word_embeddings else get("lm_head.weight"),
-                              pack_weights)
-        self.layers = [self._layer(get, l, pack_weights) for l in range(config.num_layers)]
+        self.embed: Optional[torch.Tensor] = None
+        self.lm_head: Optional[Linear] = None
+        if self.first_stage or (self.last_stage and config.tie_word_embeddings):
+            self.embed = get("model.embed_tokens.weight")
+        if self.last_stage:
+            self.norm = get("model.norm.weight")
+            self.lm_head = Linear(self.embed if config.tie_word_embeddings
+                                  else get("lm_head.weight"), pack_weights)
+        self.layers = [self._layer(get, l, pack_weights) for l in self.layer_range]
         factors = weights.get("model.rope_freqs")
         self.inv_freq = inv_frequencies(config, factors).to(self.device)
 
@@ -129,15 +143,36 @@ class LlamaModel:
                                         get(p + "mlp.up_proj.weight")]), pack),
             w_down=Linear(get(p + "mlp.down_proj.weight"), pack))
 
+    @property
+    def first_stage(self) -> bool:
+        return self.layer_range.start == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.layer_range.stop == self.config.num_layers
+
     def forward(self, token_ids: torch.Tensor, meta: AttnMetadata, attention: AttentionBackend,
-                layer_hook: Optional[LayerHook] = None) -> torch.Tensor:
-        """Hidden states [T, hidden] after the last layer (before the final norm)."""
+                layer_hook: Optional[LayerHook] = None, hidden: Optional[torch.Tensor] = None,
+                before_layer: Optional[LayerHook] = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after this stage's last layer (before the final norm).
+
+        The first stage embeds ``token_ids``; a later one continues from ``hidden``, its
+        predecessor's output. ``before_layer(i)`` runs before layer i reads the KV memory
+        (a layer-wise load waits there), ``layer_hook(i)`` after it wrote it."""
         cfg = self.config
-        h = self.embed.index_select(0, token_ids)
+        if self.first_stage:
+            h = self.embed.index_select(0, token_ids)
+        elif hidden is None:
+            raise ValueError(f"a stage starting at layer {self.layer_range.start} needs the "
+                             "hidden states of the stage before it")
+        else:
+            h = hidden.to(self.dtype)
         cos, sin = cos_sin(self.inv_freq, meta.positions, self.dtype)
         nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
         t = h.shape[0]
         for index, lw in enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(index)
             x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
             q, k, v = lw.wqkv(x).split([nq, nkv, nkv], dim=-1)
             q = apply_rope(q.view(t, cfg.num_heads, hd), cos, sin)
@@ -152,5 +187,7 @@ class LlamaModel:
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] of hidden states [N, hidden]."""
+        """float32 logits [N, vocab] of hidden states [N, hidden] (the last stage only)."""
+        if self.lm_head is None:
+            raise ValueError("only the last pipeline stage has the LM head")
         return self.lm_head(rms_norm(hidden, self.norm, self.config.rms_norm_eps)).float()

@@ -199,7 +199,7 @@ class PrefillWorker:
             raise PrefillFailure(503, "prefill_kv_full", "prefill KV memory is full")
         try:
             stream = self.kv_paths.open(self.rt.transfer, self.lanes.get(task.decode_id),
-                                        self.engine.kv, plan.block_table, task)
+                                        self.engine.kv, plan.block_table, task.target)
         except ValueError as exc:  # the decode side reserved too few blocks
             self.pool.free(plan.block_table)
             raise PrefillFailure(500, "internal_error", str(exc)) from exc

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from common.kv.memory import PagedKVMemory
 from common.kv.shm_kv import KV_PATHS, SHM_DIR, PeerKV, PeerKVMaps
-from common.protocol import PrefillTask
+from common.protocol import StreamTarget
 from common.transfer import TransferAgent, TransferError
 
 log = logging.getLogger(__name__)
@@ -33,9 +33,13 @@ class RequestAborted(Exception):
 class KVStream:
     def __init__(self, transfer: TransferAgent, executor: ThreadPoolExecutor,
                  kv: PagedKVMemory, local_blocks: list[int], remote_blocks: list[int],
-                 remote_session: str, remote_base: int, shm: Optional[PeerKV] = None) -> None:
+                 remote_session: str, remote_base: int, shm: Optional[PeerKV] = None,
+                 first_layer: int = 0, total_layers: Optional[int] = None) -> None:
         if len(remote_blocks) < len(local_blocks):
             raise ValueError("decode reserved fewer blocks than the prompt needs")
+        # a pipeline stage writes its layers [first_layer, ...) of the peer's blocks
+        self.first_layer = first_layer
+        self.remote_block_nbytes = (total_layers or kv.num_layers) * kv.layer_nbytes
         self.transfer = transfer
         self.executor = executor
         self.kv = kv
@@ -52,7 +56,8 @@ class KVStream:
         self.aborted = False
 
     def _remote_layer(self, block: int, layer: int) -> int:
-        return self.base + block * self.kv.block_nbytes + layer * self.kv.layer_nbytes
+        return (self.base + block * self.remote_block_nbytes
+                + (self.first_layer + layer) * self.kv.layer_nbytes)
 
     def _queue(self, nbytes: int, job: Callable[[], int]) -> None:
         self.bytes += nbytes
@@ -74,7 +79,7 @@ class KVStream:
             self._queue(n * count, lambda: shm.write_blocks(local, remote))
             return
         self._submit([self.kv.block_address(b) for b in local],
-                     [self.base + b * n for b in remote], [n] * count)
+                     [self._remote_layer(b, 0) for b in remote], [n] * count)
 
     def on_layer(self, layer: int, start: int, end: int) -> None:
         """Engine hook: tokens [start, end) of ``layer`` were just written."""
@@ -166,27 +171,29 @@ class KVPaths:
     """
 
     def __init__(self, mode: str, kv: PagedKVMemory, host_id: str,
-                 shm_dir: str = SHM_DIR) -> None:
+                 shm_dir: str = SHM_DIR, first_layer: int = 0,
+                 total_layers: Optional[int] = None) -> None:
         if mode not in KV_PATHS:
             raise ValueError(f"kv_path must be one of {KV_PATHS}, got {mode!r}")
         self.mode = mode
         self.host_id = host_id
-        self.maps = PeerKVMaps(kv, shm_dir)
+        self.window = (first_layer, total_layers)  # a pipeline stage's layers of a block
+        self.maps = PeerKVMaps(kv, shm_dir, first_layer, total_layers)
         self.bytes: dict[str, int] = {SHM: 0, TRANSFER_ENGINE: 0}
         self.streams: dict[str, int] = {SHM: 0, TRANSFER_ENGINE: 0}
 
-    def peer(self, task: PrefillTask) -> Optional[PeerKV]:
-        if self.mode == TRANSFER_ENGINE or not task.decode_shm_path:
+    def peer(self, target: StreamTarget) -> Optional[PeerKV]:
+        if self.mode == TRANSFER_ENGINE or not target.shm_path:
             return None
-        if self.mode == "auto" and task.decode_host_id != self.host_id:
+        if self.mode == "auto" and target.host_id != self.host_id:
             return None
-        return self.maps.get(task.decode_id, task.decode_shm_path)
+        return self.maps.get(target.decode_id, target.shm_path)
 
     def open(self, transfer: TransferAgent, executor: ThreadPoolExecutor, kv: PagedKVMemory,
-             table: list[int], task: PrefillTask) -> KVStream:
-        """The stream for ``task`` on the path chosen for its decode worker."""
-        return KVStream(transfer, executor, kv, table, task.decode_block_ids,
-                        task.decode_session, task.decode_kv_base, shm=self.peer(task))
+             table: list[int], target: StreamTarget) -> KVStream:
+        """The stream to ``target`` on the path chosen for its decode worker."""
+        return KVStream(transfer, executor, kv, table, target.block_ids, target.session,
+                        target.kv_base, self.peer(target), *self.window)
 
     def done(self, stream: KVStream) -> None:
         """Account a finished stream by path (what /debug and the logs report)."""

@@ -12,7 +12,7 @@ import torch
 
 from common.kv.memory import PagedKVMemory
 from common.kv.shm_kv import PeerKV
-from common.protocol import PrefillTask
+from common.protocol import PrefillTask, StreamTarget
 from common.sampling_params import SamplingParams
 from common.transfer import TransferAgent, TransferError
 from services.prefill.streaming import KVPaths, KVStream, RequestAborted
@@ -40,12 +40,13 @@ def prefill_memory(num_blocks: int = 10, dtype=torch.float32) -> PagedKVMemory:
 
 
 def task(decode_path: str | None, host: str | None, decode_id: str = "decode-0",
-         blocks: list[int] | None = None, session: str = "", base: int = 0) -> PrefillTask:
+         blocks: list[int] | None = None, session: str = "", base: int = 0) -> StreamTarget:
+    """Where a PrefillTask with these decode fields sends its KV."""
     return PrefillTask(request_id="r", token_ids=[1], sampling=SamplingParams(max_tokens=1),
                        decode_id=decode_id, decode_inbox="tcp://127.0.0.1:1",
                        decode_session=session, decode_kv_base=base,
                        decode_block_ids=blocks or [], deadline=0.0,
-                       decode_shm_path=decode_path, decode_host_id=host)
+                       decode_shm_path=decode_path, decode_host_id=host).target
 
 
 def stream_prompt(stream: KVStream, cached_blocks: int, n_tokens: int, chunk: int) -> int:
