@@ -142,23 +142,26 @@ class TransferAgent:
             return [f for f, t in self._calls.items() if target in (None, t)]
 
     def _blocking(self, write: bool, target: str, local: Sequence[int],
-                  remote: Sequence[int], lengths: Sequence[int]) -> int:
-        timeout = self.config.call_timeout_s
+                  remote: Sequence[int], lengths: Sequence[int],
+                  timeout: Optional[float]) -> int:
+        timeout = min(timeout, self.config.call_timeout_s) if timeout is not None \
+            else self.config.call_timeout_s
         try:
             return self._submit(write, target, local, remote, lengths).result(timeout)
         except FutureTimeout:
             raise self._hung(target, timeout) from None
 
     def write(self, target: str, local: Sequence[int], remote: Sequence[int],
-              lengths: Sequence[int]) -> int:
-        """Blocking, at most ``call_timeout_s``: copy local[i] → remote[i] on ``target``.
-        Returns bytes moved."""
-        return self._blocking(True, target, local, remote, lengths)
+              lengths: Sequence[int], timeout: Optional[float] = None) -> int:
+        """Blocking, at most ``timeout`` (and ``call_timeout_s``): copy local[i] → remote[i]
+        on ``target``. Returns bytes moved."""
+        return self._blocking(True, target, local, remote, lengths, timeout)
 
     def read(self, target: str, local: Sequence[int], remote: Sequence[int],
-             lengths: Sequence[int]) -> int:
-        """Blocking, at most ``call_timeout_s``: copy remote[i] on ``target`` → local[i]."""
-        return self._blocking(False, target, local, remote, lengths)
+             lengths: Sequence[int], timeout: Optional[float] = None) -> int:
+        """Blocking, at most ``timeout`` (and ``call_timeout_s``): copy remote[i] on
+        ``target`` → local[i]."""
+        return self._blocking(False, target, local, remote, lengths, timeout)
 
     async def write_async(self, target: str, local: Sequence[int], remote: Sequence[int],
                           lengths: Sequence[int], timeout: float) -> int:

@@ -1,9 +1,14 @@
 """The store client used by workers: batch exists / get_into / put_from, zero copy.
 
-Bytes move straight between the worker's registered KV memory and node segments: one
-``memmove`` per block when the node's segment file is mappable here (same host), else the
-transfer engine (TCP/RDMA). Control goes to the master over one DEALER. A miss is never an
-error: every call has a deadline and answers "not there" (False / 0) on any failure.
+Bytes move straight between the worker's registered KV memory and node segments through
+a ``RangeMover`` (common/store/ranges.py): one ``memmove`` per block when the node's segment
+file is mappable here (same host), else the transfer engine (TCP/RDMA). Control goes to the
+master over one DEALER. A miss is never an error: every call has a deadline and answers
+"not there" (False / 0) on any failure.
+
+The whole-object verbs are built on the range verbs, which other processes can share:
+``start_put`` → ``RangeMover.write`` (any process, any byte range) → ``end_put``, and
+``plan_get`` → ``RangeMover.read``.
 
 Safety: a get copies only under the lease the master granted (counted from before the
 request was sent); a copy that finishes after the lease is reported as a miss, because the
@@ -26,13 +31,10 @@ import zmq.asyncio
 from common.ipc import encode, make_socket, try_decode
 from common.mailbox import OUTBOX_HWM
 from common.store import protocol as p
-from common.store.peers import SegmentMaps
-from common.store.shm import copy_many
-from common.transfer import TransferAgent, TransferError
+from common.store.ranges import GetPlan, Location, PutPlan, RangeMover, Replicas, node_refs
+from common.transfer import TransferAgent
 
 log = logging.getLogger(__name__)
-
-Job = tuple[int, int, int]  # (index into the batch, local address, offset in the segment)
 
 
 @dataclass
@@ -44,7 +46,7 @@ class ClientStats:
     puts: int = 0  # objects newly stored
     put_skipped: int = 0  # already present or in flight elsewhere
     put_failed: int = 0  # no space, transfer failure, deadline
-    errors: int = 0  # master timeouts and transfer failures
+    errors: int = 0  # master timeouts (transfer failures: ``StoreClient.mover.errors``)
 
 
 class StoreClient:
@@ -54,7 +56,6 @@ class StoreClient:
         self.master_address = master_address
         self.transfer = transfer
         self.timeout_s = timeout_s
-        self.use_shm = use_shm
         self.stats = ClientStats()
         self._copy_threads = copy_threads
         self._pool: Optional[ThreadPoolExecutor] = None
@@ -64,7 +65,7 @@ class StoreClient:
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count(1)
         # same-host node segments in [store] shm_dir, remapped on a new epoch
-        self._maps = SegmentMaps(shm_dir)
+        self.mover = RangeMover(transfer, shm_dir, use_shm=use_shm, threads=copy_threads)
         self._registered: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------- lifecycle
@@ -72,7 +73,7 @@ class StoreClient:
         self._ctx = zmq.asyncio.Context()
         self._sock = make_socket(self._ctx, zmq.DEALER, self.master_address, bind=False,
                                  hwm=OUTBOX_HWM)
-        self._pool = ThreadPoolExecutor(self._copy_threads, thread_name_prefix="store-copy")
+        self._pool = ThreadPoolExecutor(self._copy_threads, thread_name_prefix="store-call")
         self._reader = asyncio.create_task(self._read_replies())
 
     async def close(self) -> None:
@@ -87,7 +88,7 @@ class StoreClient:
             self._ctx.term()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
-        self._maps.close()
+        self.mover.close()
 
     def register_local(self, address: int, nbytes: int) -> None:
         """The worker's KV memory: registered once with the transfer engine."""
@@ -114,17 +115,14 @@ class StoreClient:
     async def batch_get_into(self, keys: list[bytes], addresses: list[int],
                              size: int) -> list[bool]:
         """Copy each present object to its address. True where copied byte-exact."""
-        t0 = time.monotonic()
-        reply = await self._call(lambda r: p.StoreGet(r, [k.hex() for k in keys]))
+        plan = await self.plan_get(keys, size)
         ok = [False] * len(keys)
-        if reply is not None:
-            self._forget_dead(reply.live)
-            deadline = min(t0 + reply.lease_s, t0 + self.timeout_s)
-            plans = [list(locs or []) for locs in reply.locations]
-            await self._move_with_fallback(plans, addresses, size, reply.nodes, ok,
-                                           write=False, deadline=deadline)
-            if time.monotonic() > deadline:  # lease may have lapsed mid-copy: trust nothing
-                ok = [False] * len(keys)
+        if plan is not None:
+            items = [(i, addresses[i], 0, size) for i, there in enumerate(plan.present())
+                     if there]
+            got = await self._off_loop(self.mover.try_read, plan, items)
+            for (i, *_), hit in zip(items, got):
+                ok[i] = hit
         hits = sum(ok)
         self.stats.hits += hits
         self.stats.misses += len(keys) - hits
@@ -134,34 +132,55 @@ class StoreClient:
     async def batch_put_from(self, keys: list[bytes], addresses: list[int], size: int,
                              replica_num: int = 1) -> int:
         """Store each object not yet present. Returns how many were newly stored."""
-        t0 = time.monotonic()
+        plan = await self.start_put(keys, size, replica_num)
+        if plan is None or not plan.keys:
+            return 0
+        items = [(j, addresses[i], 0, size) for j, i in enumerate(plan.index)]
+        return await self.end_put(plan, await self._off_loop(self.mover.try_write, plan, items))
+
+    async def plan_get(self, keys: list[bytes], size: int) -> Optional[GetPlan]:
+        """Where each of ``keys`` (objects of ``size`` bytes) is, leased: read them with
+        ``RangeMover.read`` by ``plan.deadline``. None: the master did not answer."""
+        t0 = time.time()  # the lease counts from before the request
+        reply = await self._call(lambda r: p.StoreGet(r, [k.hex() for k in keys]))
+        if reply is None:
+            return None
+        self.mover.retain(reply.live)
+        return GetPlan(size, [k.hex() for k in keys], _replicas(reply.locations),
+                       node_refs(reply.nodes), t0 + min(reply.lease_s, self.timeout_s),
+                       reply.live)
+
+    async def start_put(self, keys: list[bytes], size: int,
+                        replica_num: int = 1) -> Optional[PutPlan]:
+        """Reserve room for each of ``keys`` not yet stored: write them with
+        ``RangeMover.write`` by ``plan.deadline``, then ``end_put``. None: the master did
+        not answer; a plan without keys: nothing to write (present, or no space)."""
+        t0 = time.time()
         hexkeys = [k.hex() for k in keys]
         reply = await self._call(lambda r: p.StorePutStart(r, hexkeys, size, replica_num))
         if reply is None:
             self.stats.put_failed += len(keys)
-            return 0
-        self._forget_dead(reply.live)
-        new = [i for i, s in enumerate(reply.status) if s == "new"]
+            return None
+        self.mover.retain(reply.live)
         self.stats.put_skipped += sum(1 for s in reply.status if s == "exists")
         self.stats.put_failed += sum(1 for s in reply.status if s == "nospace")
-        if not new:
+        new = [i for i, s in enumerate(reply.status) if s == "new"]
+        return PutPlan(size, [hexkeys[i] for i in new], new,
+                       _replicas([reply.locations[i] for i in new]), node_refs(reply.nodes),
+                       t0 + min(reply.put_timeout_s / 2, self.timeout_s), reply.live)
+
+    async def end_put(self, plan: PutPlan, written: list[bool]) -> int:
+        """Commit the plan's keys whose every byte was written (``written[i]``), abandon
+        the others. Returns how many were committed (0 if the master does not answer)."""
+        if len(written) != len(plan.keys):
+            raise ValueError(f"{len(written)} results for {len(plan.keys)} keys")
+        if not plan.keys:
             return 0
-        deadline = min(t0 + reply.put_timeout_s / 2, t0 + self.timeout_s)
-        written = [True] * len(new)
-        for r in range(max(len(reply.locations[i]) for i in new)):  # every replica
-            plans = [[reply.locations[i][r]] if r < len(reply.locations[i]) else []
-                     for i in new]
-            done = [not plan for plan in plans]
-            await self._move_with_fallback(plans, [addresses[i] for i in new], size,
-                                           reply.nodes, done, write=True, deadline=deadline)
-            written = [w and d for w, d in zip(written, done)]
-        if time.monotonic() > deadline:
-            written = [False] * len(new)
-        end = await self._call(lambda r: p.StorePutEnd(r, [hexkeys[i] for i in new], written))
+        end = await self._call(lambda r: p.StorePutEnd(r, list(plan.keys), list(written)))
         stored = sum(end.committed) if end is not None else 0
         self.stats.puts += stored
-        self.stats.put_failed += len(new) - stored
-        self.stats.bytes_written += stored * size
+        self.stats.put_failed += len(plan.keys) - stored
+        self.stats.bytes_written += stored * plan.size
         return stored
 
     async def remove(self, keys: list[bytes]) -> int:
@@ -178,79 +197,18 @@ class StoreClient:
         answer within ``timeout_s``)."""
         return await self._call(lambda r: p.StoreKeys(r))
 
-    def _forget_dead(self, live: Optional[list[str]]) -> None:
-        """Unmap the segments of nodes the master no longer lists."""
-        if live is not None:
-            self._maps.retain(live)
-
     def mapped_segments(self) -> dict[str, str]:
         """node_id → segment file of every node segment mapped in this process."""
-        return self._maps.mapped()
+        return self.mover.mapped()
 
     async def master_stats(self) -> Optional[dict[str, Any]]:
         reply = await self._call(lambda r: p.StoreStats(r))
         return reply.stats if reply is not None else None
 
-    # ------------------------------------------------------------ data path
-    async def _move_with_fallback(self, plans: list[list[Any]], addresses: list[int],
-                                  size: int, nodes: dict[str, Any], ok: list[bool],
-                                  write: bool, deadline: float) -> None:
-        """Try each item's locations in order until one copy succeeds or time runs out."""
-        attempt = 0
-        while True:
-            by_node: dict[str, list[Job]] = {}
-            for i, plan in enumerate(plans):
-                if not ok[i] and attempt < len(plan):
-                    node_id, offset = plan[attempt]
-                    by_node.setdefault(node_id, []).append((i, addresses[i], offset))
-            if not by_node or time.monotonic() >= deadline:
-                return
-            results = await asyncio.gather(*(
-                self._move(n, nodes.get(n), jobs, size, write, deadline)
-                for n, jobs in by_node.items()))
-            for jobs, success in zip(by_node.values(), results):
-                for i, _, _ in jobs:
-                    ok[i] = ok[i] or success
-            attempt += 1
-
-    async def _move(self, node_id: str, info: Optional[dict[str, Any]], jobs: list[Job],
-                    size: int, write: bool, deadline: float) -> bool:
-        if info is None:
-            return False
-        seg = self._maps.get(node_id, info) if self.use_shm else None
-        remaining = deadline - time.monotonic()
-        try:
-            if seg is not None:
-                pairs = [(seg.base + off, addr, size) if write else (addr, seg.base + off, size)
-                         for _, addr, off in jobs]
-                # bounded, never abandoned half-way, never unmapped under the copy
-                await self._copy(pairs, seg.view(0, seg.nbytes))
-                return True
-            if self.transfer is None:
-                return False
-            local = [addr for _, addr, _ in jobs]
-            remote = [info["base"] + off for _, _, off in jobs]
-            move = self.transfer.write_async if write else self.transfer.read_async
-            await move(info["session_id"], local, remote, [size] * len(jobs), remaining)
-            return True
-        except (TransferError, asyncio.TimeoutError, OSError) as exc:
-            self.stats.errors += 1
-            log.warning("store %s via %s failed: %s", "put" if write else "get",
-                        info.get("session_id"), exc)
-            return False
-
-    async def _copy(self, pairs: list[tuple[int, int, int]], pin: memoryview) -> None:
-        """memmove on the copy threads, split in as many slices as there are threads;
-        each slice holds ``pin`` (a view of the segment) until it is done."""
-        assert self._pool is not None
-        loop = asyncio.get_running_loop()
-        total = sum(n for _, _, n in pairs)
-        if total < (1 << 20) or len(pairs) < 2:
-            await loop.run_in_executor(self._pool, copy_many, pairs, pin)
-            return
-        k = self._copy_threads
-        await asyncio.gather(*(loop.run_in_executor(self._pool, copy_many, pairs[j::k], pin)
-                               for j in range(k)))
+    async def _off_loop(self, fn: Callable[..., list[bool]], *args: Any) -> list[bool]:
+        """A mover call on this client's threads (the copies never block the loop)."""
+        assert self._pool is not None, "StoreClient.start() first"
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ------------------------------------------------------------ control
     async def _call(self, make: Callable[[int], Any]) -> Optional[Any]:
@@ -279,3 +237,9 @@ class StoreClient:
             fut = self._pending.get(getattr(msg, "req_id", -1))
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+
+
+def _replicas(locations: list[Any]) -> list[Replicas]:
+    """The master's per-key ``[[node_id, offset], ...]`` (or None: a miss), typed."""
+    return [Replicas([Location(str(n), int(off)) for n, off in locs or []])
+            for locs in locations]

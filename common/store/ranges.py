@@ -1,0 +1,318 @@
+"""Byte ranges of store objects: wire-shippable plans and the mover that copies them.
+
+A store object is one KV block of the whole model (``num_layers`` slices of
+``layer_nbytes``); a pipeline stage holding layers [a, b) writes or reads bytes
+[a * layer_nbytes, b * layer_nbytes) of each object, a layer-wise writer one layer at a time.
+So the verbs here move byte ranges *within* objects, from several processes:
+
+- One process asks the master (``StoreClient.start_put`` / ``plan_get``) and gets a plan:
+  ``PutPlan`` (the keys granted as new and where each replica goes) or ``GetPlan`` (where
+  each present object is, under a lease). A plan is a frozen dataclass that rides inside
+  other messages (common/ipc.py encodes and decodes it, nested), so the stages of a
+  pipeline, which have no master connection, move bytes under the very same plan.
+- Each process copies its pieces with its own ``RangeMover``: one ``memmove`` where the
+  node's segment file is mappable here (same host), else one transfer-engine call per node.
+- The asker commits (``StoreClient.end_put``) only what every writer reported written:
+  a reader never sees a half-written object.
+
+Deadlines are wall clock (``time.time()``): they cross processes. A write that ends after
+``PutPlan.deadline`` is a failure (the master may have reclaimed the space); a read that ends
+after ``GetPlan.deadline`` (its lease) is one too (the bytes may have been overwritten).
+A transfer-engine call abandoned at its deadline may still land later (``TransferAgent.
+in_flight``): the caller must not reuse its local memory before that call is done.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from common.store.peers import SegmentMaps
+from common.store.shm import copy_many
+from common.transfer import TransferAgent, TransferError
+
+log = logging.getLogger(__name__)
+
+# (key position in the plan, local address, offset within the object, nbytes)
+Item = tuple[int, int, int, int]
+_SPLIT_BYTES = 1 << 20  # a same-host copy this large is split over the mover's threads
+
+
+@dataclass(frozen=True)
+class NodeRef:
+    """What a mover needs to reach one store node: its transfer-engine session and segment
+    address there, and for same-host movers its segment file (mapped per ``epoch``)."""
+
+    node_id: str
+    session_id: str
+    base: int  # the segment's address in the node's process
+    segment_bytes: int = 0
+    shm_path: Optional[str] = None
+    epoch: int = 0
+    hostname: str = ""
+
+    @classmethod
+    def from_info(cls, node_id: str, info: dict[str, Any]) -> "NodeRef":
+        """From the master's node info (``StoreGetReply.nodes[node_id]``)."""
+        try:
+            return cls(node_id, str(info["session_id"]), int(info["base"]),
+                       int(info.get("segment_bytes", 0)), info.get("shm_path"),
+                       int(info.get("epoch", 0)), str(info.get("hostname", "")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"node {node_id}: bad node info {info!r} ({exc})") from None
+
+    def info(self) -> dict[str, Any]:
+        """The node info ``SegmentMaps.get`` reads."""
+        return {"shm_path": self.shm_path, "segment_bytes": self.segment_bytes,
+                "epoch": self.epoch}
+
+
+def node_refs(nodes: dict[str, Any]) -> list[NodeRef]:
+    return [NodeRef.from_info(n, info) for n, info in sorted(nodes.items())]
+
+
+@dataclass(frozen=True)
+class Location:
+    node_id: str
+    offset: int  # of the object in the node's segment
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """One object's copies, in the order to try them (none: the object is absent)."""
+
+    locations: list[Location] = field(default_factory=list)
+
+
+def _check_plan(size: int, keys: list[str], replicas: list[Replicas]) -> None:
+    if size <= 0:
+        raise ValueError(f"object size must be positive, not {size}")
+    if len(replicas) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(replicas)} replica lists")
+
+
+@dataclass(frozen=True)
+class PutPlan:
+    """Where to write the objects the master granted as new (``index``: their positions in
+    the asker's key list). Every replica must be written by ``deadline`` (wall clock)."""
+
+    size: int  # bytes per object
+    keys: list[str]  # hex, granted as new
+    index: list[int]
+    replicas: list[Replicas]  # per key: every location must be written
+    nodes: list[NodeRef]
+    deadline: float
+    live: Optional[list[str]] = None  # every node the master knows (others are unmapped)
+
+    def __post_init__(self) -> None:
+        _check_plan(self.size, self.keys, self.replicas)
+        if len(self.index) != len(self.keys):
+            raise ValueError(f"{len(self.keys)} keys but {len(self.index)} positions")
+        if any(not r.locations for r in self.replicas):
+            raise ValueError("a granted key has no location")
+
+
+@dataclass(frozen=True)
+class GetPlan:
+    """Where each object is (``replicas[i]`` empty: absent). Reads are good only if they
+    end by ``deadline`` (wall clock: the lease, counted from before the request)."""
+
+    size: int
+    keys: list[str]
+    replicas: list[Replicas]
+    nodes: list[NodeRef]
+    deadline: float
+    live: Optional[list[str]] = None
+
+    def __post_init__(self) -> None:
+        _check_plan(self.size, self.keys, self.replicas)
+
+    def present(self) -> list[bool]:
+        return [bool(r.locations) for r in self.replicas]
+
+
+# One node's share of a call: (item position, local address, offset in the segment, nbytes).
+_Piece = tuple[int, int, int, int]
+
+
+class RangeMover:
+    """Copies byte ranges of store objects between this process's registered memory and
+    node segments. One per process; its methods are synchronous and thread-safe, meant
+    for a worker's copy thread (never the event loop). ``use_shm=False`` forces the
+    transfer engine even where a segment file could be mapped."""
+
+    def __init__(self, transfer: Optional[TransferAgent], shm_dir: Optional[str], *,
+                 use_shm: bool = True, threads: int = 2) -> None:
+        self.transfer = transfer
+        self.use_shm = use_shm
+        self.errors = 0  # failed node batches (transfer errors, deadlines, unknown nodes)
+        self._maps = SegmentMaps(shm_dir)
+        self._lock = threading.Lock()  # the maps and the counter
+        self._threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="store-range")
+
+    # ------------------------------------------------------------------ verbs
+    def write(self, plan: PutPlan, items: Sequence[Item]) -> None:
+        """Write every item to every replica of its key; raises ``TransferError`` unless
+        all landed by ``plan.deadline``."""
+        _raise_unless(self.try_write(plan, items), "write", plan.deadline)
+
+    def read(self, plan: GetPlan, items: Sequence[Item]) -> None:
+        """Read every item from the first replica of its key that works; raises
+        ``TransferError`` on an absent key, a failure, or a lease over before the end."""
+        _raise_unless(self.try_read(plan, items), "read", plan.deadline)
+
+    def try_write(self, plan: PutPlan, items: Sequence[Item]) -> list[bool]:
+        """Per item: True where every replica was written by the deadline."""
+        _check_items(plan.size, len(plan.keys), items)
+        self.retain(plan.live)
+        jobs = [(i, loc) for i, item in enumerate(items)
+                for loc in plan.replicas[item[0]].locations]
+        done = self._move(plan.nodes, items, jobs, True, plan.deadline)
+        ok = [True] * len(items)
+        for (i, _), d in zip(jobs, done):
+            ok[i] = ok[i] and d
+        return ok
+
+    def try_read(self, plan: GetPlan, items: Sequence[Item]) -> list[bool]:
+        """Per item: True where copied from some replica, the whole call within the lease."""
+        _check_items(plan.size, len(plan.keys), items)
+        self.retain(plan.live)
+        ok = [False] * len(items)
+        attempt = 0
+        while True:  # replica ``attempt`` of every item not copied yet
+            jobs = [(i, plan.replicas[item[0]].locations[attempt])
+                    for i, item in enumerate(items)
+                    if not ok[i] and attempt < len(plan.replicas[item[0]].locations)]
+            if not jobs:
+                break
+            for (i, _), d in zip(jobs, self._move(plan.nodes, items, jobs, False,
+                                                  plan.deadline)):
+                ok[i] = d
+            attempt += 1
+        if time.time() > plan.deadline:  # the lease lapsed mid-copy: trust nothing
+            return [False] * len(items)
+        return ok
+
+    # ------------------------------------------------------------- mappings
+    def retain(self, live: Optional[Iterable[str]]) -> None:
+        """Unmap the segments of nodes not in ``live`` (the master's node list)."""
+        if live is not None:
+            with self._lock:
+                self._maps.retain(live)
+
+    def mapped(self) -> dict[str, str]:
+        with self._lock:
+            return self._maps.mapped()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            self._maps.close()
+
+    # ------------------------------------------------------------ data path
+    def _move(self, nodes: list[NodeRef], items: Sequence[Item],
+              jobs: list[tuple[int, Location]], write: bool, deadline: float) -> list[bool]:
+        """Each job (item, location) copied? One batch per node, the nodes in parallel;
+        all False once past ``deadline``."""
+        if time.time() >= deadline:
+            return [False] * len(jobs)
+        refs = {n.node_id: n for n in nodes}
+        groups: dict[str, list[int]] = {}
+        for j, (_, loc) in enumerate(jobs):
+            groups.setdefault(loc.node_id, []).append(j)
+        tasks: list[tuple[str, Callable[[], bool]]] = []
+        failed: set[str] = set()
+        for node_id, js in groups.items():
+            pieces = [(i, items[i][1], loc.offset + items[i][2], items[i][3])
+                      for i, loc in (jobs[j] for j in js)]
+            calls = self._tasks(refs.get(node_id), node_id, pieces, write, deadline)
+            tasks += [(node_id, call) for call in calls]
+            if not calls:
+                failed.add(node_id)
+        if len(tasks) == 1:
+            results = [tasks[0][1]()]
+        else:
+            results = [f.result() for f in [self._pool.submit(t) for _, t in tasks]]
+        failed.update(n for (n, _), r in zip(tasks, results) if not r)
+        if time.time() > deadline:
+            return [False] * len(jobs)
+        return [loc.node_id not in failed for _, loc in jobs]
+
+    def _tasks(self, node: Optional[NodeRef], node_id: str, pieces: list[_Piece],
+               write: bool, deadline: float) -> list[Callable[[], bool]]:
+        """The calls that move ``pieces`` to or from the node (none: it cannot be reached):
+        memmoves through its segment mapped here (split over the threads when large), or
+        one transfer-engine call."""
+        if node is None:
+            self._failed(node_id, "node not in the plan")
+            return []
+        pinned = self._pin(node)
+        if pinned is not None:
+            base, pin = pinned
+            if any(off + n > len(pin) for _, _, off, n in pieces):
+                self._failed(node_id, "a location is beyond its segment")
+                return []
+            pairs = [(base + off, addr, n) if write else (addr, base + off, n)
+                     for _, addr, off, n in pieces]
+            k = self._threads if sum(n for *_, n in pieces) >= _SPLIT_BYTES else 1
+            return [lambda part=pairs[j::k]: _memmove(part, pin)
+                    for j in range(min(k, len(pairs)))]
+        if self.transfer is None:
+            self._failed(node_id, "not mappable here and no transfer engine")
+            return []
+        return [lambda: self._transfer(node, pieces, write, deadline)]
+
+    def _transfer(self, node: NodeRef, pieces: list[_Piece], write: bool,
+                  deadline: float) -> bool:
+        assert self.transfer is not None
+        remaining = deadline - time.time()
+        if remaining <= 0:
+            return False
+        move = self.transfer.write if write else self.transfer.read
+        try:
+            move(node.session_id, [addr for _, addr, _, _ in pieces],
+                 [node.base + off for _, _, off, _ in pieces], [n for *_, n in pieces],
+                 timeout=remaining)
+            return True
+        except (TransferError, OSError) as exc:
+            self._failed(node.session_id, str(exc))
+            return False
+
+    def _pin(self, node: NodeRef) -> Optional[tuple[int, memoryview]]:
+        """The node's segment mapped here: its address and a view that keeps the mapping
+        alive under the copy; None: use the transfer engine."""
+        if not self.use_shm:
+            return None
+        with self._lock:
+            seg = self._maps.get(node.node_id, node.info())
+            return (seg.base, seg.view(0, seg.nbytes)) if seg is not None else None
+
+    def _failed(self, where: str, why: str) -> None:
+        with self._lock:
+            self.errors += 1
+        log.warning("store range copy via %s failed: %s", where, why)
+
+
+def _memmove(pairs: list[tuple[int, int, int]], pin: memoryview) -> bool:
+    copy_many(pairs, pin)
+    return True
+
+
+def _check_items(size: int, nkeys: int, items: Sequence[Item]) -> None:
+    for pos, _, offset, nbytes in items:
+        if not 0 <= pos < nkeys:
+            raise ValueError(f"key position {pos} is not in the plan's {nkeys} keys")
+        if offset < 0 or nbytes <= 0 or offset + nbytes > size:
+            raise ValueError(f"range [{offset}, {offset + nbytes}) is not within an object "
+                             f"of {size} bytes")
+
+
+def _raise_unless(ok: list[bool], verb: str, deadline: float) -> None:
+    if not all(ok):
+        late = " (past the deadline)" if time.time() > deadline else ""
+        raise TransferError(f"store {verb}: {ok.count(False)} of {len(ok)} ranges "
+                            f"failed{late}")
