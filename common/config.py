@@ -91,6 +91,11 @@ class ClusterConfig:
     # Chunked pipeline parallelism: each prefill instance is a group of this many processes,
     # each holding a contiguous range of layers (services/prefill/group.py). 1: no pipeline.
     prefill_stages: int = 1
+    # Layer-wise KV I/O: a prompt's new blocks go to the store layer by layer as they are
+    # computed, a cached prefix loads from it layer by layer while the rest computes, and
+    # KV streams to the decode worker per layer. False: whole blocks after the prefill (to
+    # the decode worker and the store) and before it (from the store): the baseline.
+    kv_layerwise: bool = True
     decode_workers: int = 1
     block_size: int = 16
     prefill_blocks: int = 1024

@@ -132,6 +132,7 @@ class PrefillDone:
     transfer_bytes: int
     transfer_seconds: float = 0.0  # time the KV stream was in flight (overlaps compute)
     fence: Fence = Fence()  # the reservation it filled: a stale one is dropped
+    wait_s: float = 0.0  # time blocked on transfers (loads, the pipeline, the last writes)
 
 
 @message

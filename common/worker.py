@@ -25,8 +25,12 @@ from common.transfer import TransferAgent, TransferConfig
 log = logging.getLogger(__name__)
 
 
-def engine_config(config: ClusterConfig, role: str) -> EngineConfig:
+def engine_config(config: ClusterConfig, role: str, index: int = 0) -> EngineConfig:
+    stage = (0, 1)
+    if role == "prefill" and config.prefill_stages > 1:  # a group's stage: its layers
+        stage = (config.prefill_stage(index)[1], config.prefill_stages)
     return EngineConfig(
+        stage=stage,
         model=config.model,
         dtype=(config.prefill_dtype or config.dtype) if role == "prefill" else config.dtype,
         kv_dtype=resolve_kv_dtype(config.dtype, config.kv_dtype),  # one KV dtype for all
@@ -49,7 +53,7 @@ class WorkerRuntime:
         self.conductor = config.inbox("conductor")
         self.dropped: Counter[str] = Counter()  # the worker's drops, reported in heartbeats
         shm = worker_segment(self.instance_id, config.kv_path, config.device)
-        self.engine = Engine(replace(engine_config(config, role), kv_shm_path=shm))
+        self.engine = Engine(replace(engine_config(config, role, index), kv_shm_path=shm))
         close_at_exit(self.engine.kv)
         self.mail = Mailbox(self.inbox_address, self.instance_id)
         self.transfer = TransferAgent(TransferConfig(hostname=config.host,
@@ -58,13 +62,17 @@ class WorkerRuntime:
         self.transfer.register(kv.base_address, kv.nbytes)
         self.epoch = time.time_ns()  # this incarnation: fences its messages (protocol.Fence)
         self.left = False  # a drain ended (``leave``): no more beats or registrations
+        # False: no new work now (a prefill group missing a stage); beats say draining
+        self.available: Callable[[], bool] = lambda: True
 
     def registration(self) -> RegisterWorker:
         kv = self.engine.kv
         return RegisterWorker(
             instance_id=self.instance_id, role=self.role, inbox=self.inbox_address,
             transfer_session=self.transfer.session_id, kv_base=kv.base_address,
-            block_nbytes=kv.block_nbytes, layer_nbytes=kv.layer_nbytes,
+            # a block of the whole model (a pipeline head holds only its layers of it)
+            block_nbytes=kv.layer_nbytes * self.engine.model_config.num_layers,
+            layer_nbytes=kv.layer_nbytes,
             num_blocks=kv.num_blocks, block_size=self.engine.config.block_size,
             kv_shm_path=kv.shm_path, host_id=host_id(), epoch=self.epoch)
 
@@ -77,7 +85,7 @@ class WorkerRuntime:
             free_blocks=pool.num_free, used_blocks=pool.num_used,
             total_blocks=pool.num_blocks, events=events, event_seq=pool.last_seq,
             epoch=self.epoch, inbox=self.inbox_address,
-            draining=current_drain().active, dropped=drop_counts(self.dropped, self.mail))
+            draining=current_drain().active or not self.available(), dropped=drop_counts(self.dropped, self.mail))
 
     @property
     def handlers(self) -> dict[type, Callable[[Any], None]]:

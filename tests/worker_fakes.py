@@ -57,6 +57,7 @@ class FakeEngine:
         self.config = EngineConfig(model="fake", num_blocks=num_blocks, block_size=block_size,
                                    max_batch_size=max_batch_size)
         self.model_config = ModelConfig()
+        self.layers = range(self.model_config.num_layers)
         self.pool = BlockPool(num_blocks)
         self.kv = PagedKVMemory(num_blocks, self.model_config.num_layers, block_size,
                                 num_kv_heads=1, head_dim=2)
@@ -98,8 +99,17 @@ class FakeEngine:
     def decode_logits(self, decodes: Sequence[DecodeInput]) -> torch.Tensor:
         return self._logits([d.token_id for d in decodes])
 
+    def stage_step(self, chunks: Sequence[PrefillChunk], hidden: Optional[torch.Tensor] = None,
+                   layer_hook: Optional[Callable[[int], None]] = None,
+                   before_layer: Optional[Callable[[int], None]] = None,
+                   ) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+        """A prefill worker's step (a whole model is its only stage)."""
+        rows, _ = self.step(chunks, (), layer_hook, before_layer)
+        return torch.zeros(sum(c.end - c.start for c in chunks), 1), rows
+
     def step(self, chunks: Sequence[PrefillChunk] = (), decodes: Sequence[DecodeInput] = (),
              layer_hook: Optional[Callable[[int], None]] = None,
+             before_layer: Optional[Callable[[int], None]] = None,
              ) -> tuple[list[Optional[torch.Tensor]], Optional[torch.Tensor]]:
         self.steps.append((list(chunks), list(decodes)))
         if self.gate is not None and not self.gate.wait(10):
@@ -115,6 +125,8 @@ class FakeEngine:
             if not 0 <= c.start < c.end <= len(c.token_ids) or len(c.block_table) * bs < c.end:
                 raise EngineInputError(f"bad chunk [{c.start}, {c.end})")
         for layer in range(self.model_config.num_layers):
+            if before_layer is not None:
+                before_layer(layer)
             self.compute_layer(chunks, layer)
             if layer_hook is not None:
                 layer_hook(layer)

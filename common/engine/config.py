@@ -20,7 +20,18 @@ class EngineConfig:
     seed: int = 0
     num_layers: Optional[int] = None  # instantiate only the first N layers (huge dummies)
     num_threads: Optional[int] = None  # torch intra-op threads; None keeps torch's default
-    layers: Optional[tuple[int, int]] = None  # a pipeline stage's layers [a, b); None: all
+    stage: tuple[int, int] = (0, 1)  # (this stage, stages) of a pipeline: its share of layers
+
+
+def stage_layers(num_layers: int, stages: int, stage: int) -> range:
+    """Layers of ``stage`` of ``stages``: contiguous, sizes differing by at most one
+    (earlier stages take the extra ones)."""
+    if not 1 <= stages <= num_layers or not 0 <= stage < stages:
+        raise ValueError(f"stage {stage} of {stages} over {num_layers} layers: a pipeline "
+                         f"needs 1 to {num_layers} stages (the model's layers)")
+    size, extra = divmod(num_layers, stages)
+    start = stage * size + min(stage, extra)
+    return range(start, start + size + (stage < extra))
 
 
 @dataclass(frozen=True)

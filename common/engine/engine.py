@@ -11,7 +11,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from common.engine.config import DecodeInput, EngineConfig, PrefillChunk
+from common.engine.config import DecodeInput, EngineConfig, PrefillChunk, stage_layers
 from common.engine.errors import EngineInputError, UnknownModelError
 from common.kv.block_keys import compute_block_keys, model_fingerprint
 from common.kv.block_pool import BlockPool
@@ -48,8 +48,8 @@ class Engine:
             weights = random_weights(model_config, seed=0)
         self.model_config: ModelConfig = model_config
         # a pipeline stage's layers [a, b) of the model (None: every layer)
-        self.layers = range(*config.layers) if config.layers else range(model_config.num_layers)
         try:
+            self.layers = stage_layers(model_config.num_layers, config.stage[1], config.stage[0])
             self.model = LlamaModel(model_config, weights, self.dtype, self.device,
                                     layers=self.layers)
         except ValueError as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 from common.kv.block_pool import BlockPool
@@ -22,6 +22,7 @@ from services.prefill.prefix_plan import (
 
 if TYPE_CHECKING:
     from common.store.client import StoreClient
+    from common.store.ranges import GetPlan
 
 log = logging.getLogger("prefill.prefix")
 
@@ -34,15 +35,21 @@ class PrefixPlan:
     cached_blocks: int  # leading blocks whose KV is already present
     global_blocks: int  # of those, loaded from the store now
     stored_from: int  # first block index not known to be in the store
+    # Layer-wise: the blocks [load_from, cached_blocks) are read from the store layer by
+    # layer under ``load`` while the prompt computes (services/prefill/layer_io.py).
+    load: Optional["GetPlan"] = None
+    load_from: int = 0
 
 
 class PrefixLoader:
     """Executes the reuse plan (``services/prefill/prefix_plan.py``) against the worker's
     block pool and the store client: references, copies, caches and puts blocks."""
 
-    def __init__(self, pool: BlockPool, kv: PagedKVMemory, store: Optional[StoreClient]
-                 ) -> None:
+    def __init__(self, pool: BlockPool, kv: PagedKVMemory, store: Optional[StoreClient],
+                 layerwise: bool = False, object_nbytes: Optional[int] = None) -> None:
         self.pool = pool
+        self.layerwise = layerwise  # store blocks load during compute, not before it
+        self.object_nbytes = object_nbytes or kv.block_nbytes  # a store object: every layer
         self.kv = kv
         self.bs = kv.block_size
         self.store = store
@@ -58,37 +65,68 @@ class PrefixLoader:
                                 timeout_s=STORE_TIMEOUT_S, shm_dir=rt.config.store.shm_dir)
             await store.start()
             store.register_local(rt.engine.kv.base_address, rt.engine.kv.nbytes)
-        return cls(rt.engine.pool, rt.engine.kv, store)
+        kv = rt.engine.kv
+        return cls(rt.engine.pool, kv, store, rt.config.kv_layerwise,
+                   kv.layer_nbytes * rt.engine.model_config.num_layers)
 
     async def acquire(self, tokens: list[int], keys: list[bytes]) -> Optional[PrefixPlan]:
         """Reference every block the prompt needs; None if the pool cannot hold it."""
-        cached, reuse = await self._find(tokens, keys)
+        cached, reuse, load = await self._find(tokens, keys)
         rest = self.pool.try_allocate(reuse.fresh)
         if rest is None:
             self.pool.free(cached)
             return None
-        return PrefixPlan(cached + rest, reuse.kept, reuse.global_blocks, reuse.stored_from)
+        if load is not None and reuse.global_blocks:
+            n = reuse.global_blocks
+            load = replace(load, keys=load.keys[:n], replicas=load.replicas[:n])
+        else:
+            load = None
+        return PrefixPlan(cached + rest, reuse.kept, reuse.global_blocks, reuse.stored_from,
+                          load, reuse.local if load is not None else 0)
 
     async def lookup(self, tokens: list[int], keys: list[bytes]) -> tuple[list[int], int, int]:
         """The prompt's longest cached prefix, referenced: the local cache first, then the
         store. Returns (blocks, how many came from the store now, first block index not
         known to be in the store). At least one token is always left to compute."""
-        cached, reuse = await self._find(tokens, keys)
+        cached, reuse, _ = await self._find(tokens, keys, whole=True)
         return cached, reuse.global_blocks, reuse.stored_from
 
-    async def _find(self, tokens: list[int], keys: list[bytes]) -> tuple[list[int], Reuse]:
+    async def _find(self, tokens: list[int], keys: list[bytes], whole: bool = False,
+                    ) -> tuple[list[int], Reuse, Optional["GetPlan"]]:
         local = self.pool.match_prefix(keys)
         loaded: list[int] = []
         found: Optional[int] = None
+        load = None
         if ask_store(len(local), len(keys), self.store is not None):
             exists = await self._exists(keys)
             if exists is not None:
                 found = leading(exists)
-                loaded = await self._fetch(keys, store_fetch(len(local), exists))
+                fetch = store_fetch(len(local), exists)
+                if self.layerwise and not whole:
+                    loaded, load = await self._plan_load(keys, fetch)
+                else:
+                    loaded = await self._fetch(keys, fetch)
         reuse = plan_reuse(len(tokens), self.bs, len(local), len(loaded), found)
         cached = local + loaded
         self.pool.free(cached[reuse.kept:])  # tail first, like any sequence's blocks
-        return cached[:reuse.kept], reuse
+        return cached[:reuse.kept], reuse, load
+
+    async def _plan_load(self, keys: list[bytes], fetch: range
+                         ) -> tuple[list[int], Optional["GetPlan"]]:
+        """Fresh blocks for the leading store blocks of ``fetch`` and the lease to read
+        them by: the reads run layer by layer during the compute (layer_io.LayerLoads);
+        the blocks join the local cache only once the prompt is done."""
+        if not fetch:
+            return [], None
+        try:
+            plan = await self.store.plan_get(keys[fetch.start:fetch.stop], self.object_nbytes)
+        except Exception as exc:
+            log.warning("store lookup failed (%s); computing instead", exc)
+            return [], None
+        if plan is None:
+            return [], None
+        blocks = self.pool.try_allocate(leading(plan.present()))
+        return (blocks, plan) if blocks else ([], None)
 
     async def _exists(self, keys: list[bytes]) -> Optional[list[bool]]:
         """The store's answer for every key; None when it fails (the store is optional for
@@ -149,7 +187,8 @@ class PrefixLoader:
         drop this request's references (after the put has read them)."""
         full = len(keys)
         self.pool.cache_full_blocks(plan.block_table[:full], keys)
-        new = put_back(plan.stored_from, full, self.store is not None)
+        # layer-wise, the new blocks were put while they were computed (store_writes.py)
+        new = put_back(plan.stored_from, full, self.store is not None and not self.layerwise)
         if not new:
             self.pool.free(plan.block_table)
             return

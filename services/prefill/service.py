@@ -16,7 +16,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Coroutine, Optional
 
 import torch
@@ -34,11 +34,16 @@ from common.protocol import (
     WorkerLoad,
 )
 from common.security import clamp_deadline
+from common.stage_protocol import StageStored
 from common.transfer import TransferError
 from common.worker import WorkerRuntime, fail_step, make_generator
+from services.prefill.group import HeadGroup
 from services.prefill.lanes import Lanes
-from services.prefill.prefix import PrefixLoader, PrefixPlan
-from services.prefill.streaming import KVPaths, KVStream, RequestAborted
+from services.prefill.layer_io import LayerLoads, PartIO, StepIO, settle
+from services.prefill.job import Job, PrefillFailure
+from services.prefill.prefix import PrefixLoader
+from services.prefill.store_writes import StoreWrites, blocks_completed
+from services.prefill.streaming import KVPaths
 
 log = logging.getLogger("prefill")
 
@@ -48,31 +53,8 @@ log = logging.getLogger("prefill")
 SERVED_MEMORY = 4096
 
 
-class PrefillFailure(Exception):
-    def __init__(self, status: int, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.kind = status, kind
-
-
-@dataclass
-class Job:
-    """An admitted prompt: its blocks, its KV stream, and how far it has been computed."""
-
-    task: PrefillTask
-    keys: list[bytes]
-    plan: PrefixPlan
-    stream: KVStream
-    done: int  # tokens whose KV is in plan.block_table (cached prefix, then chunks)
-    compute_s: float = 0.0  # its share of the steps it was computed in
-    aborted: bool = False
-
-    @property
-    def remaining(self) -> int:
-        return len(self.task.token_ids) - self.done
-
-
 class PrefillWorker:
-    def __init__(self, rt: WorkerRuntime, prefix: PrefixLoader) -> None:
+    def __init__(self, rt: WorkerRuntime, prefix: PrefixLoader, index: int = 0) -> None:
         self.rt = rt
         self.engine = rt.engine
         self.pool = rt.engine.pool
@@ -89,15 +71,28 @@ class PrefillWorker:
         self.idle_check = IdleCheck(self.pool.check_idle, "KV block pool")
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="prefill")
         self.lanes = Lanes()  # one write thread per decode peer (lanes.py)
-        self.kv_paths = KVPaths(rt.config.kv_path, self.engine.kv, host_id())
+        self.kv_paths = KVPaths(rt.config.kv_path, self.engine.kv, host_id(),
+                                total_layers=self.engine.model_config.num_layers)
         self._finishing: set[asyncio.Task] = set()
         self.settling: set[Fence] = set()  # fences whose writes are still settling
+        self.layerwise = rt.config.kv_layerwise
+        self.mover = prefix.store.mover if prefix.store is not None else None
+        self.load_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
+        self.store_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
+        self.group = HeadGroup(rt, index) if rt.config.prefill_stages > 1 else None
+        self.store_writes = (StoreWrites(prefix.store, rt.config.prefill_stages - 1)
+                             if prefix.store is not None and self.layerwise else None)
+        self.steps = 0
         self.handlers: dict[type, Callable[[Any], None]] = {
             **rt.handlers,  # ReRegister
             PrefillTask: self.on_task,
             AbortRequest: self.on_abort,
             FenceQuery: self.on_fence_query,
         }
+        if self.group is not None:
+            self.handlers.update(self.group.handlers)
+        if self.store_writes is not None:
+            self.handlers[StageStored] = self.store_writes.on_stored
 
     # ------------------------------------------------------------ inbox
     def on_task(self, task: PrefillTask) -> None:
@@ -105,6 +100,9 @@ class PrefillWorker:
             return self._drop("epoch", task)
         if task.fence in self.served or self._known(task.request_id):
             return self._drop("duplicate", task)  # a replay, or an older attempt running
+        if self.group is not None and not self.group.followers.ready:
+            return self.fail(task, 503, "prefill_stage_down",
+                             f"a pipeline stage of {self.rt.instance_id} is not up")
         if len(self.waiting) >= self.max_waiting:
             return self.fail(task, 503, "prefill_queue_full",
                              f"{self.max_waiting} prompts are queued on {self.rt.instance_id}")
@@ -203,9 +201,15 @@ class PrefillWorker:
         except ValueError as exc:  # the decode side reserved too few blocks
             self.pool.free(plan.block_table)
             raise PrefillFailure(500, "internal_error", str(exc)) from exc
-        stream.send_whole_blocks(plan.cached_blocks)
+        loads = None
+        if plan.load is not None and self.mover is not None:  # reads start now
+            loads = LayerLoads(self.mover, plan.load, self.engine.kv,
+                               plan.block_table[plan.load_from:plan.cached_blocks], 0,
+                               self.load_lane)
+        # whole blocks present already; loaded ones stream per layer as they land
+        stream.send_whole_blocks(plan.load_from if loads is not None else plan.cached_blocks)
         done = min(plan.cached_blocks * self.engine.config.block_size, len(tokens) - 1)
-        return Job(task, keys, plan, stream, done)
+        return Job(task, keys, plan, stream, done, loads)
 
     # ------------------------------------------------------------ steps
     async def serve(self) -> None:
@@ -224,33 +228,65 @@ class PrefillWorker:
     async def step(self) -> None:
         """One forward over chunks of the admitted prompts; hand over those it ends."""
         planned = plan_chunks(self.jobs, self.budget)
+        self.steps += 1
+        parts = [await self._part(job, n) for job, n in planned]
         chunks = [PrefillChunk(j.task.token_ids, j.done, j.done + n, j.plan.block_table)
                   for j, n in planned]
-        ranges = [(j.stream, j.done, j.done + n) for j, n in planned]
-
-        def on_layer(layer: int) -> None:  # in the compute thread
-            for stream, start, end in ranges:
-                if not stream.aborted:
-                    try:
-                        stream.on_layer(layer, start, end)
-                    except RequestAborted:  # aborted this instant: dropped after the step
-                        pass
-
+        io = StepIO(parts, self.engine.kv, 0, self.mover, self.store_lane, self.layerwise)
         started = time.perf_counter()
         try:
-            rows = (await asyncio.get_running_loop().run_in_executor(
-                self.compute, lambda: self.engine.step(chunks, (), on_layer)))[0]
+            hidden, rows = await asyncio.get_running_loop().run_in_executor(
+                self.compute, lambda: self.engine.stage_step(chunks, None, io.after, io.before))
         except EngineInputError as exc:
             fail_step(self.rt, planned, exc)
             return
         step_s = time.perf_counter() - started
         total = sum(n for _, n in planned)
+        for (job, n), part in zip(planned, parts):
+            job.compute_s += step_s * n / total
+            job.put_futures += part.put_futures
+            if part.poisoned and job.failed is None:
+                job.failed = job.loads.failed if job.loads else "load failed"
+        if self.store_writes is not None:
+            self.store_writes.step_done(self.steps, parts)
+        if self.group is not None:
+            await self._ship(planned, parts, hidden)
         for (job, n), row in zip(planned, rows):
             job.done += n
-            job.compute_s += step_s * n / total
-            if row is not None and not job.aborted:
+            job.opened = True
+            if job.done == len(job.task.token_ids) and not job.aborted and job.failed is None:
                 self.jobs.remove(job)
                 self._spawn(job, self.finish(job, row))
+
+    async def _part(self, job: Job, n: int) -> PartIO:
+        """A job's chunk in the next step: its loads (first chunk) and store puts."""
+        start, end = job.done, job.done + n
+        part = PartIO(job.stream, start, end)
+        if not job.opened and job.loads is not None:
+            bs = self.engine.config.block_size
+            part.loads = job.loads
+            part.load_tokens = (job.plan.load_from * bs, job.plan.cached_blocks * bs)
+        if self.store_writes is not None and job.failed is None:
+            put = blocks_completed(start, end, self.engine.config.block_size, range(
+                job.plan.stored_from, len(job.keys)))
+            plan = await self.store_writes.plan(job.keys[put.start:put.stop],
+                                                self.prefix.object_nbytes)
+            if plan is not None:
+                part.put = plan
+                part.put_local = [job.plan.block_table[put.start + i] for i in plan.index]
+                part.put_blocks = [put.start + i for i in plan.index]
+        return part
+
+    async def _ship(self, planned: list[tuple[Job, int]], parts: list[PartIO],
+                    hidden: torch.Tensor) -> None:
+        """Hand the step to the next stage; a pipeline that cannot take it ends the group
+        (its stages would disagree on what was computed)."""
+        assert self.group is not None
+        stage_parts = [self.group.part(job.task, job.plan, job.done, job.done + n, job.opened,
+                                       part) for (job, n), part in zip(planned, parts)]
+        waited = await self.group.ship(self.steps, hidden, stage_parts)
+        for job, _ in planned:
+            job.wait_s += waited
 
     def _spawn(self, job: Job, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` (finish or give up) for a job whose writes are still settling."""
@@ -263,41 +299,66 @@ class PrefillWorker:
     def _drop_failed(self) -> None:
         """Aborted prompts and prompts past their deadline leave between steps."""
         now = time.time()
-        for job in [j for j in self.jobs if j.aborted or now > j.task.deadline]:
+        for job in [j for j in self.jobs if j.aborted or j.failed or now > j.task.deadline]:
             self.jobs.remove(job)
             failure = (PrefillFailure(499, "aborted", "aborted during prefill") if job.aborted
+                       else PrefillFailure(503, "kv_load_failed", job.failed) if job.failed
                        else PrefillFailure(504, "timeout", "prefill missed its deadline"))
             self._spawn(job, self.give_up(job, failure))
 
     async def give_up(self, job: Job, failure: PrefillFailure) -> None:
         """Stop the stream and wait until none of its writes can land (they read our
-        blocks and write the decode worker's), however long: only then free our blocks
-        and send KVFailed, which lets the decode worker reuse its blocks."""
+        blocks and write the decode worker's), however long, on every stage: only then
+        free our blocks and send KVFailed, which lets the decode worker reuse its blocks."""
+        outcome = self.group.abort(job.task) if self.group is not None else None
         await job.stream.settle()
+        await settle(job.put_futures + (job.loads.futures if job.loads else []))
+        if job.loads is not None and job.loads.failed and self.mover is not None:
+            await settle(self.mover.transfer.in_flight() if self.mover.transfer else [])
+        if outcome is not None:
+            await self.group.settled(outcome)
         self.pool.free(job.plan.block_table)
         self.fail(job.task, failure.status, failure.kind, str(failure))
 
-    async def finish(self, job: Job, logits: torch.Tensor) -> None:
-        """The prompt's last chunk ran: wait for its KV to land, sample, hand over."""
+    async def finish(self, job: Job, logits: Optional[torch.Tensor]) -> None:
+        """The prompt's last chunk ran: wait for its KV to land (on every stage), sample
+        (or take the last stage's token), hand over."""
         task = job.task
+        outcome = self.group.expect(task) if self.group is not None else None
+        started = time.perf_counter()
         try:
+            if not self.layerwise:  # the baseline: every block after the prefill
+                job.stream.send_whole_blocks(len(job.plan.block_table))
             await job.stream.wait(max(1.0, task.deadline - time.time()))
+            await settle(job.put_futures)
+            if outcome is not None:
+                result = await self.group.result(outcome, task.deadline)
+                job.compute_s += result.compute_s
+                job.wait_s += result.wait_s
         except TransferError as exc:
             return await self.give_up(job, PrefillFailure(503, "kv_transfer_failed", str(exc)))
+        job.wait_s += time.perf_counter() - started
         if job.aborted:
             return await self.give_up(job, PrefillFailure(499, "aborted", "aborted"))
         self.kv_paths.done(job.stream)
-        params = task.sampling
-        tokens, logprobs = sample(logits.unsqueeze(0), [params], [make_generator(params, 0)])
+        if outcome is None:
+            params = task.sampling
+            tokens, logprobs = sample(logits.unsqueeze(0), [params],
+                                      [make_generator(params, 0)])
+            token, logprob = int(tokens[0]), logprobs[0]
+        else:
+            token, logprob = result.first_token, result.first_logprob
         bs = self.engine.config.block_size
         cached_tokens = job.plan.cached_blocks * bs
         prompt = len(task.token_ids)
+        if job.loads is not None:
+            job.wait_s += job.loads.wait_s
         self.rt.mail.send(task.decode_inbox, KVReady(
-            task.request_id, int(tokens[0]), logprobs[0], prompt, cached_tokens, task.fence))
+            task.request_id, token, logprob, prompt, cached_tokens, task.fence))
         self.rt.mail.send(self.rt.conductor, PrefillDone(
             task.request_id, self.rt.instance_id, prompt, cached_tokens,
             job.plan.global_blocks * bs, job.compute_s, job.stream.bytes, job.stream.seconds,
-            task.fence))
+            task.fence, wait_s=job.wait_s))
         self.prefix.release(job.plan, job.keys)
 
     def fail(self, task: PrefillTask, status: int, kind: str, message: str) -> None:
@@ -308,18 +369,30 @@ class PrefillWorker:
 
 
 async def run(config: ClusterConfig, index: int = 0) -> None:
+    """A prefill worker, or the head of a prefill group (process ``index`` of it is stage
+    0); a later stage of a group runs services/prefill/stage.py."""
+    if config.prefill_stage(index)[1] > 0:
+        from services.prefill.stage import run_follower
+        return await run_follower(config, index)
     rt = WorkerRuntime(config, "prefill", index)
     prefix = await PrefixLoader.create(rt)
-    worker = PrefillWorker(rt, prefix)
-    tasks = [asyncio.create_task(c) for c in (worker.serve(),
-                                              rt.heartbeat_loop(worker.load, worker.idle),
-                                              worker.idle_check.watch(worker.idle))]
+    worker = PrefillWorker(rt, prefix, index)
+    coros = [worker.serve(), rt.heartbeat_loop(worker.load, worker.idle),
+             worker.idle_check.watch(worker.idle)]
+    if worker.group is not None:
+        rt.available = lambda: worker.group.followers.ready
+        coros.append(worker.group.beat_loop())
+    tasks = [asyncio.create_task(c) for c in coros]
     log.info("%s ready (inbox %s, %d KV blocks, budget %d tokens/step, store %s)",
              rt.instance_id, rt.inbox_address, rt.engine.kv.num_blocks, worker.budget,
              "on" if prefix.store else "off")
     try:
         await serve_inbox(rt.mail, worker.handlers, tasks)
     finally:
+        if worker.store_writes is not None:
+            await worker.store_writes.close()
         await prefix.close()
         worker.lanes.close()
+        if worker.group is not None:
+            worker.group.close()
         rt.close()

@@ -1,0 +1,38 @@
+"""A prefill job: an admitted prompt, its blocks, its KV stream, how far it has computed."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from common.protocol import PrefillTask
+from services.prefill.layer_io import LayerLoads
+from services.prefill.prefix import PrefixPlan
+from services.prefill.streaming import KVStream
+
+
+class PrefillFailure(Exception):
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+@dataclass
+class Job:
+    """An admitted prompt: its blocks, its KV stream, and how far it has been computed."""
+
+    task: PrefillTask
+    keys: list[bytes]
+    plan: PrefixPlan
+    stream: KVStream
+    done: int  # tokens whose KV is in plan.block_table (cached prefix, then chunks)
+    loads: Optional[LayerLoads] = None  # its store blocks, loading layer by layer
+    opened: bool = False  # its first chunk was computed (and, in a group, shipped)
+    compute_s: float = 0.0  # its share of the steps it was computed in
+    wait_s: float = 0.0  # time blocked on transfers: loads, a full pipeline, the stream
+    put_futures: list = field(default_factory=list)  # its layer-wise store writes
+    failed: Optional[str] = None  # a load failed: what it computes now is garbage
+    aborted: bool = False
+
+    @property
+    def remaining(self) -> int:
+        return len(self.task.token_ids) - self.done

@@ -1,0 +1,136 @@
+"""A stage's KV I/O around each of its layers in one step.
+
+Before layer l reads the KV memory: wait until the blocks loaded from the store have
+layer l (``LayerLoads``: one read per layer, all queued at once on the load lane, so layer
+l+1 loads while layer l computes), then stream those blocks' layer l to the decode worker.
+After layer l wrote its tokens' K/V: stream them to the decode worker (``KVStream``) and
+write layer l of every store object the chunk completes (``PutPlan``) on the store lane.
+
+The same code serves a lone prefill worker (a group of one) and every stage of a group:
+layer indices are the stage's own (its KV memory holds only its layers); the store object
+and the decode block hold every layer, so their offsets use ``first_layer + l``.
+
+A failed load poisons its request on this stage: what it computes from then on is
+garbage, so it neither streams nor stores any more (the request fails; a store object is
+committed only where every stage wrote it, common/store/ranges.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Optional
+
+from common.kv.memory import PagedKVMemory
+from common.store.ranges import GetPlan, PutPlan, RangeMover
+from services.prefill.streaming import KVStream, RequestAborted
+
+log = logging.getLogger(__name__)
+
+
+class LayerLoads:
+    """Blocks of one request read from the store layer by layer into local ``blocks``."""
+
+    def __init__(self, mover: RangeMover, plan: GetPlan, kv: PagedKVMemory,
+                 blocks: list[int], first_layer: int, lane: ThreadPoolExecutor) -> None:
+        self.plan = plan
+        ln = kv.layer_nbytes
+        self.futures: list[Future] = [
+            lane.submit(mover.read, plan, [(i, kv.layer_address(b, layer), (first_layer + layer)
+                                            * ln, ln) for i, b in enumerate(blocks)])
+            for layer in range(kv.num_layers)]
+        self.failed: Optional[str] = None
+        self.wait_s = 0.0
+
+    def wait(self, layer: int) -> bool:
+        """In the compute thread: layer ``layer`` has landed (False: a read failed, or
+        missed the lease; the rest are cancelled)."""
+        if self.failed is None:
+            started = time.perf_counter()
+            try:
+                self.futures[layer].result(timeout=max(0.0, self.plan.deadline - time.time()))
+            except Exception as exc:  # TransferError, a timeout, a cancelled read
+                self.failed = f"layer-wise load failed at layer {layer}: {exc}"
+                for f in self.futures:
+                    f.cancel()
+            self.wait_s += time.perf_counter() - started
+        return self.failed is None
+
+    def unsettled(self) -> list[Future]:
+        return [f for f in self.futures if not f.done()]
+
+
+@dataclass
+class PartIO:
+    """One request's chunk [start, end) in a step on this stage."""
+
+    stream: KVStream
+    start: int
+    end: int
+    loads: Optional[LayerLoads] = None
+    load_tokens: tuple[int, int] = (0, 0)  # the loaded blocks' tokens, streamed per layer
+    put: Optional[PutPlan] = None
+    put_local: list[int] = field(default_factory=list)  # local block of each put key
+    put_blocks: list[int] = field(default_factory=list)  # its block index in the prompt
+    put_futures: list[Future] = field(default_factory=list)
+    poisoned: bool = False  # computed from a failed load: streams and stores nothing
+
+    def written(self) -> list[bool]:
+        """Per put key: every layer's write of it finished (call once they are done)."""
+        ok = not self.poisoned and all(
+            f.done() and not f.cancelled() and f.exception() is None for f in self.put_futures)
+        return [ok and len(self.put_futures) > 0] * (len(self.put.keys) if self.put else 0)
+
+
+class StepIO:
+    """The hooks of one step: ``before(layer)`` and ``after(layer)``, in the compute
+    thread; they queue work on the lanes and never block but for a load."""
+
+    def __init__(self, parts: list[PartIO], kv: PagedKVMemory, first_layer: int,
+                 mover: Optional[RangeMover], store_lane: Optional[ThreadPoolExecutor],
+                 layerwise: bool = True) -> None:
+        self.parts = parts
+        self.layerwise = layerwise  # False: the decode worker gets whole blocks afterwards
+        self.kv = kv
+        self.first_layer = first_layer
+        self.mover = mover
+        self.store_lane = store_lane
+
+    def before(self, layer: int) -> None:
+        for part in self.parts:
+            if part.loads is None or part.poisoned:
+                continue
+            if not part.loads.wait(layer):
+                part.poisoned = True
+                continue
+            self._stream(part, layer, *part.load_tokens)
+
+    def after(self, layer: int) -> None:
+        ln = self.kv.layer_nbytes
+        for part in self.parts:
+            if part.poisoned:
+                continue
+            if self.layerwise:
+                self._stream(part, layer, part.start, part.end)
+            if part.put is not None and self.mover is not None and self.store_lane is not None:
+                items = [(i, self.kv.layer_address(b, layer), (self.first_layer + layer) * ln, ln)
+                         for i, b in enumerate(part.put_local)]
+                part.put_futures.append(self.store_lane.submit(self.mover.write, part.put, items))
+
+    @staticmethod
+    def _stream(part: PartIO, layer: int, start: int, end: int) -> None:
+        if end > start and not part.stream.aborted:
+            try:
+                part.stream.on_layer(layer, start, end)
+            except RequestAborted:  # aborted this instant: dropped after the step
+                pass
+
+
+async def settle(futures: list[Future]) -> None:
+    """Wait until none of ``futures`` (writes reading our blocks, reads landing in them)
+    runs any more. Each is bounded by its own deadline, so this ends."""
+    pending = [asyncio.wrap_future(f) for f in futures if not f.done()]
+    if pending:
+        await asyncio.wait(pending)

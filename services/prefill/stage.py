@@ -1,0 +1,333 @@
+"""A later stage of a prefill group: compute each step for this stage's layers.
+
+Steps come from the previous stage in order (``StageStep``: the parts, and the hidden
+states in one of our slots). For each, this stage reads the hidden states and frees the
+slot, opens the KV stream of every request starting here, computes its layers (loading
+store blocks and streaming KV and store writes per layer, services/prefill/layer_io.py),
+then hands its hidden states on, or, as the last stage, samples the first token of every
+prompt that ends. When a request's last chunk is done here and none of its writes can
+land any more, it reports to the head (``StageReport``); a step's store writes are
+reported per step (``StageStored``). The block ids are the head's: its pool owns them.
+
+A follower belongs to one head incarnation: when that head's beats stop or another head
+beats, it exits (its writes stop with it) and the supervisor starts it again.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import torch
+
+from common.config import ClusterConfig
+from common.engine.config import PrefillChunk
+from common.engine.sampling import sample
+from common.kv.hidden import HiddenInbox
+from common.kv.shm_kv import host_id
+from common.mailbox import serve_inbox
+from common.protocol import Fence
+from common.stage_protocol import (
+    StageAbort, StageAck, StageBeat, StageHello, StagePart, StageReport, StageStep, StageStored,
+)
+from common.store.ranges import RangeMover
+from common.worker import WorkerRuntime, make_generator
+from services.prefill.group import NextStage, StageLost
+from services.prefill.lanes import Lanes
+from services.prefill.layer_io import LayerLoads, PartIO, StepIO, settle
+from services.prefill.streaming import KVPaths, KVStream
+
+log = logging.getLogger("prefill.stage")
+
+SLOTS = 2  # hidden-state slots: the previous stage computes step s+1 while we read s
+ABORTED_MEMORY = 4096  # requests aborted here: a late chunk of one is never streamed
+
+Key = tuple[str, Fence]
+
+
+@dataclass
+class Held:
+    """A request on this stage: its stream and what it costs here."""
+
+    stream: KVStream
+    loads: Optional[LayerLoads]
+    zeros: list[int]  # token ids are the head's business: a placeholder of the length
+    put_futures: list[Future] = field(default_factory=list)
+    compute_s: float = 0.0
+    wait_s: float = 0.0  # blocked on transfers: loads, the next stage's slots, the stream
+    failed: str = ""
+    aborted: bool = False
+    finishing: bool = False  # its report is being prepared (``finish``)
+    token: Optional[int] = None
+    logprob: Optional[float] = None
+
+
+class StageWorker:
+    def __init__(self, rt: WorkerRuntime, index: int) -> None:
+        cfg = rt.config
+        group, self.stage = cfg.prefill_stage(index)
+        self.rt = rt
+        self.engine = rt.engine
+        self.kv = rt.engine.kv
+        self.first_layer = rt.engine.layers.start
+        self.last = self.stage == cfg.prefill_stages - 1
+        self.head = cfg.inbox("prefill", group * cfg.prefill_stages)
+        self.prev = cfg.inbox("prefill", index - 1)
+        hidden = rt.engine.model_config.hidden_size
+        self.hidden_in = HiddenInbox(rt.transfer, rt.instance_id, SLOTS,
+                                     cfg.step_budget("prefill") * hidden * 4)
+        self.next = None if self.last else NextStage(rt.mail, rt.transfer, cfg.kv_path,
+                                                     cfg.inbox("prefill", index + 1))
+        self.kv_paths = KVPaths(cfg.kv_path, self.kv, host_id(), first_layer=self.first_layer,
+                                total_layers=rt.engine.model_config.num_layers)
+        self.lanes = Lanes()
+        self.mover = RangeMover(rt.transfer, cfg.store.shm_dir) if cfg.store.enabled else None
+        self.load_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
+        self.store_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
+        self.compute = ThreadPoolExecutor(1, thread_name_prefix="prefill")
+        self.timeout_s = cfg.heartbeat_timeout_s
+        self.head_epoch: Optional[int] = None  # the head we follow
+        self.last_beat = time.monotonic()
+        self.lost: Optional[StageLost] = None
+        self.steps: dict[int, StageStep] = {}
+        self.next_step = 1
+        self.wake = asyncio.Event()
+        self.held: dict[Key, Held] = {}
+        self.current: set[Key] = set()  # in the step computing now
+        self.aborted: OrderedDict[Key, None] = OrderedDict()
+        self.tasks: set[asyncio.Task] = set()
+        self.handlers = {StageStep: self.on_step, StageAbort: self.on_abort,
+                         StageBeat: self.on_beat}
+        if self.next is not None:
+            self.handlers.update({StageHello: self.next.on_hello, StageAck: self.next.on_ack})
+
+    # ------------------------------------------------------------ the head
+    def on_beat(self, msg: StageBeat) -> None:
+        if self.head_epoch is None:
+            self.head_epoch = msg.head_epoch
+            log.info("%s follows head %s (epoch %d)", self.rt.instance_id, self.head,
+                     msg.head_epoch)
+        elif msg.head_epoch != self.head_epoch:
+            self.lost = StageLost(f"another head incarnation beats ({msg.head_epoch})")
+        self.last_beat = time.monotonic()
+
+    async def hello_loop(self) -> None:
+        """Say hello to the head and the previous stage every interval; exit (the group
+        restarts) once our head is gone."""
+        while True:
+            hello = StageHello(self.stage, self.rt.epoch, self.rt.inbox_address,
+                               self.hidden_in.route, self.head_epoch or 0)
+            for inbox in {self.head, self.prev}:
+                self.rt.mail.send(inbox, hello)
+            silent = time.monotonic() - self.last_beat
+            if self.head_epoch is not None and silent > self.timeout_s / 2 and not self.lost:
+                self.lost = StageLost(f"no beat from the head for {silent:.1f}s")
+            if self.lost is not None:
+                log.error("%s: %s: exiting", self.rt.instance_id, self.lost)
+                raise self.lost
+            await asyncio.sleep(self.rt.config.heartbeat_interval_s)
+
+    # ------------------------------------------------------------ steps
+    def on_step(self, msg: StageStep) -> None:
+        if self.head_epoch is None or msg.head_epoch != self.head_epoch:
+            self.rt.dropped["epoch"] += 1
+            return
+        self.steps[msg.step] = msg
+        self.wake.set()
+
+    async def serve(self) -> None:
+        while True:
+            msg = self.steps.pop(self.next_step, None)
+            if msg is None:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            self.next_step += 1
+            await self.step(msg)
+
+    async def step(self, msg: StageStep) -> None:
+        hidden = self.hidden_in.read(msg.slot, msg.tokens,
+                                     self.engine.model_config.hidden_size,
+                                     getattr(torch, msg.dtype))
+        self.rt.mail.send(self.prev, StageAck(msg.head_epoch, msg.step, msg.slot))
+        ios = [self._part(p) for p in msg.parts]
+        keys = [(p.request_id, p.fence) for p in msg.parts]
+        chunks = [PrefillChunk(self._zeros(k, p), p.start, p.end, p.block_table)
+                  for k, p in zip(keys, msg.parts)]
+        io = StepIO(ios, self.kv, self.first_layer, self.mover, self.store_lane,
+                    self.rt.config.kv_layerwise)
+        self.current = set(keys)
+        started = time.perf_counter()
+        try:
+            hidden, rows = await asyncio.get_running_loop().run_in_executor(
+                self.compute, lambda: self.engine.stage_step(chunks, hidden, io.after, io.before))
+        finally:
+            self.current = set()
+        step_s = time.perf_counter() - started
+        total = sum(p.end - p.start for p in msg.parts)
+        for key, part, pio in zip(keys, msg.parts, ios):
+            held = self.held.get(key)
+            if held is None:
+                continue
+            held.compute_s += step_s * (part.end - part.start) / total
+            held.put_futures += pio.put_futures
+            if pio.poisoned and not held.failed:
+                held.failed = held.loads.failed if held.loads and held.loads.failed else (
+                    "computed from a failed load on an earlier stage")
+        self._report_stored(msg, ios)
+        if self.next is not None:
+            parts = [replace(p, poisoned=p.poisoned or pio.poisoned)
+                     for p, pio in zip(msg.parts, ios)]
+            waited = await self.next.ship(msg.head_epoch, msg.step, hidden, parts,
+                                          2 * self.timeout_s)
+            for key in keys:
+                if key in self.held:
+                    self.held[key].wait_s += waited
+        for key, part, row in zip(keys, msg.parts, rows):
+            held = self.held.get(key)
+            if held is None:
+                continue
+            if row is not None and part.sampling is not None and not held.failed:
+                tokens, logprobs = sample(row.unsqueeze(0), [part.sampling],
+                                          [make_generator(part.sampling, 0)])
+                held.token, held.logprob = int(tokens[0]), logprobs[0]
+            if (held.aborted or part.end == part.prompt_len) and not held.finishing:
+                self._spawn(self.finish(key, held, part.deadline))
+
+    def _part(self, part: StagePart) -> PartIO:
+        key = (part.request_id, part.fence)
+        if part.opening is not None and key not in self.aborted and key not in self.held:
+            self._open(key, part)
+        held = self.held.get(key)
+        if held is None:  # aborted here, or never opened: compute, write nothing
+            return PartIO(None, part.start, part.end, poisoned=True)  # type: ignore[arg-type]
+        pio = PartIO(held.stream, part.start, part.end,
+                     poisoned=part.poisoned or bool(held.failed) or held.aborted)
+        if part.opening is not None and held.loads is not None:
+            bs = self.engine.config.block_size
+            pio.loads = held.loads
+            pio.load_tokens = (part.opening.load_from * bs, part.opening.cached_blocks * bs)
+        if part.put is not None:
+            pio.put = part.put
+            pio.put_local = [part.block_table[b] for b in part.put_blocks]
+        return pio
+
+    def _open(self, key: Key, part: StagePart) -> None:
+        opening = part.opening
+        assert opening is not None
+        target = opening.target
+        try:
+            stream = self.kv_paths.open(self.rt.transfer, self.lanes.get(target.decode_id),
+                                        self.kv, part.block_table, target)
+        except ValueError as exc:
+            log.warning("%s: cannot stream %s: %s", self.rt.instance_id, part.request_id, exc)
+            return
+        loads = None
+        if opening.load is not None and self.mover is not None:
+            loads = LayerLoads(self.mover, opening.load, self.kv,
+                               part.block_table[opening.load_from:opening.cached_blocks],
+                               self.first_layer, self.load_lane)
+        stream.send_whole_blocks(opening.load_from if loads is not None
+                                 else opening.cached_blocks)
+        self.held[key] = Held(stream, loads, [0] * part.prompt_len)
+
+    def _zeros(self, key: Key, part: StagePart) -> list[int]:
+        held = self.held.get(key)
+        return held.zeros if held is not None else [0] * part.prompt_len
+
+    def _report_stored(self, msg: StageStep, ios: list[PartIO]) -> None:
+        with_put = [pio for pio in ios if pio.put is not None]
+        if not with_put:
+            return
+
+        async def report() -> None:
+            await settle([f for pio in with_put for f in pio.put_futures])
+            written = [w for pio in with_put for w in pio.written()]
+            self.rt.mail.send(self.head, StageStored(msg.head_epoch, self.stage, msg.step,
+                                                     written))
+        self._spawn(report())
+
+    # ------------------------------------------------------------ endings
+    async def finish(self, key: Key, held: Held, deadline: float) -> None:
+        """The request's last chunk ran here (or it was aborted): report once none of its
+        writes can land any more. It stays held until then: an abort meanwhile marks it."""
+        held.finishing = True
+        started = time.perf_counter()
+        error = held.failed
+        if not error and not held.aborted:
+            try:
+                if not self.rt.config.kv_layerwise:
+                    held.stream.send_whole_blocks(len(held.stream.local))
+                await held.stream.wait(max(1.0, deadline - time.time()))
+            except Exception as exc:  # TransferError: the stream failed or timed out
+                error = str(exc)
+        error = error or ("aborted" if held.aborted else "")
+        if error:
+            await held.stream.settle()
+        await settle(held.put_futures + (held.loads.futures if held.loads else []))
+        if held.loads is not None and held.loads.failed and self.mover and self.mover.transfer:
+            await settle(self.mover.transfer.in_flight())
+        if not error:
+            self.kv_paths.done(held.stream)
+        held.wait_s += time.perf_counter() - started + (held.loads.wait_s if held.loads else 0)
+        self.held.pop(key, None)
+        self._report(key, ok=not error, error=error, kv_bytes=held.stream.bytes,
+                     compute_s=held.compute_s, wait_s=held.wait_s,
+                     first_token=held.token if self.last else None,
+                     first_logprob=held.logprob if self.last else None)
+
+    def on_abort(self, msg: StageAbort) -> None:
+        if msg.head_epoch != self.head_epoch:
+            return
+        key = (msg.request_id, msg.fence)
+        self.aborted[key] = None
+        while len(self.aborted) > ABORTED_MEMORY:
+            self.aborted.popitem(last=False)
+        held = self.held.get(key)
+        if held is None:  # nothing of it here (never came, or reported already)
+            return self._report(key, ok=False, error="aborted")
+        held.aborted = True
+        held.stream.cancel()
+        if key not in self.current and not held.finishing:  # else that one reports
+            self._spawn(self.finish(key, held, 0.0))
+
+    def _report(self, key: Key, ok: bool, error: str = "", **fields) -> None:
+        assert self.head_epoch is not None
+        self.rt.mail.send(self.head, StageReport(self.head_epoch, self.stage, key[0], key[1],
+                                                 ok, error, **fields))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for lane in (self.load_lane, self.store_lane):
+            lane.shutdown(wait=False)
+        self.lanes.close()
+        self.kv_paths.close()
+        if self.next is not None:
+            self.next.close()
+        if self.mover is not None:
+            self.mover.close()
+        self.hidden_in.close()
+
+
+async def run_follower(config: ClusterConfig, index: int) -> None:
+    rt = WorkerRuntime(config, "prefill", index)
+    worker = StageWorker(rt, index)
+    tasks = [asyncio.create_task(c) for c in (worker.serve(), worker.hello_loop())]
+    log.info("%s ready: stage %d of %d, layers %d-%d, inbox %s", rt.instance_id, worker.stage,
+             config.prefill_stages, rt.engine.layers.start, rt.engine.layers.stop - 1,
+             rt.inbox_address)
+    try:
+        await serve_inbox(rt.mail, worker.handlers, tasks)
+    finally:
+        worker.close()
+        rt.close()
