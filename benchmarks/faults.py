@@ -50,13 +50,16 @@ from common.store.shm import pid_alive  # noqa: E402
 from launch.cluster import LocalCluster  # noqa: E402
 
 FAULTS = ["none", "decode", "prefill", "store_node", "store_master", "conductor"]
+# with prefill_stages > 1 also: a later stage of prefill group 0 (process 1)
+STAGE_FAULT = "prefill_stage"
 
 def config_data(http: int, prefill: int, decode: int, scheduler: str,
-                router_timeout: float) -> dict:
+                router_timeout: float, stages: int = 1) -> dict:
     """Small pools, the store on, fast heartbeats (a dead worker is noticed in 2 s), a
     short KV wait (an orphaned reservation is freed in 10 s) and quick restarts."""
     return {"model": "smollm2-135m", "http_port": http, "base_port": http + 10,
-            "prefill_workers": prefill, "decode_workers": decode, "prefill_blocks": 256,
+            "prefill_workers": prefill, "prefill_stages": stages, "decode_workers": decode,
+            "prefill_blocks": 256,
             "decode_blocks": 512, "prefill_chunk": 64, "scheduler": scheduler,
             "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0,
             "kv_wait_timeout_s": 10.0, "request_timeout_s": router_timeout,
@@ -95,10 +98,12 @@ class FaultResult:
 
 
 def write_config(workdir: Path, http: int, prefill: int = 1, decode: int = 1,
-                 scheduler: str = "kvcache_centric", router_timeout: float = 60.0) -> Path:
+                 scheduler: str = "kvcache_centric", router_timeout: float = 60.0,
+                 stages: int = 1) -> Path:
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "cluster.toml"
-    path.write_text(to_toml(config_data(http, prefill, decode, scheduler, router_timeout)))
+    path.write_text(to_toml(config_data(http, prefill, decode, scheduler, router_timeout,
+                                        stages)))
     return path
 
 
@@ -106,6 +111,10 @@ def target(cluster: LocalCluster, fault: str) -> Optional[tuple[str, int]]:
     """The (role, index) a fault kills: instance 0 of the role (None for ``none``)."""
     if fault == "none":
         return None
+    if fault == STAGE_FAULT:
+        if cluster.config.prefill_stages < 2:
+            raise ValueError(f"fault {fault!r} needs prefill_stages > 1")
+        return "prefill", 1
     roles = {role for role, _ in cluster.plan()}
     if fault not in roles:
         raise ValueError(f"fault {fault!r} names no process of this cluster ({sorted(roles)})")
@@ -162,7 +171,9 @@ async def run_fault(cluster: LocalCluster, fault: str, questions: list[str],
     stop.set()
     outcomes = await runner
     await wait_healthy(cluster.url, timing.recover)
-    workers = sum(role in ("prefill", "decode", "colocated") for role, _ in cluster.plan())
+    c = cluster.config  # the instances that register (a prefill group is one)
+    workers = (c.colocated_workers if c.mode == "colocated"
+               else c.prefill_workers + c.decode_workers)
     leaked, instances = await wait_idle(cluster.url, workers, timing.idle)
     orphans = orphan_segments(cluster, pids | child_pids(cluster))
     counts = tally(outcomes, reference)
@@ -181,13 +192,13 @@ async def run_fault(cluster: LocalCluster, fault: str, questions: list[str],
 
 def run(workdir: Path, http_port: int, faults: list[str], timing: Timing,
         concurrency: int = 4, max_tokens: int = 16, n_prompts: int = 16, prefill: int = 1,
-        decode: int = 1, scheduler: str = "kvcache_centric") -> "Run":
+        decode: int = 1, scheduler: str = "kvcache_centric", stages: int = 1) -> "Run":
     """Start a cluster, take the reference, inject ``faults`` in order, stop the cluster."""
     for fault in faults:
-        if fault not in FAULTS:
+        if fault not in FAULTS + [STAGE_FAULT]:
             raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
     cfg = write_config(workdir, http_port, prefill, decode, scheduler,
-                       router_timeout=timing.deadline * 2)
+                       router_timeout=timing.deadline * 2, stages=stages)
     cluster = LocalCluster(str(cfg), workdir / "logs")
     questions = prompts(n_prompts)
     results: list[FaultResult] = []

@@ -198,6 +198,9 @@ class ClusterConfig:
         if not isinstance(data.get("prefill_stages", 1), int) or data.get("prefill_stages", 1) < 1:
             raise ValueError(f"prefill_stages must be a positive integer, not "
                              f"{data['prefill_stages']!r}")
+        if data.get("prefill_stages", 1) > 1 and data.get("kv_layerwise") is False:
+            raise ValueError("prefill_stages > 1 needs kv_layerwise = true: each stage moves "
+                             "its own layers of a block, so store I/O is layer-wise")
         if data.get("mode", "disaggregated") not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be 'disaggregated' or 'colocated', not {data['mode']!r}")
         return _build(cls, data, "")

@@ -42,6 +42,13 @@ class ConductorMetrics:
         self.ttft_rel_error = Histogram(
             "crescent_conductor_ttft_rel_error", "(predicted − actual) / actual prefill TTFT",
             buckets=(-0.9, -0.5, -0.25, -0.1, 0, 0.1, 0.25, 0.5, 1, 2, 5), registry=r)
+        self.prefill_compute = Histogram(
+            "crescent_prefill_compute_seconds", "a prompt's share of prefill compute (every "
+            "stage of its group)", ["instance"], buckets=_TTFT_BUCKETS, registry=r)
+        self.prefill_transfer_wait = Histogram(
+            "crescent_prefill_transfer_wait_seconds", "time a prefill was blocked on transfers "
+            "(store loads, the next pipeline stage, the last KV writes)", ["instance"],
+            buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10), registry=r)
         self.ttft_log = TTFTLog()
         self.prompt_tokens = Counter("crescent_prompt_tokens", "prompt tokens prefilled",
                                      registry=r)

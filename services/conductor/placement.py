@@ -124,9 +124,11 @@ class Placer:
                          max(len(req.token_ids) - cached, 1))
 
     def observe_prefill(self, msg: PrefillDone) -> bool:
-        """Feed a real prefill time to the online calibration; True if it refitted."""
+        """Feed a real prefill time to the online calibration; True if it refitted. The
+        time TTFT sees is compute plus what the prefill waited on transfers (store loads,
+        a pipeline's later stages): both are the instance's cost for that prompt."""
         return self.calibrator.observe(msg.prompt_tokens - msg.cached_tokens,
-                                       msg.cached_tokens, msg.prefill_seconds)
+                                       msg.cached_tokens, msg.prefill_seconds + msg.wait_s)
 
 
 def decode_slots(w: WorkerState, tracker: Tracker,

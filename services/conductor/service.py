@@ -211,6 +211,8 @@ class Conductor:
         self.metrics.global_hit_tokens.inc(msg.global_hit_tokens)
         self.metrics.prompt_tokens.inc(msg.prompt_tokens)
         self.metrics.transfer_bytes.inc(msg.transfer_bytes)
+        self.metrics.prefill_compute.labels(msg.instance_id).observe(msg.prefill_seconds)
+        self.metrics.prefill_transfer_wait.labels(msg.instance_id).observe(msg.wait_s)
         self.mail.send(self.router_inbox, KVTransferReport(
             "prefill_to_decode", msg.transfer_bytes, msg.transfer_seconds))
         if self.placer.observe_prefill(msg):

@@ -332,9 +332,9 @@ class PrefillWorker:
             await job.stream.wait(max(1.0, task.deadline - time.time()))
             await settle(job.put_futures)
             if outcome is not None:
+                # the group's cost is the head's compute plus this wait for the later
+                # stages (≈ the pipeline's latency), which PrefillDone reports below
                 result = await self.group.result(outcome, task.deadline)
-                job.compute_s += result.compute_s
-                job.wait_s += result.wait_s
         except TransferError as exc:
             return await self.give_up(job, PrefillFailure(503, "kv_transfer_failed", str(exc)))
         job.wait_s += time.perf_counter() - started

@@ -1,0 +1,23 @@
+"""Faults in a prefill group (chunked pipeline parallelism) under load: SIGKILL of a later
+stage, or of the head. The group restarts as one (a follower that loses its head exits; a
+head that loses a follower exits), so its requests re-run on the other group through the
+conductor like any lost prefill worker's: nothing lost, nothing wrong, no leaked block."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.faults import STAGE_FAULT, Timing, run, table
+
+pytestmark = pytest.mark.e2e
+HTTP_PORT = 20900  # this file's ports: 20900-20929
+
+
+def test_a_dead_stage_loses_nothing_and_leaks_nothing(tmp_path_factory) -> None:
+    done = run(tmp_path_factory.mktemp("cpp-faults"), HTTP_PORT, [STAGE_FAULT, "prefill"],
+               Timing(warm=1.5, phase=2.0), concurrency=3, max_tokens=12, n_prompts=12,
+               prefill=2, stages=2)
+    print("\n" + table(done.results))
+    for r in done.results:
+        assert (r.lost, r.wrong, r.leaked, r.unclear, r.missing, r.orphans) == (0,) * 6, r
+        assert r.recovery_s is not None and r.completed > 0, r
+    assert done.left_after_stop == []
