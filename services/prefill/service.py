@@ -229,7 +229,7 @@ class PrefillWorker:
         """One forward over chunks of the admitted prompts; hand over those it ends."""
         planned = plan_chunks(self.jobs, self.budget)
         self.steps += 1
-        parts = [await self._part(job, n) for job, n in planned]
+        parts = list(await asyncio.gather(*(self._part(job, n) for job, n in planned)))
         chunks = [PrefillChunk(j.task.token_ids, j.done, j.done + n, j.plan.block_table)
                   for j, n in planned]
         io = StepIO(parts, self.engine.kv, 0, self.mover, self.store_lane, self.layerwise)

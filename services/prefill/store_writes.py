@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("prefill.store")
 
+PLAN_TIMEOUT_S = 1.0  # a step waits at most this for its grants
+BACKOFF_S = 5.0  # then puts pause this long
+
 
 def blocks_completed(start: int, end: int, block_size: int, put: range) -> range:
     """Blocks of ``put`` whose last token is in [start, end): block i holds tokens
@@ -51,17 +54,25 @@ class StoreWrites:
         self.tasks: set[asyncio.Task] = set()
         self.committed = 0
         self.failed = 0
+        self.down_until = 0.0  # monotonic: the master did not answer; ask again after
 
     async def plan(self, keys: list[bytes], size: int) -> Optional["PutPlan"]:
-        """The grant for ``keys`` (None: none new, or the master did not answer)."""
-        if not keys:
+        """The grant for ``keys`` (None: none new, or the master did not answer). Asked
+        before a step, so it never waits long: a master that does not answer within
+        ``PLAN_TIMEOUT_S`` is not asked again for ``BACKOFF_S`` (those blocks are simply
+        not stored; a late grant is reclaimed by the master)."""
+        if not keys or time.monotonic() < self.down_until:
             return None
         try:
-            plan = await self.store.start_put(keys, size)
+            plan = await asyncio.wait_for(self.store.start_put(keys, size), PLAN_TIMEOUT_S)
         except Exception as exc:  # the store is optional for correctness
-            log.warning("store put start failed: %s", exc)
+            log.warning("store put start failed (%s): not storing for %.0fs",
+                        type(exc).__name__, BACKOFF_S)
+            plan = None
+        if plan is None:
+            self.down_until = time.monotonic() + BACKOFF_S
             return None
-        return plan if plan is not None and plan.keys else None
+        return plan if plan.keys else None
 
     def step_done(self, step: int, parts: list[PartIO]) -> None:
         """The head computed step ``step``: commit its puts once they are written."""
