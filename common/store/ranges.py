@@ -209,7 +209,8 @@ class RangeMover:
             return self._maps.mapped()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Never blocks: a copy still running keeps its mapping pinned until it ends."""
+        self._pool.shutdown(wait=False)
         with self._lock:
             self._maps.close()
 
