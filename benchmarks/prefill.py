@@ -1,0 +1,331 @@
+"""Prefill benchmark of issue 12: layer-wise KV, pipeline stages, store hits, on real clusters.
+
+``python benchmarks/prefill.py [--quick] [--breakdown] [--reps N]`` (~3 minutes on an
+idle 2-core host with ``--breakdown``, ~6 with ``--reps 5``; ``--quick``: a smoke run, ~1).
+Every configuration is a real cluster (launch/cluster.py: each role its own process)
+serving the dummy LLaMA ``dummy-bench-prefill`` (4 layers, hidden 256, 2 heads and 2 KV
+heads of 64, float32: 4 KiB of KV per token; random weights). The clusters run at once and
+the requests are interleaved across them, one at a time, so that the host's background
+load hits every configuration alike. Prompts go as token ids to ``/v1/completions``,
+streamed, 2 output tokens: TTFT is the client's time to the first token's chunk. Per
+request the conductor's ``/metrics`` give what the prefill reported in ``PrefillDone``
+(differences of histogram sums around the request): its compute share
+(``crescent_prefill_compute_seconds``) and the time it was blocked on transfers
+(``crescent_prefill_transfer_wait_seconds``); the placement counter names the instance.
+``prefill CPU s`` is the CPU time of the prefill processes meanwhile (/proc), which
+background load does not inflate.
+
+Every prefill process runs one thread pinned to core 0, except the pipeline's second
+stage, which shares core 1 with decode and the services (a 2-core host).
+
+(a) Extra TTFT of moving KV. ``layerwise`` / ``after``: 2 prefill instances, store on,
+    ``kv_layerwise`` true / false (KV to decode and new blocks to the store layer by layer
+    during compute, or whole blocks after it). Compute alone = the ``after`` prefill's
+    compute share (nothing moves while it computes); extra = TTFT − compute alone
+    (medians; it includes the fixed serving path: router, conductor, first-token hop).
+    ``--breakdown`` adds both modes with the store off (KV to decode only). Unique
+    prompts: no cache hits (checked).
+(b) CPP: one group of ``prefill_stages = 2`` (one core each) vs one worker on one core:
+    the ``layerwise`` cluster's cold samples at that length (the same worker config).
+(c) Store hits: after each cold prompt P of (a), P' = the first 90 % of P and a new 10 %
+    goes to the other instance (round robin), whose local cache never saw P: its prefix
+    comes from the store (checked: usage cached_tokens and the conductor's global hit
+    tokens). Before P' the benchmark waits, untimed, until the conductor's global index
+    holds P's blocks.
+
+Prints a table per part, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.prefill_report import (  # noqa: E402
+    BLOCK, CACHED_SHARE, Sample, changed_label, goals, part_a, part_b, part_c, reps_for, sibling,
+    table, total, unique_prompt,
+)
+from launch.cluster import LocalCluster  # noqa: E402
+
+MODEL = "dummy-bench-prefill"
+COMPUTE = "crescent_prefill_compute_seconds"
+WAIT = "crescent_prefill_transfer_wait_seconds"
+HITS = "crescent_global_cache_hit_tokens_total"
+INDEX_KEYS = "crescent_conductor_global_index_keys"
+PLACED = "crescent_conductor_placed_total"
+
+BASE = """model = "{model}"
+block_size = {block}
+token_budget = 256
+http_port = {http}
+scheduler = "round_robin"
+base_port = {base}
+admission = "none"
+prefill_blocks = 1600
+decode_blocks = 2400
+heartbeat_interval_s = 0.5
+kv_wait_timeout_s = 300.0
+request_timeout_s = 600.0
+{extra}
+[slo]
+ttft_s = 3600.0
+tbt_s = 60.0
+
+[store]
+enabled = {store}
+segment_bytes = {segment}
+
+[cpu]
+prefill_cores = "{prefill_cores}"
+prefill_threads = 1
+colocated_cores = "0"
+colocated_threads = 1
+decode_cores = "1"
+"""
+
+# name → (extra top-level TOML, store on, prefill cores)
+CLUSTERS: dict[str, tuple[str, bool, str]] = {
+    "layerwise": ("prefill_workers = 2\nkv_layerwise = true", True, "0"),
+    "after": ("prefill_workers = 2\nkv_layerwise = false", True, "0"),
+    "cpp2": ("prefill_workers = 1\nprefill_stages = 2\nkv_layerwise = true", True, "0-1"),
+    # --breakdown: KV to the decode worker only
+    "layerwise-nostore": ("prefill_workers = 1\nkv_layerwise = true", False, "0"),
+    "after-nostore": ("prefill_workers = 1\nkv_layerwise = false", False, "0"),
+}
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, every thread (kernel's /proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# --------------------------------------------------------------------------- clusters
+class Run:
+    """One live cluster; ``send`` one prompt and read what the conductor saw of it."""
+
+    def __init__(self, name: str, index: int, out: Path, segment: int) -> None:
+        extra, store, cores = CLUSTERS[name]
+        http, base = 21100 + 10 * index, 21000 + 20 * index
+        cfg = out / f"{name}.toml"
+        cfg.write_text(BASE.format(model=MODEL, http=http, base=base, block=BLOCK,
+                                   extra=extra, store=str(store).lower(), segment=segment,
+                                   prefill_cores=cores))
+        self.name = name
+        self.cluster = LocalCluster(str(cfg), out / f"logs-{name}")
+        c = self.cluster.config
+        self.metrics_url = f"http://{c.host}:{c.port('conductor_http')}/metrics"
+        self.http = httpx.Client(timeout=600)
+
+    def start(self) -> None:
+        try:
+            self.cluster.start(timeout_s=180)
+        except BaseException:
+            self.cluster.stop()
+            raise
+
+    def stop(self) -> None:
+        self.http.close()
+        self.cluster.stop()
+
+    def scrape(self) -> str:
+        return self.http.get(self.metrics_url, timeout=10).text
+
+    def cpu(self) -> float:
+        return sum(cpu_seconds(c.proc.pid) for c in self.cluster.children
+                   if c.role in ("prefill", "colocated"))
+
+    def send(self, ids: list[int]) -> Sample:
+        """Stream one completion of 2 tokens; TTFT = the first token's chunk (logprobs on,
+        so a token whose text is still incomplete UTF-8 has a chunk too)."""
+        before = self.scrape()
+        cpu0 = self.cpu()
+        ttft, usage = self._stream(ids)
+        after = self._after(before)
+        cpu = self.cpu() - cpu0
+        def diff(name: str) -> Optional[float]:
+            return None if after is None else total(after, name) - total(before, name)
+        hits = diff(HITS)
+        return Sample(len(ids), ttft, diff(COMPUTE + "_sum"), diff(WAIT + "_sum"), cpu,
+                      usage["prompt_tokens_details"]["cached_tokens"],
+                      None if hits is None else round(hits),
+                      changed_label(before, after or self.scrape(), PLACED, "prefill") or "?")
+
+    def _stream(self, ids: list[int]) -> tuple[float, dict]:
+        ttft: Optional[float] = None
+        usage: Optional[dict] = None
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0,
+                "logprobs": 1, "stream": True, "stream_options": {"include_usage": True}}
+        t0 = time.perf_counter()
+        with self.http.stream("POST", self.cluster.url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"{self.name}: HTTP {r.status_code}: {r.read()[:300]!r}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and ttft is None:
+                    ttft = time.perf_counter() - t0
+                usage = chunk.get("usage") or usage
+        if ttft is None or usage is None:
+            raise RuntimeError(f"{self.name}: the stream had no token or no usage")
+        return ttft, usage
+
+    def _after(self, before: str, timeout_s: float = 5.0) -> Optional[str]:
+        """A scrape that counts this request's PrefillDone, or None: the conductor drops a
+        PrefillDone that arrives after the request finished (see BENCHMARKS.md)."""
+        want = total(before, COMPUTE + "_count") + 1
+        deadline = time.monotonic() + timeout_s
+        while True:
+            text = self.scrape()
+            if total(text, COMPUTE + "_count") >= want:
+                return text
+            if time.monotonic() > deadline:
+                say(f"{self.name}: PrefillDone not counted by the conductor")
+                return None
+            time.sleep(0.02)
+
+    def wait_index(self, keys: float, timeout_s: float = 30.0) -> float:
+        """Wait until the conductor's global index holds ``keys`` blocks; seconds waited."""
+        t0 = time.monotonic()
+        while total(self.scrape(), INDEX_KEYS) < keys:
+            if time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"{self.name}: the store never reported {keys:.0f} blocks")
+            time.sleep(0.05)
+        return time.monotonic() - t0
+
+
+def step(run: Run, n: int, args: argparse.Namespace, rng: random.Random,
+         samples: dict[str, list[Sample]]) -> None:
+    """A cold unique prompt P of ``n`` tokens and, on a 2-instance store cluster at a
+    cache length, its 90 % sibling P' right after (round robin: on the other instance)."""
+    prompt = unique_prompt(rng, n)
+    keys = total(run.scrape(), INDEX_KEYS)
+    cold = run.send(prompt)
+    if cold.cached:
+        raise RuntimeError(f"{run.name}: a unique prompt hit a cache ({cold})")
+    samples["cold"].append(cold)
+    say(f"{run.name} cold: {cold}")
+    if run.name in ("layerwise", "after") and n in args.cache_lengths:
+        run.wait_index(keys + n // BLOCK)  # untimed: the store holds P
+        warm = run.send(sibling(prompt, CACHED_SHARE, rng))
+        if warm.instance == cold.instance:
+            raise RuntimeError(f"{run.name}: P' ran where P did ({warm.instance})")
+        samples["warm"].append(warm)
+        say(f"{run.name} warm: {warm}")
+
+
+def run_all(args: argparse.Namespace, rng: random.Random,
+            out: Path) -> dict[str, dict[str, list[Sample]]]:
+    """Every cluster up at once, requests interleaved across them (one at a time, the
+    order rotating per rep), so that a change in the host's background load hits every
+    configuration alike; then all stopped."""
+    runs: list[Run] = []
+    try:
+        names = [n for n in CLUSTERS if args.breakdown or "nostore" not in n]
+        for i, name in enumerate(names):
+            runs.append(Run(name, i, out, args.segment_mb << 20))
+            runs[-1].start()
+            say(f"{name} up")
+        for run in runs:
+            for _ in range(2):  # first forwards, thread pools, KV paths of both instances
+                run.send(unique_prompt(rng, 300))
+        res: dict[str, dict[str, list[Sample]]] = {r.name: {"cold": [], "warm": []} for r in runs}
+        for n in args.lengths:
+            for rep in range(reps_for(n, args.reps)):
+                for run in runs[rep % len(runs):] + runs[:rep % len(runs)]:
+                    if run.name != "cpp2" or n in args.cpp_lengths:
+                        step(run, n, args, rng, res[run.name])
+        return res
+    finally:
+        for run in runs:
+            run.stop()
+
+
+def say(text: str) -> None:
+    print(f"[{datetime.now().strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- main
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: short prompts, one rep")
+    p.add_argument("--reps", type=int, default=None,
+                   help="requests per length of 16k tokens and more, twice as many below "
+                   "(default 3; --quick 1)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also (a) with the store off: KV to the decode worker only")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--segment-mb", type=int, default=640, help="the store node's DRAM")
+    p.add_argument("--out", default=None, help="configs and logs (default: a temp dir)")
+    args = p.parse_args(argv)
+    args.lengths = [512, 2048] if args.quick else [1024, 4096, 16384]
+    args.cpp_lengths = args.lengths[-1:]
+    args.cache_lengths = args.lengths[-1:] if args.quick else args.lengths[1:]
+    args.reps = args.reps or (1 if args.quick else 3)
+    if args.reps < 1:
+        p.error("--reps must be >= 1")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    started = datetime.now(timezone.utc)
+    out = Path(args.out or tempfile.mkdtemp(prefix="crescent-prefill-bench-"))
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    load0 = os.getloadavg()
+    res = run_all(args, rng, out)
+    a = part_a(res, args.lengths)
+    b = part_b(res, args.cpp_lengths)
+    c = part_c(res, args.cache_lengths)
+    print(f"{MODEL}: 4 layers, hidden 256, 2 KV heads x 64, float32 (4 KiB KV/token); "
+          f"{args.reps} rep(s) per cell at 16k, twice below, medians; {os.cpu_count()} CPUs, "
+          f"load average {load0[0]:.2f} before, {os.getloadavg()[0]:.2f} after; logs in {out}")
+    print("\n(a) extra TTFT of moving KV (to decode and store) over compute alone (the "
+          "after-prefill prefill's compute share)")
+    print(table(a, [("tokens", "tokens", "d"), ("mode", "mode", ""), ("ttft_s", "TTFT s", ".3f"),
+                    ("compute_alone_s", "compute alone s", ".3f"),
+                    ("compute_s", "own compute s", ".3f"), ("wait_s", "wait s", ".3f"),
+                    ("extra_s", "extra s", "+.3f"), ("extra_pct", "extra %", "+.1f"),
+                    ("cpu_s", "prefill CPU s", ".2f"),
+                    ("cpu_vs_after_pct", "CPU vs after %", "+.1f")]))
+    print("\n(b) chunked pipeline: 2 stages (cores 0, 1) vs 1 worker (core 0)")
+    print(table(b, [("tokens", "tokens", "d"), ("one_worker_ttft_s", "1 worker TTFT s", ".3f"),
+                    ("two_stages_ttft_s", "2 stages TTFT s", ".3f"),
+                    ("two_stages_head_compute_s", "head compute s", ".3f"),
+                    ("two_stages_head_wait_s", "head wait s", ".3f"),
+                    ("one_worker_cpu_s", "1 worker CPU s", ".2f"),
+                    ("two_stages_cpu_s", "2 stages CPU s", ".2f"), ("speedup", "speedup", ".2f")]))
+    print(f"\n(c) TTFT with {CACHED_SHARE:.0%} of the prompt in the store vs cold")
+    print(table(c, [("tokens", "tokens", "d"), ("mode", "mode", ""),
+                    ("cold_ttft_s", "cold s", ".3f"),
+                    ("warm_ttft_s", "warm s", ".3f"), ("warm_wait_s", "warm wait s", ".3f"),
+                    ("cached", "cached", ".0f"), ("global_hit", "from store", ".0f"),
+                    ("cacheable", "cacheable", "d"), ("speedup", "speedup", ".2f"),
+                    ("cpu_speedup", "CPU ratio", ".2f")]))
+    print(json.dumps({"bench": "prefill", "started": started.isoformat(timespec="seconds"),
+                      "quick": args.quick, "reps": args.reps, "model": MODEL,
+                      "load_average": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
+                      "goals": goals(a, b, c), "a": a, "b": b, "c": c,
+                      "samples": {k: {kk: [asdict(s) for s in vv] for kk, vv in v.items()}
+                                  for k, v in res.items()}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The prefill benchmark's pure parts (benchmarks/prefill_report.py), against hand-computed
+values; no cluster."""
+from __future__ import annotations
+
+import random
+from typing import Optional
+
+from benchmarks.prefill_report import (
+    Sample, cacheable_tokens, changed_label, goals, labelled, part_a, part_b, part_c,
+    reps_for, sibling, table, total, unique_prompt,
+)
+
+BEFORE = """# TYPE crescent_prefill_compute_seconds histogram
+crescent_prefill_compute_seconds_bucket{instance="prefill-0",le="+Inf"} 2.0
+crescent_prefill_compute_seconds_count{instance="prefill-0"} 2.0
+crescent_prefill_compute_seconds_sum{instance="prefill-0"} 1.5
+# TYPE crescent_conductor_placed counter
+crescent_conductor_placed_total{decode="decode-0",prefill="prefill-0"} 2.0
+"""
+AFTER = """# TYPE crescent_prefill_compute_seconds histogram
+crescent_prefill_compute_seconds_bucket{instance="prefill-0",le="+Inf"} 2.0
+crescent_prefill_compute_seconds_count{instance="prefill-0"} 2.0
+crescent_prefill_compute_seconds_sum{instance="prefill-0"} 1.5
+crescent_prefill_compute_seconds_bucket{instance="prefill-1",le="+Inf"} 1.0
+crescent_prefill_compute_seconds_count{instance="prefill-1"} 1.0
+crescent_prefill_compute_seconds_sum{instance="prefill-1"} 0.25
+# TYPE crescent_conductor_placed counter
+crescent_conductor_placed_total{decode="decode-0",prefill="prefill-0"} 2.0
+crescent_conductor_placed_total{decode="decode-0",prefill="prefill-1"} 1.0
+"""
+
+
+def s(tokens: int, ttft: float, compute: Optional[float] = 0.0, cpu: float = 0.0, cached: int = 0,
+      instance: str = "prefill-0") -> Sample:
+    return Sample(tokens, ttft, compute, 0.0, cpu, cached, cached, instance)
+
+
+def test_prompts_are_reproducible_and_in_range():
+    a, b = unique_prompt(random.Random(3), 100), unique_prompt(random.Random(3), 100)
+    assert a == b and len(a) == 100 and all(10 <= t < 4096 for t in a)
+
+
+def test_sibling_keeps_90_percent_and_the_length():
+    p = unique_prompt(random.Random(0), 1000)
+    q = sibling(p, 0.9, random.Random(1))
+    assert len(q) == 1000 and q[:900] == p[:900] and q[900:] != p[900:]
+
+
+def test_cacheable_tokens_are_whole_blocks():
+    assert cacheable_tokens(2048, 0.9) == 1840   # 1843 → 115 blocks
+    assert cacheable_tokens(4096, 0.9) == 3680   # 3686 → 230 blocks
+    assert cacheable_tokens(16384, 0.9) == 14736  # 14745 → 921 blocks
+    assert cacheable_tokens(15, 0.9) == 0
+
+
+def test_metric_scrapes():
+    assert labelled(AFTER, "crescent_prefill_compute_seconds_sum") == {
+        (("instance", "prefill-0"),): 1.5, (("instance", "prefill-1"),): 0.25}
+    assert total(AFTER, "crescent_prefill_compute_seconds_sum") - total(
+        BEFORE, "crescent_prefill_compute_seconds_sum") == 0.25
+    assert total(BEFORE, "no_such_metric") == 0
+    assert changed_label(BEFORE, AFTER, "crescent_conductor_placed_total", "prefill") == "prefill-1"
+    assert changed_label(BEFORE, BEFORE, "crescent_conductor_placed_total", "prefill") is None
+
+
+def test_reps_double_below_16k():
+    assert [reps_for(n, 3) for n in (1024, 4096, 16384, 32768)] == [6, 6, 3, 3]
+
+
+RES = {
+    "layerwise": {"cold": [s(1024, 0.21, 0.15, 0.3), s(1024, 0.5, None, 0.5),
+                           s(1024, 0.23, 0.14, 0.4)],
+                  "warm": [s(1024, 0.023, cpu=0.1, cached=912, instance="prefill-1")]},
+    "after": {"cold": [s(1024, 0.25, 0.10, 0.2), s(1024, 0.24, 0.30, 0.3),
+                       s(1024, 0.30, 0.20, 0.25)],
+              "warm": [s(1024, 0.05, cpu=0.1, cached=912, instance="prefill-1")]},
+    "cpp2": {"cold": [s(1024, 0.115, 0.05, 0.4)], "warm": []},
+}
+
+
+def test_part_a_extra_over_the_after_prefill_compute():
+    rows = {r["mode"]: r for r in part_a(RES, [1024])}
+    assert set(rows) == {"layerwise", "after"}  # no --breakdown clusters
+    lw, after = rows["layerwise"], rows["after"]
+    assert lw["compute_alone_s"] == after["compute_alone_s"] == 0.20
+    assert lw["ttft_s"] == 0.23
+    assert round(lw["compute_s"], 9) == 0.145  # the sample without one is left out
+    assert round(lw["extra_s"], 9) == 0.03 and round(lw["extra_pct"], 6) == 15.0
+    assert round(after["extra_s"], 9) == 0.05 and round(after["extra_pct"], 6) == 25.0
+    assert round(lw["cpu_vs_after_pct"], 6) == 60.0 and after["cpu_vs_after_pct"] == 0.0
+
+
+def test_part_b_and_c_ratios_and_goals():
+    (b,) = part_b(RES, [1024])
+    assert round(b["speedup"], 9) == 2.0 and b["two_stages_cpu_s"] == 0.4
+    c = {r["mode"]: r for r in part_c(RES, [1024])}
+    assert round(c["layerwise"]["speedup"], 9) == 10.0 and c["layerwise"]["cached"] == 912
+    assert c["layerwise"]["cacheable"] == 912 and round(c["after"]["speedup"], 9) == 5.0
+    g = goals(part_a(RES, [1024]), [b], list(c.values()))
+    assert round(g["a_layerwise_max_extra_pct"], 6) == 15.0
+    assert round(g["a_after_max_extra_pct"], 6) == 25.0
+    assert round(g["b_min_speedup"], 9) == 2.0
+    assert round(g["c_layerwise_min_speedup"], 9) == 10.0
+    assert round(g["c_after_min_speedup"], 9) == 5.0
+
+
+def test_empty_cells_print_as_dashes():
+    rows = part_c({"layerwise": {"cold": [], "warm": []}, "after": {"cold": [], "warm": []}},
+                  [4096])
+    assert rows[0]["speedup"] is None
+    assert goals([], [], rows)["c_layerwise_min_speedup"] is None
+    text = table(rows, [("tokens", "tokens", "d"), ("mode", "mode", ""),
+                        ("speedup", "speedup", ".2f")])
+    assert text.splitlines() == ["tokens       mode  speedup",
+                                 "  4096  layerwise        -",
+                                 "  4096      after        -"]
