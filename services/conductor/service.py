@@ -199,7 +199,12 @@ class Conductor:
 
     def on_prefill_done(self, msg: PrefillDone) -> None:
         t = self.tracker.get(msg.request_id)
-        if t is None or msg.fence != t.fence:  # gone, or an older attempt's writer
+        if t is not None and msg.fence != t.fence:  # an older attempt's writer
+            return
+        # What the prefill measured holds even when the request already ended (a one-token
+        # answer's RequestFinished can overtake its PrefillDone): count it either way.
+        self._observe_prefill(msg)
+        if t is None:
             return
         self.tracker.set_phase(t, Phase.DECODING, t.phase_deadline)
         t.decode_started_at = self.clock()
@@ -207,6 +212,8 @@ class Conductor:
         self.metrics.observe_ttft(TTFTRecord(
             t.req.request_id, t.accepted_at, t.predicted_ttft_s,
             t.decode_started_at - t.accepted_at, len(t.req.token_ids), t.prefill_tokens))
+
+    def _observe_prefill(self, msg: PrefillDone) -> None:
         self.metrics.cached_tokens.inc(msg.cached_tokens)
         self.metrics.global_hit_tokens.inc(msg.global_hit_tokens)
         self.metrics.prompt_tokens.inc(msg.prompt_tokens)

@@ -91,6 +91,25 @@ def test_happy_path_reserve_prefill_finish(conductor) -> None:
     assert all(not w.assigned for w in c.registry.workers.values())
 
 
+def test_prefill_done_after_finish_still_counts(conductor) -> None:
+    """A one-token answer's RequestFinished can overtake its PrefillDone: the prefill's
+    measurements still reach /metrics and the calibration, and nothing is resurrected."""
+    c, mail = conductor
+    c.on_submit(submit("r1"))
+    c.on_reserved(BlocksReserved("r1", "decode-0", [5, 6, 7]))
+    [(_, task)] = [(a, m) for a, m in mail.take() if isinstance(m, PrefillTask)]
+    prefill_id = c.tracker.get("r1").prefill_id
+    c.on_finished(RequestFinished("r1", "decode-0", "length", fence=task.fence))
+    seen = len(c.placer.calibrator.samples)
+    c.on_prefill_done(PrefillDone("r1", prefill_id, 40, 16, 16, 0.1, 1000, 0.01,
+                                  task.fence, wait_s=0.02))
+    assert c.tracker.requests == {}
+    assert c.metrics.prompt_tokens._value.get() == 40
+    assert c.metrics.global_hit_tokens._value.get() == 16
+    assert c.metrics.prefill_transfer_wait.labels(prefill_id)._sum.get() == 0.02
+    assert len(c.placer.calibrator.samples) == seen + 1
+
+
 def test_cache_aware_placement_prefers_holder_of_prefix(conductor) -> None:
     c, mail = conductor
     keys = [f"{i:032x}" for i in range(2)]
