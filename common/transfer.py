@@ -177,6 +177,8 @@ class TransferAgent:
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
+            # the copy may still end, in error: nobody awaits it now, so retrieve its outcome
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
             raise self._hung(target, timeout) from None
 
     def close(self) -> None:

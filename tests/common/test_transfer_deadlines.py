@@ -4,6 +4,7 @@ its peer fails fast meanwhile while other peers are served."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from typing import Iterator
 
@@ -19,13 +20,14 @@ class HangingEngine:
 
     def __init__(self) -> None:
         self.release = threading.Event()
+        self.fail_after_release = False
         self.calls: list[str] = []
 
     def _call(self, target: str) -> int:
         self.calls.append(target)
         if target == HUNG and not self.release.wait(10):
             raise RuntimeError("test never released the hung call")
-        return 0
+        return -1 if target == HUNG and self.fail_after_release else 0
 
     def batch_transfer_sync_write(self, target: str, *_: object) -> int:
         return self._call(target)
@@ -75,3 +77,26 @@ def test_a_timed_out_async_read_is_still_in_flight(agent) -> None:
         assert await a.read_async(HUNG, [1], [2], [8], timeout=1) == 8
 
     asyncio.run(go())
+
+
+def test_a_timed_out_call_that_fails_later_leaves_no_unretrieved_error(agent) -> None:
+    """Nobody awaits a call past its deadline; its late failure must not surface as
+    asyncio's "Future exception was never retrieved" in the worker's log."""
+    a, engine = agent
+    engine.fail_after_release = True
+    unhandled: list[dict] = []
+
+    async def go() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: unhandled.append(ctx))
+        with pytest.raises(TransferError, match="missed its 0.1s deadline"):
+            await a.write_async(HUNG, [1], [2], [8], timeout=0.1)
+        [native] = a.in_flight()
+        engine.release.set()
+        with pytest.raises(TransferError, match="rc=-1"):
+            await asyncio.wrap_future(native)
+        del native
+        await asyncio.sleep(0.05)  # the wrapper's asyncio future settles on the loop
+        gc.collect()
+
+    asyncio.run(go())
+    assert unhandled == []
