@@ -2,7 +2,9 @@
 
 The socket topology is written down here once (``inbox``, ``port``): every process binds
 one inbox at ``inbox(role, index)``; the only other bound ports are the fixed ones in
-``FIXED_PORTS``. A TOML file (``crescent up --config FILE``) overrides any field, and
+``FIXED_PORTS``. Every process has one advertised address, ``address(role, index)`` (the
+``[hosts]`` table, else ``host``), and binds its listeners there, or on ``bind_host`` when
+set (docs/multihost.md). A TOML file (``crescent up --config FILE``) overrides any field, and
 ``--set key=value`` one field of one process (common/service.py); see launch/configs/.
 """
 from __future__ import annotations
@@ -26,6 +28,41 @@ FIRST_INSTANCE_PORT = 10
 MOVED_KEYS = {"use_store": "store.enabled", "store_nodes": "store.nodes",
               "store_segment_bytes": "store.segment_bytes", "store_ssd_bytes": "store.ssd_bytes",
               "store_ssd_dir": "store.ssd_dir"}
+
+
+SINGLE_ROLES = ("router", "conductor", "store_master")
+INDEXED_ROLES = ("prefill", "decode", "store_node", "colocated")
+
+
+@dataclass
+class HostsConfig:
+    """The ``[hosts]`` table: the address of each process that does not run on ``host``.
+    A singleton role takes one address; an indexed role a list, one per process index
+    (a shorter list leaves the rest on ``host``). Addresses are IPv4 or DNS names."""
+
+    router: Optional[str] = None
+    conductor: Optional[str] = None
+    store_master: Optional[str] = None
+    prefill: list[str] = field(default_factory=list)  # by process index (group * stages + stage)
+    decode: list[str] = field(default_factory=list)
+    store_node: list[str] = field(default_factory=list)
+    colocated: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for role in SINGLE_ROLES:
+            value = getattr(self, role)
+            if value is not None and not _is_address(value):
+                raise ValueError(f"[hosts] {role} must be one address (a non-empty string), "
+                                 f"not {value!r}")
+        for role in INDEXED_ROLES:
+            value = getattr(self, role)
+            if not isinstance(value, list) or not all(map(_is_address, value)):
+                raise ValueError(f"[hosts] {role} must be a list of addresses (non-empty "
+                                 f"strings, one per process index), not {value!r}")
+
+
+def _is_address(value: object) -> bool:
+    return isinstance(value, str) and bool(value.strip()) and value == value.strip()
 
 
 @dataclass
@@ -84,7 +121,9 @@ class ClusterConfig:
     kv_dtype: str = "auto"  # paged KV storage: auto (= dtype) | float32 | bfloat16 | float16
     kv_path: str = "auto"  # prefill → decode KV: auto (shm on one host) | shm | transfer_engine
     device: str = "cpu"
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the address of every process [hosts] does not name
+    bind_host: str = ""  # listeners bind here (e.g. "0.0.0.0" in a pod); "": own address
+    hosts: HostsConfig = field(default_factory=HostsConfig)  # [hosts]: per-process addresses
     http_port: int = 8000
     base_port: int = 7500  # inbox ports are allocated from here; see inbox()
     prefill_workers: int = 1  # prefill instances (with prefill_stages > 1: groups)
@@ -130,38 +169,75 @@ class ClusterConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)  # [security]: keys
     supervise: SuperviseConfig = field(default_factory=SuperviseConfig)  # [supervise]
 
+    def __post_init__(self) -> None:
+        if not _is_address(self.host):
+            raise ValueError(f"host must be an address (a non-empty string), not {self.host!r}")
+        if not isinstance(self.bind_host, str) or self.bind_host != self.bind_host.strip():
+            raise ValueError(f"bind_host must be an address or \"\", not {self.bind_host!r}")
+        for role in INDEXED_ROLES:
+            listed, count = len(getattr(self.hosts, role)), self.processes(role)
+            if listed > count:
+                raise ValueError(f"[hosts] {role} lists {listed} addresses but the cluster "
+                                 f"has {count} {role} process(es): index {count} and up "
+                                 f"do not exist")
+
     def step_budget(self, role: str) -> int:
         if self.token_budget is not None:
             return max(1, self.token_budget)
         return 128 if role == "colocated" else 256
 
     # --------------------------------------------------------------- topology
+    def processes(self, role: str) -> int:
+        """How many processes of ``role`` the cluster has (in either mode)."""
+        counts = {"router": 1, "conductor": 1, "store_master": 1,
+                  "prefill": self.prefill_processes, "decode": self.decode_workers,
+                  "store_node": self.store.nodes, "colocated": self.colocated_workers}
+        if role not in counts:
+            raise ValueError(f"unknown role {role!r}; one of {sorted(counts)}")
+        return counts[role]
+
+    def address(self, role: str, index: int = 0) -> str:
+        """The advertised address of process ``role``-``index``: where peers reach its
+        inbox, HTTP and transfer engine (``[hosts]``, else ``host``)."""
+        self.processes(role)  # unknown role: ValueError
+        if role in SINGLE_ROLES:
+            return getattr(self.hosts, role) or self.host
+        listed = getattr(self.hosts, role)
+        return listed[index] if 0 <= index < len(listed) else self.host
+
+    def listen_host(self, role: str, index: int = 0) -> str:
+        """Where that process binds its listeners: ``bind_host`` or its own address."""
+        return self.bind_host or self.address(role, index)
+
     def port(self, name: str) -> int:
         """A fixed port: one of ``FIXED_PORTS`` (the router's HTTP port is ``http_port``)."""
         if name not in FIXED_PORTS:
             raise ValueError(f"unknown port {name!r}; one of {sorted(FIXED_PORTS)}")
         return self.base_port + FIXED_PORTS[name]
 
-    def inbox(self, role: str, index: int = 0) -> str:
+    def inbox(self, role: str, index: int = 0, bind: bool = False) -> str:
         """The inbox address of a process: the fixed ports for the singletons, then one
-        port per prefill worker, decode worker, store node and colocated worker in order."""
-        if role in ("router", "conductor", "store_master"):
-            return f"tcp://{self.host}:{self.port(role)}"
-        counts = {"prefill": self.prefill_processes, "decode": self.decode_workers,
-                  "store_node": self.store.nodes, "colocated": self.colocated_workers}
-        if role not in counts:
-            raise ValueError(f"unknown role {role!r}")
+        port per prefill worker, decode worker, store node and colocated worker in order.
+        ``bind``: the address its owner binds (``listen_host``) instead of the advertised."""
+        host = self.listen_host(role, index) if bind else self.address(role, index)
+        if role in SINGLE_ROLES:
+            return f"tcp://{host}:{self.port(role)}"
         port = self.base_port + FIRST_INSTANCE_PORT + index
-        for earlier in counts:
+        for earlier in INDEXED_ROLES:
             if earlier == role:
                 break
-            port += counts[earlier]
-        return f"tcp://{self.host}:{port}"
+            port += self.processes(earlier)
+        return f"tcp://{host}:{port}"
 
     @property
     def store_events_address(self) -> str:
         """The store master's PUB socket of KV events (the conductor subscribes)."""
-        return f"tcp://{self.host}:{self.port('store_events')}"
+        return self.store_events(bind=False)
+
+    def store_events(self, bind: bool) -> str:
+        """That PUB socket's address, advertised or (``bind``) bound by the master."""
+        host = self.listen_host("store_master") if bind else self.address("store_master")
+        return f"tcp://{host}:{self.port('store_events')}"
 
     @property
     def prefill_processes(self) -> int:

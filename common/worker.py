@@ -55,8 +55,8 @@ class WorkerRuntime:
         shm = worker_segment(self.instance_id, config.kv_path, config.device)
         self.engine = Engine(replace(engine_config(config, role, index), kv_shm_path=shm))
         close_at_exit(self.engine.kv)
-        self.mail = Mailbox(self.inbox_address, self.instance_id)
-        self.transfer = TransferAgent(TransferConfig(hostname=config.host,
+        self.mail = Mailbox(config.inbox(role, index, bind=True), self.instance_id)
+        self.transfer = TransferAgent(TransferConfig(hostname=config.address(role, index),
                                                      protocol=config.transfer_protocol))
         kv = self.engine.kv
         self.transfer.register(kv.base_address, kv.nbytes)

@@ -72,7 +72,7 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.host}:{self.config.http_port}"
+        return f"http://{self.config.address('router')}:{self.config.http_port}"
 
     def plan(self) -> list[tuple[str, int]]:
         """Start order: the store first (workers connect to it), the router last."""

@@ -16,12 +16,11 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
-from functools import lru_cache
 from typing import Optional, Sequence
 
 import torch
 
+from common.host import host_id  # noqa: F401 (re-exported: peers compare it)
 from common.kv.memory import PagedKVMemory
 from common.security import KV_SEGMENT, checked_shm_path
 from common.store.shm import Segment, copy_many, owned_path, sweep_dead
@@ -30,18 +29,6 @@ from common.transfer import coalesce
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-
-
-@lru_cache(maxsize=1)
-def host_id() -> str:
-    """Who shares /dev/shm with whom: hostname and kernel boot id (a container on another
-    host, or this host after a reboot, differs)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            boot = fh.read().strip()
-    except OSError:
-        boot = "no-boot-id"
-    return f"{socket.gethostname()}/{boot}"
 
 
 def segment_path(instance_id: str, directory: str = SHM_DIR) -> Optional[str]:

@@ -20,6 +20,7 @@ import logging
 import os
 from typing import Any, Iterable, Optional
 
+from common.host import same_host
 from common.security import STORE_SEGMENT, checked_shm_path
 from common.store.shm import Segment
 
@@ -36,9 +37,10 @@ class SegmentMaps:
         self._maps: dict[str, tuple[str, int, Optional[Segment]]] = {}
 
     def get(self, node_id: str, info: dict[str, Any]) -> Optional[Segment]:
-        """The node's segment mapped here, or None: no file, not openable, or our own."""
+        """The node's segment mapped here, or None: no file, not openable, our own, or
+        on another host (its ``host_id`` is not ours: common/host.py)."""
         path = info.get("shm_path")
-        if not path or path == self.own_path:
+        if not path or path == self.own_path or not same_host(info.get("host_id")):
             return None
         epoch = info.get("epoch", 0)
         cached = self._maps.get(node_id)

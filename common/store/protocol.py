@@ -5,7 +5,7 @@ carries a ``req_id`` echoed by its reply. A node's DEALER identity is its ``node
 the master can send it ``NodeCommand``s. KV bytes never ride here.
 
 A location is ``[node_id, offset]``; ``nodes`` maps each node_id named in a reply to what a
-client needs to reach it: ``{"session_id", "base", "shm_path", "hostname", "epoch"}``;
+client needs to reach it: ``{"session_id", "base", "shm_path", "hostname", "host_id", "epoch"}``;
 ``live`` lists every node the master knows (a client unmaps the others' segments).
 
 A master process has an ``incarnation`` (random, fixed for its life): a new one means the
@@ -85,6 +85,7 @@ class NodeRegister:
     ssd_bytes: int
     shm_path: Optional[str] = None  # same-host clients may mmap this file instead
     pid: int = 0
+    host_id: Optional[str] = None  # common/host.py: who may map shm_path (None: nobody)
 
 
 @message

@@ -53,6 +53,7 @@ class NodeRef:
     shm_path: Optional[str] = None
     epoch: int = 0
     hostname: str = ""
+    host_id: Optional[str] = None  # common/host.py: same as ours → the segment is mappable
 
     @classmethod
     def from_info(cls, node_id: str, info: dict[str, Any]) -> "NodeRef":
@@ -60,14 +61,15 @@ class NodeRef:
         try:
             return cls(node_id, str(info["session_id"]), int(info["base"]),
                        int(info.get("segment_bytes", 0)), info.get("shm_path"),
-                       int(info.get("epoch", 0)), str(info.get("hostname", "")))
+                       int(info.get("epoch", 0)), str(info.get("hostname", "")),
+                       info.get("host_id"))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"node {node_id}: bad node info {info!r} ({exc})") from None
 
     def info(self) -> dict[str, Any]:
         """The node info ``SegmentMaps.get`` reads."""
         return {"shm_path": self.shm_path, "segment_bytes": self.segment_bytes,
-                "epoch": self.epoch}
+                "epoch": self.epoch, "host_id": self.host_id}
 
 
 def node_refs(nodes: dict[str, Any]) -> list[NodeRef]:

@@ -337,9 +337,9 @@ class Conductor:
 
 
 async def run(config: ClusterConfig, index: int = 0) -> None:
-    mail = Mailbox(config.inbox("conductor"), "conductor")
+    mail = Mailbox(config.inbox("conductor", bind=True), "conductor")
     conductor = Conductor(config, mail)
-    conductor.metrics.serve(config.port("conductor_http"), config.host)
+    conductor.metrics.serve(config.port("conductor_http"), config.listen_host("conductor"))
 
     async def ticker() -> None:
         while True:

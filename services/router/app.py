@@ -70,15 +70,15 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
     hasher = make_block_hasher(config.block_size, tokenizer.model_config,
                                resolve_kv_dtype(config.dtype, config.kv_dtype))
-    mailbox = Mailbox(config.inbox("router"), "router")
+    mailbox = Mailbox(config.inbox("router", bind=True), "router")
     state = RouterState(config, mailbox, tokenizer, hasher)
     state.drain.until(lambda: not state.streams)  # SIGTERM: finish the streams in flight
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
-        await web.TCPSite(runner, config.host, config.http_port).start()
+        await web.TCPSite(runner, config.listen_host("router"), config.http_port).start()
         keyed = config.security.api_keys or config.security.api_key_file
-        log.info("router ready on http://%s:%d%s", config.host, config.http_port,
+        log.info("router ready on http://%s:%d%s", config.address("router"), config.http_port,
                  " (API keys required)" if keyed else "")
         await serve_inbox(mailbox, state.handlers())
     finally:

@@ -1,5 +1,5 @@
 """Prometheus metrics of the store master (one registry per master instance), served on
-the cluster's ``host`` only, like every other listener."""
+the master's listen address (``ClusterConfig.listen_host``), like every other listener."""
 from __future__ import annotations
 
 from typing import Any, Optional

@@ -35,10 +35,10 @@ class MasterServer:
         self.store = config.store
         self.policy = config.store.policy
         self.md = StoreMetadata(self.policy)
-        self.metrics = MasterMetrics(config.host)  # its HTTP listener binds the cluster host
-        self.inbox = RouterInbox(self.address, "store_master")
+        self.metrics = MasterMetrics(config.listen_host("store_master"))
+        self.inbox = RouterInbox(config.inbox("store_master", bind=True), "store_master")
         self.pub = make_socket(zmq.asyncio.Context.instance(), zmq.PUB,
-                               config.store_events_address, bind=True, hwm=OUTBOX_HWM)
+                               config.store_events(bind=True), bind=True, hwm=OUTBOX_HWM)
         self.epochs: dict[str, int] = {}  # node_id → registration count
         self.registered: dict[str, p.NodeRegister] = {}  # node_id → its last registration
         self.incarnation = uuid.uuid4().hex[:12]  # new on every start: subscribers resync
@@ -201,7 +201,8 @@ class MasterServer:
         epoch = self.epochs.get(msg.node_id, 0) + 1
         self.epochs[msg.node_id] = epoch
         info = {"session_id": msg.session_id, "base": msg.base, "shm_path": msg.shm_path,
-                "hostname": msg.hostname, "epoch": epoch, "segment_bytes": msg.segment_bytes}
+                "hostname": msg.hostname, "host_id": msg.host_id, "epoch": epoch,
+                "segment_bytes": msg.segment_bytes}
         self.md.add_node(msg.node_id, msg.segment_bytes, msg.ssd_bytes, info, now)
         log.info("node %s registered: %d MiB DRAM, %d MiB SSD, shm=%s", msg.node_id,
                  msg.segment_bytes >> 20, msg.ssd_bytes >> 20, msg.shm_path)

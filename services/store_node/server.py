@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from common.config import ClusterConfig
+from common.host import host_id
 from common.mailbox import DealerLink, serve_inbox
 from common.security import clamp_interval
 from common.service import StartupError
@@ -38,7 +39,7 @@ class NodeServer:
         store = config.store
         self.store = store
         self.node_id = f"store_node-{index}"
-        self.hostname = config.host
+        self.hostname = config.address("store_node", index)
         self.master_address = config.inbox("store_master")
         path = None
         if store.shm_dir:  # first remove files of nodes SIGKILLed on this host
@@ -47,7 +48,7 @@ class NodeServer:
         self.segment = Segment(store.segment_bytes, path, create=True)
         ssd_dir = f"{store.ssd_dir}/node-{index}" if store.ssd_dir and store.ssd_bytes else None
         self.ssd = SsdTier(ssd_dir, store.ssd_bytes if ssd_dir else 0)
-        self.transfer = TransferAgent(TransferConfig(hostname=config.host,
+        self.transfer = TransferAgent(TransferConfig(hostname=self.hostname,
                                                      protocol=config.transfer_protocol))
         self.transfer.register(self.segment.base, self.segment.nbytes)
         self.io = ThreadPoolExecutor(1, thread_name_prefix="ssd")  # keeps command order
@@ -62,7 +63,7 @@ class NodeServer:
     def _register_msg(self) -> p.NodeRegister:
         return p.NodeRegister(self.node_id, self.hostname, self.transfer.session_id,
                               self.segment.base, self.segment.nbytes, self.ssd.capacity,
-                              self.segment.path, os.getpid())
+                              self.segment.path, os.getpid(), host_id())
 
     async def register(self) -> None:
         """Register, retrying, until acknowledged or ``register_deadline_s`` passes."""

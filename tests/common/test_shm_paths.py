@@ -14,6 +14,7 @@ from typing import Iterator
 
 import pytest
 
+from common.host import host_id
 from common.kv.memory import PagedKVMemory
 from common.kv.shm_kv import PeerKVMaps
 from common.security import KV_SEGMENT, STORE_SEGMENT, checked_shm_path
@@ -75,7 +76,7 @@ def test_segment_never_opens_through_a_symlink(shm_dir: str, store_file: Segment
 
 
 def info(path: str, epoch: int = 1) -> dict:
-    return {"shm_path": path, "segment_bytes": NBYTES, "epoch": epoch}
+    return {"shm_path": path, "segment_bytes": NBYTES, "epoch": epoch, "host_id": host_id()}
 
 
 def test_store_clients_map_only_node_segments(shm_dir: str, store_file: Segment,

@@ -10,6 +10,7 @@ from typing import Iterator
 
 import pytest
 
+from common.host import host_id
 from common.store.peers import SegmentMaps
 from common.store.shm import Segment
 
@@ -35,7 +36,7 @@ def seg_path(shm_dir: str, name: str) -> str:
 
 
 def info(path: str, epoch: int, nbytes: int = NBYTES) -> dict:
-    return {"shm_path": path, "segment_bytes": nbytes, "epoch": epoch}
+    return {"shm_path": path, "segment_bytes": nbytes, "epoch": epoch, "host_id": host_id()}
 
 
 def test_maps_once_per_epoch_and_sees_the_owners_bytes(shm_dir):
