@@ -77,6 +77,10 @@ class ConductorMetrics:
             "crescent_worker_dropped", "messages a worker incarnation dropped or gave up on "
             "(stale fences/epochs, full outboxes, expired quarantines), cumulative",
             ["instance", "reason"], registry=r)
+        self.worker_kv_blocks = Gauge(
+            "crescent_worker_kv_blocks", "a worker's KV blocks by state (used, free), as of "
+            "its last heartbeat", ["instance", "state"], registry=r)
+        self.kv_instances: set[str] = set()  # the instances worker_kv_blocks has series of
         self.worker_quarantined = Gauge(
             "crescent_worker_quarantined", "decode reservations held until their writer's word",
             ["instance"], registry=r)
@@ -120,6 +124,14 @@ class ConductorMetrics:
         for role in ("prefill", "decode"):
             self.workers.labels(role=role).set(len(registry.by_role(role)))
         self.in_flight.set(len(tracker.requests))
+        live = {w.instance_id: w for w in registry.status()}
+        for gone in self.kv_instances - set(live):  # a worker gone leaves no series behind
+            for state in ("used", "free"):
+                self.worker_kv_blocks.remove(gone, state)
+        for instance, w in live.items():
+            self.worker_kv_blocks.labels(instance, "used").set(w.used_blocks)
+            self.worker_kv_blocks.labels(instance, "free").set(w.free_blocks)
+        self.kv_instances = set(live)
 
 
 class _QuietHandler(WSGIRequestHandler):
