@@ -126,6 +126,9 @@ class ClusterConfig:
     hosts: HostsConfig = field(default_factory=HostsConfig)  # [hosts]: per-process addresses
     http_port: int = 8000
     base_port: int = 7500  # inbox ports are allocated from here; see inbox()
+    # GET /health of every process (probes, healthchecks): health_port + n, n counting the
+    # processes before it at its address (common/health.py). None: no health listeners.
+    health_port: Optional[int] = None
     prefill_workers: int = 1  # prefill instances (with prefill_stages > 1: groups)
     # Chunked pipeline parallelism: each prefill instance is a group of this many processes,
     # each holding a contiguous range of layers (services/prefill/group.py). 1: no pipeline.

@@ -9,7 +9,8 @@ Every process of a cluster starts the same way, in this order:
 4. install uvloop; SIGINT cancels the main task, SIGTERM first drains (common/drain.py:
    a service that registered in-flight work finishes it, up to
    ``supervise.drain_timeout_s``, taking nothing new) and then cancels it;
-5. import the role's module (``ROLES``) and await its ``run(config, index)`` until cancelled.
+5. import the role's module (``ROLES``) and await its ``run(config, index)`` until cancelled,
+   answering ``GET /health`` meanwhile if the config sets ``health_port`` (common/health.py).
 
 Every address, port and setting a service uses comes from that one config (common/config.py).
 Exit codes: 0 a clean stop; 1 the service could not start (a port taken, the store master
@@ -99,6 +100,7 @@ def setup_logging(name: str, index: int, level: str) -> None:
 
 def bootstrap(role: str, argv: Optional[list[str]] = None) -> int:
     """Start the ``role`` process of a cluster; returns its exit code (see the module doc)."""
+    from common import health
     from common.cpu import CpuError, apply_from_env
     from common.drain import install as install_drain
 
@@ -135,7 +137,8 @@ def bootstrap(role: str, argv: Optional[list[str]] = None) -> int:
         drain = install_drain(config.supervise.drain_timeout_s)
         loop.add_signal_handler(signal.SIGINT, task.cancel)
         loop.add_signal_handler(signal.SIGTERM, drain.begin, task)
-        await run(config, args.index)
+        async with health.serve(config, role, args.index):
+            await run(config, args.index)
 
     try:
         asyncio.run(main())
