@@ -186,8 +186,7 @@ class Run:
         return ttft, usage
 
     def _after(self, before: str, timeout_s: float = 5.0) -> Optional[str]:
-        """A scrape that counts this request's PrefillDone, or None: the conductor drops a
-        PrefillDone that arrives after the request finished (see BENCHMARKS.md)."""
+        """A scrape that counts this request's PrefillDone, or None if it never came."""
         want = total(before, COMPUTE + "_count") + 1
         deadline = time.monotonic() + timeout_s
         while True:

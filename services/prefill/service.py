@@ -42,7 +42,7 @@ from services.prefill.lanes import Lanes
 from services.prefill.layer_io import LayerLoads, PartIO, StepIO, settle
 from services.prefill.job import Job, PrefillFailure
 from services.prefill.prefix import PrefixLoader
-from services.prefill.store_writes import StoreWrites, blocks_completed
+from services.prefill.store_writes import StoreWrites
 from services.prefill.streaming import KVPaths
 
 log = logging.getLogger("prefill")
@@ -77,10 +77,12 @@ class PrefillWorker:
         self.settling: set[Fence] = set()  # fences whose writes are still settling
         self.layerwise = rt.config.kv_layerwise
         self.mover = prefix.store.mover if prefix.store is not None else None
+        rt.kv_bytes = lambda: self.kv_paths.moved(self.mover)
         self.load_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
         self.store_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
         self.group = HeadGroup(rt, index) if rt.config.prefill_stages > 1 else None
-        self.store_writes = (StoreWrites(prefix.store, rt.config.prefill_stages - 1)
+        self.store_writes = (StoreWrites(prefix.store, rt.config.prefill_stages - 1,
+                                         self.engine.config.block_size, prefix.object_nbytes)
                              if prefix.store is not None and self.layerwise else None)
         self.steps = 0
         self.handlers: dict[type, Callable[[Any], None]] = {
@@ -229,7 +231,11 @@ class PrefillWorker:
         """One forward over chunks of the admitted prompts; hand over those it ends."""
         planned = plan_chunks(self.jobs, self.budget)
         self.steps += 1
+        asked = time.perf_counter()  # store grants for the chunks: a wait on the store
         parts = list(await asyncio.gather(*(self._part(job, n) for job, n in planned)))
+        granted = time.perf_counter() - asked
+        if self.store_writes is not None:  # the next step's grants arrive as this computes
+            self.store_writes.ask_ahead(self.jobs, self.budget, planned)
         chunks = [PrefillChunk(j.task.token_ids, j.done, j.done + n, j.plan.block_table)
                   for j, n in planned]
         io = StepIO(parts, self.engine.kv, 0, self.mover, self.store_lane, self.layerwise)
@@ -244,6 +250,7 @@ class PrefillWorker:
         total = sum(n for _, n in planned)
         for (job, n), part in zip(planned, parts):
             job.compute_s += step_s * n / total
+            job.wait_s += granted
             job.put_futures += part.put_futures
             if part.poisoned and job.failed is None:
                 job.failed = job.loads.failed if job.loads else "load failed"
@@ -267,14 +274,7 @@ class PrefillWorker:
             part.loads = job.loads
             part.load_tokens = (job.plan.load_from * bs, job.plan.cached_blocks * bs)
         if self.store_writes is not None and job.failed is None:
-            put = blocks_completed(start, end, self.engine.config.block_size, range(
-                job.plan.stored_from, len(job.keys)))
-            plan = await self.store_writes.plan(job.keys[put.start:put.stop],
-                                                self.prefix.object_nbytes)
-            if plan is not None:
-                part.put = plan
-                part.put_local = [job.plan.block_table[put.start + i] for i in plan.index]
-                part.put_blocks = [put.start + i for i in plan.index]
+            await self.store_writes.grant_part(job, part)
         return part
 
     async def _ship(self, planned: list[tuple[Job, int]], parts: list[PartIO],
@@ -301,6 +301,8 @@ class PrefillWorker:
         now = time.time()
         for job in [j for j in self.jobs if j.aborted or j.failed or now > j.task.deadline]:
             self.jobs.remove(job)
+            if self.store_writes is not None:
+                self.store_writes.forget(job.task.fence)
             failure = (PrefillFailure(499, "aborted", "aborted during prefill") if job.aborted
                        else PrefillFailure(503, "kv_load_failed", job.failed) if job.failed
                        else PrefillFailure(504, "timeout", "prefill missed its deadline"))

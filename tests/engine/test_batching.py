@@ -31,3 +31,13 @@ def test_aborted_and_finished_prompts_take_no_budget() -> None:
 def test_no_budget_no_chunks() -> None:
     assert plan_chunks([job("a", 10)], 0) == []
     assert plan_chunks([job("a", 10)], -3) == []
+
+
+def test_the_step_after_continues_where_this_one_ends() -> None:
+    a, b, c = job("a", 300), job("b", 40), job("c", 500)
+    this = plan_chunks([a, b, c], 256)
+    assert [(p.task.request_id, n) for p, n in this] == [("a", 256)]
+    after = plan_chunks([a, b, c], 256, this)
+    assert [(p.task.request_id, n) for p, n in after] == [("a", 44), ("b", 40), ("c", 172)]
+    assert a.remaining == 300  # a prediction: nothing moved
+    assert plan_chunks([a], 256, plan_chunks([a], 300)) == []

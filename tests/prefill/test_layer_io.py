@@ -10,6 +10,7 @@ import asyncio
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import torch
 
@@ -67,7 +68,7 @@ def test_a_stage_loads_streams_and_stores_its_layers(cluster, transfer, tmp_path
         stream = KVStream(transfer, lanes[1], stage, [0, 1, 2], [3, 4, 5], "", 0, peer,
                           first_layer=2, total_layers=LAYERS)
         new = keys(1)
-        put = await StoreWrites(c, 0).plan(new, size)
+        put = await StoreWrites(c, 0, BS, size).plan(new, size)
         part = PartIO(stream, 2 * BS, 3 * BS, loads, (0, 2 * BS), put, [2], [2])
         io = StepIO([part], stage, 2, mover, lanes[2])
         for layer in range(2):  # what Engine.stage_step does around each layer
@@ -82,7 +83,7 @@ def test_a_stage_loads_streams_and_stores_its_layers(cluster, transfer, tmp_path
         assert not decode.data[3:6, :2].any()  # the other stage's layers untouched
 
         # the head commits an object only where every stage wrote it
-        writes = StoreWrites(c, followers=1)
+        writes = StoreWrites(c, 1, BS, size)
         writes.step_done(7, [part])
         assert await c.batch_exists(new) == [False]  # written by us, not yet committed
         writes.on_stored(StageStored(0, 0, 7, [True]))
@@ -99,7 +100,7 @@ def test_a_stage_loads_streams_and_stores_its_layers(cluster, transfer, tmp_path
         late = type(late)(late.size, late.keys, late.replicas, late.nodes, time.time() - 1)
         stream2 = KVStream(transfer, lanes[1], stage, [0, 1, 2], [3, 4, 5], "", 0, peer,
                            first_layer=2, total_layers=LAYERS)
-        put2 = await StoreWrites(c, 0).plan(keys(1), size)
+        put2 = await StoreWrites(c, 0, BS, size).plan(keys(1), size)
         part2 = PartIO(stream2, 2 * BS, 3 * BS, LayerLoads(mover, late, stage, [0, 1], 2,
                                                             lanes[0]), (0, 2 * BS), put2, [2])
         io2 = StepIO([part2], stage, 2, mover, lanes[2])
@@ -121,3 +122,53 @@ def test_a_stage_loads_streams_and_stores_its_layers(cluster, transfer, tmp_path
             transfer.unregister(kv.base_address)
         peer.close()
         decode.close()
+
+
+def prompt(tokens: int, fence: int) -> SimpleNamespace:
+    """What StoreWrites reads of a prefill job: its fence, keys, progress, blocks."""
+    return SimpleNamespace(task=SimpleNamespace(token_ids=range(tokens), fence=fence),
+                           keys=keys(tokens // BS), done=0, aborted=False, failed=None,
+                           remaining=tokens, plan=SimpleNamespace(
+                               stored_from=0, block_table=list(range(tokens // BS))))
+
+
+def test_grants_asked_a_step_ahead(cluster, transfer) -> None:
+    """The next step's grants are asked while this one computes: a chunk that goes as
+    predicted takes its grant without a round trip to the master; one that does not gives
+    the grant back unwritten at once, so its objects can be put again."""
+    address = cluster.master()
+    cluster.node("a")
+
+    async def go() -> None:
+        c = await client_for(address, transfer, use_shm=True, shm_dir=cluster.tmp)
+        writes = StoreWrites(c, 0, BS, 4096)
+        a, b = prompt(4 * BS, fence=1), prompt(4 * BS, fence=2)
+        writes.ask_ahead([a, b], 2 * BS, [(a, 2 * BS)])  # next: a's blocks 2-3
+        assert list(writes.ahead) == [1] and writes.ahead[1][0] == range(2, 4)
+        a.done = 2 * BS
+        await asyncio.sleep(0.2)  # the grant arrives while the step computes
+        calls = c.stats.put_skipped + c.stats.put_failed + c.stats.puts
+        part = PartIO(None, 2 * BS, 4 * BS)
+        asked = time.perf_counter()
+        await writes.grant_part(a, part)
+        assert time.perf_counter() - asked < 0.001  # no round trip: it was there
+        assert part.put is not None and part.put.keys == [k.hex() for k in a.keys[2:4]]
+        assert part.put_blocks == [2, 3] and part.put_local == [2, 3]
+        assert c.stats.put_skipped + c.stats.put_failed + c.stats.puts == calls
+
+        writes.ask_ahead([b], 2 * BS, [])  # predicted: b's blocks 0-1
+        await asyncio.sleep(0.2)
+        part = PartIO(None, 0, BS)  # but b computes one block only (not as predicted)
+        await writes.grant_part(b, part)
+        assert part.put is not None and part.put.keys == [b.keys[0].hex()]
+        await asyncio.sleep(0.2)  # the unused grant (blocks 0-1) is given back unwritten
+        again = await c.start_put([b.keys[1]], 4096)
+        assert again is not None and again.keys == [b.keys[1].hex()]  # free to put again
+
+        writes.ask_ahead([b], 2 * BS, [])
+        writes.ask_ahead([], 2 * BS, [])  # b left (failed, aborted): its grant goes back
+        assert writes.ahead == {}
+        await writes.close()
+        await c.close()
+
+    asyncio.run(go())
