@@ -54,6 +54,9 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def id_to_token(self, token_id: int) -> str:
+        return self._tk.id_to_token(token_id) or ""
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
@@ -84,6 +87,12 @@ class ByteTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
         return data.decode("utf-8", errors="replace")
+
+    def id_to_token(self, token_id: int) -> str:
+        """A byte's token as sentencepiece names it (``<0x41>``), any other as ``<id>``."""
+        if self.OFFSET <= token_id < 256 + self.OFFSET:
+            return f"<0x{token_id - self.OFFSET:02X}>"
+        return f"<{token_id}>"
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return _render(self.chat_template, messages, add_generation_prompt)

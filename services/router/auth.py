@@ -1,6 +1,6 @@
-"""Optional API keys (``[security] api_keys`` / ``api_key_file``): every ``/v1/*`` and
-``/debug/*`` request needs ``Authorization: Bearer <key>``, else a 401 OpenAI-style error
-(``invalid_api_key``).
+"""Optional API keys (``[security] api_keys`` / ``api_key_file``): every ``/v1/*``,
+``/debug/*``, ``/tokenize`` and ``/detokenize`` request needs ``Authorization: Bearer
+<key>``, else a 401 OpenAI-style error (``invalid_api_key``).
 
 ``/health`` and ``/metrics`` stay open: load balancers and Prometheus scrapers poll them,
 and neither shows a prompt, a key or a per-instance detail (``/debug/pools`` does). Unknown
@@ -19,7 +19,7 @@ from common.security import SecurityConfig
 from common.service import StartupError
 from services.router.errors import ApiError
 
-GUARDED = ("/v1/", "/debug/")
+GUARDED = ("/v1/", "/debug/", "/tokenize", "/detokenize")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 

@@ -5,13 +5,12 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from dataclasses import asdict, replace
 
 import orjson
 from aiohttp import web
-from jinja2.exceptions import TemplateError
 
 from common.protocol import SubmitRequest
 from common.sampling_params import SamplingParams
@@ -19,6 +18,9 @@ from services.router.errors import ApiError, invalid
 from services.router.flow import RequestRun
 from services.router.openai_format import DONE, ResponseBuilder, sse
 from services.router.state import RouterState
+from services.router.tokenize import (check_token_ids, encode_chat, parse_detokenize,
+                                      parse_tokenize)
+from services.router.tokenize import tokenize as tokenize_ids
 from services.router.validation import GenerationRequest, parse_request
 
 log = logging.getLogger(__name__)
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 STATE: web.AppKey[RouterState] = web.AppKey("state", RouterState)
 CLIENT_GONE = 499  # nginx's "client closed request", as a metrics label
 _LONG_TEXT = 20_000  # characters; longer prompts are tokenized off the event loop
+T = TypeVar("T")
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -47,18 +50,19 @@ async def _read_json(request: web.Request) -> Any:
 def _tokenize(state: RouterState, req: GenerationRequest) -> list[int]:
     tok = state.tokenizer
     if req.kind == "chat":
-        try:
-            return tok.encode_chat(req.messages or [])
-        except TemplateError as exc:  # the model's template refuses these messages
-            raise invalid(f"chat template: {exc}", "messages", "invalid_value") from None
+        return encode_chat(tok, req.messages or [])
     if isinstance(req.prompt, str):
         return tok.encode_text(req.prompt)
     ids = list(req.prompt or [])
-    bad = [t for t in ids if not 0 <= t < tok.vocab_size]
-    if bad:
-        raise invalid(f"token id {bad[0]} is outside the vocabulary [0, {tok.vocab_size})",
-                      "prompt", "invalid_value")
+    check_token_ids(tok, ids, "prompt")
     return ids
+
+
+async def _off_loop_if_long(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, in a thread when it tokenizes over ``_LONG_TEXT`` characters."""
+    if size > _LONG_TEXT:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 async def _prompt(state: RouterState,
@@ -68,10 +72,7 @@ async def _prompt(state: RouterState,
     param = "messages" if req.kind == "chat" else "prompt"
     size = sum(len(m["content"]) for m in req.messages or []) if req.kind == "chat" \
         else len(req.prompt or "")
-    if size > _LONG_TEXT:
-        ids = await asyncio.to_thread(_tokenize, state, req)
-    else:
-        ids = _tokenize(state, req)
+    ids = await _off_loop_if_long(size, _tokenize, state, req)
     if not ids:
         raise invalid("the prompt is empty", param, "invalid_value")
     ctx = state.tokenizer.context_length
@@ -170,6 +171,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "completion")
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = parse_tokenize(await _read_json(request), state.config.model_name)
+    return _json(await _off_loop_if_long(req.size, tokenize_ids, state.tokenizer, req))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    ids = parse_detokenize(await _read_json(request), state.tokenizer,
+                           state.config.model_name)
+    text = await _off_loop_if_long(len(ids), state.tokenizer.decode, ids)
+    return _json({"prompt": text})
+
+
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     card = {"id": state.config.model_name, "object": "model", "created": state.started,
@@ -207,6 +222,8 @@ async def debug_pools(request: web.Request) -> web.Response:
 def routes() -> list[web.RouteDef]:
     return [web.post("/v1/chat/completions", chat_completions),
             web.post("/v1/completions", completions),
+            web.post("/tokenize", tokenize),
+            web.post("/detokenize", detokenize),
             web.get("/v1/models", models),
             web.get("/health", health),
             web.get("/metrics", metrics),

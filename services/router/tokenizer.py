@@ -102,14 +102,29 @@ class PromptTokenizer:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    add_special_tokens: bool = False) -> list[int]:
+        """The chat template's tokens; ``add_special_tokens`` adds the tokenizer's own
+        (BOS) on top of what the template wrote, as vLLM's /tokenize does."""
+        ids = list(self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt))
+        if add_special_tokens:  # what encoding "" adds is exactly the special prefix
+            ids = self.encode_text("") + ids
+        return ids
 
-    def encode_text(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """Each token's vocabulary entry (``Ġworld``, not `` world``)."""
+        return [self.tokenizer.id_to_token(t) for t in token_ids]
+
+    def out_of_vocab(self, token_ids: Sequence[int]) -> Optional[int]:
+        """The first id outside ``[0, vocab_size)``, if any."""
+        return next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
 
 
 def load_tokenizer(model: str) -> PromptTokenizer:

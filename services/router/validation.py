@@ -1,6 +1,7 @@
 """Validate OpenAI request bodies into a small typed request; every failure is a 400.
 
-The sampling knobs become the one ``SamplingParams`` (common/sampling_params.py) that the
+Which fields are honoured and which refused is request_fields.py's table; this module
+parses the honoured ones (messages: chat_messages.py). The sampling knobs become the one ``SamplingParams`` (common/sampling_params.py) that the
 wire carries to the workers; the handler only fits ``max_tokens`` to the prompt.
 """
 from __future__ import annotations
@@ -9,10 +10,12 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from common.sampling_params import SamplingParams
+from services.router.chat_messages import parse_messages
 from services.router.errors import ApiError, invalid
+from services.router.request_fields import boolean, check_fields, only, unsupported
 
-ROLES = ("system", "user", "assistant")
 MAX_STOP = 4
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass
@@ -109,7 +112,21 @@ def _logprobs(body: dict, kind: str) -> bool:
     if not _is_int(value) or not 0 <= value <= 5:  # legacy completions: top-N count
         raise invalid("'logprobs' must be an integer in [0, 5]", "logprobs",
                       "invalid_value")
+    if value > 0:
+        raise unsupported("logprobs", "above 0 (top alternatives) is not supported yet: "
+                          "0 or true gives the sampled token's logprob")
     return True
+
+
+def _stop_token_ids(body: dict) -> list[int]:
+    value = body.get("stop_token_ids")
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS or \
+            not all(_is_int(t) and t >= 0 for t in value):
+        raise invalid(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} "
+                      "token ids >= 0", "stop_token_ids", "invalid_value")
+    return value
 
 
 def parse_sampling(body: dict, kind: str, max_tokens: int) -> SamplingParams:
@@ -122,10 +139,11 @@ def parse_sampling(body: dict, kind: str, max_tokens: int) -> SamplingParams:
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=_top_k(body), seed=_seed(body), stop=_stop(body),
-        logprobs=_logprobs(body, kind))
+        stop_token_ids=_stop_token_ids(body), logprobs=_logprobs(body, kind),
+        ignore_eos=_bool(body, "ignore_eos"))
 
 
-def _check_model(body: dict, served: str) -> str:
+def check_model(body: dict, served: str) -> str:
     model = body.get("model")
     if model is None:
         return served
@@ -146,43 +164,19 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     if not stream:
         raise invalid("'stream_options' is only allowed when 'stream' is true",
                       "stream_options", "invalid_value")
-    return stream, _bool(options, "include_usage")
-
-
-def _content_text(content: Any, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    param = f"messages[{index}].content"
-    if not isinstance(content, list):
-        raise invalid("message content must be a string or a list of text parts", param,
-                      "invalid_type")
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" \
-                or not isinstance(part.get("text"), str):
-            raise invalid("only {\"type\": \"text\", \"text\": ...} parts are supported",
-                          param, "invalid_type")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def parse_messages(value: Any) -> list[dict[str, str]]:
-    if not isinstance(value, list) or not value:
-        raise invalid("'messages' must be a non-empty list", "messages", "invalid_value")
-    out = []
-    for i, msg in enumerate(value):
-        if not isinstance(msg, dict):
-            raise invalid("each message must be an object", f"messages[{i}]",
-                          "invalid_type")
-        role = msg.get("role")
-        if role not in ROLES:
-            raise invalid(f"role must be one of {', '.join(ROLES)}, got {role!r}",
-                          f"messages[{i}].role", "invalid_value")
-        if "content" not in msg or msg["content"] is None:
-            raise invalid("message content is required", f"messages[{i}].content",
-                          "invalid_value")
-        out.append({"role": role, "content": _content_text(msg["content"], i)})
-    return out
+    include_usage = False
+    for key, value in options.items():
+        param = f"stream_options.{key}"
+        if value is None:
+            continue
+        if key == "include_usage":
+            boolean(param, value)
+            include_usage = value
+        elif key == "include_obfuscation":
+            only(False, why="is not supported: Crescent adds no obfuscation")(param, value)
+        else:
+            raise invalid(f"unknown parameter '{param}'", param, "unknown_parameter")
+    return stream, include_usage
 
 
 def parse_prompt(value: Any) -> Union[str, list[int]]:
@@ -205,7 +199,8 @@ def parse_request(body: Any, kind: str, served_model: str,
     """Validate a chat (``kind="chat"``) or completion body; raise ``ApiError`` (400)."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
-    model = _check_model(body, served_model)
+    model = check_model(body, served_model)
+    check_fields(body, kind)
     stream, include_usage = _stream_flags(body)
     asked = _max_tokens(body)
     sampling = parse_sampling(body, kind, asked or default_max_tokens)
@@ -223,4 +218,4 @@ def parse_request(body: Any, kind: str, served_model: str,
     return req
 
 
-__all__ = ["ApiError", "GenerationRequest", "parse_request"]
+__all__ = ["ApiError", "GenerationRequest", "check_model", "parse_request"]

@@ -44,7 +44,7 @@ def test_completion_prompts() -> None:
     assert completion({"prompt": "abc"}).prompt == "abc"
     assert completion({"prompt": [1, 2]}).prompt == [1, 2]
     assert completion({"prompt": ["abc"]}).prompt == "abc"
-    assert completion({"prompt": "a", "logprobs": 2}).sampling.logprobs is True
+    assert completion({"prompt": "a", "logprobs": 0}).sampling.logprobs is True
     assert completion({"prompt": "a", "max_tokens": 9}).sampling.max_tokens == 9
 
 

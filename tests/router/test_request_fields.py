@@ -1,0 +1,240 @@
+"""Every field of the chat and completions requests is honoured or refused with a 400 that
+names it: never accepted and ignored.
+
+The table below is written by hand from the OpenAI API reference (and vLLM's extensions
+Crescent takes); each row is a field, an example value and the verdict. An honoured row
+also says what it must change in the parsed request, so "accepted" cannot pass for
+"honoured". The table is checked for completeness against the installed ``openai``
+client's own request types and against the router's field policy.
+"""
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+
+from common.sampling_params import SamplingParams
+from services.router.errors import ApiError
+from services.router.request_fields import LIMITED, PARSED
+from services.router.validation import GenerationRequest, parse_request
+
+MODEL = "smollm2-135m"
+DEFAULT_MAX = 7
+BASE = {"chat": {"messages": [{"role": "user", "content": "hi"}]},
+        "completion": {"prompt": "hi"}}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}
+
+HONOURED, ACCEPTED, REFUSED = "honoured", "accepted (changes nothing)", "refused"
+Effect = Callable[[GenerationRequest], bool]
+DEFAULT = SamplingParams(max_tokens=DEFAULT_MAX)
+
+
+@dataclass(frozen=True)
+class Row:
+    kinds: str  # "chat", "completion" or "both"
+    field: str
+    value: Any
+    verdict: str
+    effect: Optional[Effect] = None  # HONOURED: what the field must change
+
+    def applies(self, kind: str) -> bool:
+        return self.kinds in (kind, "both")
+
+
+def _sampling(**changes: Any) -> Effect:
+    return lambda req: req.sampling == SamplingParams(**{"max_tokens": DEFAULT_MAX,
+                                                         **changes})
+
+
+ROWS = [
+    Row("chat", "messages", [{"role": "system", "content": "s"},
+                             {"role": "user", "content": [{"type": "text", "text": "q"}]}],
+        HONOURED, lambda r: r.messages == [{"role": "system", "content": "s"},
+                                           {"role": "user", "content": "q"}]),
+    Row("completion", "prompt", [1, 2, 3], HONOURED, lambda r: r.prompt == [1, 2, 3]),
+    Row("both", "model", MODEL, HONOURED, lambda r: r.model == MODEL),
+    Row("both", "model", "gpt-4o", REFUSED),
+    Row("both", "max_tokens", 5, HONOURED, _sampling(max_tokens=5)),
+    Row("both", "max_completion_tokens", 6, HONOURED, _sampling(max_tokens=6)),
+    Row("both", "temperature", 0.5, HONOURED, _sampling(temperature=0.5)),
+    Row("both", "top_p", 0.9, HONOURED, _sampling(top_p=0.9)),
+    Row("both", "seed", 11, HONOURED, _sampling(seed=11)),
+    Row("both", "stop", ["\n\n"], HONOURED, _sampling(stop=("\n\n",))),
+    Row("both", "stream", True, HONOURED, lambda r: r.stream),
+    Row("both", "n", 1, HONOURED, _sampling()),
+    Row("both", "n", 2, REFUSED),
+    Row("chat", "logprobs", True, HONOURED, _sampling(logprobs=True)),
+    Row("completion", "logprobs", 0, HONOURED, _sampling(logprobs=True)),
+    Row("completion", "logprobs", 3, REFUSED),
+    Row("chat", "top_logprobs", 0, ACCEPTED),
+    Row("chat", "top_logprobs", 2, REFUSED),
+    Row("both", "top_k", 4, HONOURED, _sampling(top_k=4)),
+    Row("both", "ignore_eos", True, HONOURED, _sampling(ignore_eos=True)),
+    Row("both", "stop_token_ids", [7, 9], HONOURED, _sampling(stop_token_ids=(7, 9))),
+    Row("both", "frequency_penalty", 0, ACCEPTED),
+    Row("both", "frequency_penalty", 0.5, REFUSED),
+    Row("both", "presence_penalty", 0.0, ACCEPTED),
+    Row("both", "presence_penalty", -1, REFUSED),
+    Row("both", "logit_bias", {}, ACCEPTED),
+    Row("both", "logit_bias", {"50256": -100}, REFUSED),
+    Row("both", "user", "user-1", ACCEPTED),
+    Row("chat", "safety_identifier", "hash-1", ACCEPTED),
+    Row("chat", "prompt_cache_key", "tenant-1", ACCEPTED),
+    Row("chat", "metadata", {"team": "a"}, ACCEPTED),
+    Row("chat", "metadata", {"k": 1}, REFUSED),
+    Row("chat", "store", False, ACCEPTED),
+    Row("chat", "store", True, REFUSED),
+    Row("chat", "service_tier", "auto", ACCEPTED),
+    Row("chat", "service_tier", "flex", REFUSED),
+    Row("chat", "prompt_cache_retention", "in_memory", ACCEPTED),
+    Row("chat", "prompt_cache_retention", "24h", REFUSED),
+    Row("chat", "prompt_cache_options", {"mode": "explicit"}, REFUSED),
+    Row("chat", "modalities", ["text"], ACCEPTED),
+    Row("chat", "modalities", ["text", "audio"], REFUSED),
+    Row("chat", "audio", {"voice": "alloy", "format": "wav"}, REFUSED),
+    Row("chat", "response_format", {"type": "text"}, ACCEPTED),
+    Row("chat", "response_format", {"type": "json_object"}, REFUSED),
+    Row("chat", "response_format", SCHEMA, REFUSED),
+    Row("chat", "tools", [], ACCEPTED),
+    Row("chat", "tools", [TOOL], REFUSED),
+    Row("chat", "tool_choice", "none", ACCEPTED),
+    Row("chat", "tool_choice", "auto", ACCEPTED),
+    Row("chat", "tool_choice", "required", REFUSED),
+    Row("chat", "tool_choice", {"type": "function", "function": {"name": "f"}}, REFUSED),
+    Row("chat", "parallel_tool_calls", False, ACCEPTED),
+    Row("chat", "functions", [TOOL["function"]], REFUSED),
+    Row("chat", "function_call", "none", ACCEPTED),
+    Row("chat", "function_call", {"name": "f"}, REFUSED),
+    Row("chat", "prediction", {"type": "content", "content": "x"}, REFUSED),
+    Row("chat", "reasoning_effort", "low", REFUSED),
+    Row("chat", "verbosity", "low", REFUSED),
+    Row("chat", "web_search_options", {}, REFUSED),
+    Row("chat", "moderation", {"input": True}, REFUSED),
+    Row("completion", "best_of", 1, ACCEPTED),
+    Row("completion", "best_of", 3, REFUSED),
+    Row("completion", "echo", False, ACCEPTED),
+    Row("completion", "echo", True, REFUSED),
+    Row("completion", "suffix", "", ACCEPTED),
+    Row("completion", "suffix", "tail", REFUSED),
+    Row("both", "min_p", 0.1, REFUSED),  # a vLLM extension Crescent does not have
+    Row("both", "max_token", 5, REFUSED),  # a typo
+]
+STREAM_ROWS = [  # inside stream_options (with "stream": true)
+    Row("both", "include_usage", True, HONOURED, lambda r: r.include_usage),
+    Row("both", "include_obfuscation", False, ACCEPTED),
+    Row("both", "include_obfuscation", True, REFUSED),
+    Row("both", "continuous_usage_stats", True, REFUSED),
+]
+
+
+def parse(kind: str, extra: dict) -> GenerationRequest:
+    return parse_request({**BASE[kind], **extra}, kind, MODEL, DEFAULT_MAX)
+
+
+def check_row(kind: str, body: dict, row: Row, param: str, baseline: dict) -> None:
+    if row.verdict == REFUSED:
+        with pytest.raises(ApiError) as info:
+            parse(kind, body)
+        err = info.value.body()["error"]
+        assert (info.value.status, err["type"], err["param"]) == \
+            (400, "invalid_request_error", param), err
+        assert param in err["message"], err
+        return
+    req = parse(kind, body)
+    if row.verdict == HONOURED:
+        assert row.effect is not None and row.effect(req), (row, req)
+    else:  # accepted: the request is exactly as if the field were absent
+        assert req == parse(kind, baseline), (row, req)
+
+
+def _case_id(row: Row) -> str:
+    return f"{row.field}={row.value!r}"[:60]
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("row", ROWS, ids=_case_id)
+def test_field(kind: str, row: Row) -> None:
+    if not row.applies(kind):
+        return
+    check_row(kind, {row.field: row.value}, row, row.field, {})
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("row", STREAM_ROWS, ids=_case_id)
+def test_stream_option(kind: str, row: Row) -> None:
+    body = {"stream": True, "stream_options": {row.field: row.value}}
+    check_row(kind, body, row, f"stream_options.{row.field}", {"stream": True})
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_null_is_absent(kind: str) -> None:
+    """The openai client sends only what its caller set; null for a field means unset."""
+    fields = {row.field for row in ROWS if row.applies(kind)} - set(BASE[kind])
+    assert parse(kind, {name: None for name in fields}) == parse(kind, {})
+
+
+@pytest.mark.parametrize("kind, field", [("chat", "echo"), ("chat", "prompt"),
+                                         ("completion", "messages"),
+                                         ("completion", "tools")])
+def test_other_endpoints_field_is_named(kind: str, field: str) -> None:
+    with pytest.raises(ApiError) as info:
+        parse(kind, {field: "x"})
+    assert info.value.param == field and info.value.code == "unknown_parameter"
+    assert "not one of" in info.value.message
+
+
+def _openai_fields(module: Any) -> set[str]:
+    return set(typing.get_type_hints(module.CompletionCreateParamsBase)) | {"stream"}
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_table_covers_every_openai_field(kind: str) -> None:
+    """Every field the installed ``openai`` client can send has a verdict in the table
+    (a new client version with a new field fails here until it is classified)."""
+    openai_types = pytest.importorskip("openai.types")
+    module = openai_types.chat.completion_create_params if kind == "chat" \
+        else openai_types.completion_create_params
+    tabled = {row.field for row in ROWS if row.applies(kind)} | {"stream_options"}
+    assert _openai_fields(module) - tabled == set()
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_table_covers_the_router_policy(kind: str) -> None:
+    """Every field the router takes is in the table, tested above, and in docs/api.md."""
+    tabled = {row.field for row in ROWS if row.applies(kind)} | {"stream_options"}
+    taken = PARSED[kind] | {name for name, (kinds, _) in LIMITED.items() if kind in kinds}
+    assert taken - tabled == set()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    assert {name for name in taken if f"`{name}`" not in docs} == set()
+
+
+MESSAGE_CASES = [  # (message, parsed or None, param of the 400)
+    ({"role": "developer", "content": "d"}, {"role": "system", "content": "d"}, None),
+    ({"role": "user", "content": "u", "name": "ann"},
+     {"role": "user", "content": "u", "name": "ann"}, None),
+    ({"role": "assistant", "content": "a", "tool_calls": [], "refusal": None},
+     {"role": "assistant", "content": "a"}, None),
+    ({"role": "assistant", "content": "a", "tool_calls": [{"id": "c", "type": "function"}]},
+     None, "messages[0].tool_calls"),
+    ({"role": "tool", "content": "r", "tool_call_id": "c"}, None, "messages[0].role"),
+    ({"role": "user", "content": "u", "name": 3}, None, "messages[0].name"),
+    ({"role": "user", "content": "u", "weight": 1}, None, "messages[0].weight"),
+    ({"role": "user", "content": [{"type": "text", "text": "t", "cache": 1}]}, None,
+     "messages[0].content[0].cache"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, None,
+     "messages[0].content"),
+]
+
+
+@pytest.mark.parametrize("message, parsed, param", MESSAGE_CASES)
+def test_message_keys(message: dict, parsed: Optional[dict], param: Optional[str]) -> None:
+    if param is None:
+        assert parse("chat", {"messages": [message]}).messages == [parsed]
+        return
+    with pytest.raises(ApiError) as info:
+        parse("chat", {"messages": [message]})
+    assert info.value.param == param, info.value.message
