@@ -17,6 +17,17 @@ if [ ${#need_libs[@]} -gt 0 ]; then
     $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q "${need_libs[@]}" >/dev/null; }
 fi
 
+# Debian's chromium and its driver, for the dashboard's browser test (tests/e2e/
+# test_dashboard.py skips without them): only as root with apt, and never fatal.
+if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1 && \
+    ! { command -v chromium && command -v chromedriver; } >/dev/null 2>&1; then
+  echo "setup: installing chromium chromium-driver (browser tests)"
+  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null 2>&1 &&
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; }
+  } || echo "setup: chromium not installed; the dashboard's browser test will skip"
+fi
+
 stamp="$VENV/.crescent-installed"
 if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt launch/setup.sh ]; then
   exit 0
