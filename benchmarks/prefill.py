@@ -169,7 +169,7 @@ class Run:
         ttft: Optional[float] = None
         usage: Optional[dict] = None
         body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0,
-                "logprobs": 1, "stream": True, "stream_options": {"include_usage": True}}
+                "logprobs": 0, "stream": True, "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
         with self.http.stream("POST", self.cluster.url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
