@@ -29,6 +29,8 @@ from aiohttp import web
 from common.config import INDEXED_ROLES, SINGLE_ROLES, ClusterConfig
 from common.drain import current as current_drain
 
+PATH = "/health"
+
 
 def layout(config: ClusterConfig) -> Iterator[tuple[str, int]]:
     """(role, index) of every process of the cluster, in the port layout's order."""
@@ -67,7 +69,7 @@ async def serve(config: ClusterConfig, role: str, index: int) -> AsyncIterator[O
         return web.json_response({"status": "ok", **about})
 
     app = web.Application()
-    app.router.add_get("/health", health)
+    app.router.add_get(PATH, health)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:

@@ -6,9 +6,11 @@ from pathlib import Path
 import pytest
 
 from common.config import FIXED_PORTS, ClusterConfig, StoreConfig
+from common.health import health_port
 from common.service import ROLES
 
 REPO = Path(__file__).resolve().parents[2]
+MONITORING = ("prometheus", "grafana")
 
 
 def compose() -> dict:
@@ -18,7 +20,8 @@ def compose() -> dict:
 
 def test_compose_has_one_service_per_role() -> None:
     services = dict(compose()["services"])
-    services.pop("keygen")
+    for other in ("keygen", *MONITORING):
+        services.pop(other)
     assert set(services) == set(ROLES) - {"colocated"}  # compose runs the disaggregated shape
     for name, svc in services.items():
         assert svc["command"][0] == name
@@ -44,6 +47,56 @@ def test_compose_closes_the_control_plane() -> None:
     config = ClusterConfig.load(str(REPO / "launch" / "configs" / "compose.toml"))
     assert config.security.curve_key_dir == "/keys"
     assert ClusterConfig().security.curve_key_dir is None  # `crescent up` on one host: off
+
+
+def test_compose_health_checks_ask_each_roles_health_port() -> None:
+    """Every role's healthcheck asks its own /health port (common/health.py); the router's
+    asks its HTTP /health, which is ready only once the conductor's status is fresh."""
+    doc = compose()
+    config = ClusterConfig.load(str(REPO / "launch" / "configs" / "compose.toml"))
+    generic = doc["x-crescent"]["healthcheck"]["test"]
+    assert "HEALTH_PORT" in generic[-1] and "/health" in generic[-1]
+    for role in set(ROLES) - {"colocated"}:
+        svc = doc["services"][role]
+        assert int(svc["environment"]["HEALTH_PORT"]) == health_port(config, role, 0)
+        check = svc["healthcheck"]["test"]
+        if role == "router":
+            assert f"'http://127.0.0.1:{config.http_port}/health'" in check[-1]
+        else:
+            assert check == generic, role
+
+
+def targets(service: dict) -> dict[str, str]:
+    """A compose service's volumes, ``SOURCE:TARGET[:MODE]``, as {target: source}."""
+    return {m.split(":")[1]: m.split(":")[0] for m in service["volumes"]}
+
+
+def test_compose_monitoring_is_wired() -> None:
+    """Prometheus reads the shipped scrape config and listens where Grafana's datasource
+    points; Grafana loads the shipped provisioning and dashboards from where the provider
+    looks; both are pinned official images on the host network, like the roles."""
+    doc = compose()
+    prom, grafana = (doc["services"][name] for name in MONITORING)
+    assert prom["image"].startswith("prom/prometheus:v") and prom["network_mode"] == "host"
+    assert grafana["image"].startswith("grafana/grafana:1") and grafana["network_mode"] == "host"
+    flags = dict(f.lstrip("-").split("=", 1) for f in prom["command"])
+    mounts = targets(prom)
+    assert mounts[flags["config.file"]] == "./launch/prometheus/prometheus.yml"
+    assert mounts[flags["storage.tsdb.path"]] in doc["volumes"]
+    yaml = pytest.importorskip("yaml")
+    grafana_mounts = targets(grafana)
+    provisioning = REPO / grafana_mounts["/etc/grafana/provisioning"]
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())[
+        "datasources"]
+    assert source["url"] == f"http://{flags['web.listen-address']}"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "crescent.yml").read_text())[
+        "providers"]
+    dashboards = REPO / grafana_mounts[provider["options"]["path"]]
+    assert (dashboards / "crescent.json").is_file()
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == provider["options"]["path"] + "/crescent.json"
+    assert grafana["environment"]["GF_SERVER_HTTP_ADDR"] == "127.0.0.1"
+    assert flags["web.listen-address"].startswith("127.0.0.1:")
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "launch" / "configs").glob("*.toml")))

@@ -1,0 +1,185 @@
+"""Monitoring for docker-compose.yml: Prometheus scrapes every metrics endpoint Crescent has,
+and the shipped Grafana dashboard is valid Grafana JSON whose queries name only metrics
+Crescent exports (collected from the code's own registries)."""
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from common.config import ClusterConfig
+
+yaml = pytest.importorskip("yaml")
+promql = pytest.importorskip("promql_parser")
+pytest.importorskip("grafana_foundation_sdk")
+from grafana_foundation_sdk.cog import runtime  # noqa: E402
+from grafana_foundation_sdk.cog.encoder import JSONEncoder  # noqa: E402
+from grafana_foundation_sdk.cog.plugins import register_default_plugins  # noqa: E402
+from grafana_foundation_sdk.models.dashboard import Dashboard, RowPanel  # noqa: E402
+
+from launch.grafana import dashboard as generator  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARD = REPO / "launch" / "grafana" / "dashboards" / "crescent.json"
+GRAFANA = REPO / "launch" / "grafana" / "provisioning"
+# Sample names a metric family exposes, by type (the Prometheus text format).
+SUFFIXES = {"counter": ("_total", "_created"), "gauge": ("",),
+            "histogram": ("_bucket", "_sum", "_count", "_created"),
+            "summary": ("", "_sum", "_count", "_created"), "info": ("_info",)}
+
+
+def registries() -> dict[str, CollectorRegistry]:
+    """role → the registry of every class that builds one, in every module of services/
+    that uses prometheus_client (services/<role>/...): the code's own metrics."""
+    found: dict[str, CollectorRegistry] = {}
+    for path in sorted((REPO / "services").rglob("*.py")):
+        if "prometheus_client" not in path.read_text():
+            continue
+        module = importlib.import_module(".".join(path.relative_to(REPO).with_suffix("").parts))
+        for cls in vars(module).values():
+            if not (inspect.isclass(cls) and cls.__module__ == module.__name__):
+                continue
+            params = list(inspect.signature(cls).parameters.values())
+            if any(p.default is p.empty for p in params):
+                continue  # not a metrics holder (those take no required arguments)
+            registry = getattr(cls(), "registry", None)
+            if isinstance(registry, CollectorRegistry):
+                found[path.relative_to(REPO).parts[1]] = registry
+    return found
+
+
+def exported_names() -> set[str]:
+    return {family.name + suffix for registry in registries().values()
+            for family in registry.collect() for suffix in SUFFIXES[family.type]}
+
+
+def dashboard_json() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def panels(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [p for p in doc["panels"] if p["type"] != "row"]
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metrics a PromQL expression selects (Grafana's $__rate_interval filled in)."""
+    names: set[str] = set()
+
+    def visit(node: Any) -> None:
+        if isinstance(node, promql.VectorSelector):
+            names.add(node.name)
+
+    promql.walk(promql.parse(expr.replace("$__rate_interval", "1m")), visit)
+    return names
+
+
+def grafana_problems(doc: dict[str, Any]) -> list[str]:
+    """Why ``doc`` is not a dashboard in Grafana's model (grafana-foundation-sdk, generated
+    from Grafana's schema): it must decode, and encode back to itself, so a key the model
+    lacks (a typo) or a shape it cannot take fails; every panel and query must be a known
+    plugin's, with ids and refIds unique."""
+    register_default_plugins()
+    try:
+        model = Dashboard.from_json(copy.deepcopy(doc))
+        again = json.loads(JSONEncoder().encode(model))
+    except (TypeError, KeyError, ValueError, AttributeError) as exc:
+        return [f"does not decode: {exc!r}"]
+    problems = [] if again == doc else ["changes in Grafana's model: unknown keys or shapes"]
+    for panel in model.panels or []:
+        if isinstance(panel, RowPanel):
+            continue
+        if runtime.panelcfg_config(panel.type_val) is None:
+            problems.append(f"panel {panel.id_val}: unknown panel type {panel.type_val!r}")
+        if any(isinstance(t, runtime.UnknownDataquery) for t in panel.targets or []):
+            problems.append(f"panel {panel.id_val}: a query of no known datasource")
+            continue
+        refs = [t.ref_id for t in panel.targets or []]
+        if len(set(refs)) != len(refs) or "" in refs or None in refs:
+            problems.append(f"panel {panel.id_val}: refIds {refs}")
+    ids = [p.id_val for p in model.panels or []]
+    if len(set(ids)) != len(ids):
+        problems.append(f"panel ids repeat: {ids}")
+    return problems
+
+
+def test_exported_names_come_from_every_service_registry() -> None:
+    assert set(registries()) == {"router", "conductor", "store_master"}
+    names = exported_names()
+    assert {"crescent_router_time_to_first_token_seconds_bucket",
+            "crescent_conductor_rejected_total", "store_used_bytes",
+            "crescent_worker_kv_blocks"} <= names
+
+
+def test_prometheus_scrapes_every_metrics_endpoint_of_compose() -> None:
+    config = ClusterConfig.load(str(REPO / "launch" / "configs" / "compose.toml"))
+    ports = {"router": config.http_port, "conductor": config.port("conductor_http"),
+             "store_master": config.port("store_master_http")}
+    assert set(ports) == set(registries())  # each process that has metrics, and no other
+    scrape = yaml.safe_load((REPO / "launch" / "prometheus" / "prometheus.yml").read_text())
+    targets = {}
+    for job in scrape["scrape_configs"]:
+        (static,) = job["static_configs"]
+        (target,) = static["targets"]
+        targets[static["labels"]["role"]] = target
+        assert job.get("metrics_path", "/metrics") == "/metrics"
+    assert targets == {role: f"{config.address(role)}:{port}" for role, port in ports.items()}
+
+
+def test_dashboard_file_is_the_generators_output() -> None:
+    assert DASHBOARD.read_text() == generator.build(), \
+        "run `python -m launch.grafana.dashboard` to regenerate it"
+
+
+def test_dashboard_is_valid_grafana_json() -> None:
+    assert grafana_problems(dashboard_json()) == []
+
+
+@pytest.mark.parametrize("break_it", [
+    lambda d: d["panels"][1].update(tittle="typo"),
+    lambda d: d["panels"][1].update(gridPos="1x2"),
+    lambda d: d["panels"][1]["targets"][0].update(exprr="up"),
+    lambda d: d["panels"][1].update(type="no-such-panel"),
+    lambda d: d["panels"][2].update(id=d["panels"][1]["id"]),
+    lambda d: d["panels"][1]["targets"][1].update(refId="A"),
+    lambda d: d["panels"][1]["datasource"].update(type="nosuchdb")
+    or [t["datasource"].update(type="nosuchdb") for t in d["panels"][1]["targets"]],
+], ids=["unknown-key", "wrong-shape", "unknown-query-key", "unknown-panel", "same-id",
+        "same-refid", "unknown-datasource"])
+def test_an_invalid_dashboard_fails(break_it: Callable[[dict[str, Any]], Any]) -> None:
+    doc = dashboard_json()
+    break_it(doc)
+    assert grafana_problems(doc) != []
+
+
+def test_every_query_names_only_exported_metrics() -> None:
+    exported = exported_names()
+    used: set[str] = set()
+    for panel in panels(dashboard_json()):
+        for target in panel["targets"]:
+            names = metric_names(target["expr"])
+            assert names and names <= exported, (panel["title"], names - exported)
+            used |= names
+    # what the dashboard is for (issue 13): one metric of each view at least
+    assert {"crescent_router_time_to_first_token_seconds_bucket",
+            "crescent_router_inter_token_latency_seconds_bucket",
+            "crescent_router_requests_total", "crescent_conductor_rejected_total",
+            "crescent_worker_kv_blocks", "store_used_bytes", "store_policy_events_total",
+            "crescent_global_cache_hit_tokens_total",
+            "crescent_conductor_kv_transfer_bytes_total", "crescent_prefill_compute_seconds_sum",
+            "crescent_prefill_transfer_wait_seconds_sum"} <= used
+    assert metric_names("rate(crescent_no_such_metric_total[$__rate_interval])") - exported
+
+
+def test_queries_use_the_provisioned_datasource() -> None:
+    (source,) = yaml.safe_load((GRAFANA / "datasources" / "prometheus.yml").read_text())[
+        "datasources"]
+    ref = {"type": source["type"], "uid": source["uid"]}
+    for panel in panels(dashboard_json()):
+        assert panel["datasource"] == ref
+        assert all(t["datasource"] == ref for t in panel["targets"])
