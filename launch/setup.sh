@@ -28,6 +28,19 @@ if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1 && \
   } || echo "setup: chromium not installed; the dashboard's browser test will skip"
 fi
 
+# promtool and prometheus from Debian's package, unpacked under $VENV/tools (never installed
+# or started as a service): tests/launch/test_monitoring.py checks the scrape config and runs
+# the dashboard's queries with them, and skips without them. Never fatal.
+if [ ! -x "$VENV/tools/usr/bin/promtool" ] && command -v apt-get >/dev/null 2>&1; then
+  echo "setup: unpacking Debian's prometheus into $VENV/tools (monitoring tests)"
+  deb_dir=$(mktemp -d)
+  { (cd "$deb_dir" && { apt-get download -q prometheus >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null 2>&1 && apt-get download -q prometheus >/dev/null 2>&1; }; }) &&
+    mkdir -p "$VENV/tools" && dpkg -x "$deb_dir"/prometheus_*.deb "$VENV/tools"; } ||
+    echo "setup: prometheus not unpacked; its monitoring tests will skip"
+  rm -rf "$deb_dir"
+fi
+
 stamp="$VENV/.crescent-installed"
 if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt launch/setup.sh ]; then
   exit 0
