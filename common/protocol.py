@@ -78,6 +78,9 @@ class WorkerHeartbeat:
     # What this incarnation dropped or gave up on, by reason, cumulative: stale messages
     # (e.g. "KVReady", "duplicate"), "outbox_full", "quarantine_expired".
     dropped: dict[str, int] = field(default_factory=dict)
+    # Bytes this incarnation moved, cumulative, by "FLOW/PATH": FLOW decode (KV to decode
+    # workers), store_read or store_write; PATH shm or transfer_engine.
+    kv_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @message

@@ -64,6 +64,7 @@ class WorkerRuntime:
         self.left = False  # a drain ended (``leave``): no more beats or registrations
         # False: no new work now (a prefill group missing a stage); beats say draining
         self.available: Callable[[], bool] = lambda: True
+        self.kv_bytes: Callable[[], dict[str, int]] = dict  # KV bytes moved, by flow/path
 
     def registration(self) -> RegisterWorker:
         kv = self.engine.kv
@@ -85,7 +86,8 @@ class WorkerRuntime:
             free_blocks=pool.num_free, used_blocks=pool.num_used,
             total_blocks=pool.num_blocks, events=events, event_seq=pool.last_seq,
             epoch=self.epoch, inbox=self.inbox_address,
-            draining=current_drain().active or not self.available(), dropped=drop_counts(self.dropped, self.mail))
+            draining=current_drain().active or not self.available(),
+            dropped=drop_counts(self.dropped, self.mail), kv_bytes=self.kv_bytes())
 
     @property
     def handlers(self) -> dict[type, Callable[[Any], None]]:

@@ -151,6 +151,7 @@ class RangeMover:
         self.transfer = transfer
         self.use_shm = use_shm
         self.errors = 0  # failed node batches (transfer errors, deadlines, unknown nodes)
+        self._moved: dict[str, int] = {}  # bytes copied, by verb and path (``moved``)
         self._maps = SegmentMaps(shm_dir)
         self._lock = threading.Lock()  # the maps and the counter
         self._threads = max(1, threads)
@@ -262,7 +263,7 @@ class RangeMover:
             pairs = [(base + off, addr, n) if write else (addr, base + off, n)
                      for _, addr, off, n in pieces]
             k = self._threads if sum(n for *_, n in pieces) >= _SPLIT_BYTES else 1
-            return [lambda part=pairs[j::k]: _memmove(part, pin)
+            return [lambda part=pairs[j::k]: self._memmove(part, pin, write)
                     for j in range(min(k, len(pairs)))]
         if self.transfer is None:
             self._failed(node_id, "not mappable here and no transfer engine")
@@ -280,6 +281,7 @@ class RangeMover:
             move(node.session_id, [addr for _, addr, _, _ in pieces],
                  [node.base + off for _, _, off, _ in pieces], [n for *_, n in pieces],
                  timeout=remaining)
+            self._count(write, "transfer_engine", sum(n for *_, n in pieces))
             return True
         except (TransferError, OSError) as exc:
             self._failed(node.session_id, str(exc))
@@ -294,15 +296,27 @@ class RangeMover:
             seg = self._maps.get(node.node_id, node.info())
             return (seg.base, seg.view(0, seg.nbytes)) if seg is not None else None
 
+    def _memmove(self, pairs: list[tuple[int, int, int]], pin: memoryview,
+                 write: bool) -> bool:
+        copy_many(pairs, pin)
+        self._count(write, "shm", sum(n for *_, n in pairs))
+        return True
+
+    def _count(self, write: bool, path: str, nbytes: int) -> None:
+        key = f"store_{'write' if write else 'read'}/{path}"
+        with self._lock:
+            self._moved[key] = self._moved.get(key, 0) + nbytes
+
+    def moved(self) -> dict[str, int]:
+        """Bytes copied so far by ``store_read/PATH`` and ``store_write/PATH``, PATH "shm"
+        or "transfer_engine": which path the store's bytes took (worker heartbeats)."""
+        with self._lock:
+            return dict(self._moved)
+
     def _failed(self, where: str, why: str) -> None:
         with self._lock:
             self.errors += 1
         log.warning("store range copy via %s failed: %s", where, why)
-
-
-def _memmove(pairs: list[tuple[int, int, int]], pin: memoryview) -> bool:
-    copy_many(pairs, pin)
-    return True
 
 
 def _check_items(size: int, nkeys: int, items: Sequence[Item]) -> None:

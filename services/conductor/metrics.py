@@ -81,14 +81,21 @@ class ConductorMetrics:
             "crescent_worker_kv_blocks", "a worker's KV blocks by state (used, free), as of "
             "its last heartbeat", ["instance", "state"], registry=r)
         self.kv_instances: set[str] = set()  # the instances worker_kv_blocks has series of
+        self.worker_kv_bytes = Gauge(
+            "crescent_worker_kv_bytes", "KV bytes a worker incarnation moved, cumulative, by "
+            "flow (decode, store_read, store_write) and path (shm, transfer_engine)",
+            ["instance", "flow", "path"], registry=r)
         self.worker_quarantined = Gauge(
             "crescent_worker_quarantined", "decode reservations held until their writer's word",
             ["instance"], registry=r)
 
     def observe_worker(self, instance_id: str, dropped: dict[str, int],
-                       quarantined: int) -> None:
+                       quarantined: int, kv_bytes: dict[str, int]) -> None:
         for reason, n in dropped.items():
             self.worker_dropped.labels(instance=instance_id, reason=reason).set(n)
+        for flow_path, n in kv_bytes.items():
+            flow, _, path = flow_path.partition("/")
+            self.worker_kv_bytes.labels(instance=instance_id, flow=flow, path=path).set(n)
         self.worker_quarantined.labels(instance=instance_id).set(quarantined)
 
     def observe_ttft(self, rec: TTFTRecord) -> None:

@@ -94,7 +94,8 @@ class Conductor:
                 log.info("heartbeat from unknown %s: asking it to register", msg.instance_id)
                 self.mail.send(msg.inbox, ReRegister(msg.instance_id))
             return
-        self.metrics.observe_worker(msg.instance_id, msg.dropped, msg.load.quarantined)
+        self.metrics.observe_worker(msg.instance_id, msg.dropped, msg.load.quarantined,
+                                    msg.kv_bytes)
 
     def on_kv_snapshot(self, msg: KVSnapshot) -> None:
         if not self.registry.kv_snapshot(msg):

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 from common.kv.memory import PagedKVMemory
 from common.kv.shm_kv import KV_PATHS, SHM_DIR, PeerKV, PeerKVMaps
 from common.protocol import StreamTarget
+from common.store.ranges import RangeMover
 from common.transfer import TransferAgent, TransferError
 
 log = logging.getLogger(__name__)
@@ -194,6 +195,12 @@ class KVPaths:
         """The stream to ``target`` on the path chosen for its decode worker."""
         return KVStream(transfer, executor, kv, table, target.block_ids, target.session,
                         target.kv_base, self.peer(target), *self.window)
+
+    def moved(self, mover: Optional[RangeMover]) -> dict[str, int]:
+        """KV bytes moved so far by flow/path (a worker heartbeat's ``kv_bytes``): to decode
+        workers by this object's streams, and to and from the store by ``mover``."""
+        out = {f"decode/{path}": n for path, n in self.bytes.items()}
+        return out | (mover.moved() if mover is not None else {})
 
     def done(self, stream: KVStream) -> None:
         """Account a finished stream by path (what /debug and the logs report)."""

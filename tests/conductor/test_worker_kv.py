@@ -88,7 +88,7 @@ class Worker:
             instance_id="prefill-0", role="prefill", epoch=epoch, inbox_address=INBOX,
             conductor="tcp://conductor", engine=SimpleNamespace(pool=BlockPool(8)),
             mail=SimpleNamespace(send=lambda address, msg: self.sent.append(msg) or True,
-                                 dropped={}), dropped={}, available=lambda: True)
+                                 dropped={}), dropped={}, available=lambda: True, kv_bytes=dict)
         self.pool: BlockPool = self.rt.engine.pool
 
     def registration(self) -> RegisterWorker:
