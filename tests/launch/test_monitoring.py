@@ -7,6 +7,8 @@ import copy
 import importlib
 import inspect
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -129,6 +131,15 @@ def test_prometheus_scrapes_every_metrics_endpoint_of_compose() -> None:
         targets[static["labels"]["role"]] = target
         assert job.get("metrics_path", "/metrics") == "/metrics"
     assert targets == {role: f"{config.address(role)}:{port}" for role, port in ports.items()}
+
+
+def test_scrape_config_passes_promtool() -> None:
+    promtool = Path(sys.prefix) / "tools" / "usr" / "bin" / "promtool"
+    if not promtool.is_file():
+        pytest.skip(f"no {promtool} (launch/setup.sh unpacks Debian's prometheus)")
+    check = subprocess.run([promtool, "check", "config", "launch/prometheus/prometheus.yml"],
+                           cwd=REPO, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
 
 
 def test_dashboard_file_is_the_generators_output() -> None:
