@@ -138,6 +138,7 @@ def check_fields(body: dict, kind: str) -> None:
             check(name, value)
             continue
         other = COMPLETION if kind == CHAT else CHAT
-        where = f"a {ENDPOINT[other]} field, not one of {ENDPOINT[kind]}" \
-            if name in PARSED[other] or other in kinds else "not a known field"
+        where = "no such field (docs/api.md lists them)"
+        if name in PARSED[other] or other in kinds:
+            where = f"a {ENDPOINT[other]} field, not one of {ENDPOINT[kind]}"
         raise invalid(f"unknown parameter '{name}': {where}", name, "unknown_parameter")
