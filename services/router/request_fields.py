@@ -6,10 +6,10 @@ json) is either honoured or refused with a 400 whose ``param`` names it, since a
 answered without it looks right and is wrong. Fields the router parses and honours are
 listed in ``PARSED`` (validation.py parses them); the rest are in ``LIMITED`` with the
 check that accepts their harmless values (``store: false``, ``tools: []``,
-``top_logprobs: 0``...) and refuses the others. A field in neither is refused as unknown: the official
-``openai`` client never sends a field the caller did not set, so a strict server costs
-its users nothing, while vLLM's choice (ignore unknown fields with a log line) lets a typo
-such as ``max_token`` pass unnoticed.
+``top_logprobs: 0``...) and refuses the others. A field in neither is refused as unknown:
+the official ``openai`` client never sends a field the caller did not set, so a strict
+server costs its users nothing, while vLLM's choice (ignore unknown fields with a log
+line) lets a typo such as ``max_token`` pass unnoticed.
 """
 from __future__ import annotations
 

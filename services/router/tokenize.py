@@ -65,7 +65,7 @@ def _flag(body: dict, name: str, default: bool) -> bool:
 
 
 def parse_tokenize(body: Any, served_model: str) -> TokenizeRequest:
-    """Validate a /tokenize body (vLLM's TokenizeCompletionRequest or TokenizeChatRequest)."""
+    """Validate a /tokenize body (vLLM's TokenizeCompletionRequest or ...ChatRequest)."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     check_model(body, served_model)

@@ -1,8 +1,9 @@
 """Validate OpenAI request bodies into a small typed request; every failure is a 400.
 
 Which fields are honoured and which refused is request_fields.py's table; this module
-parses the honoured ones (messages: chat_messages.py). The sampling knobs become the one ``SamplingParams`` (common/sampling_params.py) that the
-wire carries to the workers; the handler only fits ``max_tokens`` to the prompt.
+parses the honoured ones (messages: chat_messages.py). The sampling knobs become the one
+``SamplingParams`` (common/sampling_params.py) that the wire carries to the workers; the
+handler only fits ``max_tokens`` to the prompt.
 """
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ CHAT_REFUSED = [  # (what the caller sets, the param the 400 names)
     ({"reasoning_effort": "low"}, "reasoning_effort"),
     ({"n": 2}, "n"),
     ({"extra_body": {"min_p": 0.1}}, "min_p"),
-    ({"stream": True, "stream_options": {"include_usage": True, "include_obfuscation": True}},
+    ({"stream": True, "stream_options": {"include_obfuscation": True}},
      "stream_options.include_obfuscation"),
 ]
 COMPLETION_REFUSED = [({"echo": True}, "echo"), ({"best_of": 2}, "best_of"),
@@ -80,9 +80,9 @@ def test_refused_fields_are_named(cluster: LocalCluster, client: Any) -> None:
 
 
 def test_what_clients_rely_on_keeps_working(cluster: LocalCluster, client: Any) -> None:
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": [{"type": "text", "text": "What is the capital"},
-                                             {"type": "text", "text": " of France?"}]}]
+    parts = [{"type": "text", "text": "What is the capital"},
+             {"type": "text", "text": " of France?"}]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": parts}]
     kwargs = dict(model=MODEL, messages=messages, max_completion_tokens=8, temperature=0,
                   user="user-1", metadata={"suite": "e2e"}, store=False,
                   service_tier="auto", tool_choice="none", extra_body={"top_k": 1})
