@@ -15,7 +15,7 @@ from services.router.request_fields import only
 
 ROLES = ("system", "user", "assistant", "developer")
 _ASSISTANT_EMPTY = {"tool_calls": [], "function_call": {}, "refusal": "", "audio": {}}
-_NO_TOOLS = "is not supported yet (no tools)"
+_NOT_EMPTY = "is only accepted empty: no tool calls, refusals or audio to replay yet"
 
 
 def _content_text(content: Any, index: int) -> str:
@@ -48,7 +48,7 @@ def _check_keys(msg: dict, role: str, i: int) -> None:
             if not isinstance(value, str):
                 raise invalid(f"'{param}' must be a string", param, "invalid_type")
         elif role == "assistant" and key in _ASSISTANT_EMPTY:
-            only(_ASSISTANT_EMPTY[key], why=_NO_TOOLS)(param, value)
+            only(_ASSISTANT_EMPTY[key], why=_NOT_EMPTY)(param, value)
         else:
             raise invalid(f"unknown parameter '{param}'", param, "unknown_parameter")
 
