@@ -9,6 +9,7 @@ client's own request types and against the router's field policy.
 """
 from __future__ import annotations
 
+import json
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,3 +239,31 @@ def test_message_keys(message: dict, parsed: Optional[dict], param: Optional[str
     with pytest.raises(ApiError) as info:
         parse("chat", {"messages": [message]})
     assert info.value.param == param, info.value.message
+
+
+def test_what_the_openai_client_sends_is_accepted() -> None:
+    """The client sends only what its caller set (no defaults, no nulls), so the strict
+    policy refuses nothing it sends unasked; captured with a mock transport."""
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    sent: list[dict] = []
+
+    def capture(request: Any) -> Any:
+        sent.append(json.loads(request.content))
+        return httpx.Response(400, json={"error": {"message": "captured"}})
+
+    client = openai.OpenAI(base_url="http://crescent.invalid/v1", api_key="k", max_retries=0,
+                           http_client=httpx.Client(transport=httpx.MockTransport(capture)))
+    chat, messages = client.chat.completions, BASE["chat"]["messages"]
+    calls = [lambda: chat.create(model=MODEL, messages=messages),
+             lambda: chat.create(model=MODEL, messages=messages, stream=True,
+                                 stream_options={"include_usage": True}),
+             lambda: client.completions.create(model=MODEL, prompt="hi")]
+    for call in calls:
+        with pytest.raises(openai.BadRequestError):
+            call()
+    assert [sorted(body) for body in sent] == [
+        ["messages", "model"], ["messages", "model", "stream", "stream_options"],
+        ["model", "prompt"]]
+    for kind, body in zip(["chat", "chat", "completion"], sent):
+        parse(kind, body)
