@@ -6,7 +6,9 @@ import asyncio
 import pytest
 import torch
 
-from common.transfer import TransferAgent, TransferError, coalesce
+from common.transfer import (
+    POLLED_PIECE_BYTES, REQUEST_BYTES, TransferAgent, TransferError, coalesce, split,
+)
 
 
 def test_coalesce_merges_only_adjacent_pairs() -> None:
@@ -48,3 +50,63 @@ def test_async_write_has_a_deadline_and_reports_failure(agents) -> None:
             await a.write_async(b.session_id, [src.data_ptr()], [16], [1024], timeout=10)
 
     asyncio.run(go())
+
+
+def test_split_cuts_pieces_in_order() -> None:
+    assert split([0, 100], [1000, 2000], [25, 10], 10) == (
+        [0, 10, 20, 100], [1000, 1010, 1020, 2000], [10, 10, 5, 10])
+    assert split([], [], [], 10) == ([], [], [])
+
+
+class _NoSyncCalls:
+    """The engine, except that its spinning synchronous batch calls fail the test."""
+
+    def __init__(self, engine: object) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str) -> object:
+        assert not name.startswith("batch_transfer_sync"), f"{name} used for large pieces"
+        return getattr(self.engine, name)
+
+
+def test_large_pieces_are_byte_exact_through_the_polled_path(agents, monkeypatch) -> None:
+    a, b = agents
+    monkeypatch.setattr(a, "_engine", _NoSyncCalls(a._engine))
+    piece = REQUEST_BYTES + (REQUEST_BYTES >> 1)  # cut into a whole request and a half one
+    src = torch.randint(0, 255, (8 * piece,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    back = torch.zeros_like(src)
+    a.register(src.data_ptr(), src.numel())
+    a.register(back.data_ptr(), back.numel())
+    b.register(dst.data_ptr(), dst.numel())
+    idx = [5, 1, 2, 7]  # 1 and 2 adjacent: coalesced, then cut again
+    moved = a.write(b.session_id, [src.data_ptr() + i * piece for i in idx],
+                    [dst.data_ptr() + i * piece for i in idx], [piece] * len(idx))
+    assert moved == piece * len(idx)
+    for i in range(8):
+        want = src[i * piece:(i + 1) * piece] if i in idx else torch.zeros(piece, dtype=torch.uint8)
+        assert torch.equal(dst[i * piece:(i + 1) * piece], want), i
+    a.read(b.session_id, [back.data_ptr()], [dst.data_ptr() + 5 * piece], [piece])
+    assert torch.equal(back[:piece], src[5 * piece:6 * piece])
+
+
+def test_small_pieces_keep_the_synchronous_batch(agents, monkeypatch) -> None:
+    a, b = agents
+    piece = POLLED_PIECE_BYTES // 4
+    src = torch.ones(4 * piece, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    a.register(src.data_ptr(), src.numel())
+    b.register(dst.data_ptr(), dst.numel())
+    polled = []
+    monkeypatch.setattr(a, "_polled", lambda *args: polled.append(args))
+    a.write(b.session_id, [src.data_ptr(), src.data_ptr() + 2 * piece],
+            [dst.data_ptr(), dst.data_ptr() + 2 * piece], [piece, piece])
+    assert polled == [] and int(dst.sum()) == 2 * piece
+
+
+def test_a_polled_call_to_nobody_fails_fast(agents) -> None:
+    a, _ = agents
+    buf = torch.zeros(2 * REQUEST_BYTES, dtype=torch.uint8)
+    a.register(buf.data_ptr(), buf.numel())
+    with pytest.raises(TransferError):
+        a.write("127.0.0.1:1", [buf.data_ptr()], [0], [buf.numel()], timeout=10.0)
