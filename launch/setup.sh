@@ -28,6 +28,15 @@ if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1 && \
   } || echo "setup: chromium not installed; the dashboard's browser test will skip"
 fi
 
+# iproute2 (ip netns) for the multi-host test bed (launch/netns.py; tests/multihost/ skip
+# without it): only as root with apt, and never fatal.
+if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1 && ! command -v ip >/dev/null 2>&1; then
+  echo "setup: installing iproute2 (multi-host tests)"
+  { apt-get install -y -q iproute2 >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iproute2 >/dev/null 2>&1; }
+  } || echo "setup: iproute2 not installed; tests/multihost/ will skip"
+fi
+
 # promtool and prometheus from Debian's package, unpacked under $VENV/tools (never installed
 # or started as a service): tests/launch/test_monitoring.py checks the scrape config and runs
 # the dashboard's queries with them, and skips without them. Never fatal.
