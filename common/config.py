@@ -43,7 +43,7 @@ class HostsConfig:
     router: Optional[str] = None
     conductor: Optional[str] = None
     store_master: Optional[str] = None
-    prefill: list[str] = field(default_factory=list)  # by process index (group * stages + stage)
+    prefill: list[str] = field(default_factory=list)  # by process index (prefill_place)
     decode: list[str] = field(default_factory=list)
     store_node: list[str] = field(default_factory=list)
     colocated: list[str] = field(default_factory=list)
@@ -109,6 +109,17 @@ class SuperviseConfig:
                              "drain_timeout_s >= 0")
 
 
+@dataclass(frozen=True)
+class PrefillPlace:
+    """A prefill process's place: its instance, its stage of ``stages`` (1: a single
+    worker), and the process index of its instance's head (stage 0)."""
+
+    instance: int
+    stage: int
+    stages: int
+    head: int
+
+
 @dataclass
 class ClusterConfig:
     model: str = "smollm2-135m"
@@ -133,6 +144,11 @@ class ClusterConfig:
     # Chunked pipeline parallelism: each prefill instance is a group of this many processes,
     # each holding a contiguous range of layers (services/prefill/group.py). 1: no pipeline.
     prefill_stages: int = 1
+    # How many of the prefill instances are such groups (the first ones); the others are
+    # single workers that hold every layer. None: all of them. A mixed pool lets short
+    # prompts skip the pipeline: the conductor predicts each instance's TTFT with its own
+    # shape's cost model, and one chunk gains nothing from passing through stages.
+    prefill_groups: Optional[int] = None
     # Layer-wise KV I/O: a prompt's new blocks go to the store layer by layer as they are
     # computed, a cached prefix loads from it layer by layer while the rest computes, and
     # KV streams to the decode worker per layer. False: whole blocks after the prefill (to
@@ -243,19 +259,31 @@ class ClusterConfig:
         return f"tcp://{host}:{self.port('store_events')}"
 
     @property
-    def prefill_processes(self) -> int:
-        """Prefill processes: ``prefill_stages`` per instance (index = group * stages +
-        stage; stage 0 is the group's head, the one the conductor knows)."""
-        return self.prefill_workers * self.prefill_stages
+    def pipeline_groups(self) -> int:
+        """Prefill instances that are pipeline groups (instances 0 .. this - 1)."""
+        if self.prefill_stages == 1:
+            return 0
+        return self.prefill_workers if self.prefill_groups is None else self.prefill_groups
 
-    def prefill_stage(self, index: int) -> tuple[int, int]:
-        """(group, stage) of prefill process ``index``."""
-        return divmod(index, self.prefill_stages)
+    @property
+    def prefill_processes(self) -> int:
+        """Prefill processes: ``prefill_stages`` per group, then one per single worker."""
+        groups = self.pipeline_groups
+        return groups * self.prefill_stages + self.prefill_workers - groups
+
+    def prefill_place(self, index: int) -> "PrefillPlace":
+        """Where prefill process ``index`` sits: groups first (index = group * stages +
+        stage; stage 0 is the group's head, the one the conductor knows), then singles."""
+        grouped = self.pipeline_groups * self.prefill_stages
+        if index < grouped:
+            group, stage = divmod(index, self.prefill_stages)
+            return PrefillPlace(group, stage, self.prefill_stages, index - stage)
+        return PrefillPlace(self.pipeline_groups + index - grouped, 0, 1, index)
 
     def instance_id(self, role: str, index: int) -> str:
-        if role == "prefill" and self.prefill_stages > 1:
-            group, stage = self.prefill_stage(index)
-            return f"prefill-{group}" if stage == 0 else f"prefill-{group}.stage{stage}"
+        if role == "prefill":
+            place = self.prefill_place(index)
+            return f"prefill-{place.instance}" + (f".stage{place.stage}" if place.stage else "")
         return f"{role}-{index}"
 
     @property
@@ -277,7 +305,15 @@ class ClusterConfig:
         if not isinstance(data.get("prefill_stages", 1), int) or data.get("prefill_stages", 1) < 1:
             raise ValueError(f"prefill_stages must be a positive integer, not "
                              f"{data['prefill_stages']!r}")
-        if data.get("prefill_stages", 1) > 1 and data.get("kv_layerwise") is False:
+        groups = data.get("prefill_groups")
+        if groups is not None and (not isinstance(groups, int) or not
+                                   0 <= groups <= data.get("prefill_workers", 1)):
+            raise ValueError(f"prefill_groups must be an integer from 0 to prefill_workers "
+                             f"({data.get('prefill_workers', 1)}), not {groups!r}")
+        if groups and data.get("prefill_stages", 1) == 1:
+            raise ValueError("prefill_groups needs prefill_stages > 1 (the processes per group)")
+        if (data.get("prefill_stages", 1) > 1 and groups != 0
+                and data.get("kv_layerwise") is False):
             raise ValueError("prefill_stages > 1 needs kv_layerwise = true: each stage moves "
                              "its own layers of a block, so store I/O is layer-wise")
         if data.get("mode", "disaggregated") not in ("disaggregated", "colocated"):

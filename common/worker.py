@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 
 def engine_config(config: ClusterConfig, role: str, index: int = 0) -> EngineConfig:
     stage = (0, 1)
-    if role == "prefill" and config.prefill_stages > 1:  # a group's stage: its layers
-        stage = (config.prefill_stage(index)[1], config.prefill_stages)
+    if role == "prefill":  # a group's stage holds its layers only
+        place = config.prefill_place(index)
+        stage = (place.stage, place.stages)
     return EngineConfig(
         stage=stage,
         model=config.model,
@@ -49,6 +50,7 @@ class WorkerRuntime:
         self.config = config
         self.role = role
         self.instance_id = config.instance_id(role, index)
+        self.stages = config.prefill_place(index).stages if role == "prefill" else 1
         self.inbox_address = config.inbox(role, index)
         self.conductor = config.inbox("conductor")
         self.dropped: Counter[str] = Counter()  # the worker's drops, reported in heartbeats
@@ -75,7 +77,7 @@ class WorkerRuntime:
             block_nbytes=kv.layer_nbytes * self.engine.model_config.num_layers,
             layer_nbytes=kv.layer_nbytes,
             num_blocks=kv.num_blocks, block_size=self.engine.config.block_size,
-            kv_shm_path=kv.shm_path, host_id=host_id(), epoch=self.epoch)
+            kv_shm_path=kv.shm_path, host_id=host_id(), epoch=self.epoch, stages=self.stages)
 
     def heartbeat(self, load: WorkerLoad) -> WorkerHeartbeat:
         """Load and the pool's KV events since the last beat, in order, numbered."""

@@ -5,6 +5,7 @@ from common.scheduling.admission import DecodeLoad, choose_decode, current_load,
 from common.scheduling.cost import (
     CostModel,
     DecodeCoefficients,
+    PipelineCost,
     PrefillCoefficients,
     fit_prefill_cost,
 )
@@ -36,7 +37,7 @@ from common.scheduling.state import (
 __all__ = [
     "ADMISSION_MODES", "CostModel", "DecodeCoefficients", "DecodeInstanceState", "DecodeLoad",
     "DecodeSlot", "KVCacheCentricScheduler", "LRUBlockCache", "LoadBalanceScheduler",
-    "LocalCacheAwareScheduler", "PrefillChoice", "PrefillCoefficients", "PrefillInstanceState",
+    "LocalCacheAwareScheduler", "PipelineCost", "PrefillChoice", "PrefillCoefficients", "PrefillInstanceState",
     "PrefixIndex", "REJECT_REASONS", "RandomScheduler", "Rejection", "RequestInfo",
     "RoundRobinScheduler", "SCHEDULERS", "ScheduleDecision", "Scheduler", "SchedulerConfig",
     "choose_decode", "current_load", "fit_prefill_cost", "make_scheduler", "predicted_load",

@@ -115,6 +115,11 @@ class CostModel:
         t = p.c0 + p.c_new * n + p.c_cached * c + p.c_new_cached * n * c + p.c_new_sq * n * n
         return max(t, 0.0)
 
+    def as_single(self, new_tokens: int, seconds: float) -> float:
+        """What a prefill that took ``seconds`` here would take on one whole-model worker
+        (what ``prefill`` predicts): the same for a worker; see PipelineCost."""
+        return seconds
+
     def decode_tbt_seconds(self, batch_size: float, total_context_tokens: float,
                            step_batch: Optional[int] = None) -> float:
         """Seconds between two tokens of one sequence in a batch of ``batch_size``;
@@ -184,3 +189,43 @@ class CostModel:
     @staticmethod
     def profile_names() -> list[str]:
         return sorted(_PROFILES)
+
+
+HOP_S = 0.001  # a chunk's hidden states from one stage to the next (benchmarks/hidden_path.py)
+
+
+class PipelineCost(CostModel):
+    """A prefill group: ``stages`` processes, each holding 1/stages of the layers, compute a
+    prompt in chunks of ``chunk`` tokens, chunk c on stage k while stage k-1 computes chunk
+    c+1 (chunked pipeline parallelism, services/prefill/group.py). ``prefill`` stays the
+    polynomial of one whole-model worker, T_1; a prompt of C chunks takes C + X - 1
+    pipeline slots, each a chunk on one stage (T_1 / (C X)) and a hop to the next::
+
+        T_X = (C + X - 1) * (T_1 / (C X) + hop)
+
+    One chunk (a short prompt) gains nothing and pays the hops: T_1 + X hop; a long
+    prompt tends to T_1 / X. The online calibration fits ``prefill`` from the group's own
+    prefills through ``as_single``."""
+
+    def __init__(self, base: CostModel, stages: int, chunk: int, hop_s: float = HOP_S) -> None:
+        if stages < 2 or chunk < 1:
+            raise ValueError(f"a pipeline needs 2 or more stages and chunks of 1 or more "
+                             f"tokens, not {stages} and {chunk}")
+        super().__init__(base.prefill, base.decode, base.kv_bytes_per_token,
+                         base.transfer_bandwidth_bytes_per_s, base.kv_capacity_tokens,
+                         f"{base.name}/pipeline-x{stages}")
+        self.stages, self.chunk, self.hop_s = stages, chunk, hop_s
+
+    def _shape(self, new_tokens: int) -> tuple[int, int]:
+        """(chunks, pipeline slots) of a prompt of ``new_tokens``."""
+        chunks = max(1, math.ceil(new_tokens / self.chunk))
+        return chunks, chunks + self.stages - 1
+
+    def prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
+        chunks, slots = self._shape(new_tokens)
+        whole = super().prefill_seconds(new_tokens, cached_tokens)
+        return slots * (whole / (chunks * self.stages) + self.hop_s)
+
+    def as_single(self, new_tokens: int, seconds: float) -> float:
+        chunks, slots = self._shape(new_tokens)
+        return max(seconds / slots - self.hop_s, 0.0) * chunks * self.stages

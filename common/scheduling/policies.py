@@ -10,7 +10,7 @@ import math
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Sequence
+from typing import Callable, ClassVar, Optional, Sequence
 
 from common.scheduling.admission import (
     choose_decode,
@@ -63,14 +63,17 @@ class Scheduler(ABC):
     def transfer_seconds(self, blocks: int) -> float:
         return blocks * self._block_bytes / self._bandwidth if blocks > 0 else 0.0
 
-    def prefill_seconds(self, req: RequestInfo, cached_blocks: int) -> float:
+    def prefill_seconds(self, req: RequestInfo, cached_blocks: int,
+                        cost: Optional[CostModel] = None) -> float:
+        """On an instance whose own cost model is ``cost`` (None: the scheduler's)."""
         cached = min(cached_blocks * self.config.block_size, req.prompt_tokens)
         new = max(req.prompt_tokens - cached, 1)
-        return self.cost.prefill_seconds(new, req.prompt_tokens - new)
+        return (cost or self.cost).prefill_seconds(new, req.prompt_tokens - new)
 
     def estimate(self, req: RequestInfo, p: PrefillInstanceState, index: int,
                  local: int, fetch: int) -> PrefillChoice:
-        ttft = p.queue_seconds + self.transfer_seconds(fetch) + self.prefill_seconds(req, local + fetch)
+        ttft = (p.queue_seconds + self.transfer_seconds(fetch)
+                + self.prefill_seconds(req, local + fetch, p.cost))
         return PrefillChoice(index, local, fetch, ttft)
 
     # --- the contract ---------------------------------------------------------------

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Hashable, Iterable, Optional, Sequence
+
+if TYPE_CHECKING:
+    from common.scheduling.cost import CostModel
 
 BlockKey = Hashable  # bytes (128-bit chained hash) live, int in traces
 
@@ -100,6 +103,7 @@ class PrefillInstanceState:
     queue_seconds: float
     prefix_index: PrefixIndex
     queued_requests: int = 0
+    cost: Optional["CostModel"] = None  # its own prefill cost (a group's); None: the scheduler's
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from typing import Optional, Union
 from common.config import ClusterConfig
 from common.protocol import PrefillDone, SubmitRequest
 from common.scheduling import (
-    CostModel, DecodeInstanceState, DecodeSlot, PrefillInstanceState, PrefixIndex, Rejection,
-    RequestInfo, SchedulerConfig, make_scheduler,
+    CostModel, DecodeInstanceState, DecodeSlot, PipelineCost, PrefillInstanceState, PrefixIndex,
+    Rejection, RequestInfo, SchedulerConfig, make_scheduler,
 )
 from services.conductor.calibration import PrefillCalibrator
 from services.conductor.registry import Registry, WorkerState
@@ -59,17 +59,35 @@ class Placer:
             expected_decode_s=config.expected_decode_s,
         ), self.cost)
         self.global_index = global_index or PrefixIndex()
-        self.calibrator = PrefillCalibrator(self.cost)
+        # a cost model and its online calibration per prefill shape (stages per instance):
+        # a pipeline group's TTFT is not a single worker's (short prompts gain nothing)
+        self.shapes: dict[int, PrefillCalibrator] = {1: PrefillCalibrator(self.cost)}
+
+    @property
+    def calibrator(self) -> PrefillCalibrator:
+        """The single workers' calibration (the cluster's cost model)."""
+        return self.shapes[1]
+
+    def cost_of(self, stages: int) -> CostModel:
+        """The prefill cost model of instances of ``stages`` processes; a group's starts
+        from the cluster's profile (PipelineCost) and is refitted from its own prefills."""
+        if stages not in self.shapes:
+            pipeline = PipelineCost(load_cost_model(self.config.cost_profile), stages,
+                                    self.config.step_budget("prefill"))
+            self.shapes[stages] = PrefillCalibrator(pipeline)
+        return self.shapes[stages].cost
 
     def _prefill_state(self, w: WorkerState, tracker: Optional[Tracker],
                        now: float) -> PrefillInstanceState:
+        cost = self.cost_of(w.info.stages)
         if tracker is not None:
             queue_s = self.queue_seconds(w, tracker, now)
         else:  # no tracker (tests of the policy alone): the worker's reported queue
             tokens = max(w.beat.load.queued_tokens if w.beat else 0, w.pending_tokens)
-            queue_s = self.cost.prefill_seconds(tokens, 0) if tokens else 0.0
+            queue_s = cost.prefill_seconds(tokens, 0) if tokens else 0.0
         return PrefillInstanceState(w.instance_id, queue_s, _KeySetIndex(w.cached_keys),
-                                    queued_requests=len(w.assigned))
+                                    queued_requests=len(w.assigned),
+                                    cost=cost if cost is not self.cost else None)
 
     def queue_seconds(self, w: WorkerState, tracker: Tracker, now: float) -> float:
         """Predicted time until prefill worker ``w`` has computed what it was given: the
@@ -81,7 +99,8 @@ class Placer:
                    if t is not None and t.phase is not Phase.DECODING]
         if not waiting:
             return 0.0
-        costs = [self.cost.prefill_seconds(t.prefill_tokens,
+        cost = self.cost_of(w.info.stages)
+        costs = [cost.prefill_seconds(t.prefill_tokens,
                                            len(t.req.token_ids) - t.prefill_tokens)
                  for t in waiting]
         # The one predicted to start first is the one computing now (FIFO worker).
@@ -123,12 +142,16 @@ class Placer:
         return Placement(d.prefill_id, decode_id, d.predicted_ttft_s,
                          max(len(req.token_ids) - cached, 1))
 
-    def observe_prefill(self, msg: PrefillDone) -> bool:
-        """Feed a real prefill time to the online calibration; True if it refitted. The
-        time TTFT sees is compute plus what the prefill waited on transfers (store loads,
-        a pipeline's later stages): both are the instance's cost for that prompt."""
-        return self.calibrator.observe(msg.prompt_tokens - msg.cached_tokens,
-                                       msg.cached_tokens, msg.prefill_seconds + msg.wait_s)
+    def observe_prefill(self, msg: PrefillDone, stages: int = 1) -> bool:
+        """Feed a real prefill time of an instance of ``stages`` processes to its shape's
+        online calibration; True if it refitted. The time TTFT sees is compute plus what
+        the prefill waited on transfers (store loads, a pipeline's later stages): both
+        are the instance's cost for that prompt."""
+        self.cost_of(stages)
+        calibrator = self.shapes[stages]
+        new = msg.prompt_tokens - msg.cached_tokens
+        seconds = calibrator.cost.as_single(new, msg.prefill_seconds + msg.wait_s)
+        return calibrator.observe(new, msg.cached_tokens, seconds)
 
 
 def decode_slots(w: WorkerState, tracker: Tracker,

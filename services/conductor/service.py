@@ -223,7 +223,8 @@ class Conductor:
         self.metrics.prefill_transfer_wait.labels(msg.instance_id).observe(msg.wait_s)
         self.mail.send(self.router_inbox, KVTransferReport(
             "prefill_to_decode", msg.transfer_bytes, msg.transfer_seconds))
-        if self.placer.observe_prefill(msg):
+        worker = self.registry.get(msg.instance_id)
+        if self.placer.observe_prefill(msg, worker.info.stages if worker else 1):
             self.metrics.cost_refits.inc()
 
     def on_finished(self, msg: RequestFinished) -> None:

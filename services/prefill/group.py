@@ -214,12 +214,11 @@ class HeadGroup:
 
     def __init__(self, rt: "WorkerRuntime", index: int) -> None:
         cfg = rt.config
-        group, _ = cfg.prefill_stage(index)
-        first = group * cfg.prefill_stages
+        place = cfg.prefill_place(index)
         self.rt = rt
         self.epoch = rt.epoch
-        self.inboxes = [cfg.inbox("prefill", first + k) for k in range(1, cfg.prefill_stages)]
-        self.followers = Followers(cfg.prefill_stages, rt.epoch, cfg.heartbeat_timeout_s)
+        self.inboxes = [cfg.inbox("prefill", place.head + k) for k in range(1, place.stages)]
+        self.followers = Followers(place.stages, rt.epoch, cfg.heartbeat_timeout_s)
         self.next = NextStage(rt.mail, rt.transfer, cfg.kv_path, self.inboxes[0])
         self.timeout_s = cfg.heartbeat_timeout_s
         self.lost: Optional[StageLost] = None

@@ -80,8 +80,9 @@ class PrefillWorker:
         rt.kv_bytes = lambda: self.kv_paths.moved(self.mover)
         self.load_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
         self.store_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
-        self.group = HeadGroup(rt, index) if rt.config.prefill_stages > 1 else None
-        self.store_writes = (StoreWrites(prefix.store, rt.config.prefill_stages - 1,
+        stages = rt.config.prefill_place(index).stages
+        self.group = HeadGroup(rt, index) if stages > 1 else None
+        self.store_writes = (StoreWrites(prefix.store, stages - 1,
                                          self.engine.config.block_size, prefix.object_nbytes)
                              if prefix.store is not None and self.layerwise else None)
         self.steps = 0
@@ -373,7 +374,7 @@ class PrefillWorker:
 async def run(config: ClusterConfig, index: int = 0) -> None:
     """A prefill worker, or the head of a prefill group (process ``index`` of it is stage
     0); a later stage of a group runs services/prefill/stage.py."""
-    if config.prefill_stage(index)[1] > 0:
+    if config.prefill_place(index).stage > 0:
         from services.prefill.stage import run_follower
         return await run_follower(config, index)
     rt = WorkerRuntime(config, "prefill", index)

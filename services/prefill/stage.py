@@ -69,13 +69,14 @@ class Held:
 class StageWorker:
     def __init__(self, rt: WorkerRuntime, index: int) -> None:
         cfg = rt.config
-        group, self.stage = cfg.prefill_stage(index)
+        place = cfg.prefill_place(index)
+        self.stage, self.stages = place.stage, place.stages
         self.rt = rt
         self.engine = rt.engine
         self.kv = rt.engine.kv
         self.first_layer = rt.engine.layers.start
-        self.last = self.stage == cfg.prefill_stages - 1
-        self.head = cfg.inbox("prefill", group * cfg.prefill_stages)
+        self.last = self.stage == self.stages - 1
+        self.head = cfg.inbox("prefill", place.head)
         self.prev = cfg.inbox("prefill", index - 1)
         hidden = rt.engine.model_config.hidden_size
         self.hidden_in = HiddenInbox(rt.transfer, rt.instance_id, SLOTS,
@@ -325,7 +326,7 @@ async def run_follower(config: ClusterConfig, index: int) -> None:
     worker = StageWorker(rt, index)
     tasks = [asyncio.create_task(c) for c in (worker.serve(), worker.hello_loop())]
     log.info("%s ready: stage %d of %d, layers %d-%d, inbox %s", rt.instance_id, worker.stage,
-             config.prefill_stages, rt.engine.layers.start, rt.engine.layers.stop - 1,
+             worker.stages, rt.engine.layers.start, rt.engine.layers.stop - 1,
              rt.inbox_address)
     try:
         await serve_inbox(rt.mail, worker.handlers, tasks)

@@ -10,13 +10,31 @@ from common.engine.config import stage_layers
 def test_groups_number_processes_stage_by_stage() -> None:
     c = ClusterConfig(prefill_workers=2, prefill_stages=3, decode_workers=1)
     assert c.prefill_processes == 6
-    assert [c.prefill_stage(i) for i in range(6)] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1),
-                                                      (1, 2)]
+    assert [(p.instance, p.stage) for p in map(c.prefill_place, range(6))] == [
+        (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert {c.prefill_place(i).head for i in (3, 4, 5)} == {3}
     assert [c.instance_id("prefill", i) for i in (0, 1, 2, 3)] == [
         "prefill-0", "prefill-0.stage1", "prefill-0.stage2", "prefill-1"]
     ports = [c.inbox("prefill", i) for i in range(6)] + [c.inbox("decode", 0)]
     assert len(set(ports)) == 7  # every process its own inbox; decode's comes after
     assert ClusterConfig().instance_id("prefill", 1) == "prefill-1"  # no groups: as before
+
+
+def test_a_mixed_pool_numbers_groups_then_single_workers() -> None:
+    """prefill_groups = 1 of 3 instances: one group of 2 processes, then 2 single workers
+    (short prompts can skip the pipeline)."""
+    c = ClusterConfig.from_dict({"prefill_workers": 3, "prefill_stages": 2,
+                                 "prefill_groups": 1})
+    assert c.pipeline_groups == 1 and c.prefill_processes == 4
+    places = [c.prefill_place(i) for i in range(4)]
+    assert [(p.instance, p.stage, p.stages, p.head) for p in places] == [
+        (0, 0, 2, 0), (0, 1, 2, 0), (1, 0, 1, 2), (2, 0, 1, 3)]
+    assert [c.instance_id("prefill", i) for i in range(4)] == [
+        "prefill-0", "prefill-0.stage1", "prefill-1", "prefill-2"]
+    none = ClusterConfig.from_dict({"prefill_workers": 2, "prefill_stages": 3,
+                                    "prefill_groups": 0, "kv_layerwise": False})
+    assert none.prefill_processes == 2 and none.prefill_place(1).stages == 1
+    assert ClusterConfig(prefill_workers=2).pipeline_groups == 0
 
 
 def test_stage_layers_split_contiguously_and_evenly() -> None:
@@ -30,6 +48,10 @@ def test_stage_layers_split_contiguously_and_evenly() -> None:
 @pytest.mark.parametrize("data,match", [
     ({"prefill_stages": 0}, "positive integer"),
     ({"prefill_stages": 2, "kv_layerwise": False}, "needs kv_layerwise"),
+    ({"prefill_stages": 2, "prefill_groups": 1, "kv_layerwise": False}, "needs kv_layerwise"),
+    ({"prefill_stages": 2, "prefill_groups": 3, "prefill_workers": 2}, "from 0 to prefill_workers"),
+    ({"prefill_stages": 2, "prefill_groups": -1}, "from 0 to prefill_workers"),
+    ({"prefill_groups": 1}, "needs prefill_stages > 1"),
 ])
 def test_bad_group_configs_are_refused(data, match) -> None:
     with pytest.raises(ValueError, match=match):

@@ -60,3 +60,41 @@ def test_same_greedy_outputs_with_any_group_size(tmp_path_factory, stages, layer
     # the sibling's prefix came from the store (the other instance computed it)
     assert got["sibling_cached"] >= 0.8 * got["sibling_prompt"] - 16, got["sibling_cached"]
     assert got["sibling_cached"] == ref["sibling_cached"]
+
+
+def placements(metrics: str) -> dict[str, float]:
+    """Requests placed per prefill instance (the conductor's counter)."""
+    out: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith("crescent_conductor_placed_total{"):
+            labels, value = line.rsplit(" ", 1)
+            prefill = labels.split('prefill="', 1)[1].split('"', 1)[0]
+            out[prefill] = out.get(prefill, 0.0) + float(value)
+    return out
+
+
+def test_short_prompts_skip_the_pipeline(tmp_path_factory) -> None:
+    """A mixed pool (a group of 2 stages and a single worker): the conductor predicts each
+    instance's TTFT with its own shape's cost model, so a one-chunk prompt goes to the
+    single worker and a long one to the group; outputs as with single workers only."""
+    ref = reference(tmp_path_factory)
+    cluster = start_cluster(tmp_path_factory.mktemp("mixed"), http=21600, base=21610,
+                            prefill=2, scheduler="kvcache_centric",
+                            extra="prefill_stages = 2\nprefill_groups = 1\ntoken_budget = 128\n")
+    try:
+        c = cluster.config
+        assert [c.instance_id("prefill", i) for i in range(c.prefill_processes)] == [
+            "prefill-0", "prefill-0.stage1", "prefill-1"]
+        conductor = f"http://{c.address('conductor')}:{c.port('conductor_http')}/metrics"
+        seen = []
+        for name, prompt in (("short", SHORT), ("long", LONG)):
+            r = httpx.post(cluster.url + "/v1/completions", timeout=120, json={
+                "model": "smollm2-135m", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == ref[name], name
+            seen.append(placements(httpx.get(conductor, timeout=5).text))
+        assert seen[0] == {"prefill-1": 1.0}  # the short prompt: the single worker
+        assert seen[1] == {"prefill-1": 1.0, "prefill-0": 1.0}  # the long one: the group
+        wait_no_leaks(cluster)
+    finally:
+        cluster.stop()
