@@ -4,7 +4,10 @@
 batches totalling 64 MiB: batch put and batch get GB/s of our pool (same-host shm path and
 transfer-engine TCP path), of Mooncake Store (mooncake_master + a storage process + a pure
 client, TCP), and single-thread memcpy; then master metadata ops/s for batch exists of 1,000
-keys. Prints a table and, last, one JSON line for 1 MiB values.
+keys. Then, where network namespaces can be made (root, ``ip``), the same batch put and get of
+1 MiB values across two hosts (benchmarks/store_hosts.py): our master and node, and Mooncake's
+master and storage process, in one namespace, each benchmark client in another, interleaved.
+Prints a table and, last, one JSON line for 1 MiB values.
 """
 from __future__ import annotations
 
@@ -15,45 +18,29 @@ import json
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable
-
-import numpy as np
+from typing import Any, Callable, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-TOTAL = 64 << 20
+from benchmarks.store_clients import (  # noqa: E402
+    LEASE_S, TOTAL, ClientProc, MooncakeClient, OursClient, buffers, gbps, mooncake_store, serve,
+)
+
 SIZES = [64 << 10, 1 << 20, 4 << 20]
 ROUNDS = 5
-LEASE_S = 0.4  # the benchmark master's read lease (default 5 s)
 BIN = os.path.dirname(sys.executable)
+LOCAL = "127.0.0.1"
+Rates = dict[int, tuple[float, float]]  # value size → (put GB/s, get GB/s)
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def buffers() -> tuple[np.ndarray, np.ndarray]:
-    src = np.random.default_rng(1).integers(0, 256, TOTAL, dtype=np.uint8)
-    dst = np.ones(TOTAL, dtype=np.uint8)  # touched: no page faults inside timings
-    return src, dst
-
-
-def slots(src: np.ndarray, dst: np.ndarray, size: int) -> tuple[int, list[int], list[int]]:
-    """How many objects of ``size`` fill the buffers, and their source/destination addresses."""
-    n = TOTAL // size
-    return (n, [src.ctypes.data + i * size for i in range(n)],
-            [dst.ctypes.data + i * size for i in range(n)])
-
-
-def gbps(seconds: list[float]) -> float:
-    return TOTAL / statistics.median(seconds) / 1e9
 
 
 def wait_ready(proc: subprocess.Popen, timeout: float = 30.0) -> None:
@@ -80,40 +67,22 @@ def bench_memcpy(size: int) -> float:
 
 
 # ------------------------------------------------------------------- ours
-async def _ours_sizes(address: str, use_shm: bool,
-                      shm_dir: str) -> dict[int, tuple[float, float]]:
-    from common.store.client import StoreClient
-    from common.transfer import TransferAgent, TransferConfig
-
-    transfer = TransferAgent(TransferConfig())
-    client = StoreClient(address, transfer, timeout_s=30.0, use_shm=use_shm, shm_dir=shm_dir)
-    await client.start()
-    src, dst = buffers()
-    client.register_local(src.ctypes.data, TOTAL)
-    client.register_local(dst.ctypes.data, TOTAL)
+def by_size(round_: Callable[[int], tuple[float, float]], sizes: list[int] = SIZES,
+            rounds: int = ROUNDS) -> Rates:
+    """Per size, median GB/s of ``rounds`` rounds after a warm-up round (maps, first touch)."""
     out = {}
-    for size in SIZES:
-        n, addr_s, addr_d = slots(src, dst, size)
-        puts, gets = [], []
-        for r in range(ROUNDS + 1):  # round 0 warms up (maps, first touch)
-            keys = [os.urandom(16) for _ in range(n)]
-            t0 = time.perf_counter()
-            assert await client.batch_put_from(keys, addr_s, size) == n
-            t1 = time.perf_counter()
-            assert all(await client.batch_get_into(keys, addr_d, size))
-            t2 = time.perf_counter()
-            if r == 0:
-                assert (src == dst).all(), "bytes differ"
-                dst[:] = 1
-            else:
-                puts.append(t1 - t0)
-                gets.append(t2 - t1)
-            await asyncio.sleep(LEASE_S)  # removal waits for the get's lease to lapse
-            assert await client.remove(keys) == n
-        out[size] = (gbps(puts), gbps(gets))
-    await client.close()
-    transfer.close()
+    for size in sizes:
+        times = [round_(size) for _ in range(rounds + 1)][1:]
+        out[size] = (gbps([t[0] for t in times]), gbps([t[1] for t in times]))
     return out
+
+
+def _ours_by_size(address: str, use_shm: bool, shm_dir: str) -> Rates:
+    client = OursClient(address, LOCAL, use_shm, shm_dir)
+    try:
+        return by_size(client.round)
+    finally:
+        client.close()
 
 
 async def _exists_rate(address: str) -> float:
@@ -132,122 +101,121 @@ async def _exists_rate(address: str) -> float:
     return rate
 
 
-def bench_ours() -> dict[str, Any]:
-    tmp = tempfile.mkdtemp(prefix="crescent-bench-", dir="/dev/shm")
-    base = free_port()  # the master's inbox is base + 2 (common/config.py)
-    address = f"tcp://127.0.0.1:{base + 2}"
-    settings = ["--set", f"base_port={base}", "--set", f"store.policy.lease_s={LEASE_S}",
-                "--set", f"store.segment_bytes={512 << 20}", "--set", f"store.shm_dir={tmp!r}"]
-    procs = [subprocess.Popen([sys.executable, "-m", "services.store_master", *settings],
-                              cwd=ROOT, stderr=subprocess.DEVNULL)]
-    try:
-        node = subprocess.Popen([sys.executable, "-m", "services.store_node", *settings],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                text=True)
-        procs.append(node)
-        wait_ready(node)
-        shm = asyncio.run(_ours_sizes(address, use_shm=True, shm_dir=tmp))
-        tcp = asyncio.run(_ours_sizes(address, use_shm=False, shm_dir=tmp))
-        exists = asyncio.run(_exists_rate(address))
-        return {"shm": shm, "tcp": tcp, "exists_calls_per_s": exists}
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait(10)
-        shutil.rmtree(tmp, ignore_errors=True)
+def bench_ours(address: str, shm_dir: str) -> dict[str, Any]:
+    shm = _ours_by_size(address, True, shm_dir)
+    tcp = _ours_by_size(address, False, shm_dir)
+    exists = asyncio.run(_exists_rate(address))
+    return {"shm": shm, "tcp": tcp, "exists_calls_per_s": exists}
 
 
 # ------------------------------------------------------------------- mooncake
-def _mooncake_store(segment: int, master: str) -> Any:
-    from mooncake.store import MooncakeDistributedStore
-
-    store = MooncakeDistributedStore()
-    rc = store.setup("127.0.0.1", "P2PHANDSHAKE", segment, 16 << 20, "tcp", "", master)
-    if rc != 0:
-        raise RuntimeError(f"mooncake setup failed rc={rc}")
-    return store
-
-
-def mooncake_storage(master: str) -> None:
+def mooncake_storage(master: str, hostname: str) -> None:
     """The storage process: contributes a 1 GiB segment and serves until killed."""
-    store = _mooncake_store(1 << 30, master)
+    store = mooncake_store(1 << 30, master, hostname)
     print("ready", flush=True)
     while True:
         time.sleep(3600)
     del store
 
 
-def mooncake_client(master: str) -> None:
-    store = _mooncake_store(0, master)
-    src, dst = buffers()
-    assert store.register_buffer(src.ctypes.data, TOTAL) == 0
-    assert store.register_buffer(dst.ctypes.data, TOTAL) == 0
-    out = {}
-    for size in SIZES:
-        n, addr_s, addr_d = slots(src, dst, size)
-        puts, gets = [], []
-        for r in range(ROUNDS + 1):
-            keys = [os.urandom(16).hex() for _ in range(n)]
-            t0 = time.perf_counter()
-            rcs = store.batch_put_from(keys, addr_s, [size] * n)
-            t1 = time.perf_counter()
-            got = store.batch_get_into(keys, addr_d, [size] * n)
-            t2 = time.perf_counter()
-            assert all(x == 0 for x in rcs), rcs[:4]
-            assert all(x == size for x in got), got[:4]
-            if r == 0:
-                assert (src == dst).all(), "mooncake bytes differ"
-            else:
-                puts.append(t1 - t0)
-                gets.append(t2 - t1)
-            store.remove_all(True)
-        out[size] = (gbps(puts), gbps(gets))
-    print(json.dumps({str(k): v for k, v in out.items()}), flush=True)
+def phase_argv(phase: str, master: str, hostname: str = LOCAL, shm_dir: str = "") -> list[str]:
+    """The command of one process of a run (``--phase``)."""
+    return [sys.executable, os.path.abspath(__file__), "--phase", phase, "--master", master,
+            "--hostname", hostname, "--shm-dir", shm_dir]
 
 
-def bench_mooncake() -> dict[int, tuple[float, float]]:
-    port = free_port()
-    master = f"127.0.0.1:{port}"
-    procs = [subprocess.Popen([os.path.join(BIN, "mooncake_master"), f"--rpc_port={port}",
-                               ],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    me = [sys.executable, os.path.abspath(__file__)]
+def bench_mooncake(master: str) -> Rates:
+    client = ClientProc(phase_argv("mooncake-client", master))
     try:
-        time.sleep(1.0)
-        storage = subprocess.Popen(me + ["--phase", "mooncake-storage", "--master", master],
-                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        procs.append(storage)
-        wait_ready(storage)
-        client = subprocess.run(me + ["--phase", "mooncake-client", "--master", master],
-                                capture_output=True, text=True, timeout=300)
-        line = [x for x in client.stdout.splitlines() if x.startswith("{")]
-        if client.returncode != 0 or not line:
-            raise RuntimeError(f"mooncake client failed: {client.stderr[-2000:]}")
-        return {int(k): tuple(v) for k, v in json.loads(line[-1]).items()}
+        rates = by_size(client.round)
+        client.finish()
+        return rates
     finally:
-        for p in procs:
-            p.kill()
-            p.wait(10)
+        client.kill()
+
+
+# ------------------------------------------------------------------- servers
+Popen = Callable[..., subprocess.Popen]  # subprocess.Popen, or one that starts on another host
+
+
+def start_servers(popen: Popen, ours_base: int, mooncake_port: int, shm_dir: str,
+                  host: str = LOCAL) -> list[subprocess.Popen]:
+    """Our store master and node (inbox ``ours_base`` + 2, segment file in ``shm_dir``) and
+    Mooncake's master (RPC ``mooncake_port``, metrics the next port) and storage process,
+    all at ``host``; returns once both nodes serve."""
+    settings = ["--set", f"base_port={ours_base}", "--set", f"host={host!r}",
+                "--set", f"store.policy.lease_s={LEASE_S}", "--set",
+                f"store.segment_bytes={512 << 20}", "--set", f"store.shm_dir={shm_dir!r}"]
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    ready = {"stdout": subprocess.PIPE, "stderr": subprocess.DEVNULL, "text": True}
+    procs = [popen([sys.executable, "-m", "services.store_master", *settings], cwd=ROOT,
+                   **quiet),
+             popen([os.path.join(BIN, "mooncake_master"), f"--rpc_port={mooncake_port}",
+                    f"--metrics_port={mooncake_port + 1}"], **quiet)]
+    try:
+        procs.append(popen([sys.executable, "-m", "services.store_node", *settings], cwd=ROOT,
+                           **ready))
+        wait_ready(procs[-1])
+        procs.append(popen(phase_argv("mooncake-storage", f"{host}:{mooncake_port}", host),
+                           **ready))
+        wait_ready(procs[-1])
+    except BaseException:
+        stop(procs)
+        raise
+    return procs
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.kill()
+        p.wait(10)
 
 
 # ------------------------------------------------------------------- report
+def run_phase(a: argparse.Namespace) -> None:
+    """One process of a run: Mooncake's storage process, or a benchmark client driven
+    over stdin/stdout (benchmarks/store_clients.py: ``serve``)."""
+    if a.phase == "mooncake-storage":
+        mooncake_storage(a.master, a.hostname)
+    elif a.phase == "mooncake-client":
+        serve(MooncakeClient(a.master, a.hostname))
+    elif a.phase == "ours-client":
+        serve(OursClient(a.master, a.hostname, True, a.shm_dir))
+    else:
+        raise SystemExit(f"unknown phase {a.phase!r}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--phase", default="all")
     ap.add_argument("--master", default="")
+    ap.add_argument("--hostname", default=LOCAL, help="this process's own address")
+    ap.add_argument("--shm-dir", default="")
+    ap.add_argument("--cross-host", choices=["on", "off", "only"], default="on",
+                    help="also measure across two network namespaces (needs root)")
     a = ap.parse_args()
-    phases: dict[str, Callable[[], Any]] = {
-        "mooncake-storage": lambda: mooncake_storage(a.master),
-        "mooncake-client": lambda: mooncake_client(a.master),
-    }
-    if a.phase in phases:
-        phases[a.phase]()
+    if a.phase != "all":
+        run_phase(a)
         return 0
-    ours = bench_ours()
-    moon = bench_mooncake()
+    from benchmarks.store_hosts import cross_host_or_reason
+
+    if a.cross_host == "only":
+        cross, why = cross_host_or_reason()
+        print(json.dumps(cross_summary(cross, why)))
+        return 0 if cross is not None else 1
+    shm_dir = tempfile.mkdtemp(prefix="crescent-bench-", dir="/dev/shm")
+    ours_base, mooncake_port = free_port(), free_port()
+    procs = start_servers(subprocess.Popen, ours_base, mooncake_port, shm_dir)
+    try:
+        ours = bench_ours(f"tcp://{LOCAL}:{ours_base + 2}", shm_dir)
+        moon = bench_mooncake(f"{LOCAL}:{mooncake_port}")
+    finally:
+        stop(procs)
+        shutil.rmtree(shm_dir, ignore_errors=True)
     mem = {size: bench_memcpy(size) for size in SIZES}
+    cross, why = cross_host_or_reason() if a.cross_host == "on" else (None, "--cross-host off")
     print(f"{'value':>7} | {'ours put':>9} {'ours get':>9} | {'tcp put':>8} {'tcp get':>8} | "
-          f"{'mc put':>7} {'mc get':>7} | {'memcpy':>7}   (GB/s, batches of 64 MiB)")
+          f"{'mc put':>7} {'mc get':>7} | {'memcpy':>7}   (GB/s, batches of 64 MiB, one host)")
     for size in SIZES:
         (sp, sg), (tp, tg), (mp, mg) = ours["shm"][size], ours["tcp"][size], moon[size]
         label = f"{size >> 10}K" if size < (1 << 20) else f"{size >> 20}M"
@@ -264,8 +232,29 @@ def main() -> int:
         "mooncake_put_gbps": round(moon[mib][0], 3), "mooncake_get_gbps": round(moon[mib][1], 3),
         "memcpy_gbps": round(mem[mib], 3),
         "exists_1000_calls_per_s": round(rate, 1), "exists_keys_per_s": round(rate * 1000),
+        **cross_summary(cross, why),
     }))
     return 0
+
+
+def cross_summary(cross: Optional[dict[str, Any]], why: str) -> dict[str, Any]:
+    """The cross-host figures for the last JSON line (printed as a table on the way), or
+    why there are none."""
+    if cross is None:
+        print(f"cross-host: not measured ({why})")
+        return {"cross_host": None, "cross_host_skipped": why}
+    print("cross-host, 1M values, 2 network namespaces, TCP (GB/s; ours/mc per round pair: "
+          "quartiles)")
+    out: dict[str, Any] = {"cross_host": "netns"}
+    for op in ("put", "get"):
+        ours, theirs = cross[op]
+        q1, q2, q3 = cross[f"{op}_pair_ratios"]
+        print(f"  {op}: ours {ours:.2f}  mc {theirs:.2f}  ours/mc {ours / theirs:.2f}x "
+              f"(pairs {q1:.2f} / {q2:.2f} / {q3:.2f})")
+        out.update({f"cross_{op}_gbps": round(ours, 3),
+                    f"mooncake_cross_{op}_gbps": round(theirs, 3),
+                    f"cross_{op}_ratio": round(ours / theirs, 3)})
+    return out
 
 
 if __name__ == "__main__":
