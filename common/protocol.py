@@ -341,6 +341,9 @@ class KVTransferReport:
     kind: str  # "prefill_to_decode"
     nbytes: int
     seconds: float
+    request_id: str = ""  # whose KV (the dashboard's request timelines); "" from old senders
+    prefill_s: float = 0.0  # PrefillDone.prefill_seconds: the request's share of compute
+    wait_s: float = 0.0  # PrefillDone.wait_s: the prefill blocked on transfers
 
 
 @dataclass(frozen=True)
@@ -355,14 +358,53 @@ class InstanceStatus:
     queued: int
     running: int
     assigned: int  # requests placed on it and not yet finished
+    queued_tokens: int = 0  # prefill: uncached prompt tokens still to compute
+    context_tokens: int = 0  # decode: sum of the contexts in its batch
+    cached_blocks: int = 0  # keys in its local prefix cache (from its KV events)
+    draining: bool = False
+    heartbeat_age_s: float = 0.0  # since its last heartbeat (or registration)
+
+
+@dataclass(frozen=True)
+class StoreUsage:
+    """The global KV pool: the store master's last ``StoreStats`` answer, summed over its
+    nodes, and the conductor's copy of its keys (the global prefix index)."""
+
+    nodes: int
+    objects: int
+    dram_used: int
+    dram_capacity: int
+    ssd_used: int
+    ssd_capacity: int
+    counters: dict[str, int]  # the master's, cumulative: hits, misses, evicted, offloaded, ...
+    age_s: float  # since that answer
+    index_keys: int = 0
+    index_state: str = ""  # the index's sync state: "live" | "resyncing" | "waiting"
+
+
+@dataclass(frozen=True)
+class ConductorTotals:
+    """What the conductor counted since it started (the sums of its /metrics counters)."""
+
+    placed: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)  # at admission (429), by reason
+    failed: dict[str, int] = field(default_factory=dict)  # admitted, then failed, by reason
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # reused from a cache, local or global
+    global_hit_tokens: int = 0  # of those, loaded from the store
+    transfer_bytes: int = 0  # KV moved prefill → decode
 
 
 @message
 class ClusterStatus:
     """Conductor → router, every heartbeat interval: readiness and per-instance load.
     ``conductor_epoch`` names the conductor's incarnation: a new one knows nothing of the
-    requests its predecessor accepted (the router stops waiting for those)."""
+    requests its predecessor accepted (the router stops waiting for those). ``totals``
+    and ``store`` feed the router's dashboard; None from a conductor that sends neither
+    (``store``: also no store, or no answer from its master yet)."""
 
     ready: bool
     instances: list[InstanceStatus]
     conductor_epoch: int = 0
+    totals: Optional[ConductorTotals] = None
+    store: Optional[StoreUsage] = None

@@ -65,6 +65,13 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from launch.status import main as status_main
+
+    return status_main(args.url, args.config, args.api_key, args.json, args.timeout,
+                       args.requests)
+
+
 def cmd_simulate(rest: list[str]) -> int:
     from traces.simulate import main as simulate_main
 
@@ -90,9 +97,21 @@ def main(argv: Optional[list[str]] = None) -> int:
                             "(kept if one is there)")
     keygen.add_argument("dir")
     keygen.add_argument("--force", action="store_true", help="replace an existing keypair")
+    status = sub.add_parser("status", help="the cluster's live numbers (the router's "
+                            "/dashboard) as tables")
+    status.add_argument("--url", help="the router (default: http://host:http_port of "
+                        "--config)")
+    status.add_argument("--config", help="cluster config (TOML)")
+    status.add_argument("--api-key", help="when the router has API keys (default: "
+                        "$CRESCENT_API_KEY)")
+    status.add_argument("--json", action="store_true", help="print the JSON as served")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait")
+    status.add_argument("--requests", type=int, default=10, help="last requests shown")
     args = parser.parse_args(argv)
     if args.command == "keygen":
         return cmd_keygen(args)
+    if args.command == "status":
+        return cmd_status(args)
     return cmd_up(args)
 
 

@@ -99,13 +99,17 @@ class Registry:
     def get(self, instance_id: str) -> Optional[WorkerState]:
         return self.workers.get(instance_id)
 
-    def status(self) -> list[InstanceStatus]:
+    def status(self, now: Optional[float] = None) -> list[InstanceStatus]:
+        now = time.monotonic() if now is None else now
         out = []
         for w in sorted(self.workers.values(), key=lambda w: w.instance_id):
-            b = w.beat
+            b, load = w.beat, w.load
             out.append(InstanceStatus(
                 instance_id=w.instance_id, role=w.info.role, total_blocks=w.info.num_blocks,
                 free_blocks=b.free_blocks if b else w.info.num_blocks,
-                used_blocks=b.used_blocks if b else 0, queued=w.load.queued,
-                running=w.load.running, assigned=len(w.assigned)))
+                used_blocks=b.used_blocks if b else 0, queued=load.queued,
+                running=load.running, assigned=len(w.assigned),
+                queued_tokens=load.queued_tokens, context_tokens=load.context_tokens,
+                cached_blocks=len(w.kv.keys), draining=bool(b and b.draining),
+                heartbeat_age_s=round(max(0.0, now - w.last_seen), 3)))
         return out

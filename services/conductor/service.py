@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from common.config import ClusterConfig
 from common.mailbox import Mailbox, serve_inbox
@@ -24,6 +24,7 @@ from common.scheduling import Rejection
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.placement import Placement, Placer
 from services.conductor.registry import ROLES, Registry
+from services.conductor.status import StoreView, conductor_totals
 from services.conductor.store_events import StoreEventFeed
 from services.conductor.tracker import Phase, Tracked, Tracker
 from services.conductor.ttft_log import TTFTRecord
@@ -46,6 +47,7 @@ class Conductor:
         self.metrics = ConductorMetrics()
         self.metrics.typical_decode.set(self.placer.policy.decode_durations.mean())
         self.router_inbox = config.inbox("router")
+        self.store: Optional[StoreView] = None  # the store's usage, with a store (run)
         self.handlers: dict[type, Callable[[Any], None]] = {
             RegisterWorker: self.on_register,
             WorkerHeartbeat: self.on_heartbeat,
@@ -222,7 +224,8 @@ class Conductor:
         self.metrics.prefill_compute.labels(msg.instance_id).observe(msg.prefill_seconds)
         self.metrics.prefill_transfer_wait.labels(msg.instance_id).observe(msg.wait_s)
         self.mail.send(self.router_inbox, KVTransferReport(
-            "prefill_to_decode", msg.transfer_bytes, msg.transfer_seconds))
+            "prefill_to_decode", msg.transfer_bytes, msg.transfer_seconds,
+            msg.request_id, msg.prefill_seconds, msg.wait_s))
         worker = self.registry.get(msg.instance_id)
         if self.placer.observe_prefill(msg, worker.info.stages if worker else 1):
             self.metrics.cost_refits.inc()
@@ -333,8 +336,9 @@ class Conductor:
             self.mail.send(w.info.inbox, KVResync(w.instance_id))
             self.metrics.kv_resyncs.inc()
         self.metrics.global_index_keys.set(len(self.placer.global_index))
-        self.mail.send(self.router_inbox, ClusterStatus(self.ready(), self.registry.status(),
-                                                        self.epoch))
+        self.mail.send(self.router_inbox, ClusterStatus(
+            self.ready(), self.registry.status(), self.epoch,
+            conductor_totals(self.metrics), self.store.usage() if self.store else None))
         self.metrics.update_gauges(self.registry, self.tracker)
 
 
@@ -351,7 +355,8 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
     tasks = [asyncio.create_task(ticker())]
     if config.store.enabled:
         feed = StoreEventFeed(config, conductor.placer.global_index)
-        tasks.append(asyncio.create_task(feed.run()))
+        conductor.store = StoreView(config, feed.sync, max(1.0, config.heartbeat_interval_s))
+        tasks += [asyncio.create_task(feed.run()), asyncio.create_task(conductor.store.run())]
     log.info("conductor ready at %s (scheduler=%s)", config.inbox("conductor"),
              config.scheduler)
     try:

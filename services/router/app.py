@@ -13,6 +13,7 @@ from common.kv.memory import resolve_kv_dtype
 from common.mailbox import Mailbox, serve_inbox
 from services.router.auth import api_key_middleware, load_api_keys
 from services.router.block_hashing import make_block_hasher
+from services.router.dashboard import add_dashboard
 from services.router.errors import ApiError
 from services.router.handlers import STATE, routes
 from services.router.state import RouterState
@@ -62,6 +63,7 @@ def build_app(state: RouterState) -> web.Application:
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
     app[STATE] = state
     app.add_routes(routes())
+    add_dashboard(app)
     return app
 
 

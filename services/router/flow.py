@@ -48,6 +48,7 @@ class RequestRun:
         self._pending: Optional[TokenDelta] = None
         self._last_token: Optional[float] = None
         self._last_word = time.monotonic()  # the last event about this request
+        state.requests.arrived(self.request_id, endpoint, self.arrival)
         state.metrics.in_flight.inc()
         try:
             refusal = self._refusal()
@@ -118,7 +119,9 @@ class RequestRun:
                        code="timeout")
 
     def _accepted(self, msg: RequestAccepted) -> None:
-        self.state.metrics.queue_time.observe(max(0.0, time.time() - self.arrival))
+        now = time.time()
+        self.state.metrics.queue_time.observe(max(0.0, now - self.arrival))
+        self.state.requests.accepted(msg, now)
 
     def _delta(self, msg: TokenDelta) -> None:
         now = time.time()
@@ -129,6 +132,7 @@ class RequestRun:
         else:
             metrics.observe_tokens(now - self._last_token, len(msg.token_ids))
         self._last_token = now
+        self.state.requests.tokens(self.request_id, len(msg.token_ids), now)
 
     def _screen(self, msg: RequestEvent) -> bool:
         """Raise for a failure or rejection; record an acceptance (True); False for a token
@@ -171,6 +175,7 @@ class RequestRun:
             self.state.abort(self.request_id, abort_reason)
             self.done = True
         self.state.close(self.request_id)
+        self.state.requests.finished(self.request_id, status, usage, time.time())
         metrics = self.state.metrics
         metrics.requests.labels(self.endpoint, str(status)).inc()
         metrics.in_flight.dec()

@@ -18,6 +18,7 @@ from common.drain import Drain, current as current_drain
 from common.mailbox import Mailbox
 from common.protocol import (AbortRequest, ClusterStatus, KVTransferReport, RequestAccepted,
                              RequestFailed, RequestRejected, SubmitRequest, TokenDelta)
+from services.router.dashboard_log import RequestLog
 from services.router.metrics import RouterMetrics
 from services.router.tokenizer import PromptTokenizer
 
@@ -33,6 +34,7 @@ class RouterState:
     tokenizer: PromptTokenizer
     block_keys: Callable[[list[int]], list[str]]
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    requests: RequestLog = field(default_factory=RequestLog)  # the dashboard's timelines
     streams: dict[str, asyncio.Queue] = field(default_factory=dict)
     status: Optional[ClusterStatus] = None
     status_time: Optional[float] = None  # monotonic time the status arrived
@@ -105,6 +107,7 @@ class RouterState:
 
     def _on_kv_transfer(self, msg: KVTransferReport) -> None:
         self.metrics.record_kv_transfer(msg.kind, msg.nbytes, msg.seconds)
+        self.requests.kv_report(msg, time.time())
 
     def handlers(self) -> dict[type, Callable[[Any], None]]:
         return {RequestAccepted: self._on_request_event, TokenDelta: self._on_request_event,

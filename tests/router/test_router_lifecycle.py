@@ -78,7 +78,9 @@ def test_debug_pools(router: str, fake: FakeCluster) -> None:
                               used_blocks=10, total_blocks=100, queued=0, running=1, assigned=1)
     fake.status = ClusterStatus(True, [instance])
     expected = [{"instance_id": "decode-0", "role": "decode", "total_blocks": 100,
-                 "free_blocks": 90, "used_blocks": 10, "queued": 0, "running": 1, "assigned": 1}]
+                 "free_blocks": 90, "used_blocks": 10, "queued": 0, "running": 1, "assigned": 1,
+                 "queued_tokens": 0, "context_tokens": 0, "cached_blocks": 0, "draining": False,
+                 "heartbeat_age_s": 0.0}]
     assert eventually(lambda: get(router, "/debug/pools").json()["instances"] == expected)
     assert get(router, "/debug/pools").json()["ready"] is True
 

@@ -1,0 +1,39 @@
+"""The live cluster page: ``GET /dashboard`` (one self-contained HTML file: inline CSS and
+script, no build step, nothing fetched from elsewhere) and ``GET /debug/dashboard`` (its
+numbers as JSON, services/router/dashboard_data.py), which the page polls every second.
+
+The page itself holds no data, so it is open like ``/health``; the JSON names every worker
+and the last requests, so it sits under ``/debug/`` and needs the API key when keys are
+configured, like ``/debug/pools`` (services/router/auth.py). The page asks for the key on
+a 401 and keeps it for the browser tab only (sessionStorage).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import orjson
+from aiohttp import web
+
+from services.router.dashboard_data import dashboard_data
+from services.router.handlers import STATE
+
+PAGE = Path(__file__).with_name("dashboard.html")
+_PAGE_BYTES: web.AppKey[bytes] = web.AppKey("dashboard_page", bytes)
+
+
+async def page(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[_PAGE_BYTES], content_type="text/html",
+                        charset="utf-8", headers={"Cache-Control": "no-cache"})
+
+
+async def data(request: web.Request) -> web.Response:
+    body = orjson.dumps(dashboard_data(request.app[STATE], time.time()))
+    return web.Response(body=body, content_type="application/json",
+                        headers={"Cache-Control": "no-store"})
+
+
+def add_dashboard(app: web.Application) -> None:
+    """Register both routes; the page is read once, here (a missing file stops startup)."""
+    app[_PAGE_BYTES] = PAGE.read_bytes()
+    app.add_routes([web.get("/dashboard", page), web.get("/debug/dashboard", data)])

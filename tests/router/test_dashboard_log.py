@@ -1,0 +1,92 @@
+"""The router's request log for the dashboard: timelines laid end to end, reports that
+come after the last token, bounded memory, rates per second over a window."""
+from __future__ import annotations
+
+import pytest
+
+from common.protocol import KVTransferReport, RequestAccepted
+from services.router.dashboard_log import RateWindow, RequestLog, Timeline
+
+
+def report(request_id: str, prefill_s: float = 0.3, wait_s: float = 0.05,
+           nbytes: int = 4096, seconds: float = 0.25) -> KVTransferReport:
+    return KVTransferReport("prefill_to_decode", nbytes, seconds, request_id, prefill_s,
+                            wait_s)
+
+
+def served(log: RequestLog, rid: str, t0: float = 100.0) -> None:
+    """Arrive at t0, accepted +0.01, KV report, first token +0.5, last +0.9, done +0.95."""
+    log.arrived(rid, "/v1/chat/completions", t0)
+    log.accepted(RequestAccepted(rid, "prefill-0", "decode-0", 0.2), t0 + 0.01)
+    log.kv_report(report(rid), t0 + 0.45)
+    log.tokens(rid, 1, t0 + 0.5)
+    log.tokens(rid, 3, t0 + 0.9)
+    log.finished(rid, 200, (64, 16), t0 + 0.95)
+
+
+def test_phases_add_up_to_the_request() -> None:
+    log = RequestLog()
+    served(log, "a")
+    [t] = log.timelines()
+    assert t["phases"] == pytest.approx({"queued": 0.15, "prefill": 0.3, "transfer": 0.05,
+                                         "decode": 0.4})
+    assert (t["status"], t["prompt_tokens"], t["cached_tokens"], t["output_tokens"]) == \
+        (200, 64, 16, 4)
+    assert (t["prefill_id"], t["decode_id"], t["transfer_bytes"]) == \
+        ("prefill-0", "decode-0", 4096)
+    assert not log.live
+
+
+def test_compute_longer_than_the_wait_is_clamped() -> None:
+    t = Timeline("a", "/v1/completions", 10.0, first_token=10.2, last_token=10.2,
+                 ended=10.3, prefill_s=0.5, wait_s=0.1)
+    assert t.phases() == {"queued": 0.0, "prefill": pytest.approx(0.2), "transfer": 0.0,
+                          "decode": 0.0}
+
+
+def test_refused_request_is_all_queued() -> None:
+    log = RequestLog()
+    log.arrived("r", "/v1/completions", 50.0)
+    log.finished("r", 429, None, 50.02)
+    [t] = log.timelines()
+    assert t["status"] == 429 and t["phases"]["queued"] == pytest.approx(0.02)
+    assert sum(t["phases"].values()) == pytest.approx(0.02)
+    assert log.rejected.sum(50.5) == 1 and log.admitted.sum(50.5) == 0
+
+
+def test_report_after_the_last_token_still_lands() -> None:
+    log = RequestLog()
+    log.arrived("a", "/v1/completions", 0.0)
+    log.tokens("a", 1, 0.4)
+    log.finished("a", 200, (8, 0), 0.41)
+    log.kv_report(report("a", prefill_s=0.2, wait_s=0.1), 0.5)
+    assert log.timelines()[0]["phases"] == pytest.approx(
+        {"queued": 0.1, "prefill": 0.2, "transfer": 0.1, "decode": 0.0})
+
+
+def test_unknown_ids_change_nothing_but_the_rates() -> None:
+    log = RequestLog()
+    log.tokens("ghost", 3, 1.0)
+    log.accepted(RequestAccepted("ghost", "p", "d", 0.1), 1.0)
+    log.finished("ghost", 200, None, 1.0)
+    log.kv_report(report("ghost", nbytes=100), 1.0)
+    assert log.timelines() == [] and not log.live
+    assert log.kv_bytes.sum(1.0) == 100 and log.admitted.sum(1.0) == 0
+
+
+def test_keeps_only_the_last_requests_newest_first() -> None:
+    log = RequestLog(keep=3)
+    for i in range(5):
+        served(log, f"r{i}", t0=float(i))
+    assert [t["request_id"] for t in log.timelines()] == ["r4", "r3", "r2"]
+
+
+def test_rate_window_sums_the_last_seconds_only() -> None:
+    w = RateWindow(window_s=10)
+    for second in range(30):
+        w.add(5.0, second + 0.5)
+        w.add(1.0, second + 0.7)
+    assert len(w._buckets) == 10  # one per second of the window, no more
+    assert w.sum(29.9) == 60.0 and w.rate(29.9) == 6.0
+    assert w.sum(35.0) == 24.0  # seconds 26..29 are left
+    assert w.sum(100.0) == 0.0 and not w._buckets
