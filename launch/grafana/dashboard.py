@@ -118,6 +118,11 @@ def transfer_panels() -> list[Panel]:
             query(f"sum by (kind) (rate(crescent_router_kv_transfer_bytes_total{RATE}))",
                   "requests: {{kind}}")],
             "KV bytes per second moved from prefill to decode workers."),
+        graph("KV bytes by flow and path", "Bps", [
+            query(f"sum by (flow, path) (rate(crescent_worker_kv_bytes{RATE}))",
+                  "{{flow}} via {{path}}")],
+            "What workers move per second: to decode workers and to and from the store, "
+            "through shared memory (one host) or the transfer engine (across hosts)."),
         graph("KV transfer time per request", "s",
               percentiles("crescent_router_kv_transfer_seconds"),
               "Duration of one request's KV transfer."),
