@@ -80,7 +80,8 @@ class WorkerHeartbeat:
     # (e.g. "KVReady", "duplicate"), "outbox_full", "quarantine_expired".
     dropped: dict[str, int] = field(default_factory=dict)
     # Bytes this incarnation moved, cumulative, by "FLOW/PATH": FLOW decode (KV to decode
-    # workers), store_read or store_write; PATH shm or transfer_engine.
+    # workers), hidden (to the next pipeline stage), store_read or store_write; PATH shm
+    # or transfer_engine.
     kv_bytes: dict[str, int] = field(default_factory=dict)
 
 

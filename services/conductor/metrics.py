@@ -83,7 +83,7 @@ class ConductorMetrics:
         self.kv_instances: set[str] = set()  # the instances worker_kv_blocks has series of
         self.worker_kv_bytes = Gauge(
             "crescent_worker_kv_bytes", "KV bytes a worker incarnation moved, cumulative, by "
-            "flow (decode, store_read, store_write) and path (shm, transfer_engine)",
+            "flow (decode, hidden, store_read, store_write) and path (shm, transfer_engine)",
             ["instance", "flow", "path"], registry=r)
         self.worker_quarantined = Gauge(
             "crescent_worker_quarantined", "decode reservations held until their writer's word",

@@ -58,6 +58,7 @@ class NextStage:
         self.free: set[int] = set()
         self.slot_freed = asyncio.Event()
         self.lane = ThreadPoolExecutor(1, thread_name_prefix="hidden")
+        self.sent: dict[str, int] = {}  # hidden-state bytes shipped, by path (heartbeats)
 
     def on_hello(self, msg: StageHello) -> None:
         """The next stage's route; a new one (it restarted) resets the slots."""
@@ -97,11 +98,12 @@ class NextStage:
         assert self.sender is not None
         slot = self.free.pop()
         try:
-            await asyncio.get_running_loop().run_in_executor(
+            n = await asyncio.get_running_loop().run_in_executor(
                 self.lane, self.sender.send, slot, hidden, timeout_s)
         except (TransferError, ValueError):
             self.free.add(slot)
             raise
+        self.sent[self.sender.path] = self.sent.get(self.sender.path, 0) + n
         self.mail.send(self.inbox, StageStep(head_epoch, step, slot, hidden.shape[0],
                                              str(hidden.dtype).removeprefix("torch."), parts))
         return waited

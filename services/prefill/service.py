@@ -77,7 +77,8 @@ class PrefillWorker:
         self.settling: set[Fence] = set()  # fences whose writes are still settling
         self.layerwise = rt.config.kv_layerwise
         self.mover = prefix.store.mover if prefix.store is not None else None
-        rt.kv_bytes = lambda: self.kv_paths.moved(self.mover)
+        rt.kv_bytes = lambda: self.kv_paths.moved(self.mover,
+                                                  self.group.next.sent if self.group else None)
         self.load_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
         self.store_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
         stages = rt.config.prefill_place(index).stages

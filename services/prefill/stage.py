@@ -87,7 +87,6 @@ class StageWorker:
                                 total_layers=rt.engine.model_config.num_layers)
         self.lanes = Lanes()
         self.mover = RangeMover(rt.transfer, cfg.store.shm_dir) if cfg.store.enabled else None
-        rt.kv_bytes = lambda: self.kv_paths.moved(self.mover)
         self.load_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
         self.store_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="prefill")

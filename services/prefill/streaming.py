@@ -196,10 +196,13 @@ class KVPaths:
         return KVStream(transfer, executor, kv, table, target.block_ids, target.session,
                         target.kv_base, self.peer(target), *self.window)
 
-    def moved(self, mover: Optional[RangeMover]) -> dict[str, int]:
-        """KV bytes moved so far by flow/path (a worker heartbeat's ``kv_bytes``): to decode
-        workers by this object's streams, and to and from the store by ``mover``."""
+    def moved(self, mover: Optional[RangeMover],
+              hidden: Optional[dict[str, int]] = None) -> dict[str, int]:
+        """Bytes moved so far by flow/path (a worker heartbeat's ``kv_bytes``): KV to decode
+        workers by this object's streams, to and from the store by ``mover``, and
+        ``hidden`` (bytes by path) to the next pipeline stage."""
         out = {f"decode/{path}": n for path, n in self.bytes.items()}
+        out |= {f"hidden/{path}": n for path, n in (hidden or {}).items()}
         return out | (mover.moved() if mover is not None else {})
 
     def done(self, stream: KVStream) -> None:

@@ -21,9 +21,9 @@ from launch.multihost import NetnsCluster
 from launch.netns import TestBed, available
 
 OK, WHY = available()
-# Ports 21300-21499: the multi-host cluster 21400 (inboxes from 21410), the single-host one
-# 21450 (inboxes from 21460).
-MULTI_HTTP, SINGLE_HTTP = 21400, 21450
+# Ports 21300-21499: the multi-host cluster 21400 (base 21410), the single-host one 21450
+# (base 21460), the pipelined one 21470 (base 21480).
+MULTI_HTTP, SINGLE_HTTP, PIPELINE_HTTP = 21400, 21450, 21470
 PREFIX, SUBNET = "cmhe", "10.77.0"
 H1, H2, H3 = (f"{SUBNET}.{i}" for i in (1, 2, 3))
 # h1: router, conductor, store master and a second prefill worker (no store node: every
@@ -34,10 +34,11 @@ QUESTIONS = prompts(6)
 MAX_TOKENS = 12
 
 
-def write_config(path: Path, http: int, prefill: int, nodes: int, hosts: dict) -> str:
+def write_config(path: Path, http: int, prefill: int, nodes: int, hosts: dict,
+                 stages: int = 1) -> str:
     """The fault suite's cluster (small pools, fast heartbeats, quick restarts) with
     round-robin placement, ``nodes`` store nodes and ``hosts`` as its [hosts] table."""
-    data = config_data(http, prefill, 1, "round_robin", router_timeout=60.0)
+    data = config_data(http, prefill, 1, "round_robin", router_timeout=60.0, stages=stages)
     data["store"]["nodes"] = nodes
     table = "".join(f"{role} = {json.dumps(where)}\n" for role, where in hosts.items())
     path.write_text(to_toml(data) + (f"\n[hosts]\n{table}" if hosts else ""))
@@ -99,7 +100,7 @@ def bed() -> Iterator[TestBed]:
         yield made
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def multihost(bed: TestBed, single_host: dict,  # noqa: ARG001 (after the reference)
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetnsCluster]:
     """Started after the reference ran (two clusters at once would share 2 cores)."""
