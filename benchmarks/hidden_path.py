@@ -35,8 +35,8 @@ import zmq
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from common.host import host_id  # noqa: E402
 from common.kv.hidden import HiddenInbox, HiddenSender  # noqa: E402
-from common.kv.shm_kv import host_id  # noqa: E402
 from common.transfer import TransferAgent  # noqa: E402
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20, "16MiB": 16 << 20,

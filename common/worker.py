@@ -13,9 +13,10 @@ import torch
 from common.config import ClusterConfig
 from common.drain import current as current_drain
 from common.engine import Engine, EngineConfig
+from common.host import host_id
 from common.kv.events import BlockEventMsg
 from common.kv.memory import resolve_kv_dtype
-from common.kv.shm_kv import close_at_exit, host_id, worker_segment
+from common.kv.shm_kv import close_at_exit, worker_segment
 from common.mailbox import Mailbox
 from common.protocol import (KVResync, KVSnapshot, ReRegister, RegisterWorker, RequestFailed,
                              WorkerHeartbeat, WorkerLeaving, WorkerLoad)

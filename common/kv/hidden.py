@@ -29,7 +29,8 @@ from typing import Optional
 
 import torch
 
-from common.kv.shm_kv import KV_PATHS, SHM_DIR, host_id
+from common.host import host_id
+from common.kv.shm_kv import KV_PATHS, SHM_DIR
 from common.security import checked_shm_path
 from common.store.shm import Segment, owned_path, sweep_dead
 from common.transfer import TransferAgent, TransferError

@@ -20,7 +20,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from common.host import host_id  # noqa: F401 (re-exported: peers compare it)
 from common.kv.memory import PagedKVMemory
 from common.security import KV_SEGMENT, checked_shm_path
 from common.store.shm import Segment, copy_many, owned_path, sweep_dead

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from common.host import host_id
 from common.kv.hidden import HiddenRoute, HiddenSender
-from common.kv.shm_kv import host_id
 from common.mailbox import Mailbox
 from common.protocol import Fence
 from common.stage_protocol import (

@@ -26,8 +26,8 @@ from common.engine.batching import plan_chunks
 from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
 from common.engine.sampling import sample
+from common.host import host_id
 from common.idle_check import IdleCheck
-from common.kv.shm_kv import host_id
 from common.mailbox import serve_inbox
 from common.protocol import (
     AbortRequest, Fence, FenceQuery, KVFailed, KVReady, PrefillDone, PrefillTask, RequestFailed,

@@ -27,8 +27,8 @@ import torch
 from common.config import ClusterConfig
 from common.engine.config import PrefillChunk
 from common.engine.sampling import sample
+from common.host import host_id
 from common.kv.hidden import HiddenInbox
-from common.kv.shm_kv import host_id
 from common.mailbox import serve_inbox
 from common.protocol import Fence
 from common.stage_protocol import (

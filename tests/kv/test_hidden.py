@@ -15,9 +15,9 @@ from typing import Iterator, Optional
 import pytest
 import torch
 
+from common.host import host_id
 from common.ipc import ProtocolError, decode, encode, message
 from common.kv.hidden import HiddenInbox, HiddenRoute, HiddenSender
-from common.kv.shm_kv import host_id
 from common.transfer import TransferError
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")

@@ -11,8 +11,9 @@ import sys
 import pytest
 import torch
 
+from common.host import host_id
 from common.kv.memory import PagedKVMemory
-from common.kv.shm_kv import host_id, segment_path, sweep_stale, worker_segment
+from common.kv.shm_kv import segment_path, sweep_stale, worker_segment
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
