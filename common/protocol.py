@@ -47,7 +47,7 @@ class RegisterWorker:
     num_blocks: int
     block_size: int
     kv_shm_path: Optional[str] = None  # the KV memory as a /dev/shm file same-host peers map
-    host_id: Optional[str] = None  # hostname/boot id: who can map kv_shm_path
+    host_id: Optional[str] = None  # boot id + netns (common/host.py): who can map kv_shm_path
     epoch: int = 0  # this incarnation (start time, ns): a higher one replaces it
     stages: int = 1  # a prefill pipeline group's processes (its head registers the group)
 
