@@ -1,6 +1,6 @@
 """Store data-path benchmark: our pool vs Mooncake's own store vs memcpy.
 
-``python benchmarks/store.py`` (one invocation, ~1 minute). For 64 KiB, 1 MiB and 4 MiB values,
+``python benchmarks/store.py`` (one invocation, ~70 s). For 64 KiB, 1 MiB and 4 MiB values,
 batches totalling 64 MiB: batch put and batch get GB/s of our pool (same-host shm path and
 transfer-engine TCP path), of Mooncake Store (mooncake_master + a storage process + a pure
 client, TCP), and single-thread memcpy; then master metadata ops/s for batch exists of 1,000
