@@ -186,18 +186,23 @@ def serve(client: Client) -> None:
 
 class ClientProc:
     """A client process (``argv``: its ``--phase *-client`` command) driven round by round;
-    every answer has a deadline, and a dead or silent client raises with its stderr."""
+    every answer has a deadline, and a dead or silent client raises with its stderr. Its
+    stdout is read unbuffered and split here, so a line that arrives together with another
+    is never left in a buffer that ``select`` cannot see."""
 
     def __init__(self, argv: list[str]) -> None:
         self.name = argv[argv.index("--phase") + 1]
         self.err = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.err, text=True)
+                                     stderr=self.err, bufsize=0)
+        assert self.proc.stdout is not None
+        self.out = self.proc.stdout.fileno()
+        self.pending = b""  # read, not yet split into lines
         self.sel = selectors.DefaultSelector()
-        self.sel.register(self.proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
+        self.sel.register(self.out, selectors.EVENT_READ)
 
     def round(self, size: int) -> tuple[float, float]:
-        self._send(f"{size}\n")
+        self._send(f"{size}\n".encode())
         reply = self._reply()
         return reply["put"], reply["get"]
 
@@ -216,27 +221,28 @@ class ClientProc:
         self.sel.close()
         self.err.close()
 
-    def _send(self, line: str) -> None:
+    def _send(self, line: bytes) -> None:
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(line)
-            self.proc.stdin.flush()
         except BrokenPipeError:
             self._fail("exited")
 
     def _reply(self) -> dict[str, Any]:
         """The client's next JSON line (other output skipped) within ``REPLY_S``."""
-        assert self.proc.stdout is not None
         deadline = time.monotonic() + REPLY_S
-        while (left := deadline - time.monotonic()) > 0:
-            if not self.sel.select(left):
-                break
-            line = self.proc.stdout.readline()
-            if not line:
+        while True:
+            while b"\n" in self.pending:
+                line, self.pending = self.pending.split(b"\n", 1)
+                if line.startswith(b"{"):
+                    return json.loads(line)
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sel.select(left):
+                self._fail(f"did not answer within {REPLY_S:.0f}s")
+            chunk = os.read(self.out, 1 << 16)
+            if not chunk:
                 self._fail("exited")
-            if line.startswith("{"):
-                return json.loads(line)
-        self._fail(f"did not answer within {REPLY_S:.0f}s")
+            self.pending += chunk
 
     def _fail(self, what: str) -> NoReturn:
         self.proc.kill()

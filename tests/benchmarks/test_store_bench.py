@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from benchmarks import store_clients
 from benchmarks.store_clients import TOTAL, ClientProc
 from benchmarks.store_hosts import bench_cross_host, check_report, summarize
 from launch.netns import available
@@ -48,6 +49,29 @@ def test_a_client_that_dies_is_reported_with_its_stderr():
                          "sys.exit(3)", "--phase", "dying-client"])
     try:
         with pytest.raises(RuntimeError, match="dying-client exited: boom"):
+            client.round(1 << 20)
+    finally:
+        client.kill()
+
+
+def test_a_reply_that_arrives_with_other_output_is_found():
+    # one write: a log line and the reply; then the client waits for more input
+    script = ("import sys; sys.stdin.readline(); "
+              "sys.stdout.write('log line\\n{\"put\": 0.5, \"get\": 0.25}\\n'); "
+              "sys.stdout.flush(); sys.stdin.readline()")
+    client = ClientProc([sys.executable, "-c", script, "--phase", "chatty-client"])
+    try:
+        assert client.round(1 << 20) == (0.5, 0.25)
+    finally:
+        client.kill()
+
+
+def test_a_silent_client_misses_its_deadline(monkeypatch):
+    monkeypatch.setattr(store_clients, "REPLY_S", 0.3)
+    client = ClientProc([sys.executable, "-c", "import time; time.sleep(30)",
+                         "--phase", "silent-client"])
+    try:
+        with pytest.raises(RuntimeError, match="silent-client did not answer within"):
             client.round(1 << 20)
     finally:
         client.kill()
