@@ -1,10 +1,10 @@
 """Store data-path benchmark: our pool vs Mooncake's own store vs memcpy.
 
-``python benchmarks/store.py`` (one invocation, ~70 s). For 64 KiB, 1 MiB and 4 MiB values,
+``python benchmarks/store.py`` (one invocation, ~40 s). For 64 KiB, 1 MiB and 4 MiB values,
 batches totalling 64 MiB: batch put and batch get GB/s of our pool (same-host shm path and
 transfer-engine TCP path), of Mooncake Store (mooncake_master + a storage process + a pure
-client, TCP), and single-thread memcpy; then master metadata ops/s for batch exists of 1,000
-keys. Then, where network namespaces can be made (root, ``ip``), the same batch put and get of
+client, TCP), the three clients' rounds interleaved (benchmarks/store_clients.py), and
+single-thread memcpy; then master metadata ops/s for batch exists of 1,000 keys. Then, where network namespaces can be made (root, ``ip``), the same batch put and get of
 1 MiB values across two hosts (benchmarks/store_hosts.py): our master and node, and Mooncake's
 master and storage process, in one namespace, each benchmark client in another, interleaved.
 Prints a table and, last, one JSON line for 1 MiB values.
@@ -27,7 +27,8 @@ from typing import Any, Callable, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks.store_clients import (  # noqa: E402
-    LEASE_S, TOTAL, ClientProc, MooncakeClient, OursClient, buffers, gbps, mooncake_store, serve,
+    LEASE_S, TOTAL, ClientProc, MooncakeClient, OursClient, buffers, gbps, interleave,
+    mooncake_store, rates, serve,
 )
 
 SIZES = [64 << 10, 1 << 20, 4 << 20]
@@ -66,23 +67,32 @@ def bench_memcpy(size: int) -> float:
     return gbps(times)
 
 
-# ------------------------------------------------------------------- ours
-def by_size(round_: Callable[[int], tuple[float, float]], sizes: list[int] = SIZES,
-            rounds: int = ROUNDS) -> Rates:
-    """Per size, median GB/s of ``rounds`` rounds after a warm-up round (maps, first touch)."""
-    out = {}
-    for size in sizes:
-        times = [round_(size) for _ in range(rounds + 1)][1:]
-        out[size] = (gbps([t[0] for t in times]), gbps([t[1] for t in times]))
-    return out
-
-
-def _ours_by_size(address: str, use_shm: bool, shm_dir: str) -> Rates:
-    client = OursClient(address, LOCAL, use_shm, shm_dir)
+# ------------------------------------------------------------------- one host
+def bench_one_host(ours: str, mooncake: str, shm_dir: str) -> dict[str, Rates]:
+    """Per client, per value size, (put GB/s, get GB/s), the three clients' rounds
+    interleaved: ours on its same-host path, ours forced onto the transfer engine (TCP
+    loopback), and Mooncake Store's. Fails unless each of ours took the path it names."""
+    argv = {"shm": phase_argv("ours-client", ours, shm_dir=shm_dir),
+            "tcp": phase_argv("ours-tcp-client", ours, shm_dir=shm_dir),
+            "mooncake": phase_argv("mooncake-client", mooncake)}
+    clients: dict[str, ClientProc] = {}
     try:
-        return by_size(client.round)
+        for name, command in argv.items():
+            clients[name] = ClientProc(command)
+        out: dict[str, Rates] = {name: {} for name in clients}
+        for size in SIZES:
+            for name, times in interleave(clients, size, ROUNDS).items():
+                out[name][size] = rates(times)
+        shm, tcp = clients["shm"].finish(), clients["tcp"].finish()
+        moved = 2 * TOTAL * (ROUNDS + 1) * len(SIZES)
+        if not shm["mapped"] or shm["engine_bytes"] or tcp["mapped"] or \
+                tcp["engine_bytes"] != moved:
+            raise RuntimeError(f"a client took the wrong path: shm {shm}, tcp {tcp} "
+                               f"(the transfer engine should have moved {moved} bytes)")
+        return out
     finally:
-        client.close()
+        for client in clients.values():
+            client.kill()
 
 
 async def _exists_rate(address: str) -> float:
@@ -101,13 +111,6 @@ async def _exists_rate(address: str) -> float:
     return rate
 
 
-def bench_ours(address: str, shm_dir: str) -> dict[str, Any]:
-    shm = _ours_by_size(address, True, shm_dir)
-    tcp = _ours_by_size(address, False, shm_dir)
-    exists = asyncio.run(_exists_rate(address))
-    return {"shm": shm, "tcp": tcp, "exists_calls_per_s": exists}
-
-
 # ------------------------------------------------------------------- mooncake
 def mooncake_storage(master: str, hostname: str) -> None:
     """The storage process: contributes a 1 GiB segment and serves until killed."""
@@ -124,16 +127,6 @@ def phase_argv(phase: str, master: str, hostname: str = LOCAL, shm_dir: str = ""
             "--hostname", hostname, "--shm-dir", shm_dir]
 
 
-def bench_mooncake(master: str) -> Rates:
-    client = ClientProc(phase_argv("mooncake-client", master))
-    try:
-        rates = by_size(client.round)
-        client.finish()
-        return rates
-    finally:
-        client.kill()
-
-
 # ------------------------------------------------------------------- servers
 Popen = Callable[..., subprocess.Popen]  # subprocess.Popen, or one that starts on another host
 
@@ -145,7 +138,7 @@ def start_servers(popen: Popen, ours_base: int, mooncake_port: int, shm_dir: str
     all at ``host``; returns once both nodes serve."""
     settings = ["--set", f"base_port={ours_base}", "--set", f"host={host!r}",
                 "--set", f"store.policy.lease_s={LEASE_S}", "--set",
-                f"store.segment_bytes={512 << 20}", "--set", f"store.shm_dir={shm_dir!r}"]
+                f"store.segment_bytes={1 << 30}", "--set", f"store.shm_dir={shm_dir!r}"]
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     ready = {"stdout": subprocess.PIPE, "stderr": subprocess.DEVNULL, "text": True}
     procs = [popen([sys.executable, "-m", "services.store_master", *settings], cwd=ROOT,
@@ -179,8 +172,8 @@ def run_phase(a: argparse.Namespace) -> None:
         mooncake_storage(a.master, a.hostname)
     elif a.phase == "mooncake-client":
         serve(MooncakeClient(a.master, a.hostname))
-    elif a.phase == "ours-client":
-        serve(OursClient(a.master, a.hostname, True, a.shm_dir))
+    elif a.phase in ("ours-client", "ours-tcp-client"):
+        serve(OursClient(a.master, a.hostname, a.phase == "ours-client", a.shm_dir))
     else:
         raise SystemExit(f"unknown phase {a.phase!r}")
 
@@ -206,9 +199,10 @@ def main() -> int:
     shm_dir = tempfile.mkdtemp(prefix="crescent-bench-", dir="/dev/shm")
     ours_base, mooncake_port = free_port(), free_port()
     procs = start_servers(subprocess.Popen, ours_base, mooncake_port, shm_dir)
+    ours_address = f"tcp://{LOCAL}:{ours_base + 2}"
     try:
-        ours = bench_ours(f"tcp://{LOCAL}:{ours_base + 2}", shm_dir)
-        moon = bench_mooncake(f"{LOCAL}:{mooncake_port}")
+        one = bench_one_host(ours_address, f"{LOCAL}:{mooncake_port}", shm_dir)
+        rate = asyncio.run(_exists_rate(ours_address))
     finally:
         stop(procs)
         shutil.rmtree(shm_dir, ignore_errors=True)
@@ -217,19 +211,19 @@ def main() -> int:
     print(f"{'value':>7} | {'ours put':>9} {'ours get':>9} | {'tcp put':>8} {'tcp get':>8} | "
           f"{'mc put':>7} {'mc get':>7} | {'memcpy':>7}   (GB/s, batches of 64 MiB, one host)")
     for size in SIZES:
-        (sp, sg), (tp, tg), (mp, mg) = ours["shm"][size], ours["tcp"][size], moon[size]
+        (sp, sg), (tp, tg), (mp, mg) = (one[name][size] for name in ("shm", "tcp", "mooncake"))
         label = f"{size >> 10}K" if size < (1 << 20) else f"{size >> 20}M"
         print(f"{label:>7} | {sp:9.2f} {sg:9.2f} | {tp:8.2f} {tg:8.2f} | {mp:7.2f} {mg:7.2f} |"
               f" {mem[size]:7.2f}")
-    rate = ours["exists_calls_per_s"]
     print(f"master batch_exists(1,000 keys): {rate:,.0f} calls/s = {rate * 1000:,.0f} keys/s")
     mib = 1 << 20
     print(json.dumps({
         "value_bytes": mib,
-        "put_gbps": round(ours["shm"][mib][0], 3), "get_gbps": round(ours["shm"][mib][1], 3),
-        "tcp_put_gbps": round(ours["tcp"][mib][0], 3),
-        "tcp_get_gbps": round(ours["tcp"][mib][1], 3),
-        "mooncake_put_gbps": round(moon[mib][0], 3), "mooncake_get_gbps": round(moon[mib][1], 3),
+        "put_gbps": round(one["shm"][mib][0], 3), "get_gbps": round(one["shm"][mib][1], 3),
+        "tcp_put_gbps": round(one["tcp"][mib][0], 3),
+        "tcp_get_gbps": round(one["tcp"][mib][1], 3),
+        "mooncake_put_gbps": round(one["mooncake"][mib][0], 3),
+        "mooncake_get_gbps": round(one["mooncake"][mib][1], 3),
         "memcpy_gbps": round(mem[mib], 3),
         "exists_1000_calls_per_s": round(rate, 1), "exists_keys_per_s": round(rate * 1000),
         **cross_summary(cross, why),

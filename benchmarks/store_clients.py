@@ -184,6 +184,28 @@ def serve(client: Client) -> None:
     print(json.dumps(report), flush=True)
 
 
+Times = list[tuple[float, float]]  # per round: seconds of the batch put, of the batch get
+
+
+def interleave(clients: dict[str, "ClientProc"], size: int, rounds: int) -> dict[str, Times]:
+    """Each client's round times with ``size``-byte values: one warm-up round each, then
+    ``rounds`` rounds each, the clients taking turns (the order reverses every turn, so no
+    client always follows the same one)."""
+    for client in clients.values():
+        client.round(size)
+    names = list(clients)
+    times: dict[str, Times] = {name: [] for name in names}
+    for k in range(rounds):
+        for name in (names if k % 2 == 0 else names[::-1]):
+            times[name].append(clients[name].round(size))
+    return times
+
+
+def rates(times: Times) -> tuple[float, float]:
+    """(put GB/s, get GB/s): the medians of the rounds."""
+    return gbps([t[0] for t in times]), gbps([t[1] for t in times])
+
+
 class ClientProc:
     """A client process (``argv``: its ``--phase *-client`` command) driven round by round;
     every answer has a deadline, and a dead or silent client raises with its stderr. Its

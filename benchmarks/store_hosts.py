@@ -25,7 +25,7 @@ import time
 from typing import Any, Optional
 
 from benchmarks import store as bench
-from benchmarks.store_clients import TOTAL, ClientProc, gbps
+from benchmarks.store_clients import TOTAL, ClientProc, Times, gbps, interleave
 from launch.netns import TestBed, available
 
 VALUE = 1 << 20
@@ -60,19 +60,7 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-def interleave(clients: dict[str, ClientProc], rounds: int) -> dict[str, list[tuple]]:
-    """Each store's round times (put s, get s): one warm-up round each, then ``rounds``
-    pairs of rounds, the first of a pair flipping between the stores."""
-    times: dict[str, list[tuple]] = {name: [] for name in clients}
-    for name, client in clients.items():
-        client.round(VALUE)
-    for k in range(rounds):
-        for name in (STORES if k % 2 == 0 else STORES[::-1]):
-            times[name].append(clients[name].round(VALUE))
-    return times
-
-
-def summarize(times: dict[str, list[tuple]]) -> dict[str, Any]:
+def summarize(times: dict[str, Times]) -> dict[str, Any]:
     """GB/s (median) per store and op, and the quartiles of the per-pair ratios."""
     out: dict[str, Any] = {}
     for op, i in (("put", 0), ("get", 1)):
@@ -102,7 +90,7 @@ def bench_cross_host(rounds: int = ROUNDS, prefix: str = PREFIX,
                 for name in STORES:
                     clients[name] = ClientProc(bed.argv("h2", bench.phase_argv(
                         f"{name}-client", masters[name], here, shm_dir)))
-                times = interleave(clients, rounds)
+                times = interleave(clients, VALUE, rounds)
                 for name, client in clients.items():
                     check_report(name, client.finish(), rounds + 1)
             finally:

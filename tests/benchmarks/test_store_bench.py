@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from benchmarks import store_clients
-from benchmarks.store_clients import TOTAL, ClientProc
+from benchmarks.store_clients import TOTAL, ClientProc, interleave
 from benchmarks.store_hosts import bench_cross_host, check_report, summarize
 from launch.netns import available
 
@@ -31,6 +31,29 @@ def test_a_report_whose_bytes_crossed_hosts_passes():
 def test_a_report_that_did_not_cross_hosts_is_refused(bad, why):
     with pytest.raises(RuntimeError, match=why):
         check_report("ours", {**GOOD, **bad}, rounds=3)
+
+
+class _Recorder:
+    """A stand-in client that records the order of the rounds it is asked for."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def round(self, size: int) -> tuple[float, float]:
+        self.log.append((self.name, size))
+        return float(len(self.log)), 0.5
+
+
+def test_interleave_warms_up_then_takes_turns_in_alternating_order():
+    log: list = []
+    clients = {n: _Recorder(n, log) for n in ("a", "b", "c")}
+    times = interleave(clients, 7, rounds=3)  # type: ignore[arg-type]
+    assert [n for n, _ in log] == ["a", "b", "c",  # warm-up, not timed
+                                   "a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert {size for _, size in log} == {7}
+    assert times == {"a": [(4.0, 0.5), (9.0, 0.5), (10.0, 0.5)],
+                     "b": [(5.0, 0.5), (8.0, 0.5), (11.0, 0.5)],
+                     "c": [(6.0, 0.5), (7.0, 0.5), (12.0, 0.5)]}
 
 
 def test_summary_medians_and_pair_ratios():
