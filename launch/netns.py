@@ -63,11 +63,13 @@ def available() -> tuple[bool, str]:
     if os.geteuid() != 0:
         return False, "making network namespaces needs root"
     probe = f"cprobe{os.getpid()}"
-    try:
+    try:  # everything a bed needs: a namespace, a bridge, a veth pair, exec inside
         ip("netns", "add", probe)
         ip("-n", probe, "link", "add", "br0", "type", "bridge")
+        ip("-n", probe, "link", "add", "v0", "type", "veth", "peer", "name", "v1")
+        ip("netns", "exec", probe, "true")
     except NetnsError as exc:
-        return False, f"cannot make a network namespace with a bridge: {exc}"
+        return False, f"cannot make a network namespace with a bridge and veths: {exc}"
     finally:
         subprocess.run(["ip", "netns", "del", probe], capture_output=True,
                        timeout=IP_TIMEOUT_S)
