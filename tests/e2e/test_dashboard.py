@@ -11,6 +11,8 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -33,9 +35,10 @@ QUESTIONS = ["Where is the cup?", "Where is the hat?", "Where is the jar?", "Whe
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     # Round robin: consecutive requests go to different prefill workers, so the second
     # one loads the shared context from the store (a global hit) and later ones reuse
-    # their own worker's cache (local hits).
+    # their own worker's cache (local hits). max_queue = 1: a request arriving while
+    # another waits for its prefill is refused (429 queue_full).
     c = start_cluster(tmp_path_factory.mktemp("dashboard"), http=21200, base=21220,
-                      prefill=2, scheduler="round_robin")
+                      prefill=2, scheduler="round_robin", extra="max_queue = 1")
     yield c
     c.stop()
 
@@ -70,27 +73,43 @@ def _wait_for(c: LocalCluster, ok: Callable[[dict[str, Any]], bool],
         time.sleep(0.2)
 
 
+def _ask(c: LocalCluster, question: str) -> httpx.Response:
+    return httpx.post(c.url + "/v1/chat/completions", timeout=120, json={
+        "model": "smollm2-135m", "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "system", "content": CONTEXT},
+                     {"role": "user", "content": question}]})
+
+
+@dataclass
+class Served:
+    data: dict[str, Any]  # the dashboard's, once everything below has settled
+    ok: int  # requests answered 200
+    refused: int  # answered 429 (queue_full)
+
+
 @pytest.fixture(scope="module")
-def served(cluster: LocalCluster) -> dict[str, Any]:
-    """The dashboard data once the requests are done and every report has arrived."""
+def served(cluster: LocalCluster) -> Served:
+    """One at a time, then a burst of three at once (most of which are refused)."""
     for q in QUESTIONS:
-        r = httpx.post(cluster.url + "/v1/chat/completions", timeout=120, json={
-            "model": "smollm2-135m", "max_tokens": 8, "temperature": 0,
-            "messages": [{"role": "system", "content": CONTEXT},
-                         {"role": "user", "content": q}]})
+        r = _ask(cluster, q)
         assert r.status_code == 200, r.text
         time.sleep(0.5)  # the put of the context's blocks lands before the next request
+    with ThreadPoolExecutor(3) as pool:
+        burst = [r.status_code for r in pool.map(lambda q: _ask(cluster, q), QUESTIONS[:3])]
+    assert set(burst) <= {200, 429} and 429 in burst, burst
+    ok, refused = len(QUESTIONS) + burst.count(200), burst.count(429)
     wait_no_leaks(cluster)
-    n = len(QUESTIONS)
-    return _wait_for(cluster, lambda d: (
+    d = _wait_for(cluster, lambda d: (
         d["ready"] and d["store"] is not None and d["store"]["age_s"] < 2.0
-        and d["cache"] is not None and d["admission"]["conductor"]["placed"] == n
-        and len(d["requests"]) == n and all(r["transfer_bytes"] > 0 for r in d["requests"])
+        and d["cache"] is not None and d["admission"]["conductor"]["placed"] == ok
+        and len(d["requests"]) == ok + refused
+        and all(r["transfer_bytes"] > 0 for r in d["requests"] if r["status"] == 200)
         and all(w["used_blocks"] == 0 for w in d["workers"])))
+    return Served(d, ok, refused)
 
 
-def test_data_matches_metrics(cluster: LocalCluster, served: dict[str, Any]) -> None:
-    d = served
+def test_data_matches_metrics(cluster: LocalCluster, served: Served) -> None:
+    d, ok, refused = served.data, served.ok, served.refused
     cfg = cluster.config
     pools = httpx.get(cluster.url + "/debug/pools", timeout=5).json()["instances"]
     assert sorted(w["instance_id"] for w in d["workers"]) == \
@@ -101,17 +120,19 @@ def test_data_matches_metrics(cluster: LocalCluster, served: dict[str, Any]) -> 
         assert w["heartbeat_age_s"] < 2.0
     # the router's own counters
     router = _metrics(cluster.url)
-    assert d["admission"]["http"] == {"200": len(QUESTIONS)}
-    assert _sum(router, "crescent_router_requests", 'status="200"') == len(QUESTIONS)
-    assert d["admission"]["rejected_429"] == 0 == \
+    assert d["admission"]["http"] == {"200": ok, "429": refused}
+    assert _sum(router, "crescent_router_requests", 'status="200"') == ok
+    assert d["admission"]["rejected_429"] == refused == \
         _sum(router, "crescent_router_requests", 'status="429"')
     assert d["transfer"]["bytes"] == _sum(router, "crescent_router_kv_transfer_bytes") > 0
-    assert d["transfer"]["transfers"] == len(QUESTIONS) == \
+    assert d["transfer"]["transfers"] == ok == \
         _sum(router, "crescent_router_kv_transfer_seconds_count")
     # the conductor's
     conductor = _metrics(f"http://{cfg.host}:{cfg.port('conductor_http')}")
     cache, cond = d["cache"], d["admission"]["conductor"]
-    assert cond["placed"] == _sum(conductor, "crescent_conductor_placed") == len(QUESTIONS)
+    assert cond["placed"] == _sum(conductor, "crescent_conductor_placed") == ok
+    assert cond["rejected"] == {"queue_full": refused} and cond["failed"] == {}
+    assert refused == _sum(conductor, "crescent_conductor_rejected", 'reason="queue_full"')
     assert cache["prompt_tokens"] == _sum(conductor, "crescent_prompt_tokens") > 0
     assert cache["global_hit_tokens"] == _sum(conductor, "crescent_global_cache_hit_tokens")
     assert cache["local_hit_tokens"] + cache["global_hit_tokens"] == \
@@ -131,11 +152,16 @@ def test_data_matches_metrics(cluster: LocalCluster, served: dict[str, Any]) -> 
     assert store["index_keys"] == store["objects"]
 
 
-def test_timelines(served: dict[str, Any]) -> None:
-    reqs = served["requests"]
-    assert [r["status"] for r in reqs] == [200] * len(QUESTIONS)
-    assert reqs[0]["arrival"] > reqs[-1]["arrival"], "newest first"
-    for r in reqs:
+def test_timelines(served: Served) -> None:
+    reqs = served.data["requests"]
+    assert sorted(r["status"] for r in reqs) == [200] * served.ok + [429] * served.refused
+    assert [r["status"] for r in reqs[-len(QUESTIONS):]] == [200] * len(QUESTIONS)
+    assert [r["ended"] for r in reqs] == sorted((r["ended"] for r in reqs),
+                                                reverse=True), "the last to end first"
+    for r in (r for r in reqs if r["status"] == 429):  # refused: waited, nothing else
+        assert r["phases"]["queued"] > 0 and r["output_tokens"] == 0 and not r["prefill_id"]
+        assert r["phases"]["prefill"] == r["phases"]["decode"] == 0
+    for r in (r for r in reqs if r["status"] == 200):
         p = r["phases"]
         assert p["prefill"] > 0 and p["decode"] > 0 and p["queued"] >= 0
         assert p["transfer"] >= 0
@@ -145,27 +171,30 @@ def test_timelines(served: dict[str, Any]) -> None:
     assert any(r["cached_tokens"] > 0 for r in reqs)
 
 
-def test_crescent_status(cluster: LocalCluster, served: dict[str, Any]) -> None:
+def test_crescent_status(cluster: LocalCluster, served: Served) -> None:
     cli = [sys.executable, "-m", "launch.cli", "status", "--url", cluster.url]
     out = subprocess.run(cli, cwd=REPO, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    for w in served["workers"]:  # instance, role, used, free, total, cached, ...
+    d = served.data
+    for w in d["workers"]:  # instance, role, used, free, total, cached, ...
         row = next(line.split() for line in text.splitlines()
                    if line.split()[:1] == [w["instance_id"]])
         assert row[1:6] == [w["role"], *(f"{w[k]:,}" for k in (
             "used_blocks", "free_blocks", "total_blocks", "cached_blocks"))]
-    assert re.search(rf"placed\s+{len(QUESTIONS)}\b", text)
-    assert re.search(r"HTTP outcomes\s+200: 4\b", text)
-    for r in served["requests"]:
+    for line in (rf"placed\s+{served.ok}", rf"refused 429\s+{served.refused}",
+                 rf"HTTP outcomes\s+200: {served.ok}, 429: {served.refused}",
+                 rf"rejected by reason\s+queue_full: {served.refused}"):
+        assert re.search(rf"^\s*{line}(\s|$)", text, re.M), line
+    for r in d["requests"][:10]:
         assert r["request_id"] in text
     as_json = subprocess.run(cli + ["--json"], cwd=REPO, capture_output=True, text=True,
                              timeout=30)
     assert as_json.returncode == 0, as_json.stderr
     got = json.loads(as_json.stdout)
     assert [(w["instance_id"], w["total_blocks"]) for w in got["workers"]] == \
-        [(w["instance_id"], w["total_blocks"]) for w in served["workers"]]
-    assert got["admission"]["conductor"] == served["admission"]["conductor"]
+        [(w["instance_id"], w["total_blocks"]) for w in d["workers"]]
+    assert got["admission"]["conductor"] == d["admission"]["conductor"]
     refused = subprocess.run([sys.executable, "-m", "launch.cli", "status", "--url",
                               "http://127.0.0.1:21299"], cwd=REPO, capture_output=True,
                              text=True, timeout=30)
@@ -198,41 +227,53 @@ def browser(tmp_path: Path) -> Iterator[Any]:
         driver.quit()
 
 
-def test_page_in_headless_chromium(cluster: LocalCluster, served: dict[str, Any],
+# What the page shows, read in one go: it redraws every second, so element handles held
+# across calls go stale. Worker rows and admission cells by their data attributes.
+SHOWN_JS = """
+const text = (id) => document.getElementById(id).textContent;
+const cells = (root) => Object.fromEntries([...root.querySelectorAll("td[data-k]")]
+    .map((td) => [td.dataset.k, td.textContent]));
+return {
+  updated: document.body.dataset.updated || null, health: text("health"),
+  workers: Object.fromEntries([...document.querySelectorAll("#workers tr[data-worker]")]
+      .map((tr) => [tr.dataset.worker, cells(tr)])),
+  admission: cells(document.getElementById("admission")),
+  requests: [...document.querySelectorAll("#requests tr[data-request]")]
+      .map((tr) => tr.dataset.request),
+  rejected_429: text("rejected_429"), local: text("local_hit_rate"),
+  global: text("global_hit_rate"),
+};
+"""
+
+
+def test_page_in_headless_chromium(cluster: LocalCluster, served: Served,
                                    browser: Any) -> None:
-    from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get(cluster.url + "/dashboard")
-    WebDriverWait(browser, 15).until(
-        lambda b: b.find_element(By.TAG_NAME, "body").get_attribute("data-updated"))
-    d = _data(cluster)
-    rows = browser.find_elements(By.CSS_SELECTOR, "#workers tr[data-worker]")
-    assert sorted(r.get_attribute("data-worker") for r in rows) == \
-        sorted(w["instance_id"] for w in d["workers"])
+    WebDriverWait(browser, 30).until(lambda b: b.execute_script(SHOWN_JS)["updated"])
+    shown = browser.execute_script(SHOWN_JS)
+    d = _data(cluster)  # idle: the same numbers as when the page drew (heartbeats aside)
+    assert sorted(shown["workers"]) == sorted(w["instance_id"] for w in d["workers"])
     for w in d["workers"]:
-        row = browser.find_element(By.CSS_SELECTOR, f'tr[data-worker="{w["instance_id"]}"]')
+        row = shown["workers"][w["instance_id"]]
         for key in ("used_blocks", "free_blocks", "cached_blocks", "queued", "running",
                     "assigned"):
-            shown = row.find_element(By.CSS_SELECTOR, f'td[data-k="{key}"]')
-            assert shown.text == f"{w[key]:,}", (w["instance_id"], key)
-    shown = {e.get_attribute("data-k"): e.text for e in
-             browser.find_elements(By.CSS_SELECTOR, "#admission td[data-k]")}
-    assert shown["http:200"] == str(d["admission"]["http"]["200"])
-    assert shown["placed"] == str(d["admission"]["conductor"]["placed"])
+            assert row[key] == f"{w[key]:,}", (w["instance_id"], key)
+    adm = shown["admission"]
+    assert adm["http:200"] == str(d["admission"]["http"]["200"]) == str(served.ok)
+    assert adm["http:429"] == str(served.refused) == adm["refused:queue_full"]
+    assert adm["placed"] == str(d["admission"]["conductor"]["placed"])
+    assert shown["rejected_429"] == str(served.refused)
     cache = d["cache"]
-    assert browser.find_element(By.ID, "global_hit_rate").text == \
-        f"{100 * cache['global_hit_rate']:.1f} %"
-    assert browser.find_element(By.ID, "local_hit_rate").text == \
-        f"{100 * cache['local_hit_rate']:.1f} %"
-    timelines = browser.find_elements(By.CSS_SELECTOR, "#requests tr[data-request]")
-    assert [t.get_attribute("data-request") for t in timelines] == \
-        [r["request_id"] for r in d["requests"]]
-    assert browser.find_element(By.ID, "health").text == "ready"
+    assert shown["global"] == f"{100 * cache['global_hit_rate']:.1f} %"
+    assert shown["local"] == f"{100 * cache['local_hit_rate']:.1f} %"
+    assert shown["requests"] == [r["request_id"] for r in d["requests"]]
+    assert shown["health"] == "ready"
     time.sleep(2.5)  # a few refreshes: none of them may log an error
     ARTIFACTS.mkdir(exist_ok=True)
     assert browser.save_screenshot(str(ARTIFACTS / "dashboard.png"))
     errors = [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
     assert errors == []
-    assert float(browser.find_element(By.TAG_NAME, "body").get_attribute("data-updated")) \
-        > d["time"], "the page refreshes itself"
+    assert float(browser.execute_script(SHOWN_JS)["updated"]) > d["time"], \
+        "the page refreshes itself"
