@@ -84,3 +84,10 @@ def test_a_dead_owners_leftovers_are_removed_a_live_owner_is_refused() -> None:
     finally:
         teardown(PREFIX)
     assert namespaces(PREFIX) == [] and not (STATE_DIR / f"{PREFIX}.pid").exists()
+
+
+def test_unavailable_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert available() == (False, "making network namespaces needs root")
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    assert available() == (False, "the ip command (iproute2) is not installed")
