@@ -2,11 +2,12 @@
 
 A round is one batch put then one batch get of ``TOTAL`` bytes of ``size``-byte values from
 and into registered buffers, the bytes checked afterwards (outside the timings). A client
-can run in a process of its own (``benchmarks/store.py --phase ours-client`` /
-``mooncake-client``: Mooncake's client and our transfer engine each want the process to
-themselves, and across hosts the client lives in another network namespace), driven over
-its stdin and stdout one line per round (``ClientProc``), so that a driver can interleave
-the rounds of both stores and the machine's noise falls on both alike.
+runs in a process of its own (``benchmarks/store.py --phase ours-client`` /
+``ours-tcp-client`` / ``mooncake-client``: Mooncake's client and our transfer engine each
+want the process to themselves, and across hosts the client lives in another network
+namespace), driven over its stdin and stdout one line per round (``ClientProc``), so that
+a driver can interleave the rounds of the stores (``interleave``) and the machine's noise
+falls on all alike.
 """
 from __future__ import annotations
 
