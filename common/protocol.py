@@ -15,7 +15,7 @@ from typing import Optional
 
 from common.ipc import message
 from common.kv.events import BlockEventMsg
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, TopLogprobs
 from common.scheduling.state import Rejection
 
 # ---------------------------------------------------------------- fencing
@@ -269,6 +269,7 @@ class KVReady:
     prompt_tokens: int
     cached_tokens: int
     fence: Fence = Fence()
+    first_top: Optional[TopLogprobs] = None  # asked for (top_logprobs): its alternatives
 
 
 @message
@@ -333,6 +334,7 @@ class TokenDelta:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # per token, where asked
 
 
 @message

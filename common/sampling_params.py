@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat (completions: 5)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -23,6 +25,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False  # logprob (raw model distribution) of each chosen token
     ignore_eos: bool = False
+    top_logprobs: int = 0  # and the k most likely tokens at each position, with theirs
 
     def __post_init__(self) -> None:
         """Reject impossible values at construction (a ValueError; the codec turns it into
@@ -37,7 +40,28 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be None or >= 1, got {self.top_k}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                             f"{self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class TopLogprobs:
+    """What the sampler saw at one position: the ``top_logprobs`` most likely tokens, best
+    first, with their logprobs in the raw model distribution (before temperature, top-k
+    or top-p), computed on the worker that sampled the token. Rides in ``KVReady`` and
+    ``TokenDelta`` to the router."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"{len(self.token_ids)} token ids for {len(self.logprobs)} "
+                             "logprobs")

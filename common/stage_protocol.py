@@ -23,7 +23,7 @@ from typing import Optional
 from common.ipc import message
 from common.kv.hidden import HiddenRoute
 from common.protocol import Fence, StreamTarget
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, TopLogprobs
 from common.store.ranges import GetPlan, PutPlan
 
 
@@ -121,6 +121,7 @@ class StageReport:
     wait_s: float = 0.0
     first_token: Optional[int] = None
     first_logprob: Optional[float] = None
+    first_top: Optional[TopLogprobs] = None
 
 
 @message

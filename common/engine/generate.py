@@ -104,8 +104,8 @@ def _accept(engine: Engine, seq: _Seq, logits: torch.Tensor) -> None:
 
 
 def _accept_many(engine: Engine, seqs: list[_Seq], logits: torch.Tensor) -> None:
-    tokens, lps = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-    for s, tok, lp in zip(seqs, tokens, lps):
+    for s, (tok, lp, _) in zip(seqs, sample(logits, [s.params for s in seqs],
+                                            [s.generator for s in seqs])):
         s.out.append(tok)
         if lp is not None:
             s.logprobs.append(lp)

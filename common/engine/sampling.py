@@ -1,14 +1,16 @@
-"""Sampling: greedy, temperature, top-k, top-p, per-request seeded generators, logprobs.
+"""Sampling: greedy, temperature, top-k, top-p, per-request seeded generators, logprobs
+and top alternatives.
 
 The parameters are common/sampling_params.py's ``SamplingParams``, the very object the
 router validated and the wire carried."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
 
 import torch
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, TopLogprobs
 
 
 def _filter(logits: torch.Tensor, top_k: Optional[int], top_p: float) -> torch.Tensor:
@@ -24,9 +26,23 @@ def _filter(logits: torch.Tensor, top_k: Optional[int], top_p: float) -> torch.T
     return logits
 
 
+@dataclass
+class Sampled:
+    """One step's choices: a token per row, and where asked its logprob and the top
+    alternatives (``TopLogprobs``)."""
+
+    tokens: list[int]
+    logprobs: list[Optional[float]]
+    top: list[Optional[TopLogprobs]]
+
+    def __iter__(self) -> Iterator[tuple[int, Optional[float], Optional[TopLogprobs]]]:
+        return iter(zip(self.tokens, self.logprobs, self.top))
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[Optional[torch.Generator]]) -> tuple[list[int], list[Optional[float]]]:
-    """Choose one token per row of logits [B, V]; also its logprob where asked."""
+           generators: Sequence[Optional[torch.Generator]]) -> Sampled:
+    """Choose one token per row of logits [B, V]; also its logprob and the top
+    alternatives where asked (from the raw distribution: log_softmax of the logits)."""
     logits = logits.float()
     tokens: list[int] = []
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
@@ -39,13 +55,17 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         row = _filter(logits[i] / p.temperature, p.top_k, p.top_p)
         probs = row.softmax(-1)
         tokens.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
-    logprobs: list[Optional[float]] = [None] * len(params)
+    out = Sampled(tokens, [None] * len(params), [None] * len(params))
     want = [i for i, p in enumerate(params) if p.logprobs]
     if want:
         lp = torch.log_softmax(logits[want], dim=-1)
         for j, i in enumerate(want):
-            logprobs[i] = float(lp[j, tokens[i]])
-    return tokens, logprobs
+            out.logprobs[i] = float(lp[j, tokens[i]])
+            k = params[i].top_logprobs
+            if k:
+                best = torch.topk(lp[j], k)
+                out.top[i] = TopLogprobs(best.indices.tolist(), best.values.tolist())
+    return out
 
 
 class Sampler:
@@ -63,5 +83,5 @@ class Sampler:
         return torch.Generator(device=device).manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               generators: Sequence[Optional[torch.Generator]]) -> tuple[list[int], list[Optional[float]]]:
+               generators: Sequence[Optional[torch.Generator]]) -> Sampled:
         return sample(logits, params, generators)

@@ -139,13 +139,13 @@ class ColocatedWorker(DecodeWorker):
             # The put reads the blocks after this returns: hold a reference of its own.
             held = self.pool.match_prefix(p.keys)
             self.prefix.release(PrefixPlan(held, 0, 0, p.stored_from), p.keys[:len(held)])
-        tokens, logprobs = sample(logits.unsqueeze(0), [r.params],
-                                  [make_generator(r.params, 0)])
+        [(token, logprob, top)] = sample(logits.unsqueeze(0), [r.params],
+                                         [make_generator(r.params, 0)])
         prompt = len(task.token_ids)
         self.rt.mail.send(self.rt.conductor, PrefillDone(
             task.request_id, self.rt.instance_id, prompt, p.cached_tokens, p.global_tokens,
             time.perf_counter() - (p.started or time.perf_counter()), 0, 0.0, r.fence))
-        self.start(r, int(tokens[0]), logprobs[0], prompt, p.cached_tokens)
+        self.start(r, token, logprob, prompt, p.cached_tokens, top)
 
     # ------------------------------------------------------------ steps
     async def step_loop(self) -> None:

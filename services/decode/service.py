@@ -21,6 +21,7 @@ from common.protocol import (
     AbortRequest, BlocksReserved, Fence, FenceQuery, KVFailed, KVReady, RequestFailed,
     RequestFinished, ReserveBlocks, ReserveFailed, TokenDelta, WorkerGone, WorkerLoad,
 )
+from common.sampling_params import TopLogprobs
 from common.worker import WorkerRuntime, make_generator
 from services.decode.detok import IncrementalText
 from services.decode.sequence import Reservation, Running
@@ -108,10 +109,11 @@ class DecodeWorker:
         r = self._settled("KVReady", msg.request_id, msg.fence)
         if r is not None:
             self.start(r, msg.first_token, msg.first_logprob, msg.prompt_tokens,
-                       msg.cached_tokens)
+                       msg.cached_tokens, msg.first_top)
 
     def start(self, r: Reservation, first_token: int, first_logprob: Optional[float],
-              prompt_tokens: int, cached_tokens: int) -> None:
+              prompt_tokens: int, cached_tokens: int,
+              first_top: Optional[TopLogprobs] = None) -> None:
         """The prompt's KV is in ``r.blocks``: join the batch with the first token."""
         seq = Running(
             request_id=r.request_id, blocks=r.blocks, position=prompt_tokens,
@@ -120,7 +122,7 @@ class DecodeWorker:
             text=IncrementalText(self.engine.decode_tokens, r.params.stop),
             generator=make_generator(r.params, 1), fence=r.fence)
         self.running[seq.request_id] = seq
-        self.record_token(seq, first_token, first_logprob)
+        self.record_token(seq, first_token, first_logprob, first_top)
         self.wake.set()
 
     def on_kv_failed(self, msg: KVFailed) -> None:
@@ -178,7 +180,8 @@ class DecodeWorker:
             r.request_id, self.rt.instance_id, reason, r.fence))
 
     # ------------------------------------------------------------ generation
-    def record_token(self, seq: Running, token: int, logprob: Optional[float]) -> None:
+    def record_token(self, seq: Running, token: int, logprob: Optional[float],
+                     top: Optional[TopLogprobs] = None) -> None:
         """Record one sampled token, stream it, and finish the sequence if it must stop."""
         p = seq.params
         seq.generated += 1
@@ -204,7 +207,8 @@ class DecodeWorker:
             request_id=seq.request_id, token_ids=ids, text=delta,
             logprobs=[logprob] if (p.logprobs and logprob is not None and ids) else None,
             finish_reason=finish, prompt_tokens=seq.prompt_tokens,
-            completion_tokens=seq.generated, cached_tokens=seq.cached_tokens))
+            completion_tokens=seq.generated, cached_tokens=seq.cached_tokens,
+            top_logprobs=[top] if (top is not None and ids) else []))
         if finish is not None:
             self.finish(seq, finish)
 
@@ -231,13 +235,13 @@ class DecodeWorker:
 
     def advance(self, batch: list[Running], logits: torch.Tensor) -> None:
         """Sample one token for each sequence of a step and stream it."""
-        tokens, logprobs = sample(logits, [s.params for s in batch], [s.generator for s in batch])
-        for seq, tok, lp in zip(batch, tokens, logprobs):
+        sampled = sample(logits, [s.params for s in batch], [s.generator for s in batch])
+        for seq, (tok, lp, top) in zip(batch, sampled):
             if seq.aborted:
                 self.finish(seq, "abort")
                 continue
             seq.position += 1
-            self.record_token(seq, int(tok), lp)
+            self.record_token(seq, tok, lp, top)
 
     def idle(self) -> bool:
         """Nothing reserved, quarantined or running: every block of the pool is free."""

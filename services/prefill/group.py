@@ -27,6 +27,7 @@ from common.host import host_id
 from common.kv.hidden import HiddenRoute, HiddenSender
 from common.mailbox import Mailbox
 from common.protocol import Fence
+from common.sampling_params import TopLogprobs
 from common.stage_protocol import (
     PartOpen, StageAbort, StageAck, StageBeat, StageHello, StagePart, StageReport, StageStep,
 )
@@ -125,6 +126,7 @@ class Outcome:
     wait_s: float = 0.0
     first_token: Optional[int] = None
     first_logprob: Optional[float] = None
+    first_top: Optional[TopLogprobs] = None
     stages: set[int] = field(default_factory=set)
 
     def add(self, msg: StageReport) -> None:
@@ -136,6 +138,7 @@ class Outcome:
         self.wait_s += msg.wait_s
         if msg.first_token is not None:
             self.first_token, self.first_logprob = msg.first_token, msg.first_logprob
+            self.first_top = msg.first_top
 
 
 @dataclass

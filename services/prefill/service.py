@@ -347,18 +347,17 @@ class PrefillWorker:
         self.kv_paths.done(job.stream)
         if outcome is None:
             params = task.sampling
-            tokens, logprobs = sample(logits.unsqueeze(0), [params],
-                                      [make_generator(params, 0)])
-            token, logprob = int(tokens[0]), logprobs[0]
+            [(token, logprob, top)] = sample(logits.unsqueeze(0), [params],
+                                             [make_generator(params, 0)])
         else:
-            token, logprob = result.first_token, result.first_logprob
+            token, logprob, top = result.first_token, result.first_logprob, result.first_top
         bs = self.engine.config.block_size
         cached_tokens = job.plan.cached_blocks * bs
         prompt = len(task.token_ids)
         if job.loads is not None:
             job.wait_s += job.loads.wait_s
         self.rt.mail.send(task.decode_inbox, KVReady(
-            task.request_id, token, logprob, prompt, cached_tokens, task.fence))
+            task.request_id, token, logprob, prompt, cached_tokens, task.fence, top))
         self.rt.mail.send(self.rt.conductor, PrefillDone(
             task.request_id, self.rt.instance_id, prompt, cached_tokens,
             job.plan.global_blocks * bs, job.compute_s, job.stream.bytes, job.stream.seconds,

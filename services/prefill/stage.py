@@ -31,6 +31,7 @@ from common.host import host_id
 from common.kv.hidden import HiddenInbox
 from common.mailbox import serve_inbox
 from common.protocol import Fence
+from common.sampling_params import TopLogprobs
 from common.stage_protocol import (
     StageAbort, StageAck, StageBeat, StageHello, StagePart, StageReport, StageStep, StageStored,
 )
@@ -64,6 +65,7 @@ class Held:
     finishing: bool = False  # its report is being prepared (``finish``)
     token: Optional[int] = None
     logprob: Optional[float] = None
+    top: Optional[TopLogprobs] = None
 
 
 class StageWorker:
@@ -193,9 +195,8 @@ class StageWorker:
             if held is None:
                 continue
             if row is not None and part.sampling is not None and not held.failed:
-                tokens, logprobs = sample(row.unsqueeze(0), [part.sampling],
-                                          [make_generator(part.sampling, 0)])
-                held.token, held.logprob = int(tokens[0]), logprobs[0]
+                [(held.token, held.logprob, held.top)] = sample(
+                    row.unsqueeze(0), [part.sampling], [make_generator(part.sampling, 0)])
             if (held.aborted or part.end == part.prompt_len) and not held.finishing:
                 self._spawn(self.finish(key, held, part.deadline))
 
@@ -279,7 +280,8 @@ class StageWorker:
         self._report(key, ok=not error, error=error, kv_bytes=held.stream.bytes,
                      compute_s=held.compute_s, wait_s=held.wait_s,
                      first_token=held.token if self.last else None,
-                     first_logprob=held.logprob if self.last else None)
+                     first_logprob=held.logprob if self.last else None,
+                     first_top=held.top if self.last else None)
 
     def on_abort(self, msg: StageAbort) -> None:
         if msg.head_epoch != self.head_epoch:

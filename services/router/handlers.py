@@ -91,6 +91,7 @@ def _builder(state: RouterState, req: GenerationRequest, request_id: str) -> Res
     return ResponseBuilder(kind=req.kind, request_id=request_id, model=req.model,
                            created=int(time.time()), token_text=lambda t: tok.decode([t]),
                            want_logprobs=req.sampling.logprobs,
+                           want_top=req.sampling.top_logprobs,
                            include_usage=req.include_usage)
 
 

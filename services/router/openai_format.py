@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional
 import orjson
 
 from common.protocol import TokenDelta
+from common.sampling_params import TopLogprobs
 
 DONE = b"data: [DONE]\n\n"
 
@@ -21,17 +22,29 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def chat_logprobs(tokens: list[str], logprobs: list[float]) -> dict:
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                         "top_logprobs": []} for t, lp in zip(tokens, logprobs)]}
+Alternatives = list[tuple[str, float]]  # one position's top tokens (text, logprob), best first
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float], offset: int) -> dict:
+def _entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float],
+                  tops: list[Alternatives]) -> dict:
+    return {"content": [{**_entry(t, lp), "top_logprobs": [_entry(a, alp) for a, alp in top]}
+                        for t, lp, top in zip(tokens, logprobs, tops)]}
+
+
+def completion_logprobs(tokens: list[str], logprobs: list[float], tops: list[Alternatives],
+                        offset: int, want_top: bool) -> dict:
+    """The legacy shape; ``top_logprobs`` (``logprobs: k`` > 0) maps each position's
+    alternatives' texts to their logprobs (two ids with one text keep the likelier)."""
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None,
+    top = [dict(reversed(alternatives)) for alternatives in tops] if want_top else None
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top,
             "text_offset": offsets}
 
 
@@ -45,10 +58,12 @@ class ResponseBuilder:
     created: int
     token_text: Callable[[int], str]  # one token id → its text (for logprobs)
     want_logprobs: bool = False
+    want_top: int = 0  # top alternatives per position (top_logprobs / logprobs: k)
     include_usage: bool = False
     texts: list[str] = field(default_factory=list)
     token_strs: list[str] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    tops: list[Alternatives] = field(default_factory=list)
     text_len: int = 0
     finish_reason: Optional[str] = None
     prompt_tokens: int = 0
@@ -68,15 +83,22 @@ class ResponseBuilder:
         return out
 
     def _logprobs_of(self, token_ids: list[int], lps: Optional[list[float]],
-                     offset: int) -> Optional[dict]:
+                     tops: Optional[list[TopLogprobs]], offset: int) -> Optional[dict]:
         if not self.want_logprobs or lps is None:
             return None
         toks = [self.token_text(t) for t in token_ids]
+        alternatives = [[(self.token_text(t), lp) for t, lp in zip(top.token_ids, top.logprobs)]
+                        for top in tops] if tops else [[] for _ in toks]
         self.token_strs += toks
         self.logprobs += lps
+        self.tops += alternatives
+        return self._render_logprobs(toks, lps, alternatives, offset)
+
+    def _render_logprobs(self, toks: list[str], lps: list[float],
+                         tops: list[Alternatives], offset: int) -> dict:
         if self.kind == "chat":
-            return chat_logprobs(toks, lps)
-        return completion_logprobs(toks, lps, offset)
+            return chat_logprobs(toks, lps, tops)
+        return completion_logprobs(toks, lps, tops, offset, self.want_top > 0)
 
     def absorb(self, delta: TokenDelta) -> Optional[dict]:
         """Take one delta (counts are cumulative); return its content chunk, if any."""
@@ -88,18 +110,19 @@ class ResponseBuilder:
         has_logprobs = self.want_logprobs and bool(delta.logprobs)
         if not delta.text and not has_logprobs:
             return None
-        return self.add(delta.text, delta.token_ids, delta.logprobs)
+        return self.add(delta.text, delta.token_ids, delta.logprobs, delta.top_logprobs)
 
     def role_chunk(self) -> dict:
         return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None})
 
-    def add(self, text: str, token_ids: list[int], lps: Optional[list[float]]) -> dict:
+    def add(self, text: str, token_ids: list[int], lps: Optional[list[float]],
+            tops: Optional[list[TopLogprobs]] = None) -> dict:
         """Record a delta; return its chunk (content only, no finish reason)."""
         offset = self.text_len
         self.texts.append(text)
         self.text_len += len(text)
-        lp = self._logprobs_of(token_ids, lps, offset)
+        lp = self._logprobs_of(token_ids, lps, tops, offset)
         if self.kind == "chat":
             choice = {"index": 0, "delta": {"content": text}}
         else:
@@ -129,8 +152,7 @@ class ResponseBuilder:
         text = "".join(self.texts)
         lp: Optional[dict] = None
         if self.want_logprobs:
-            lp = (chat_logprobs(self.token_strs, self.logprobs) if self.kind == "chat"
-                  else completion_logprobs(self.token_strs, self.logprobs, 0))
+            lp = self._render_logprobs(self.token_strs, self.logprobs, self.tops, 0)
         if self.kind == "chat":
             out = self._head("chat.completion")
             choice = {"index": 0, "message": {"role": "assistant", "content": text},

@@ -1,12 +1,11 @@
 """Which request fields the router honours, which it takes only at values that change
 nothing, and the 400 for everything else: no field is ever silently ignored.
 
-A field that changes the output (``top_logprobs: 2``, ``tools``, ``response_format``
-json) is either honoured or refused with a 400 whose ``param`` names it, since a request
+A field that changes the output (``tools``, ``response_format`` json, ``n: 2``) is either honoured or refused with a 400 whose ``param`` names it, since a request
 answered without it looks right and is wrong. Fields the router parses and honours are
 listed in ``PARSED`` (validation.py parses them); the rest are in ``LIMITED`` with the
 check that accepts their harmless values (``store: false``, ``tools: []``,
-``top_logprobs: 0``...) and refuses the others. A field in neither is refused as unknown:
+``best_of: 1``...) and refuses the others. A field in neither is refused as unknown:
 the official ``openai`` client never sends a field the caller did not set, so a strict
 server costs its users nothing, while vLLM's choice (ignore unknown fields with a log
 line) lets a typo such as ``max_token`` pass unnoticed.
@@ -23,7 +22,7 @@ ENDPOINT = {CHAT: "/v1/chat/completions", COMPLETION: "/v1/completions"}
 _SHARED = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
            "stop", "n", "stream", "stream_options", "logprobs",
            "top_k", "ignore_eos", "stop_token_ids"}  # the last three: vLLM's extensions
-PARSED = {CHAT: _SHARED | {"messages"}, COMPLETION: _SHARED | {"prompt"}}
+PARSED = {CHAT: _SHARED | {"messages", "top_logprobs"}, COMPLETION: _SHARED | {"prompt"}}
 
 Check = Callable[[str, Any], None]  # raises ApiError (400) naming the field
 
@@ -100,8 +99,6 @@ LIMITED: dict[str, tuple[tuple[str, ...], Check]] = {
                                              "allows, never a promised 24 h")),
     "modalities": ((CHAT,), only(["text"], why="must be [\"text\"]: text output only")),
     # Output-changing features not built yet: only their "off" values.
-    "top_logprobs": ((CHAT,), only(0, why="is not supported yet: only 0 (the sampled "
-                                   "token's logprob comes with 'logprobs': true)")),
     "frequency_penalty": ((CHAT, COMPLETION), penalty),
     "presence_penalty": ((CHAT, COMPLETION), penalty),
     "logit_bias": ((CHAT, COMPLETION), only({}, why="is not supported yet: only {}")),

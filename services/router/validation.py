@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from services.router.chat_messages import parse_messages
 from services.router.errors import ApiError, invalid
-from services.router.request_fields import boolean, check_fields, only, unsupported
+from services.router.request_fields import boolean, check_fields, only
 
 MAX_STOP = 4
 MAX_STOP_TOKEN_IDS = 256
@@ -106,17 +106,29 @@ def _seed(body: dict) -> Optional[int]:
     return value
 
 
-def _logprobs(body: dict, kind: str) -> bool:
+def _logprobs(body: dict, kind: str) -> tuple[bool, int]:
+    """(the sampled tokens' logprobs?, how many top alternatives with them): chat's
+    ``logprobs`` + ``top_logprobs`` (0-20), or the completions API's ``logprobs: k``
+    (0-5: the sampled token's logprob and the k most likely ones)."""
     value = body.get("logprobs")
-    if kind == "chat" or value is None or isinstance(value, bool):
-        return _bool(body, "logprobs")
+    if kind == "chat":
+        wanted = _bool(body, "logprobs")
+        top = body.get("top_logprobs")
+        if top is None:
+            return wanted, 0
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise invalid(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}]",
+                          "top_logprobs", "invalid_value")
+        if top and not wanted:
+            raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs",
+                          "invalid_value")
+        return wanted, top
+    if value is None or isinstance(value, bool):
+        return _bool(body, "logprobs"), 0
     if not _is_int(value) or not 0 <= value <= 5:  # legacy completions: top-N count
         raise invalid("'logprobs' must be an integer in [0, 5]", "logprobs",
                       "invalid_value")
-    if value > 0:
-        raise unsupported("logprobs", "above 0 (top alternatives) is not supported yet: "
-                          "0 or true gives the sampled token's logprob")
-    return True
+    return True, value
 
 
 def _stop_token_ids(body: dict) -> list[int]:
@@ -135,13 +147,14 @@ def parse_sampling(body: dict, kind: str, max_tokens: int) -> SamplingParams:
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
         raise invalid("only n=1 is supported", "n", "invalid_value")
+    logprobs, top_logprobs = _logprobs(body, kind)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=_top_k(body), seed=_seed(body), stop=_stop(body),
-        stop_token_ids=_stop_token_ids(body), logprobs=_logprobs(body, kind),
-        ignore_eos=_bool(body, "ignore_eos"))
+        stop_token_ids=_stop_token_ids(body), logprobs=logprobs,
+        top_logprobs=top_logprobs, ignore_eos=_bool(body, "ignore_eos"))
 
 
 def check_model(body: dict, served: str) -> str:

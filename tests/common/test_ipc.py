@@ -10,10 +10,10 @@ import pytest
 from common.ipc import ProtocolError, decode, encode, message
 from common.kv.events import BlockEventMsg
 from common.protocol import (
-    KVReady, PrefillTask, RequestRejected, SubmitRequest, TokenDelta, WorkerHeartbeat,
+    Fence, KVReady, PrefillTask, RequestRejected, SubmitRequest, TokenDelta, WorkerHeartbeat,
     WorkerLoad,
 )
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, TopLogprobs
 from common.scheduling import Rejection
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, top_k=3, seed=7, stop=("\n",),
@@ -42,7 +42,8 @@ def test_nested_fields_are_json_objects_and_take_defaults() -> None:
     body = orjson.loads(encode(SubmitRequest("r", [1], [], SamplingParams(max_tokens=9), 0.0)))
     assert body["sampling"] == {"max_tokens": 9, "temperature": 1.0, "top_p": 1.0,
                                 "top_k": None, "seed": None, "stop": [],
-                                "stop_token_ids": [], "logprobs": False, "ignore_eos": False}
+                                "stop_token_ids": [], "logprobs": False, "ignore_eos": False,
+                                "top_logprobs": 0}
     short = decode(b'{"type":"SubmitRequest","request_id":"r","token_ids":[1],'
                    b'"block_keys":[],"sampling":{"max_tokens":9},"arrival_time":0}')
     assert short.sampling == SamplingParams(max_tokens=9)
@@ -55,6 +56,16 @@ def test_optional_fields_default_and_accept_none() -> None:
                    b'"logprobs":null,"finish_reason":"stop","prompt_tokens":1,'
                    b'"completion_tokens":1}')
     assert delta == TokenDelta("r", [], "", None, "stop", 1, 1, 0)
+
+
+def test_top_logprobs_ride_as_nested_objects() -> None:
+    top = TopLogprobs([7, 3], [-0.25, -1.5])
+    for msg in (KVReady("r", 7, -0.25, 10, 0, Fence(1, 2), top),
+                TokenDelta("r", [7], "a", [-0.25], None, 1, 1, 0, [top])):
+        assert decode(encode(msg)) == msg
+    with pytest.raises(ProtocolError, match=r"top_logprobs\[0\] is invalid"):
+        decode(encode(TokenDelta("r", [7], "a", [-0.25], None, 1, 1, 0, [top]))
+               .replace(b'"token_ids":[7,3]', b'"token_ids":[7]'))
 
 
 def _submit(sampling: bytes) -> bytes:

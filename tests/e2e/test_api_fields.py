@@ -38,7 +38,7 @@ def client(cluster: LocalCluster) -> Any:
 
 
 CHAT_REFUSED = [  # (what the caller sets, the param the 400 names)
-    ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [TOOL]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
@@ -51,7 +51,7 @@ CHAT_REFUSED = [  # (what the caller sets, the param the 400 names)
      "stream_options.include_obfuscation"),
 ]
 COMPLETION_REFUSED = [({"echo": True}, "echo"), ({"best_of": 2}, "best_of"),
-                      ({"logprobs": 2}, "logprobs"), ({"suffix": "end"}, "suffix")]
+                      ({"logprobs": 6}, "logprobs"), ({"suffix": "end"}, "suffix")]
 
 
 def _refusal(create: Any, kwargs: dict, param: str) -> None:

@@ -16,24 +16,37 @@ def _gen(seed: int) -> torch.Generator:
 
 def test_greedy_and_logprobs() -> None:
     p = SamplingParams(max_tokens=1, temperature=0, logprobs=True)
-    tokens, lps = sample(_logits(), [p, p], [None, None])
-    assert tokens == [1, 0]
+    out = sample(_logits(), [p, p], [None, None])
+    assert out.tokens == [1, 0] and out.top == [None, None]
     expected = torch.log_softmax(_logits(), -1)
-    assert lps == [float(expected[0, 1]), float(expected[1, 0])]
+    assert out.logprobs == [float(expected[0, 1]), float(expected[1, 0])]
+
+
+def test_top_logprobs_are_the_raw_distributions_best() -> None:
+    """The k most likely tokens and their logprobs, best first, from the logits as they
+    are (not after temperature or top-k): what OpenAI's top_logprobs reports."""
+    asked = SamplingParams(max_tokens=1, temperature=0.7, top_k=1, logprobs=True,
+                           top_logprobs=3)
+    plain = SamplingParams(max_tokens=1, temperature=0, logprobs=True)
+    out = sample(_logits(), [asked, plain], [_gen(0), None])
+    expected = torch.log_softmax(_logits(), -1)
+    assert out.top[0] is not None and out.top[0].token_ids == [1, 3, 2]
+    assert out.top[0].logprobs == [float(expected[0, t]) for t in (1, 3, 2)]
+    assert out.top[1] is None and list(out)[0] == (1, out.logprobs[0], out.top[0])
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
     for p in (SamplingParams(1, temperature=5.0, top_k=1), SamplingParams(1, temperature=5.0, top_p=1e-6)):
         for seed in range(20):
-            assert sample(_logits(), [p, p], [_gen(seed), _gen(seed)])[0] == [1, 0]
+            assert sample(_logits(), [p, p], [_gen(seed), _gen(seed)]).tokens == [1, 0]
 
 
 def test_top_k_and_top_p_restrict_the_support() -> None:
     seen_k, seen_p = set(), set()
     for seed in range(200):
-        seen_k.add(sample(_logits()[:1], [SamplingParams(1, top_k=2)], [_gen(seed)])[0][0])
+        seen_k.add(sample(_logits()[:1], [SamplingParams(1, top_k=2)], [_gen(seed)]).tokens[0])
         # probs of row 0: token 1 ~0.52, token 3 ~0.32 -> top_p 0.6 keeps exactly {1, 3}
-        seen_p.add(sample(_logits()[:1], [SamplingParams(1, top_p=0.6)], [_gen(seed)])[0][0])
+        seen_p.add(sample(_logits()[:1], [SamplingParams(1, top_p=0.6)], [_gen(seed)]).tokens[0])
     assert seen_k == {1, 3} and seen_p == {1, 3}
 
 

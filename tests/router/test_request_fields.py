@@ -70,9 +70,10 @@ ROWS = [
     Row("both", "n", 2, REFUSED),
     Row("chat", "logprobs", True, HONOURED, _sampling(logprobs=True)),
     Row("completion", "logprobs", 0, HONOURED, _sampling(logprobs=True)),
-    Row("completion", "logprobs", 3, REFUSED),
+    Row("completion", "logprobs", 3, HONOURED, _sampling(logprobs=True, top_logprobs=3)),
+    Row("completion", "logprobs", 6, REFUSED),
     Row("chat", "top_logprobs", 0, ACCEPTED),
-    Row("chat", "top_logprobs", 2, REFUSED),
+    Row("chat", "top_logprobs", 2, REFUSED),  # without 'logprobs': true
     Row("both", "top_k", 4, HONOURED, _sampling(top_k=4)),
     Row("both", "ignore_eos", True, HONOURED, _sampling(ignore_eos=True)),
     Row("both", "stop_token_ids", [7, 9], HONOURED, _sampling(stop_token_ids=(7, 9))),
@@ -267,3 +268,15 @@ def test_what_the_openai_client_sends_is_accepted() -> None:
         ["model", "prompt"]]
     for kind, body in zip(["chat", "chat", "completion"], sent):
         parse(kind, body)
+
+
+def test_top_logprobs_with_logprobs() -> None:
+    req = parse("chat", {"logprobs": True, "top_logprobs": 20})
+    assert req.sampling == SamplingParams(max_tokens=DEFAULT_MAX, logprobs=True,
+                                          top_logprobs=20)
+    for bad, why in (({"logprobs": True, "top_logprobs": 21}, "integer in [0, 20]"),
+                     ({"logprobs": True, "top_logprobs": 2.5}, "integer in [0, 20]"),
+                     ({"top_logprobs": 2}, "needs 'logprobs': true")):
+        with pytest.raises(ApiError) as info:
+            parse("chat", bad)
+        assert info.value.param == "top_logprobs" and why in info.value.message

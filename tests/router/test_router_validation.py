@@ -6,7 +6,7 @@ import pytest
 from common.protocol import TokenDelta
 from services.router.errors import ApiError
 from services.router.openai_format import ResponseBuilder
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, TopLogprobs
 from services.router.validation import GenerationRequest, parse_request
 
 MODEL = "smollm2-135m"
@@ -84,6 +84,25 @@ def test_completion_rejects_bad_prompts(prompt: object) -> None:
 def _delta(text: str, n: int, finish: str | None = None) -> TokenDelta:
     return TokenDelta("r", [n], text, [-1.0], finish, prompt_tokens=5, completion_tokens=n,
                       cached_tokens=2)
+
+
+def test_builder_renders_top_logprobs_in_both_shapes() -> None:
+    top = TopLogprobs([1, 9, 4], [-0.5, -1.0, -2.0])
+    delta = TokenDelta("r", [1], "ab", [-0.5], "length", 5, 1, 0, [top])
+    chat = ResponseBuilder("chat", "r", MODEL, 1, token_text=lambda t: f"<{t}>",
+                           want_logprobs=True, want_top=3)
+    streamed = chat.absorb(delta)["choices"][0]["logprobs"]["content"]
+    assert streamed == chat.response()["choices"][0]["logprobs"]["content"] == [{
+        "token": "<1>", "logprob": -0.5, "bytes": list(b"<1>"), "top_logprobs": [
+            {"token": "<1>", "logprob": -0.5, "bytes": list(b"<1>")},
+            {"token": "<9>", "logprob": -1.0, "bytes": list(b"<9>")},
+            {"token": "<4>", "logprob": -2.0, "bytes": list(b"<4>")}]}]
+    legacy = ResponseBuilder("completion", "r", MODEL, 1,  # ids 9 and 4 print alike
+                             token_text=lambda t: "x" if t in (9, 4) else "ab",
+                             want_logprobs=True, want_top=3)
+    legacy.absorb(delta)
+    assert legacy.response()["choices"][0]["logprobs"]["top_logprobs"] == [
+        {"ab": -0.5, "x": -1.0}]  # one text: the likelier of the two
 
 
 def test_builder_completion_logprobs_and_usage() -> None:
