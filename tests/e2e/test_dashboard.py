@@ -21,6 +21,7 @@ import pytest
 
 from launch.cluster import LocalCluster
 from tests.e2e.conftest import start_cluster, wait_no_leaks
+from tests.router.dashboard_state import running_router, state
 
 pytestmark = pytest.mark.e2e
 
@@ -277,3 +278,23 @@ def test_page_in_headless_chromium(cluster: LocalCluster, served: Served,
     assert errors == []
     assert float(browser.execute_script(SHOWN_JS)["updated"]) > d["time"], \
         "the page refreshes itself"
+
+
+def test_page_asks_for_the_api_key(browser: Any) -> None:
+    """A router with API keys (no cluster behind it): the page shows a key field on the
+    data's 401, then the data once given the key; the 401s are the only console errors."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    with running_router(state(api_keys=["k1"]), 21296) as url:
+        browser.get(url + "/dashboard")
+        keybox = browser.find_element(By.ID, "keybox")
+        WebDriverWait(browser, 15).until(lambda b: keybox.is_displayed())
+        assert browser.execute_script(SHOWN_JS)["updated"] is None
+        browser.find_element(By.ID, "key").send_keys("k1")
+        browser.find_element(By.CSS_SELECTOR, "#keyform button").click()
+        WebDriverWait(browser, 15).until(lambda b: b.execute_script(SHOWN_JS)["updated"])
+        assert sorted(browser.execute_script(SHOWN_JS)["workers"]) == ["decode-0", "prefill-0"]
+        assert not keybox.is_displayed()
+        logs = browser.get_log("browser")
+    assert logs and all("401" in e["message"] for e in logs), logs

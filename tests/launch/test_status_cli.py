@@ -3,20 +3,16 @@ builder) rendered as tables, fetched over HTTP from a real router app with and w
 its API key, and the errors a user sees."""
 from __future__ import annotations
 
-import asyncio
 import re
-import threading
 import time
 from typing import Iterator
 
 import pytest
-from aiohttp import web
 from rich.console import Console
 
 from launch.status import StatusError, fetch, main, render
-from services.router.app import build_app
 from services.router.dashboard_data import dashboard_data
-from tests.router.test_dashboard_data import serve_one, state
+from tests.router.dashboard_state import running_router, serve_one, state
 
 
 def test_render_shows_every_number() -> None:
@@ -45,17 +41,8 @@ def test_render_shows_every_number() -> None:
 @pytest.fixture(scope="module")
 def router_url() -> Iterator[str]:
     """A real router app (keys: "k1") on a port of this file's range, in a thread."""
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(build_app(state(api_keys=["k1"])))
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 21298).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield "http://127.0.0.1:21298"
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-    loop.run_until_complete(runner.cleanup())
-    loop.close()
+    with running_router(state(api_keys=["k1"]), 21298) as url:
+        yield url
 
 
 def test_fetch_with_and_without_the_key(router_url: str) -> None:

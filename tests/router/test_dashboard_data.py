@@ -9,43 +9,11 @@ from typing import Any, Optional
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from common.config import ClusterConfig
-from common.protocol import (ClusterStatus, ConductorTotals, InstanceStatus,
-                             KVTransferReport, RequestAccepted, StoreUsage)
+from common.protocol import ClusterStatus, ConductorTotals
 from services.router.app import build_app
 from services.router.dashboard_data import dashboard_data
 from services.router.state import RouterState
-
-WORKERS = [InstanceStatus("decode-0", "decode", 1024, 1000, 24, 0, 2, 2, context_tokens=300),
-           InstanceStatus("prefill-0", "prefill", 512, 500, 12, 3, 0, 4, queued_tokens=900,
-                          cached_blocks=40, heartbeat_age_s=0.1)]
-TOTALS = ConductorTotals(placed=7, rejected={"ttft_slo": 2}, failed={"timeout": 1},
-                         prompt_tokens=1000, cached_tokens=400, global_hit_tokens=150,
-                         transfer_bytes=1 << 20)
-STORE = StoreUsage(nodes=2, objects=30, dram_used=3 << 20, dram_capacity=64 << 20,
-                   ssd_used=0, ssd_capacity=1 << 30,
-                   counters={"hits": 9, "misses": 3, "evicted": 1}, age_s=0.4,
-                   index_keys=30, index_state="live")
-
-
-def state(api_keys: Optional[list[str]] = None) -> RouterState:
-    config = ClusterConfig.load(None, {"served_model_name": "tiny",
-                                       "security": {"api_keys": api_keys or []}})
-    s = RouterState(config, mailbox=None, tokenizer=None,  # type: ignore[arg-type]
-                    block_keys=lambda ids: [])
-    s._on_status(ClusterStatus(True, WORKERS, 5, TOTALS, STORE))
-    return s
-
-
-def serve_one(s: RouterState, rid: str, status: int, now: float) -> None:
-    """A request through the log and the metrics, as flow.py records it."""
-    s.requests.arrived(rid, "/v1/completions", now - 1.0)
-    if status == 200:
-        s.requests.accepted(RequestAccepted(rid, "prefill-0", "decode-0", 0.1), now - 0.9)
-        s._on_kv_transfer(KVTransferReport("prefill_to_decode", 4096, 0.2, rid, 0.4, 0.1))
-        s.requests.tokens(rid, 5, now - 0.2)
-    s.requests.finished(rid, status, (20, 4) if status == 200 else None, now)
-    s.metrics.requests.labels("/v1/completions", str(status)).inc()
+from tests.router.dashboard_state import WORKERS, serve_one, state
 
 
 def test_numbers_come_from_status_metrics_and_log() -> None:
@@ -104,6 +72,8 @@ async def _get(s: RouterState, *paths: str, key: Optional[str] = None
             body = await (resp.json() if resp.content_type == "application/json"
                           else resp.text())
             out.append((resp.status, resp.content_type, body))
+            if path == "/dashboard":
+                assert "default-src 'none'" in resp.headers["Content-Security-Policy"]
         return out
     finally:
         await client.close()
