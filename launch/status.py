@@ -150,7 +150,7 @@ def router_url(config_path: Optional[str]) -> str:
         config = ClusterConfig.load(config_path)
     except (OSError, ValueError) as exc:  # unreadable, not TOML, or invalid
         raise StatusError(f"config {config_path}: {exc}") from None
-    return f"http://{config.host}:{config.http_port}"
+    return f"http://{config.address('router')}:{config.http_port}"
 
 
 def main(url: Optional[str], config_path: Optional[str], api_key: Optional[str],
