@@ -8,6 +8,7 @@ conductor and the engine all import it.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,6 +27,10 @@ class SamplingParams:
     logprobs: bool = False  # logprob (raw model distribution) of each chosen token
     ignore_eos: bool = False
     top_logprobs: int = 0  # and the k most likely tokens at each position, with theirs
+    # OpenAI's response_format as canonical JSON text (json_object or json_schema), or
+    # None: free text. Text keeps the type frozen and hashable; common/engine/grammar.py
+    # compiles it (once per distinct value) into the grammar that masks each token.
+    response_format: Optional[str] = None
 
     def __post_init__(self) -> None:
         """Reject impossible values at construction (a ValueError; the codec turns it into
@@ -45,10 +50,27 @@ class SamplingParams:
                              f"{self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs")
+        if self.response_format is not None:
+            _check_response_format(self.response_format)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _check_response_format(text: str) -> None:
+    """The shape common/engine/grammar.py relies on (the router built it; a malformed
+    frame is refused here rather than on the worker's sampling path)."""
+    try:
+        fmt = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"response_format is not JSON: {exc}") from exc
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_schema" and isinstance(fmt.get("json_schema"), dict) and \
+            isinstance(fmt["json_schema"].get("schema", {}), (dict, bool)):
+        return
+    if kind != "json_object":
+        raise ValueError("response_format must be a json_object or json_schema object")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Sampling: greedy, temperature, top-k, top-p, per-request seeded generators, logprobs
-and top alternatives.
+and top alternatives, and a grammar's token bitmask (common/engine/grammar.py).
 
 The parameters are common/sampling_params.py's ``SamplingParams``, the very object the
 router validated and the wire carried."""
@@ -10,6 +10,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from common.engine.grammar import Grammars, apply_bitmask
 from common.sampling_params import SamplingParams, TopLogprobs
 
 
@@ -40,19 +41,23 @@ class Sampled:
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[Optional[torch.Generator]]) -> Sampled:
-    """Choose one token per row of logits [B, V]; also its logprob and the top
-    alternatives where asked (from the raw distribution: log_softmax of the logits)."""
+           generators: Sequence[Optional[torch.Generator]],
+           bitmask: Optional[torch.Tensor] = None) -> Sampled:
+    """Choose one token per row of logits [B, V] among those ``bitmask`` allows (a
+    grammar's; None allows all); also its logprob and the top alternatives where asked.
+    Logprobs are the model's, as OpenAI reports them: the raw distribution (log_softmax
+    of the unmasked logits), so a forbidden token can appear among the alternatives."""
     logits = logits.float()
+    choose = logits if bitmask is None else apply_bitmask(logits, bitmask)
     tokens: list[int] = []
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-    greedy = logits[greedy_rows].argmax(-1).tolist() if greedy_rows else []
+    greedy = choose[greedy_rows].argmax(-1).tolist() if greedy_rows else []
     greedy_of = dict(zip(greedy_rows, greedy))
     for i, p in enumerate(params):
         if p.greedy:
             tokens.append(greedy_of[i])
             continue
-        row = _filter(logits[i] / p.temperature, p.top_k, p.top_p)
+        row = _filter(choose[i] / p.temperature, p.top_k, p.top_p)
         probs = row.softmax(-1)
         tokens.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
     out = Sampled(tokens, [None] * len(params), [None] * len(params))
@@ -66,6 +71,17 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
                 best = torch.topk(lp[j], k)
                 out.top[i] = TopLogprobs(best.indices.tolist(), best.values.tolist())
     return out
+
+
+def sample_first(logits: torch.Tensor, params: SamplingParams,
+                 generator: Optional[torch.Generator], grammars: Grammars
+                 ) -> tuple[int, Optional[float], Optional[TopLogprobs]]:
+    """A request's first token from its prompt's last logits row [V] (the prefill side),
+    under a fresh matcher of its grammar if it has one: the decode worker advances its
+    own matcher with this token (common/engine/grammar.py)."""
+    bitmask = grammars.bitmask([grammars.matcher(params)])
+    [first] = sample(logits.unsqueeze(0), [params], [generator], bitmask)
+    return first
 
 
 class Sampler:

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from common.engine.sampling import SamplingParams
 from common.protocol import Fence
 from services.decode.detok import IncrementalText
+
+if TYPE_CHECKING:
+    from xgrammar import GrammarMatcher
 
 
 @dataclass
@@ -45,6 +48,7 @@ class Running:
     generated: int = 0
     aborted: bool = False
     logprobs: list[float] = field(default_factory=list)
+    matcher: Optional[GrammarMatcher] = None  # its response_format's grammar state
 
     @property
     def context_tokens(self) -> int:

@@ -14,6 +14,7 @@ import torch
 from common.config import ClusterConfig
 from common.mailbox import serve_inbox
 from common.engine import DecodeInput
+from common.engine.grammar import Grammars
 from common.engine.sampling import sample
 from common.idle_check import IdleCheck
 from common.security import clamp_deadline
@@ -52,6 +53,7 @@ class DecodeWorker:
         self.wake = asyncio.Event()
         self.idle_check = IdleCheck(self.pool.check_idle, "KV block pool")
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="decode")
+        self.grammars = Grammars.for_engine(self.engine)
         self.handlers: dict[type, Callable[[Any], None]] = {
             **rt.handlers,  # ReRegister
             ReserveBlocks: self.on_reserve,
@@ -120,7 +122,8 @@ class DecodeWorker:
             last_token=first_token, params=r.params, router_inbox=r.router_inbox,
             prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
             text=IncrementalText(self.engine.decode_tokens, r.params.stop),
-            generator=make_generator(r.params, 1), fence=r.fence)
+            generator=make_generator(r.params, 1), fence=r.fence,
+            matcher=self.grammars.matcher(r.params))
         self.running[seq.request_id] = seq
         self.record_token(seq, first_token, first_logprob, first_top)
         self.wake.set()
@@ -185,6 +188,7 @@ class DecodeWorker:
         """Record one sampled token, stream it, and finish the sequence if it must stop."""
         p = seq.params
         seq.generated += 1
+        grammar_ended = seq.matcher is not None and self._grammar_ends(seq, token)
         finish: Optional[str] = None
         delta = ""
         ids = [token]
@@ -195,7 +199,7 @@ class DecodeWorker:
             delta, hit = seq.text.add(token)
             if logprob is not None and p.logprobs:
                 seq.logprobs.append(logprob)
-            if hit:
+            if hit or grammar_ended:
                 finish = "stop"
             elif seq.generated >= p.max_tokens or \
                     seq.position + 1 >= self.engine.model_config.max_position_embeddings:
@@ -211,6 +215,16 @@ class DecodeWorker:
             top_logprobs=[top] if (top is not None and ids) else []))
         if finish is not None:
             self.finish(seq, finish)
+
+    def _grammar_ends(self, seq: Running, token: int) -> bool:
+        """Advance the sequence's grammar with ``token``: True once the grammar is
+        complete (its matcher terminated), or if it refuses the token, which the mask
+        rules out (the first token came from a prefill worker that used the same one)."""
+        if not seq.matcher.accept_token(token):
+            log.error("%s: %s: token %d breaks its response_format grammar; stopping",
+                      self.rt.instance_id, seq.request_id, token)
+            return True
+        return seq.matcher.is_terminated()
 
     def finish(self, seq: Running, reason: str) -> None:
         if self.running.pop(seq.request_id, None) is not None:
@@ -235,7 +249,8 @@ class DecodeWorker:
 
     def advance(self, batch: list[Running], logits: torch.Tensor) -> None:
         """Sample one token for each sequence of a step and stream it."""
-        sampled = sample(logits, [s.params for s in batch], [s.generator for s in batch])
+        sampled = sample(logits, [s.params for s in batch], [s.generator for s in batch],
+                         self.grammars.bitmask([s.matcher for s in batch]))
         for seq, (tok, lp, top) in zip(batch, sampled):
             if seq.aborted:
                 self.finish(seq, "abort")

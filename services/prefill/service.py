@@ -25,7 +25,7 @@ from common.config import ClusterConfig
 from common.engine.batching import plan_chunks
 from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
-from common.engine.sampling import sample
+from common.engine.sampling import Grammars, sample_first
 from common.host import host_id
 from common.idle_check import IdleCheck
 from common.mailbox import serve_inbox
@@ -70,6 +70,7 @@ class PrefillWorker:
         self.wake = asyncio.Event()
         self.idle_check = IdleCheck(self.pool.check_idle, "KV block pool")
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="prefill")
+        self.grammars = Grammars.for_engine(self.engine)  # response_format: first tokens
         self.lanes = Lanes()  # one write thread per decode peer (lanes.py)
         self.kv_paths = KVPaths(rt.config.kv_path, self.engine.kv, host_id(),
                                 total_layers=self.engine.model_config.num_layers)
@@ -345,15 +346,11 @@ class PrefillWorker:
         if job.aborted:
             return await self.give_up(job, PrefillFailure(499, "aborted", "aborted"))
         self.kv_paths.done(job.stream)
-        if outcome is None:
-            params = task.sampling
-            [(token, logprob, top)] = sample(logits.unsqueeze(0), [params],
-                                             [make_generator(params, 0)])
-        else:
-            token, logprob, top = result.first_token, result.first_logprob, result.first_top
-        bs = self.engine.config.block_size
+        token, logprob, top = (sample_first(logits, task.sampling, make_generator(
+            task.sampling, 0), self.grammars) if outcome is None else
+            (result.first_token, result.first_logprob, result.first_top))
+        bs, prompt = self.engine.config.block_size, len(task.token_ids)
         cached_tokens = job.plan.cached_blocks * bs
-        prompt = len(task.token_ids)
         if job.loads is not None:
             job.wait_s += job.loads.wait_s
         self.rt.mail.send(task.decode_inbox, KVReady(

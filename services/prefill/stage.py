@@ -26,7 +26,7 @@ import torch
 
 from common.config import ClusterConfig
 from common.engine.config import PrefillChunk
-from common.engine.sampling import sample
+from common.engine.sampling import Grammars, sample_first
 from common.host import host_id
 from common.kv.hidden import HiddenInbox
 from common.mailbox import serve_inbox
@@ -92,6 +92,7 @@ class StageWorker:
         self.load_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
         self.store_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="prefill")
+        self.grammars = Grammars.for_engine(rt.engine)  # the last stage's first tokens
         self.timeout_s = cfg.heartbeat_timeout_s
         self.head_epoch: Optional[int] = None  # the head we follow
         self.last_beat = time.monotonic()
@@ -195,8 +196,8 @@ class StageWorker:
             if held is None:
                 continue
             if row is not None and part.sampling is not None and not held.failed:
-                [(held.token, held.logprob, held.top)] = sample(
-                    row.unsqueeze(0), [part.sampling], [make_generator(part.sampling, 0)])
+                held.token, held.logprob, held.top = sample_first(
+                    row, part.sampling, make_generator(part.sampling, 0), self.grammars)
             if (held.aborted or part.end == part.prompt_len) and not held.finishing:
                 self._spawn(self.finish(key, held, part.deadline))
 

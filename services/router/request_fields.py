@@ -1,7 +1,8 @@
 """Which request fields the router honours, which it takes only at values that change
 nothing, and the 400 for everything else: no field is ever silently ignored.
 
-A field that changes the output (``tools``, ``response_format`` json, ``n: 2``) is either honoured or refused with a 400 whose ``param`` names it, since a request
+A field that changes the output (``tools``, ``response_format``, ``n: 2``) is either
+honoured or refused with a 400 whose ``param`` names it, since a request
 answered without it looks right and is wrong. Fields the router parses and honours are
 listed in ``PARSED`` (validation.py parses them); the rest are in ``LIMITED`` with the
 check that accepts their harmless values (``store: false``, ``tools: []``,
@@ -22,7 +23,8 @@ ENDPOINT = {CHAT: "/v1/chat/completions", COMPLETION: "/v1/completions"}
 _SHARED = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
            "stop", "n", "stream", "stream_options", "logprobs",
            "top_k", "ignore_eos", "stop_token_ids"}  # the last three: vLLM's extensions
-PARSED = {CHAT: _SHARED | {"messages", "top_logprobs"}, COMPLETION: _SHARED | {"prompt"}}
+PARSED = {CHAT: _SHARED | {"messages", "top_logprobs", "response_format"},
+          COMPLETION: _SHARED | {"prompt"}}
 
 Check = Callable[[str, Any], None]  # raises ApiError (400) naming the field
 
@@ -102,8 +104,6 @@ LIMITED: dict[str, tuple[tuple[str, ...], Check]] = {
     "frequency_penalty": ((CHAT, COMPLETION), penalty),
     "presence_penalty": ((CHAT, COMPLETION), penalty),
     "logit_bias": ((CHAT, COMPLETION), only({}, why="is not supported yet: only {}")),
-    "response_format": ((CHAT,), only({"type": "text"}, why="is not supported yet: only "
-                                      "{\"type\": \"text\"}")),
     "tools": ((CHAT,), only([], why=_NO_TOOLS)),
     "functions": ((CHAT,), only([], why=_NO_TOOLS)),
     "tool_choice": ((CHAT,), only("none", "auto", why=_NO_CHOICE)),

@@ -98,9 +98,17 @@ ROWS = [
     Row("chat", "modalities", ["text"], ACCEPTED),
     Row("chat", "modalities", ["text", "audio"], REFUSED),
     Row("chat", "audio", {"voice": "alloy", "format": "wav"}, REFUSED),
-    Row("chat", "response_format", {"type": "text"}, ACCEPTED),
-    Row("chat", "response_format", {"type": "json_object"}, REFUSED),
-    Row("chat", "response_format", SCHEMA, REFUSED),
+    Row("chat", "response_format", {"type": "text"}, HONOURED, _sampling()),
+    Row("chat", "response_format", {"type": "json_object"}, HONOURED,
+        _sampling(response_format='{"type":"json_object"}')),
+    Row("chat", "response_format", SCHEMA, HONOURED, _sampling(
+        response_format='{"type":"json_schema","json_schema":{"schema":{"type":"object"}}}')),
+    Row("chat", "response_format", {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}},
+        REFUSED),  # a schema xgrammar cannot compile
+    Row("chat", "response_format", {"type": "json_schema", "json_schema": {
+        "name": "no spaces", "schema": {"type": "object"}}}, REFUSED),
+    Row("chat", "response_format", {"type": "yaml"}, REFUSED),
     Row("chat", "tools", [], ACCEPTED),
     Row("chat", "tools", [TOOL], REFUSED),
     Row("chat", "tool_choice", "none", ACCEPTED),

@@ -1,0 +1,136 @@
+"""Grammar-constrained sampling (``response_format``) with xgrammar.
+
+A request's ``SamplingParams.response_format`` is the canonical JSON text of OpenAI's
+``response_format`` object (``json_object`` or ``json_schema``; the router checked it with
+``check_response_format``). Each worker compiles it once per distinct value against its
+tokenizer (``Grammars``, an LRU of compiled grammars) and gives every constrained
+sequence its own ``GrammarMatcher``. Before a token is chosen the matcher's token bitmask
+forbids every token the grammar does not allow next; the chosen token then advances it.
+
+The first token is sampled on the prefill side (prefill worker, a group's last stage,
+colocated worker) under a fresh matcher that is then dropped; the decode worker builds
+its own matcher and advances it with that first token, so both sides of the handover see
+the same grammar state without shipping it.
+
+Whitespace: schemas compile without free whitespace between JSON tokens (compact JSON),
+so a small model cannot wander into endless newlines inside an object.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import xgrammar as xgr
+
+from common.sampling_params import SamplingParams
+
+MAX_COMPILED = 64  # distinct response formats a worker keeps compiled
+
+
+def _schema_of(response_format: str) -> tuple[str, bool]:
+    """(JSON schema text, strict) for a canonical ``response_format``; ``json_object``
+    is any JSON object (not strict: any property may appear)."""
+    fmt = json.loads(response_format)
+    if fmt.get("type") == "json_object":
+        return '{"type": "object"}', False
+    spec = fmt["json_schema"]
+    return json.dumps(spec.get("schema", {})), True
+
+
+@functools.lru_cache(maxsize=256)
+def check_response_format(response_format: str) -> None:
+    """Raise ValueError if ``response_format``'s schema cannot become a grammar (the
+    router's 400). Needs no tokenizer, so the router checks what workers will compile."""
+    schema, strict = _schema_of(response_format)
+    try:
+        xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+    except Exception as exc:  # xgrammar raises RuntimeError/ValueError/InvalidJSONError
+        why = re.sub(r"^\[[^\]]*\] \S+: ", "", str(exc)).strip()  # xgrammar's log prefix
+        raise ValueError(f"the JSON schema cannot be compiled to a grammar: {why}") from exc
+
+
+def tokenizer_info(tokenizer: Any, vocab_size: int,
+                   stop_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
+    """xgrammar's view of Crescent's tokenizer (common/model/tokenizer.py): a HF fast
+    tokenizer through transformers, or the byte tokenizer's raw bytes."""
+    if hasattr(tokenizer, "_tk"):
+        from transformers import PreTrainedTokenizerFast
+        hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer._tk)
+        return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size,
+                                                  stop_token_ids=list(stop_token_ids))
+    off = tokenizer.OFFSET
+    vocab = [b""] * off + [bytes([b]) for b in range(256)]
+    vocab += [b""] * (vocab_size - len(vocab))
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
+                             stop_token_ids=list(stop_token_ids))
+
+
+class Grammars:
+    """One worker's compiled grammars (an LRU, compiled once per response format) and
+    the bitmasks of a step. ``info`` makes the tokenizer info, on first use: workers
+    that never see a ``response_format`` never pay for it."""
+
+    def __init__(self, info: Callable[[], xgr.TokenizerInfo],
+                 max_compiled: int = MAX_COMPILED) -> None:
+        self._info = info
+        self._compiler: Optional[xgr.GrammarCompiler] = None
+        self._vocab = 0  # the tokenizer info's vocabulary size, once it is made
+        self._compiled: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
+        self._max = max_compiled
+        self._lock = threading.Lock()  # the prefill side samples in more than one task
+        self.compiles = 0  # how many times a grammar was compiled (tests, metrics)
+
+    @classmethod
+    def for_engine(cls, engine: Any) -> Grammars:
+        """The grammars of a worker's engine: its tokenizer, vocabulary and EOS tokens."""
+        mc = engine.model_config
+        return cls(lambda: tokenizer_info(engine.tokenizer, mc.vocab_size, mc.eos_token_ids))
+
+    def compiled(self, response_format: str) -> xgr.CompiledGrammar:
+        with self._lock:
+            hit = self._compiled.get(response_format)
+            if hit is not None:
+                self._compiled.move_to_end(response_format)
+                return hit
+            if self._compiler is None:
+                info = self._info()
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+                self._vocab = info.vocab_size
+            schema, strict = _schema_of(response_format)
+            grammar = self._compiler.compile_json_schema(schema, any_whitespace=False,
+                                                         strict_mode=strict)
+            self.compiles += 1
+            self._compiled[response_format] = grammar
+            if len(self._compiled) > self._max:
+                self._compiled.popitem(last=False)
+            return grammar
+
+    def matcher(self, params: SamplingParams) -> Optional[xgr.GrammarMatcher]:
+        """A fresh matcher for a constrained request, None for a free one."""
+        if params.response_format is None:
+            return None
+        return xgr.GrammarMatcher(self.compiled(params.response_format))
+
+    def bitmask(self, matchers: Sequence[Optional[xgr.GrammarMatcher]]
+                ) -> Optional[torch.Tensor]:
+        """The step's token bitmask [B, ceil(V/32)] (int32; a set bit allows the token;
+        rows without a matcher allow everything), or None when no row is constrained."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        mask = xgr.allocate_token_bitmask(len(matchers), self._vocab)
+        for i in rows:
+            matchers[i].fill_next_token_bitmask(mask, i)
+        return mask
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of ``logits`` [B, V] with the tokens ``bitmask`` forbids set to -inf."""
+    masked = logits.clone()
+    xgr.apply_token_bitmask_inplace(masked, bitmask.to(masked.device))
+    return masked

@@ -1,0 +1,127 @@
+"""Grammar-constrained sampling (common/engine/grammar.py) with smollm2's real tokenizer:
+one compile per response format, masks that change the choice, and whole JSON documents
+sampled from random logits under the mask that parse and validate."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from common.engine.grammar import Grammars, check_response_format, tokenizer_info
+from common.engine.sampling import sample, sample_first
+from common.model.loader import load_model_source
+from common.model.tokenizer import ByteTokenizer, Tokenizer
+from common.sampling_params import SamplingParams
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer"},
+                                           "tags": {"type": "array", "maxItems": 3,
+                                                    "items": {"enum": ["a", "b"]}}},
+          "required": ["name", "age", "tags"]}
+OBJECT = '{"type":"json_object"}'
+
+
+def _format(schema: dict) -> str:
+    return json.dumps({"type": "json_schema", "json_schema": {"schema": schema}},
+                      separators=(",", ":"))
+
+
+@pytest.fixture(scope="module")
+def model() -> tuple[Tokenizer, int, tuple[int, ...]]:
+    config, _, spec = load_model_source("smollm2-135m", 1)
+    return Tokenizer(spec), config.vocab_size, tuple(config.eos_token_ids)
+
+
+@pytest.fixture
+def grammars(model: tuple[Tokenizer, int, tuple[int, ...]]) -> Grammars:
+    tok, vocab, eos = model
+    return Grammars(lambda: tokenizer_info(tok, vocab, eos), max_compiled=2)
+
+
+def test_compiled_once_per_schema_and_evicted_least_recent(grammars: Grammars) -> None:
+    a, b, c = _format(SCHEMA), OBJECT, _format({"type": "array"})
+    assert grammars.compiled(a) is grammars.compiled(a) and grammars.compiles == 1
+    for _ in range(5):
+        grammars.matcher(SamplingParams(4, response_format=a))
+    assert grammars.compiles == 1
+    grammars.compiled(b)
+    grammars.compiled(a)  # a is now the most recent: c evicts b
+    grammars.compiled(c)
+    assert grammars.compiles == 3
+    grammars.compiled(a)
+    assert grammars.compiles == 3
+    grammars.compiled(b)
+    assert grammars.compiles == 4
+    assert grammars.matcher(SamplingParams(4)) is None
+
+
+def test_a_mask_that_forbids_the_argmax_changes_the_greedy_choice() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.5, -1.0]])
+    greedy = SamplingParams(1, temperature=0, logprobs=True, top_logprobs=2)
+    forbid_1 = torch.tensor([[0b11101]], dtype=torch.int32)  # bit i allows token i
+    free, masked = sample(logits, [greedy], [None]), sample(logits, [greedy], [None],
+                                                             forbid_1)
+    assert (free.tokens, masked.tokens) == ([1], [3])
+    raw = torch.log_softmax(logits[0], -1)  # logprobs stay the model's: raw, unmasked
+    assert masked.logprobs == [float(raw[3])] and masked.top[0].token_ids == [1, 3]
+
+
+def test_grammar_forces_json_where_the_model_prefers_prose(
+        grammars: Grammars, model: tuple[Tokenizer, int, tuple[int, ...]]) -> None:
+    tok, vocab, _ = model
+    logits = torch.zeros(vocab)
+    logits[tok.encode("Hello")[0]] = 10.0
+    greedy = SamplingParams(8, temperature=0)
+    token, _, _ = sample_first(logits, greedy, None, grammars)
+    assert tok.decode([token]) == "Hello"
+    token, _, _ = sample_first(logits, SamplingParams(8, temperature=0,
+                                                      response_format=OBJECT), None, grammars)
+    assert tok.decode([token]).startswith("{")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_logits_under_the_mask_give_valid_documents(
+        grammars: Grammars, model: tuple[Tokenizer, int, tuple[int, ...]],
+        seed: int) -> None:
+    """A batch of one constrained row and one free row, sampled at temperature 1 from
+    random logits until the grammar terminates: the text validates against the schema."""
+    tok, vocab, eos = model
+    gen = torch.Generator().manual_seed(seed)
+    params = [SamplingParams(400, temperature=1.0, response_format=_format(SCHEMA)),
+              SamplingParams(400, temperature=1.0)]
+    matchers = [grammars.matcher(params[0]), None]
+    out: list[int] = []
+    while not matchers[0].is_terminated():
+        logits = torch.randn(2, vocab, generator=gen) * 3
+        [(token, _, _), _] = sample(logits, params, [gen, gen], grammars.bitmask(matchers))
+        assert matchers[0].accept_token(token) and len(out) < 400
+        out.append(token)
+    assert out[-1] in eos
+    jsonschema.validate(json.loads(tok.decode(out[:-1])), SCHEMA)
+
+
+def test_uncompilable_schemas_are_value_errors() -> None:
+    check_response_format(_format(SCHEMA))
+    for bad in ({"type": "nope"}, {"$ref": "#/$defs/missing"},
+                {"type": "string", "pattern": "(("}):
+        with pytest.raises(ValueError, match="cannot be compiled"):
+            check_response_format(_format(bad))
+
+
+def test_response_format_is_checked_on_construction() -> None:
+    assert SamplingParams(1, response_format=OBJECT).response_format == OBJECT
+    for bad in ("{", '{"type":"text"}', '{"type":"json_schema"}', "[1]"):
+        with pytest.raises(ValueError, match="response_format"):
+            SamplingParams(1, response_format=bad)
+
+
+def test_byte_tokenizer_models_take_grammars_too() -> None:
+    """Dummy models (bytes as tokens): their raw vocabulary still yields JSON."""
+    tok = ByteTokenizer(300)
+    grammars = Grammars(lambda: tokenizer_info(tok, 300, (tok.eos_token_id,)))
+    matcher = grammars.matcher(SamplingParams(4, response_format=OBJECT))
+    [(token, _, _)] = sample(torch.zeros(1, 300), [SamplingParams(1, temperature=0)], [None],
+                             grammars.bitmask([matcher]))
+    assert tok.decode([token]) == "{"
