@@ -142,6 +142,18 @@ def orphan_segments(cluster: LocalCluster, pids: set[int]) -> list[str]:
     return found
 
 
+async def lasting_orphans(cluster: LocalCluster, pids: set[int], wait_s: float) -> list[str]:
+    """Orphaned segments still there after ``wait_s``: a restarted process sweeps its dead
+    predecessor's files when it creates its own, which a later pipeline stage (not a
+    registered instance, so not awaited by ``wait_idle``) may not have done yet."""
+    give_up = time.monotonic() + wait_s
+    while True:
+        found = orphan_segments(cluster, pids | child_pids(cluster))
+        if not found or time.monotonic() > give_up:
+            return found
+        await asyncio.sleep(0.2)
+
+
 def child_pids(cluster: LocalCluster) -> set[int]:
     return {c.proc.pid for c in list(cluster.children)}
 
@@ -175,7 +187,7 @@ async def run_fault(cluster: LocalCluster, fault: str, questions: list[str],
     workers = (c.colocated_workers if c.mode == "colocated"
                else c.prefill_workers + c.decode_workers)
     leaked, instances = await wait_idle(cluster.url, workers, timing.idle)
-    orphans = orphan_segments(cluster, pids | child_pids(cluster))
+    orphans = await lasting_orphans(cluster, pids, timing.idle)
     counts = tally(outcomes, reference)
     errors = Counter(o.detail[:100] for o in outcomes if o.kind != "ok")
     exited = [f"{role}-{i}" for (role, i), n in cluster.restarts.items()
