@@ -4,6 +4,7 @@ whether KV moves layer by layer or in whole blocks, including a prefix loaded fr
 store by the other prefill instance; afterwards no worker holds a block."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -73,6 +74,17 @@ def placements(metrics: str) -> dict[str, float]:
     return out
 
 
+def wait_for_instances(cluster, names: set[str], timeout_s: float = 60.0) -> None:
+    """Until the conductor places on every one of ``names`` (registered, not draining)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pools = httpx.get(cluster.url + "/debug/pools", timeout=5).json()["instances"]
+        if names <= {p["instance_id"] for p in pools if not p["draining"]}:
+            return
+        assert time.monotonic() < deadline, pools
+        time.sleep(0.2)
+
+
 def test_short_prompts_skip_the_pipeline(tmp_path_factory) -> None:
     """A mixed pool (a group of 2 stages and a single worker): the conductor predicts each
     instance's TTFT with its own shape's cost model, so a one-chunk prompt goes to the
@@ -86,6 +98,7 @@ def test_short_prompts_skip_the_pipeline(tmp_path_factory) -> None:
         assert [c.instance_id("prefill", i) for i in range(c.prefill_processes)] == [
             "prefill-0", "prefill-0.stage1", "prefill-1"]
         conductor = f"http://{c.address('conductor')}:{c.port('conductor_http')}/metrics"
+        wait_for_instances(cluster, {"prefill-0", "prefill-1"})  # the cluster is up with one
         seen = []
         for name, prompt in (("short", SHORT), ("long", LONG)):
             r = httpx.post(cluster.url + "/v1/completions", timeout=120, json={
