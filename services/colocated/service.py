@@ -165,14 +165,15 @@ class ColocatedWorker(DecodeWorker):
             chunks = [PrefillChunk(p.task.token_ids, p.done, p.done + n, p.reservation.blocks)
                       for p, n in planned]
             inputs = [DecodeInput(s.last_token, s.position, s.blocks) for s in batch]
+            step = loop.run_in_executor(self.compute, lambda: self.engine.step(chunks, inputs))
+            bitmask = self.grammars.bitmask([s.matcher for s in batch])  # while it runs
             try:
-                per_chunk, logits = await loop.run_in_executor(
-                    self.compute, lambda: self.engine.step(chunks, inputs))
+                per_chunk, logits = await step
             except EngineInputError as exc:
                 fail_step(self.rt, planned, exc)
                 continue
             if logits is not None:
-                self.advance(batch, logits)
+                self.advance(batch, logits, bitmask)
             for (p, n), row in zip(planned, per_chunk):
                 p.done += n
                 if row is not None and not p.aborted:

@@ -243,14 +243,17 @@ class DecodeWorker:
                 continue
             batch = [self.running[rid] for rid in turns.next_batch(self.running, max_batch)]
             inputs = [DecodeInput(s.last_token, s.position, s.blocks) for s in batch]
-            logits = await loop.run_in_executor(self.compute, self.engine.decode_step, inputs)
-            self.advance(batch, logits)
+            step = loop.run_in_executor(self.compute, self.engine.decode_step, inputs)
+            bitmask = self.grammars.bitmask([s.matcher for s in batch])  # while it runs
+            self.advance(batch, await step, bitmask)
             await asyncio.sleep(0)  # let the inbox in between steps
 
-    def advance(self, batch: list[Running], logits: torch.Tensor) -> None:
-        """Sample one token for each sequence of a step and stream it."""
+    def advance(self, batch: list[Running], logits: torch.Tensor,
+                bitmask: Optional[torch.Tensor]) -> None:
+        """Sample one token for each sequence of a step (among those its grammar allows:
+        ``bitmask``, filled while the step computed) and stream it."""
         sampled = sample(logits, [s.params for s in batch], [s.generator for s in batch],
-                         self.grammars.bitmask([s.matcher for s in batch]))
+                         bitmask)
         for seq, (tok, lp, top) in zip(batch, sampled):
             if seq.aborted:
                 self.finish(seq, "abort")

@@ -92,7 +92,7 @@ def _builder(state: RouterState, req: GenerationRequest, request_id: str) -> Res
                            created=int(time.time()), token_text=lambda t: tok.decode([t]),
                            want_logprobs=req.sampling.logprobs,
                            want_top=req.sampling.top_logprobs,
-                           include_usage=req.include_usage)
+                           include_usage=req.include_usage, tool_call=req.tool_call)
 
 
 async def _complete(run: RequestRun, out: ResponseBuilder) -> web.Response:

@@ -60,6 +60,7 @@ class ResponseBuilder:
     want_logprobs: bool = False
     want_top: int = 0  # top alternatives per position (top_logprobs / logprobs: k)
     include_usage: bool = False
+    tool_call: Optional[str] = None  # the named function the text is the arguments of
     texts: list[str] = field(default_factory=list)
     token_strs: list[str] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -112,9 +113,18 @@ class ResponseBuilder:
             return None
         return self.add(delta.text, delta.token_ids, delta.logprobs, delta.top_logprobs)
 
+    def _call(self, arguments: str) -> dict:
+        """OpenAI's ``tool_calls`` entry for the named function (one call per answer)."""
+        return {"id": f"call_{self.request_id}", "type": "function",
+                "function": {"name": self.tool_call, "arguments": arguments}}
+
     def role_chunk(self) -> dict:
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None})
+        delta: dict = {"role": "assistant", "content": ""}
+        if self.tool_call is not None:  # the call's id and name first, then its arguments
+            delta = {"role": "assistant", "content": None,
+                     "tool_calls": [{"index": 0, **self._call("")}]}
+        return self._chunk({"index": 0, "delta": delta, "logprobs": None,
+                            "finish_reason": None})
 
     def add(self, text: str, token_ids: list[int], lps: Optional[list[float]],
             tops: Optional[list[TopLogprobs]] = None) -> dict:
@@ -123,7 +133,10 @@ class ResponseBuilder:
         self.texts.append(text)
         self.text_len += len(text)
         lp = self._logprobs_of(token_ids, lps, tops, offset)
-        if self.kind == "chat":
+        if self.tool_call is not None:
+            choice = {"index": 0, "delta": {"tool_calls": [
+                {"index": 0, "function": {"arguments": text}}]}}
+        elif self.kind == "chat":
             choice = {"index": 0, "delta": {"content": text}}
         else:
             choice = {"index": 0, "text": text}
@@ -155,8 +168,12 @@ class ResponseBuilder:
             lp = self._render_logprobs(self.token_strs, self.logprobs, self.tops, 0)
         if self.kind == "chat":
             out = self._head("chat.completion")
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": lp, "finish_reason": self.finish_reason}
+            message: dict = {"role": "assistant", "content": text}
+            if self.tool_call is not None:
+                message = {"role": "assistant", "content": None,
+                           "tool_calls": [self._call(text)]}
+            choice = {"index": 0, "message": message, "logprobs": lp,
+                      "finish_reason": self.finish_reason}
         else:
             out = self._head("text_completion")
             choice = {"index": 0, "text": text, "logprobs": lp,

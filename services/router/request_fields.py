@@ -23,7 +23,8 @@ ENDPOINT = {CHAT: "/v1/chat/completions", COMPLETION: "/v1/completions"}
 _SHARED = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
            "stop", "n", "stream", "stream_options", "logprobs",
            "top_k", "ignore_eos", "stop_token_ids"}  # the last three: vLLM's extensions
-PARSED = {CHAT: _SHARED | {"messages", "top_logprobs", "response_format"},
+PARSED = {CHAT: _SHARED | {"messages", "top_logprobs", "response_format", "tools",
+                          "tool_choice"},  # the last three: structured.py
           COMPLETION: _SHARED | {"prompt"}}
 
 Check = Callable[[str, Any], None]  # raises ApiError (400) naming the field
@@ -84,8 +85,8 @@ def penalty(name: str, value: Any) -> None:
         raise unsupported(name, "is not supported yet: only 0")
 
 
-_NO_TOOLS = "is not supported yet: send no tools (null or an empty list)"
-_NO_CHOICE = "is not supported yet without tools: only \"none\" or \"auto\""
+_NO_TOOLS = "is deprecated and not supported: use 'tools' (null or [] accepted)"
+_NO_CHOICE = "is deprecated and not supported: use 'tool_choice' (\"none\", \"auto\" accepted)"
 _ONE_TIER = "must be \"auto\" or \"default\": Crescent has one service tier"
 
 LIMITED: dict[str, tuple[tuple[str, ...], Check]] = {
@@ -104,11 +105,9 @@ LIMITED: dict[str, tuple[tuple[str, ...], Check]] = {
     "frequency_penalty": ((CHAT, COMPLETION), penalty),
     "presence_penalty": ((CHAT, COMPLETION), penalty),
     "logit_bias": ((CHAT, COMPLETION), only({}, why="is not supported yet: only {}")),
-    "tools": ((CHAT,), only([], why=_NO_TOOLS)),
     "functions": ((CHAT,), only([], why=_NO_TOOLS)),
-    "tool_choice": ((CHAT,), only("none", "auto", why=_NO_CHOICE)),
     "function_call": ((CHAT,), only("none", "auto", why=_NO_CHOICE)),
-    "parallel_tool_calls": ((CHAT,), boolean),  # no tools, so no tool calls to run at once
+    "parallel_tool_calls": ((CHAT,), boolean),  # at most one call (a named function)
     "best_of": ((COMPLETION,), only(1, why="is not supported yet: only 1")),
     "echo": ((COMPLETION,), only(False, why="is not supported yet: only false")),
     "suffix": ((COMPLETION,), only("", why="is not supported yet: only \"\"")),

@@ -7,21 +7,17 @@ handler only fits ``max_tokens`` to the prompt.
 """
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from common.engine.grammar import check_response_format
 from common.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from services.router.chat_messages import parse_messages
 from services.router.errors import ApiError, invalid
 from services.router.request_fields import boolean, check_fields, only
+from services.router.structured import response_format, tool_call
 
 MAX_STOP = 4
 MAX_STOP_TOKEN_IDS = 256
-MAX_SCHEMA_CHARS = 65_536  # a response_format's schema, as JSON text
-_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
 
 
 @dataclass
@@ -36,6 +32,7 @@ class GenerationRequest:
     include_usage: bool = False
     messages: Optional[list[dict[str, str]]] = None
     prompt: Optional[Union[str, list[int]]] = None
+    tool_call: Optional[str] = None  # the function a named tool_choice calls
 
 
 def _is_int(value: Any) -> bool:
@@ -147,45 +144,10 @@ def _stop_token_ids(body: dict) -> list[int]:
     return value
 
 
-def _response_format(body: dict) -> Optional[str]:
-    """OpenAI's ``response_format`` as the canonical JSON text SamplingParams carries
-    (None for ``text``). Only the schema shapes the grammar, so ``name``, ``description``
-    and ``strict`` are checked and left out: equal schemas share one compiled grammar on
-    every worker. A schema xgrammar cannot compile is refused here, before any work."""
-    fmt = body.get("response_format")
-    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text" and len(fmt) == 1):
-        return None
-
-    def bad(why: str) -> ApiError:
-        return invalid(f"'response_format' {why}", "response_format", "invalid_value")
-    if not isinstance(fmt, dict) or fmt.get("type") not in ("json_object", "json_schema"):
-        raise bad("must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}")
-    if fmt["type"] == "json_object":
-        if len(fmt) != 1:
-            raise bad("of type json_object takes no other key")
-        return '{"type":"json_object"}'
-    spec = fmt.get("json_schema")
-    if len(fmt) != 2 or not isinstance(spec, dict):
-        raise bad("of type json_schema needs a 'json_schema' object (and no other key)")
-    if not isinstance(spec.get("name"), str) or not _SCHEMA_NAME.fullmatch(spec["name"]):
-        raise bad("json_schema.name must be 1-64 letters, digits, '_' or '-'")
-    if set(spec) - {"name", "description", "schema", "strict"} or \
-            not isinstance(spec.get("schema", {}), dict) or \
-            not isinstance(spec.get("strict", False), (bool, type(None))):
-        raise bad("json_schema takes name, description, schema (an object), strict (bool)")
-    text = json.dumps({"type": "json_schema", "json_schema": {"schema": spec.get("schema", {})}},
-                      separators=(",", ":"))  # key order kept: properties come out in it
-    if len(text) > MAX_SCHEMA_CHARS:
-        raise bad(f"json_schema.schema is over {MAX_SCHEMA_CHARS} characters of JSON")
-    try:
-        check_response_format(text)
-    except ValueError as exc:
-        raise bad(str(exc)) from exc
-    return text
-
-
-def parse_sampling(body: dict, kind: str, max_tokens: int) -> SamplingParams:
-    """The body's sampling knobs (``max_tokens`` as decided by the caller)."""
+def parse_sampling(body: dict, kind: str, max_tokens: int,
+                   grammar: Optional[str] = None) -> SamplingParams:
+    """The body's sampling knobs (``max_tokens`` as decided by the caller; ``grammar``:
+    the structured output's, structured.py)."""
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
         raise invalid("only n=1 is supported", "n", "invalid_value")
@@ -197,7 +159,7 @@ def parse_sampling(body: dict, kind: str, max_tokens: int) -> SamplingParams:
         top_k=_top_k(body), seed=_seed(body), stop=_stop(body),
         stop_token_ids=_stop_token_ids(body), logprobs=logprobs,
         top_logprobs=top_logprobs, ignore_eos=_bool(body, "ignore_eos"),
-        response_format=_response_format(body) if kind == "chat" else None)
+        response_format=grammar)
 
 
 def check_model(body: dict, served: str) -> str:
@@ -260,10 +222,13 @@ def parse_request(body: Any, kind: str, served_model: str,
     check_fields(body, kind)
     stream, include_usage = _stream_flags(body)
     asked = _max_tokens(body)
-    sampling = parse_sampling(body, kind, asked or default_max_tokens)
+    tool, grammar = tool_call(body) if kind == "chat" else (None, None)
+    if tool is None and kind == "chat":
+        grammar = response_format(body)
+    sampling = parse_sampling(body, kind, asked or default_max_tokens, grammar)
     req = GenerationRequest(kind=kind, model=model, sampling=sampling,
                             max_tokens_asked=asked is not None, stream=stream,
-                            include_usage=include_usage)
+                            include_usage=include_usage, tool_call=tool)
     if kind == "chat":
         if "messages" not in body:
             raise invalid("'messages' is required", "messages", "missing_required_parameter")

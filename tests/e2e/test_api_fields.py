@@ -40,7 +40,7 @@ CHAT_REFUSED = [  # (what the caller sets, the param the 400 names)
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
     ({"response_format": {"type": "json_schema", "json_schema": {  # cannot be compiled
         "name": "bad", "schema": {"type": "nonsense"}}}}, "response_format"),
-    ({"tools": [TOOL]}, "tools"),
+    ({"tools": [TOOL]}, "tool_choice"),  # "auto" by default: only a named function
     ({"tool_choice": "required"}, "tool_choice"),
     ({"store": True}, "store"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"),

@@ -3,8 +3,9 @@ validates against its schema, whether twenty run at once through the same decode
 greedy or sampled, on a disaggregated cluster (first token on the prefill worker, the
 rest on the decode worker), a pipeline group (first token on its last stage) or a
 colocated worker; the official ``openai`` client's ``chat.completions.parse`` gets its
-pydantic model back; a schema that cannot be compiled is a 400 naming
-``response_format``; no KV block is left behind."""
+pydantic model back; a named tool call's arguments validate against its parameters; a
+schema that cannot be compiled is a 400 naming ``response_format``; no KV block is left
+behind."""
 from __future__ import annotations
 
 import asyncio
@@ -127,6 +128,32 @@ def test_openai_client_parse_returns_the_model(cluster: LocalCluster) -> None:
                                                  "b": {"type": "nonsense"}}}}})
     assert info.value.param == "response_format" and "compiled" in info.value.message
     wait_no_leaks(cluster)  # a refused request reserves nothing
+
+
+def test_named_tool_call(cluster: LocalCluster) -> None:
+    """A named function: its arguments parse and validate against its parameters, in
+    OpenAI's tool_calls shape, streamed (the openai client assembles the deltas) or not."""
+    params = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+              "properties": {"city": {"type": "string", "maxLength": 20},
+                             "days": {"type": "integer", "minimum": 1, "maximum": 14}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params,
+                                               "description": "The weather forecast"}},
+             {"type": "function", "function": {"name": "other"}}]
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
+                  tools=tools, max_completion_tokens=60, temperature=0,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    out = client.chat.completions.create(**kwargs)
+    message = out.choices[0].message
+    [call] = message.tool_calls
+    assert message.content is None and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), params)
+    with client.chat.completions.stream(**kwargs) as stream:
+        final = stream.get_final_completion()
+    [streamed] = final.choices[0].message.tool_calls
+    assert streamed.id.startswith("call_") and streamed.function.name == "get_weather"
+    assert streamed.function.arguments == call.function.arguments  # greedy: the same
+    wait_no_leaks(cluster)
 
 
 @pytest.mark.parametrize("shape", ["pipeline", "colocated"])

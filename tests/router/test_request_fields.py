@@ -110,7 +110,8 @@ ROWS = [
         "name": "no spaces", "schema": {"type": "object"}}}, REFUSED),
     Row("chat", "response_format", {"type": "yaml"}, REFUSED),
     Row("chat", "tools", [], ACCEPTED),
-    Row("chat", "tools", [TOOL], REFUSED),
+    Row("chat", "tools", [{"type": "function"}], REFUSED),
+    Row("chat", "tools", [TOOL, TOOL], REFUSED),  # two functions of one name
     Row("chat", "tool_choice", "none", ACCEPTED),
     Row("chat", "tool_choice", "auto", ACCEPTED),
     Row("chat", "tool_choice", "required", REFUSED),
@@ -178,6 +179,27 @@ def test_field(kind: str, row: Row) -> None:
 def test_stream_option(kind: str, row: Row) -> None:
     body = {"stream": True, "stream_options": {row.field: row.value}}
     check_row(kind, body, row, f"stream_options.{row.field}", {"stream": True})
+
+
+def test_named_tool_choice_is_a_grammar_over_its_parameters() -> None:
+    named = {"type": "function", "function": {"name": "f"}}
+    req = parse("chat", {"tools": [TOOL], "tool_choice": named})
+    assert req.tool_call == "f" and req.sampling == SamplingParams(
+        DEFAULT_MAX, response_format='{"type":"json_schema","json_schema":{"schema":'
+                                     '{"type":"object"}}}')
+    assert parse("chat", {"tools": [TOOL], "tool_choice": "none"}) == parse("chat", {})
+    for body, param in (({"tools": [TOOL]}, "tool_choice"),  # "auto" by default
+                        ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+                        ({"tools": [TOOL], "tool_choice": {"type": "function", "function":
+                                                           {"name": "g"}}}, "tool_choice"),
+                        ({"tools": [TOOL], "tool_choice": named,
+                          "response_format": {"type": "json_object"}}, "tool_choice"),
+                        ({"tools": [{"type": "function", "function": {
+                            "name": "f", "parameters": {"type": "nope"}}}],
+                          "tool_choice": named}, "tools")):
+        with pytest.raises(ApiError) as info:
+            parse("chat", body)
+        assert info.value.param == param, (body, info.value.message)
 
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])
