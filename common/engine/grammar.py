@@ -21,6 +21,7 @@ import functools
 import json
 import re
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -71,16 +72,20 @@ def tokenizer_info(tokenizer: Any, vocab_size: int,
 
 class Grammars:
     """One worker's compiled grammars (an LRU, compiled once per response format) and
-    the bitmasks of a step. ``info`` makes the tokenizer info, on first use: workers
-    that never see a ``response_format`` never pay for it."""
+    the bitmasks of a step. Compiling (~0.5 s for smollm2's vocabulary) runs on a thread
+    of its own: a worker ``prefetch``es a request's grammar when the request arrives, so
+    its event loop (every other stream's steps) rarely waits for one. ``info`` makes the
+    tokenizer info, on first use: workers that never see a ``response_format`` never
+    pay for it."""
 
     def __init__(self, info: Callable[[], xgr.TokenizerInfo],
                  max_compiled: int = MAX_COMPILED) -> None:
         self._info = info
-        self._compiler: Optional[xgr.GrammarCompiler] = None
+        self._compiler: Optional[xgr.GrammarCompiler] = None  # made on the thread
         self._vocab = 0  # the tokenizer info's vocabulary size, once it is made
-        self._compiled: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
+        self._compiled: OrderedDict[str, Future[xgr.CompiledGrammar]] = OrderedDict()
         self._max = max_compiled
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.compiles = 0  # how many times a grammar was compiled (tests, metrics)
 
     @classmethod
@@ -89,25 +94,35 @@ class Grammars:
         mc = engine.model_config
         return cls(lambda: tokenizer_info(engine.tokenizer, mc.vocab_size, mc.eos_token_ids))
 
+    def prefetch(self, params: SamplingParams) -> None:
+        """Start compiling a request's grammar, if it has one and it is not cached."""
+        if params.response_format is not None:
+            self._future(params.response_format)
+
     def compiled(self, response_format: str) -> xgr.CompiledGrammar:
-        """The grammar of ``response_format``, compiled on first use (on the worker's
-        event loop: ~0.5 s for smollm2's vocabulary, once per schema)."""
+        """The grammar of ``response_format`` (waits for its compile if it is running)."""
+        return self._future(response_format).result()
+
+    def _future(self, response_format: str) -> Future[xgr.CompiledGrammar]:
         hit = self._compiled.get(response_format)
         if hit is not None:
             self._compiled.move_to_end(response_format)
             return hit
+        future = self._thread.submit(self._compile, response_format)
+        self._compiled[response_format] = future
+        if len(self._compiled) > self._max:
+            self._compiled.popitem(last=False)
+        return future
+
+    def _compile(self, response_format: str) -> xgr.CompiledGrammar:
         if self._compiler is None:
             info = self._info()
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
             self._vocab = info.vocab_size
         schema, strict = _schema_of(response_format)
-        grammar = self._compiler.compile_json_schema(schema, any_whitespace=False,
-                                                     strict_mode=strict)
         self.compiles += 1
-        self._compiled[response_format] = grammar
-        if len(self._compiled) > self._max:
-            self._compiled.popitem(last=False)
-        return grammar
+        return self._compiler.compile_json_schema(schema, any_whitespace=False,
+                                                  strict_mode=strict)
 
     def matcher(self, params: SamplingParams) -> Optional[xgr.GrammarMatcher]:
         """A fresh matcher for a constrained request, None for a free one."""

@@ -78,6 +78,7 @@ class DecodeWorker:
                 msg.request_id, self.rt.instance_id,
                 f"needs {n} blocks, {self.pool.num_free} free", msg.attempt))
             return
+        self.grammars.prefetch(msg.sampling)  # compiled while its prefill runs
         fence = Fence(self.rt.epoch, next(self.generations))
         self.reserved[msg.request_id] = Reservation(
             msg.request_id, blocks, msg.prompt_tokens, msg.sampling, msg.router_inbox,

@@ -112,6 +112,7 @@ class PrefillWorker:
             return self.fail(task, 503, "prefill_queue_full",
                              f"{self.max_waiting} prompts are queued on {self.rt.instance_id}")
         self._remember(task.fence)  # a replay of it must never write again
+        self.grammars.prefetch(task.sampling)  # compiled while it waits and computes
         # a sender-chosen deadline reaches no further than this worker's own limit
         self.waiting.append(replace(task, deadline=clamp_deadline(
             task.deadline, self.rt.config.kv_wait_timeout_s)))

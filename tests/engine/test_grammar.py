@@ -55,6 +55,10 @@ def test_compiled_once_per_schema_and_evicted_least_recent(grammars: Grammars) -
     grammars.compiled(b)
     assert grammars.compiles == 4
     assert grammars.matcher(SamplingParams(4)) is None
+    grammars.prefetch(SamplingParams(4, response_format=c))  # compiles on its thread
+    grammars.prefetch(SamplingParams(4))  # nothing to compile
+    assert grammars.matcher(SamplingParams(4, response_format=c)) is not None
+    assert grammars.compiles == 5
 
 
 def test_a_mask_that_forbids_the_argmax_changes_the_greedy_choice() -> None:
