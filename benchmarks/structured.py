@@ -38,6 +38,7 @@ prefill_workers = 1
 decode_workers = 1
 decode_blocks = 1024
 heartbeat_interval_s = 0.2
+admission = "none"  # measure the steps, never refuse a round's requests
 
 [store]
 enabled = false
