@@ -70,6 +70,12 @@ def tokenizer_info(tokenizer: Any, vocab_size: int,
                              stop_token_ids=list(stop_token_ids))
 
 
+class GrammarError(ValueError):
+    """A response format this worker cannot compile. The router compiled the same schema
+    already, so this is rare (a tokenizer-specific failure); the request fails with a 400
+    and frees its blocks, nothing else is affected."""
+
+
 class Grammars:
     """One worker's compiled grammars (an LRU, compiled once per response format) and
     the bitmasks of a step. Compiling (~0.5 s for smollm2's vocabulary) runs on a thread
@@ -100,8 +106,13 @@ class Grammars:
             self._future(params.response_format)
 
     def compiled(self, response_format: str) -> xgr.CompiledGrammar:
-        """The grammar of ``response_format`` (waits for its compile if it is running)."""
-        return self._future(response_format).result()
+        """The grammar of ``response_format`` (waits for its compile if it is running);
+        GrammarError if it cannot be compiled (the failure stays cached)."""
+        try:
+            return self._future(response_format).result()
+        except Exception as exc:
+            raise GrammarError(f"'response_format' cannot be compiled on this worker: "
+                               f"{exc}") from exc
 
     def _future(self, response_format: str) -> Future[xgr.CompiledGrammar]:
         hit = self._compiled.get(response_format)

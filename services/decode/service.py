@@ -14,7 +14,7 @@ import torch
 from common.config import ClusterConfig
 from common.mailbox import serve_inbox
 from common.engine import DecodeInput
-from common.engine.grammar import Grammars
+from common.engine.grammar import GrammarError, Grammars
 from common.engine.sampling import sample
 from common.idle_check import IdleCheck
 from common.security import clamp_deadline
@@ -118,13 +118,20 @@ class DecodeWorker:
               prompt_tokens: int, cached_tokens: int,
               first_top: Optional[TopLogprobs] = None) -> None:
         """The prompt's KV is in ``r.blocks``: join the batch with the first token."""
+        try:
+            matcher = self.grammars.matcher(r.params)
+        except GrammarError as exc:  # the KV has landed, nothing writes: free and fail
+            self.pool.free(r.blocks)
+            self.rt.mail.send(self.rt.conductor, RequestFailed(
+                r.request_id, 400, "invalid_request_error", str(exc), fence=r.fence))
+            return
         seq = Running(
             request_id=r.request_id, blocks=r.blocks, position=prompt_tokens,
             last_token=first_token, params=r.params, router_inbox=r.router_inbox,
             prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
             text=IncrementalText(self.engine.decode_tokens, r.params.stop),
             generator=make_generator(r.params, 1), fence=r.fence,
-            matcher=self.grammars.matcher(r.params))
+            matcher=matcher)
         self.running[seq.request_id] = seq
         self.record_token(seq, first_token, first_logprob, first_top)
         self.wake.set()

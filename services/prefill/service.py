@@ -25,6 +25,7 @@ from common.config import ClusterConfig
 from common.engine.batching import plan_chunks
 from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
+from common.engine.grammar import GrammarError
 from common.engine.sampling import Grammars, sample_first
 from common.host import host_id
 from common.idle_check import IdleCheck
@@ -337,19 +338,19 @@ class PrefillWorker:
                 job.stream.send_whole_blocks(len(job.plan.block_table))
             await job.stream.wait(max(1.0, task.deadline - time.time()))
             await settle(job.put_futures)
-            if outcome is not None:
-                # the group's cost is the head's compute plus this wait for the later
-                # stages (≈ the pipeline's latency), which PrefillDone reports below
+            if outcome is not None:  # its wait for the later stages counts in wait_s
                 result = await self.group.result(outcome, task.deadline)
+            token, logprob, top = (sample_first(logits, task.sampling, make_generator(
+                task.sampling, 0), self.grammars) if outcome is None else
+                (result.first_token, result.first_logprob, result.first_top))
         except TransferError as exc:
             return await self.give_up(job, PrefillFailure(503, "kv_transfer_failed", str(exc)))
+        except GrammarError as exc:
+            return await self.give_up(job, PrefillFailure(400, "invalid_request_error", str(exc)))
         job.wait_s += time.perf_counter() - started
         if job.aborted:
             return await self.give_up(job, PrefillFailure(499, "aborted", "aborted"))
         self.kv_paths.done(job.stream)
-        token, logprob, top = (sample_first(logits, task.sampling, make_generator(
-            task.sampling, 0), self.grammars) if outcome is None else
-            (result.first_token, result.first_logprob, result.first_top))
         bs, prompt = self.engine.config.block_size, len(task.token_ids)
         cached_tokens = job.plan.cached_blocks * bs
         if job.loads is not None:

@@ -16,6 +16,7 @@ from common.protocol import (
     AbortRequest, BlocksReserved, Fence, FenceQuery, KVFailed, KVReady, RequestFailed,
     RequestFinished, ReserveFailed, TokenDelta, WorkerGone, WorkerLoad,
 )
+from common.engine.grammar import GrammarError
 from services.decode.service import DecodeWorker
 from tests.worker_fakes import (
     CONDUCTOR, EOS, EPOCH, ROUTER_INBOX, FakeRuntime, clean, fence_of, reserve, run_until,
@@ -275,4 +276,27 @@ def test_drops_are_counted_on_the_runtime_for_heartbeats(make: Make) -> None:
     assert worker.dropped is rt.dropped and rt.dropped == {"KVReady": 1}
     outboxes = SimpleNamespace(dropped={"tcp://a": 2, "tcp://b": 1})
     assert drop_counts(rt.dropped, outboxes) == {"KVReady": 1, "outbox_full": 3}
+    clean(worker)
+
+
+def test_a_grammar_this_worker_cannot_compile_fails_the_request_alone(make: Make) -> None:
+    """The router compiled the schema, this worker cannot: the request fails with a 400
+    naming response_format and its blocks are free; the worker goes on serving."""
+    rt, worker = make()
+
+    class Broken:
+        def prefetch(self, params: object) -> None:
+            pass
+
+        def matcher(self, params: object) -> None:
+            raise GrammarError("'response_format' cannot be compiled on this worker: boom")
+
+    worker.grammars = Broken()  # type: ignore[assignment]
+    worker.on_reserve(reserve("a", prompt_tokens=6, max_tokens=3,
+                              response_format='{"type":"json_object"}'))
+    worker.on_kv_ready(KVReady("a", first_token=7, first_logprob=None, prompt_tokens=6,
+                               cached_tokens=0, fence=F1))
+    [failed] = rt.mail.of(RequestFailed, to=CONDUCTOR)
+    assert (failed.request_id, failed.status, failed.fence) == ("a", 400, F1)
+    assert "response_format" in failed.message and deltas(rt) == []
     clean(worker)

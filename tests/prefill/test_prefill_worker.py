@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 
@@ -218,3 +218,38 @@ def test_idle_check_watches_only_while_idle(make: Make) -> None:
 
     asyncio.run(go())
     assert check.checks > 0 and check.violations == 0
+
+
+def test_a_grammar_this_worker_cannot_compile_fails_the_request_alone(make: Make) -> None:
+    """The first token is sampled under the request's grammar; one this worker cannot
+    compile fails the request with a 400 (blocks freed, the decode side told), and the
+    next prompt is served."""
+    from dataclasses import replace
+
+    from common.engine.grammar import GrammarError
+
+    rt, worker = make()
+
+    class Broken:
+        def prefetch(self, params: object) -> None:
+            pass
+
+        def matcher(self, params: Any) -> None:
+            if params.response_format is not None:
+                raise GrammarError("'response_format' cannot be compiled here: boom")
+
+        def bitmask(self, matchers: object) -> None:
+            return None
+
+    worker.grammars = Broken()  # type: ignore[assignment]
+    task = prefill_task("a", list(range(1, 11)))
+    worker.on_task(replace(task, sampling=replace(task.sampling,
+                                                  response_format='{"type":"json_object"}')))
+    worker.on_task(prefill_task("b", list(range(20, 30))))
+    serve(worker, lambda: len(rt.mail.sent) >= 3 and worker.idle())
+    failed = rt.mail.of(RequestFailed, to=CONDUCTOR)
+    assert [(f.request_id, f.status, f.error_type) for f in failed] == [
+        ("a", 400, "invalid_request_error")] and "response_format" in failed[0].message
+    assert KVFailed("a", "invalid_request_error", fence_for("a")) in rt.mail.of(KVFailed)
+    assert [m.request_id for m in rt.mail.of(KVReady)] == ["b"]
+    clean(worker)
