@@ -25,6 +25,7 @@ from common.engine import DecodeInput
 from common.engine.batching import plan_chunks
 from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
+from common.engine.grammar import GrammarError
 from common.engine.sampling import sample_first
 from common.protocol import AbortRequest, PrefillDone, PrefillTask, RequestFailed, WorkerLoad
 from common.security import clamp_deadline
@@ -139,8 +140,11 @@ class ColocatedWorker(DecodeWorker):
             # The put reads the blocks after this returns: hold a reference of its own.
             held = self.pool.match_prefix(p.keys)
             self.prefix.release(PrefixPlan(held, 0, 0, p.stored_from), p.keys[:len(held)])
-        token, logprob, top = sample_first(logits, r.params, make_generator(r.params, 0),
-                                           self.grammars)
+        try:
+            token, logprob, top = sample_first(logits, r.params, make_generator(r.params, 0),
+                                               self.grammars)
+        except GrammarError as exc:
+            return self.grammar_failed(r, exc)
         prompt = len(task.token_ids)
         self.rt.mail.send(self.rt.conductor, PrefillDone(
             task.request_id, self.rt.instance_id, prompt, p.cached_tokens, p.global_tokens,

@@ -120,11 +120,8 @@ class DecodeWorker:
         """The prompt's KV is in ``r.blocks``: join the batch with the first token."""
         try:
             matcher = self.grammars.matcher(r.params)
-        except GrammarError as exc:  # the KV has landed, nothing writes: free and fail
-            self.pool.free(r.blocks)
-            self.rt.mail.send(self.rt.conductor, RequestFailed(
-                r.request_id, 400, "invalid_request_error", str(exc), fence=r.fence))
-            return
+        except GrammarError as exc:
+            return self.grammar_failed(r, exc)
         seq = Running(
             request_id=r.request_id, blocks=r.blocks, position=prompt_tokens,
             last_token=first_token, params=r.params, router_inbox=r.router_inbox,
@@ -135,6 +132,13 @@ class DecodeWorker:
         self.running[seq.request_id] = seq
         self.record_token(seq, first_token, first_logprob, first_top)
         self.wake.set()
+
+    def grammar_failed(self, r: Reservation, exc: GrammarError) -> None:
+        """``r``'s grammar cannot be compiled here: its KV has landed and nothing writes
+        any more, so free its blocks and fail it alone (400)."""
+        self.pool.free(r.blocks)
+        self.rt.mail.send(self.rt.conductor, RequestFailed(
+            r.request_id, 400, "invalid_request_error", str(exc), fence=r.fence))
 
     def on_kv_failed(self, msg: KVFailed) -> None:
         r = self._settled("KVFailed", msg.request_id, msg.fence)

@@ -4,7 +4,7 @@ each ending with every block free (block size 4)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -106,3 +106,36 @@ def test_a_task_for_another_incarnation_or_reservation_is_dropped(make: Make) ->
     assert list(worker.reserved) == ["a"]
     asyncio.run(request_task(rt, worker, "a"))
     assert finished(rt) == [("a", "length")] and worker.idle_check.run()
+
+
+def test_a_grammar_this_worker_cannot_compile_fails_the_request_alone(make: Make) -> None:
+    """The first token is sampled under the request's grammar: one this worker cannot
+    compile fails that request (400, blocks freed) and the step loop goes on."""
+    from common.engine.grammar import GrammarError
+    from common.protocol import RequestFailed
+
+    rt, worker = make()
+
+    class Broken:
+        def prefetch(self, params: object) -> None:
+            pass
+
+        def matcher(self, params: Any) -> None:
+            if params.response_format is not None:
+                raise GrammarError("'response_format' cannot be compiled here: boom")
+
+        def bitmask(self, matchers: object) -> None:
+            return None
+
+    worker.grammars = Broken()  # type: ignore[assignment]
+
+    async def go() -> None:
+        worker.on_reserve(reserve("a", prompt_tokens=10, max_tokens=3,
+                                  response_format='{"type":"json_object"}'))
+        worker.on_task(prefill_task("a", PROMPT, fence=fence_of(rt, "a")))
+        await request(rt, worker, "b", list(range(20, 30)))
+
+    asyncio.run(go())
+    [failed] = rt.mail.of(RequestFailed)
+    assert (failed.request_id, failed.status) == ("a", 400)
+    assert finished(rt) == [("b", "length")] and worker.idle_check.run()
