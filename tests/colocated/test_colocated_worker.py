@@ -4,16 +4,18 @@ each ending with every block free (block size 4)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import pytest
 
 from common.protocol import (
-    AbortRequest, BlocksReserved, Fence, PrefillDone, RequestFinished, TokenDelta,
+    AbortRequest, BlocksReserved, Fence, PrefillDone, RequestFailed, RequestFinished,
+    TokenDelta,
 )
 from services.colocated.service import ColocatedWorker
 from tests.worker_fakes import (
-    EPOCH, FakeEngine, FakeRuntime, fence_of, prefill_task, reserve, run_until, workers_of,
+    EPOCH, BrokenGrammars, FakeEngine, FakeRuntime, fence_of, prefill_task, reserve, run_until,
+    workers_of,
 )
 
 Make = Callable[[], tuple[FakeRuntime, ColocatedWorker]]
@@ -111,23 +113,9 @@ def test_a_task_for_another_incarnation_or_reservation_is_dropped(make: Make) ->
 def test_a_grammar_this_worker_cannot_compile_fails_the_request_alone(make: Make) -> None:
     """The first token is sampled under the request's grammar: one this worker cannot
     compile fails that request (400, blocks freed) and the step loop goes on."""
-    from common.engine.grammar import GrammarError
-    from common.protocol import RequestFailed
-
     rt, worker = make()
 
-    class Broken:
-        def prefetch(self, params: object) -> None:
-            pass
-
-        def matcher(self, params: Any) -> None:
-            if params.response_format is not None:
-                raise GrammarError("'response_format' cannot be compiled here: boom")
-
-        def bitmask(self, matchers: object) -> None:
-            return None
-
-    worker.grammars = Broken()  # type: ignore[assignment]
+    worker.grammars = BrokenGrammars()  # type: ignore[assignment]
 
     async def go() -> None:
         worker.on_reserve(reserve("a", prompt_tokens=10, max_tokens=3,

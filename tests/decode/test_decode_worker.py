@@ -16,11 +16,10 @@ from common.protocol import (
     AbortRequest, BlocksReserved, Fence, FenceQuery, KVFailed, KVReady, RequestFailed,
     RequestFinished, ReserveFailed, TokenDelta, WorkerGone, WorkerLoad,
 )
-from common.engine.grammar import GrammarError
 from services.decode.service import DecodeWorker
 from tests.worker_fakes import (
-    CONDUCTOR, EOS, EPOCH, ROUTER_INBOX, FakeRuntime, clean, fence_of, reserve, run_until,
-    workers_of,
+    CONDUCTOR, EOS, EPOCH, ROUTER_INBOX, BrokenGrammars, FakeRuntime, clean, fence_of, reserve,
+    run_until, workers_of,
 )
 
 F1 = Fence(EPOCH, 1)  # the first reservation's fence
@@ -284,14 +283,7 @@ def test_a_grammar_this_worker_cannot_compile_fails_the_request_alone(make: Make
     naming response_format and its blocks are free; the worker goes on serving."""
     rt, worker = make()
 
-    class Broken:
-        def prefetch(self, params: object) -> None:
-            pass
-
-        def matcher(self, params: object) -> None:
-            raise GrammarError("'response_format' cannot be compiled on this worker: boom")
-
-    worker.grammars = Broken()  # type: ignore[assignment]
+    worker.grammars = BrokenGrammars()  # type: ignore[assignment]
     worker.on_reserve(reserve("a", prompt_tokens=6, max_tokens=3,
                               response_format='{"type":"json_object"}'))
     worker.on_kv_ready(KVReady("a", first_token=7, first_logprob=None, prompt_tokens=6,

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any, Callable, Optional
+from dataclasses import replace
+from typing import Callable, Optional
 
 import pytest
 
@@ -18,8 +19,7 @@ from common.protocol import (
 )
 from services.prefill.service import PrefillWorker
 from tests.worker_fakes import (
-    CONDUCTOR, DECODE_INBOX, FakeEngine, fence_for, prefill_task,
-    run_until,
+    CONDUCTOR, DECODE_INBOX, BrokenGrammars, FakeEngine, fence_for, prefill_task, run_until,
 )
 
 from tests.prefill.conftest import Make, clean
@@ -224,24 +224,9 @@ def test_a_grammar_this_worker_cannot_compile_fails_the_request_alone(make: Make
     """The first token is sampled under the request's grammar; one this worker cannot
     compile fails the request with a 400 (blocks freed, the decode side told), and the
     next prompt is served."""
-    from dataclasses import replace
-
-    from common.engine.grammar import GrammarError
-
     rt, worker = make()
 
-    class Broken:
-        def prefetch(self, params: object) -> None:
-            pass
-
-        def matcher(self, params: Any) -> None:
-            if params.response_format is not None:
-                raise GrammarError("'response_format' cannot be compiled here: boom")
-
-        def bitmask(self, matchers: object) -> None:
-            return None
-
-    worker.grammars = Broken()  # type: ignore[assignment]
+    worker.grammars = BrokenGrammars()  # type: ignore[assignment]
     task = prefill_task("a", list(range(1, 11)))
     worker.on_task(replace(task, sampling=replace(task.sampling,
                                                   response_format='{"type":"json_object"}')))
