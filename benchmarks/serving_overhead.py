@@ -36,10 +36,11 @@ from common.config import ClusterConfig  # noqa: E402
 from common.kv.events import BlockEventMsg  # noqa: E402
 from common.mailbox import Mailbox  # noqa: E402
 from common.protocol import (  # noqa: E402
-    ClusterStatus, RegisterWorker, RequestAccepted, RequestFailed, RequestRejected,
-    SubmitRequest, TokenDelta, WorkerHeartbeat, WorkerLoad,
+    RegisterWorker, RequestAccepted, RequestFailed, RequestRejected, SubmitRequest,
+    TokenDelta, WorkerHeartbeat, WorkerLoad,
 )
 from common.sampling_params import SamplingParams  # noqa: E402
+from common.status_protocol import ClusterStatus  # noqa: E402
 from launch.cluster import LocalCluster  # noqa: E402
 
 CONFIG = """

@@ -69,13 +69,17 @@ class Placer:
         return self.shapes[1]
 
     def cost_of(self, stages: int) -> CostModel:
-        """The prefill cost model of instances of ``stages`` processes; a group's starts
-        from the cluster's profile (PipelineCost) and is refitted from its own prefills."""
+        """The prefill cost model of instances of ``stages`` processes."""
+        return self._shape(stages).cost
+
+    def _shape(self, stages: int) -> PrefillCalibrator:
+        """The calibration of that shape; a group's model starts from the cluster's
+        profile (PipelineCost) and is refitted from its own prefills."""
         if stages not in self.shapes:
             pipeline = PipelineCost(load_cost_model(self.config.cost_profile), stages,
                                     self.config.step_budget("prefill"))
             self.shapes[stages] = PrefillCalibrator(pipeline)
-        return self.shapes[stages].cost
+        return self.shapes[stages]
 
     def _prefill_state(self, w: WorkerState, tracker: Optional[Tracker],
                        now: float) -> PrefillInstanceState:
@@ -147,8 +151,7 @@ class Placer:
         online calibration; True if it refitted. The time TTFT sees is compute plus what
         the prefill waited on transfers (store loads, a pipeline's later stages): both
         are the instance's cost for that prompt."""
-        self.cost_of(stages)
-        calibrator = self.shapes[stages]
+        calibrator = self._shape(stages)
         new = msg.prompt_tokens - msg.cached_tokens
         seconds = calibrator.cost.as_single(new, msg.prefill_seconds + msg.wait_s)
         return calibrator.observe(new, msg.cached_tokens, seconds)

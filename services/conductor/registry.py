@@ -5,9 +5,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from common.protocol import (
-    InstanceStatus, KVSnapshot, RegisterWorker, WorkerHeartbeat, WorkerLoad,
-)
+from common.protocol import KVSnapshot, RegisterWorker, WorkerHeartbeat, WorkerLoad
+from common.status_protocol import InstanceStatus
 from services.conductor.worker_kv import WorkerKV
 
 

@@ -15,11 +15,12 @@ from typing import Any, Callable, Optional
 from common.config import ClusterConfig
 from common.mailbox import Mailbox, serve_inbox
 from common.protocol import (
-    AbortRequest, BlocksReserved, ClusterStatus, KVResync, KVSnapshot, KVTransferReport,
-    PrefillDone, PrefillTask,
-    ReRegister, RegisterWorker, RequestAccepted, RequestFailed, RequestFinished, RequestRejected,
-    ReserveBlocks, ReserveFailed, SubmitRequest, WorkerGone, WorkerHeartbeat, WorkerLeaving,
+    AbortRequest, BlocksReserved, KVResync, KVSnapshot, KVTransferReport, PrefillDone,
+    PrefillTask, ReRegister, RegisterWorker, RequestAccepted, RequestFailed,
+    RequestFinished, RequestRejected, ReserveBlocks, ReserveFailed, SubmitRequest,
+    WorkerGone, WorkerHeartbeat, WorkerLeaving,
 )
+from common.status_protocol import ClusterStatus
 from common.scheduling import Rejection
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.placement import Placement, Placer

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from common.config import ClusterConfig
 from common.metric_values import by_label, total
-from common.protocol import ConductorTotals, StoreUsage
+from common.status_protocol import ConductorTotals, StoreUsage
 from common.store.client import StoreClient
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.store_events import IndexSync

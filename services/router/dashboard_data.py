@@ -13,7 +13,7 @@ from dataclasses import asdict
 from typing import Any, Optional
 
 from common.metric_values import by_label, total
-from common.protocol import ConductorTotals, StoreUsage
+from common.status_protocol import ConductorTotals, StoreUsage
 from services.router.dashboard_log import RequestLog
 from services.router.metrics import RouterMetrics
 from services.router.state import RouterState

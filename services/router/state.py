@@ -16,8 +16,11 @@ from typing import Any, Callable, Optional, Union
 from common.config import ClusterConfig
 from common.drain import Drain, current as current_drain
 from common.mailbox import Mailbox
-from common.protocol import (AbortRequest, ClusterStatus, KVTransferReport, RequestAccepted,
-                             RequestFailed, RequestRejected, SubmitRequest, TokenDelta)
+from common.protocol import (
+    AbortRequest, KVTransferReport, RequestAccepted, RequestFailed, RequestRejected,
+    SubmitRequest, TokenDelta,
+)
+from common.status_protocol import ClusterStatus
 from services.router.dashboard_log import RequestLog
 from services.router.metrics import RouterMetrics
 from services.router.tokenizer import PromptTokenizer

@@ -25,7 +25,8 @@ import zmq.asyncio
 from common import security
 from common.config import ClusterConfig
 from common.mailbox import DealerLink, Mailbox
-from common.protocol import ClusterStatus, RegisterWorker
+from common.protocol import RegisterWorker
+from common.status_protocol import ClusterStatus
 from common.security import SecurityConfig, generate_keys
 from common.store import protocol as sp
 from tests.common.test_security import offer, raw_socket

@@ -9,10 +9,11 @@ import pytest
 from common.config import ClusterConfig, SLOConfig
 from common.kv.events import BlockEventMsg
 from common.protocol import (
-    AbortRequest, BlocksReserved, ClusterStatus, PrefillDone, PrefillTask, RegisterWorker,
-    RequestAccepted, RequestFailed, RequestFinished, ReserveBlocks, ReserveFailed,
-    RequestRejected, SubmitRequest, WorkerHeartbeat, WorkerLoad,
+    AbortRequest, BlocksReserved, PrefillDone, PrefillTask, RegisterWorker, RequestAccepted,
+    RequestFailed, RequestFinished, ReserveBlocks, ReserveFailed, RequestRejected,
+    SubmitRequest, WorkerHeartbeat, WorkerLoad,
 )
+from common.status_protocol import ClusterStatus
 from common.sampling_params import SamplingParams
 from common.scheduling import Rejection
 from services.conductor.service import Conductor

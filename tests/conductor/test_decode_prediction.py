@@ -8,9 +8,10 @@ import pytest
 
 from common.config import ClusterConfig, SLOConfig
 from common.protocol import (
-    BlocksReserved, ClusterStatus, PrefillDone, RegisterWorker, RequestAccepted,
-    RequestFinished, RequestRejected, SubmitRequest, WorkerHeartbeat, WorkerLoad,
+    BlocksReserved, PrefillDone, RegisterWorker, RequestAccepted, RequestFinished,
+    RequestRejected, SubmitRequest, WorkerHeartbeat, WorkerLoad,
 )
+from common.status_protocol import ClusterStatus
 from common.sampling_params import SamplingParams
 from common.scheduling import DecodeSlot, Rejection
 from common.scheduling.decode_time import DecodeDurations

@@ -7,9 +7,10 @@ from typing import Any
 
 from common.config import ClusterConfig, SLOConfig
 from common.protocol import (
-    AbortRequest, BlocksReserved, ClusterStatus, PrefillTask, RegisterWorker, RequestFailed,
-    SubmitRequest, WorkerHeartbeat, WorkerLoad,
+    AbortRequest, BlocksReserved, PrefillTask, RegisterWorker, RequestFailed, SubmitRequest,
+    WorkerHeartbeat, WorkerLoad,
 )
+from common.status_protocol import ClusterStatus
 from common.sampling_params import SamplingParams
 from services.conductor.service import Conductor
 

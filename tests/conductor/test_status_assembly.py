@@ -11,8 +11,8 @@ import pytest
 from common.config import ClusterConfig
 from common.ipc import decode, encode
 from common.kv.events import BlockEventMsg
-from common.protocol import (ClusterStatus, ConductorTotals, InstanceStatus, RegisterWorker,
-                             WorkerHeartbeat, WorkerLoad)
+from common.protocol import RegisterWorker, WorkerHeartbeat, WorkerLoad
+from common.status_protocol import ClusterStatus, ConductorTotals, InstanceStatus
 from common.scheduling import PrefixIndex
 from common.store.metadata import MetadataConfig, StoreMetadata
 from services.conductor.metrics import ConductorMetrics

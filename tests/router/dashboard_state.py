@@ -11,8 +11,8 @@ from typing import Iterator, Optional
 from aiohttp import web
 
 from common.config import ClusterConfig
-from common.protocol import (ClusterStatus, ConductorTotals, InstanceStatus,
-                             KVTransferReport, RequestAccepted, StoreUsage)
+from common.protocol import KVTransferReport, RequestAccepted
+from common.status_protocol import ClusterStatus, ConductorTotals, InstanceStatus, StoreUsage
 from services.router.app import build_app
 from services.router.state import RouterState
 

@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional
 
 from common.config import ClusterConfig
 from common.mailbox import Mailbox
-from common.protocol import (AbortRequest, ClusterStatus, RequestAccepted, SubmitRequest,
-                             TokenDelta)
+from common.protocol import AbortRequest, RequestAccepted, SubmitRequest, TokenDelta
+from common.status_protocol import ClusterStatus
 
 Script = Callable[[SubmitRequest], list[tuple[float, Any]]]
 

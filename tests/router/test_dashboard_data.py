@@ -9,7 +9,7 @@ from typing import Any, Optional
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from common.protocol import ClusterStatus, ConductorTotals
+from common.status_protocol import ClusterStatus, ConductorTotals
 from services.router.app import build_app
 from services.router.dashboard_data import dashboard_data
 from services.router.state import RouterState

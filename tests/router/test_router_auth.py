@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from common.config import ClusterConfig
-from common.protocol import ClusterStatus
+from common.status_protocol import ClusterStatus
 from common.security import SecurityConfig
 from common.service import StartupError
 from services.router.auth import load_api_keys

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from common.config import ClusterConfig
-from common.protocol import ClusterStatus
+from common.status_protocol import ClusterStatus
 from tests.router.conftest import (CONDUCTOR_TIMEOUT_S, HEARTBEAT_S, REPO,
                                    REQUEST_TIMEOUT_S, _wait_listening)
 from tests.router.fake_cluster import READY, FakeCluster, accepted, deltas

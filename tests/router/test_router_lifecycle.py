@@ -7,7 +7,7 @@ import time
 
 import openai
 
-from common.protocol import ClusterStatus, InstanceStatus
+from common.status_protocol import ClusterStatus, InstanceStatus
 from tests.router.fake_cluster import FakeCluster, accepted, deltas
 from tests.router.http_client import connect, get, post
 from tests.router.test_router_http import MODEL, USER, eventually
