@@ -94,7 +94,9 @@ def test_prometheus_scrapes_a_cluster_and_every_dashboard_panel_shows_data(
 
 
 def _up() -> list[dict[str, Any]]:
-    try:
+    try:  # while its storage opens, Prometheus answers 503 "Service Unavailable" in plain text
+        if httpx.get(f"http://127.0.0.1:{PROMETHEUS}/-/ready", timeout=5).status_code != 200:
+            return []
         return query("up")
     except httpx.TransportError:
         return []  # not listening yet
