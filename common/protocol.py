@@ -15,7 +15,7 @@ from typing import Optional
 
 from common.ipc import message
 from common.kv.events import BlockEventMsg
-from common.sampling_params import SamplingParams, TopLogprobs
+from common.sampling_params import SampledToken, SamplingParams, TopLogprobs
 from common.scheduling.state import Rejection
 
 # ---------------------------------------------------------------- fencing
@@ -261,15 +261,14 @@ class ReserveBlocks:
 
 @message
 class KVReady:
-    """Prefill → decode: every layer of every prompt block has landed; first token sampled."""
+    """Prefill → decode: every layer of every prompt block has landed; the first token of
+    each choice sampled."""
 
     request_id: str
-    first_token: int
-    first_logprob: Optional[float]
+    first: list[SampledToken]  # one per choice (``sampling.n``), choice 0 first
     prompt_tokens: int
     cached_tokens: int
     fence: Fence = Fence()
-    first_top: Optional[TopLogprobs] = None  # asked for (top_logprobs): its alternatives
 
 
 @message
@@ -324,7 +323,8 @@ class RequestAccepted:
 
 @message
 class TokenDelta:
-    """Decode → router: new tokens (and their text) of one request, in order."""
+    """Decode → router: new tokens (and their text) of one choice of a request, in order;
+    each choice ends with its own finish reason."""
 
     request_id: str
     token_ids: list[int]
@@ -335,6 +335,7 @@ class TokenDelta:
     completion_tokens: int
     cached_tokens: int = 0
     top_logprobs: list[TopLogprobs] = field(default_factory=list)  # per token, where asked
+    index: int = 0  # the choice (of ``sampling.n``) these tokens extend
 
 
 @message

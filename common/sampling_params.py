@@ -9,10 +9,11 @@ conductor and the engine all import it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat (completions: 5)
+MAX_CHOICES = 16  # n (or best_of) sequences of one request, sharing its prompt's KV
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class SamplingParams:
     # None: free text. Text keeps the type frozen and hashable; common/engine/grammar.py
     # compiles it (once per distinct value) into the grammar that masks each token.
     response_format: Optional[str] = None
+    # Sequences to sample from the one prompt (OpenAI's ``n``, or ``best_of``): one
+    # prefill, n first tokens, n decode sequences sharing the prompt's KV blocks.
+    n: int = 1
 
     def __post_init__(self) -> None:
         """Reject impossible values at construction (a ValueError; the codec turns it into
@@ -50,12 +54,23 @@ class SamplingParams:
                              f"{self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
         if self.response_format is not None:
             _check_response_format(self.response_format)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def choice(self, index: int) -> SamplingParams:
+        """The parameters of sequence ``index`` of ``n``: one sequence, and a seed of its
+        own (``seed + index``), so each choice of a seeded request is reproducible and
+        choice 0 is what the same request with ``n = 1`` samples."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"choice {index} of a request with n={self.n}")
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
 
 
 def _check_response_format(text: str) -> None:
@@ -87,3 +102,13 @@ class TopLogprobs:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"{len(self.token_ids)} token ids for {len(self.logprobs)} "
                              "logprobs")
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One sampled token: its id, its logprob where asked, and its top alternatives where
+    asked. ``KVReady`` carries one per choice of the request (the first tokens)."""
+
+    token: int
+    logprob: Optional[float] = None
+    top: Optional[TopLogprobs] = None

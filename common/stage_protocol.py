@@ -23,7 +23,7 @@ from typing import Optional
 from common.ipc import message
 from common.kv.hidden import HiddenRoute
 from common.protocol import Fence, StreamTarget
-from common.sampling_params import SamplingParams, TopLogprobs
+from common.sampling_params import SampledToken, SamplingParams
 from common.store.ranges import GetPlan, PutPlan
 
 
@@ -107,7 +107,7 @@ class StageStored:
 class StageReport:
     """A follower → head: its part of the request is over and none of its writes for it
     can land any more. ``ok``: every layer's KV landed on the decode worker. The last
-    stage adds the first token. ``compute_s``/``wait_s``: this stage's share of the steps
+    stage adds the first tokens. ``compute_s``/``wait_s``: this stage's share of the steps
     and its time blocked on transfers (loads, a full hidden-state ring)."""
 
     head_epoch: int
@@ -119,9 +119,7 @@ class StageReport:
     kv_bytes: int = 0
     compute_s: float = 0.0
     wait_s: float = 0.0
-    first_token: Optional[int] = None
-    first_logprob: Optional[float] = None
-    first_top: Optional[TopLogprobs] = None
+    first: list[SampledToken] = field(default_factory=list)  # the last stage's, per choice
 
 
 @message

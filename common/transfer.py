@@ -111,6 +111,10 @@ class TransferAgent:
             raise TransferError(f"register_memory({address:#x}, {nbytes}) failed (rc={rc})")
         self._registered[address] = nbytes
 
+    def registered(self) -> list[int]:
+        """The addresses of the regions registered now."""
+        return list(self._registered)
+
     def unregister(self, address: int) -> None:
         if self._registered.pop(address, None) is not None:
             self._engine.unregister_memory(address)

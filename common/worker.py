@@ -8,8 +8,6 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
-import torch
-
 from common.config import ClusterConfig
 from common.drain import current as current_drain
 from common.engine import Engine, EngineConfig
@@ -20,7 +18,6 @@ from common.kv.shm_kv import close_at_exit, worker_segment
 from common.mailbox import Mailbox
 from common.protocol import (KVResync, KVSnapshot, ReRegister, RegisterWorker, RequestFailed,
                              WorkerHeartbeat, WorkerLeaving, WorkerLoad)
-from common.sampling_params import SamplingParams
 from common.transfer import TransferAgent, TransferConfig
 
 log = logging.getLogger(__name__)
@@ -158,11 +155,3 @@ def fail_step(rt: WorkerRuntime, planned: list, exc: Exception) -> None:
         rt.mail.send(rt.conductor, RequestFailed(job.task.request_id, 500, "internal_error",
                                                  f"prefill failed: {exc}",
                                                  fence=job.task.fence))
-
-
-def make_generator(params: SamplingParams, stream: int) -> Optional[torch.Generator]:
-    """A seeded request's generator for one side of the handover: ``stream`` 0 samples the
-    first token (prefill), 1 the rest (decode). Same seed → same tokens, on any workers."""
-    if params.greedy or params.seed is None:
-        return None
-    return torch.Generator().manual_seed(int(params.seed) * 2 + stream)

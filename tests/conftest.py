@@ -12,12 +12,23 @@ if TYPE_CHECKING:
 
 
 @pytest.fixture(scope="module")
-def agents() -> Iterator[tuple[TransferAgent, TransferAgent]]:
-    """Two real transfer engines (TCP on loopback): a local and a remote side."""
+def _engines() -> Iterator[tuple[TransferAgent, TransferAgent]]:
     a, b = TransferAgent(), TransferAgent()
     yield a, b
     a.close()
     b.close()
+
+
+@pytest.fixture
+def agents(_engines: tuple[TransferAgent, TransferAgent]
+           ) -> Iterator[tuple[TransferAgent, TransferAgent]]:
+    """Two real transfer engines (TCP on loopback): a local and a remote side, shared by
+    a module; what a test registered is unregistered after it (a later test's tensor may
+    reuse the addresses, and the engine refuses overlapping regions)."""
+    yield _engines
+    for agent in _engines:
+        for address in agent.registered():
+            agent.unregister(address)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from common.engine.grammar import Grammars, apply_bitmask
-from common.sampling_params import SamplingParams, TopLogprobs
+from common.sampling_params import SampledToken, SamplingParams, TopLogprobs
 
 
 def _filter(logits: torch.Tensor, top_k: Optional[int], top_p: float) -> torch.Tensor:
@@ -73,15 +73,26 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     return out
 
 
+def make_generator(params: SamplingParams, stream: int) -> Optional[torch.Generator]:
+    """A seeded sequence's generator for one side of the handover: ``stream`` 0 samples
+    the first token (prefill), 1 the rest (decode). Same seed → same tokens, on any
+    workers; any integer seed works (taken modulo 2**64, torch's range)."""
+    if params.greedy or params.seed is None:
+        return None
+    return torch.Generator().manual_seed((int(params.seed) * 2 + stream) % (1 << 64))
+
+
 def sample_first(logits: torch.Tensor, params: SamplingParams,
-                 generator: Optional[torch.Generator], grammars: Grammars
-                 ) -> tuple[int, Optional[float], Optional[TopLogprobs]]:
-    """A request's first token from its prompt's last logits row [V] (the prefill side),
-    under a fresh matcher of its grammar if it has one: the decode worker advances its
-    own matcher with this token (common/engine/grammar.py)."""
-    bitmask = grammars.bitmask([grammars.matcher(params)])
-    [first] = sample(logits.unsqueeze(0), [params], [generator], bitmask)
-    return first
+                 grammars: Grammars) -> list[SampledToken]:
+    """A request's first tokens, one per choice (``params.n``), from its prompt's last
+    logits row [V] (the prefill side): choice i is sampled with ``params.choice(i)`` under
+    a fresh matcher of the grammar if there is one (the decode worker advances its own
+    matcher with the token: common/engine/grammar.py)."""
+    choices = [params.choice(i) for i in range(params.n)]
+    bitmask = grammars.bitmask([grammars.matcher(p) for p in choices])
+    sampled = sample(logits.unsqueeze(0).expand(len(choices), -1), choices,
+                     [make_generator(p, 0) for p in choices], bitmask)
+    return [SampledToken(t, lp, top) for t, lp, top in sampled]
 
 
 class Sampler:

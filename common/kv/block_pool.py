@@ -113,6 +113,15 @@ class BlockPool:
                 f"cannot allocate {n} KV blocks: only {self.num_free} of {self.num_blocks} free")
         return blocks
 
+    def share(self, blocks: Sequence[int]) -> None:
+        """Take one more reference on each block in use: another sequence reads them too
+        (the prompt blocks of a request's n choices); each holder frees its own."""
+        for block in blocks:
+            if self._ref[block] <= 0:
+                raise ValueError(f"block {block} is not in use and cannot be shared")
+        for block in blocks:
+            self._ref[block] += 1
+
     def free(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each block; freed in reverse order (tail evicted first)."""
         for block in blocks:

@@ -164,6 +164,17 @@ class PagedKVMemory:
         torch.index_select(self.data[:, layer, 1], 0, flat, out=vb)
         return kb.view(shape), vb.view(shape)
 
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Block ``dst[i]`` becomes a copy of block ``src[i]`` (every layer, K and V)."""
+        if len(src) != len(dst):
+            raise ValueError(f"{len(src)} source blocks for {len(dst)} destinations")
+        for block in (*src, *dst):
+            self._check_block(block)
+        if src:
+            index = torch.as_tensor(list(src), dtype=torch.long, device=self.data.device)
+            self.data[torch.as_tensor(list(dst), dtype=torch.long,
+                                      device=self.data.device)] = self.data[index]
+
     def zero_blocks(self, blocks: Sequence[int]) -> None:
         if blocks:
             self.data[torch.as_tensor(list(blocks), dtype=torch.long)] = 0

@@ -29,7 +29,7 @@ from common.engine.grammar import GrammarError
 from common.engine.sampling import sample_first
 from common.protocol import AbortRequest, PrefillDone, PrefillTask, RequestFailed, WorkerLoad
 from common.security import clamp_deadline
-from common.worker import WorkerRuntime, fail_step, make_generator
+from common.worker import WorkerRuntime, fail_step
 from services.decode.sequence import Reservation
 from services.decode.service import DecodeWorker, serve_worker
 from services.decode.turns import Turns
@@ -141,15 +141,14 @@ class ColocatedWorker(DecodeWorker):
             held = self.pool.match_prefix(p.keys)
             self.prefix.release(PrefixPlan(held, 0, 0, p.stored_from), p.keys[:len(held)])
         try:
-            token, logprob, top = sample_first(logits, r.params, make_generator(r.params, 0),
-                                               self.grammars)
+            first = sample_first(logits, r.params, self.grammars)
         except GrammarError as exc:
-            return self.grammar_failed(r, exc)
+            return self.failed(r, 400, "invalid_request_error", str(exc))
         prompt = len(task.token_ids)
         self.rt.mail.send(self.rt.conductor, PrefillDone(
             task.request_id, self.rt.instance_id, prompt, p.cached_tokens, p.global_tokens,
             time.perf_counter() - (p.started or time.perf_counter()), 0, 0.0, r.fence))
-        self.start(r, token, logprob, prompt, p.cached_tokens, top)
+        self.start(r, first, prompt, p.cached_tokens)
 
     # ------------------------------------------------------------ steps
     async def step_loop(self) -> None:

@@ -132,7 +132,7 @@ class Placer:
         prefill = [self._prefill_state(w, tracker, now) for w in registry.by_role("prefill")]
         decode = [self._decode_state(w, tracker, now) for w in registry.by_role("decode")]
         info = RequestInfo(req.request_id, req.block_keys, len(req.token_ids),
-                           req.sampling.max_tokens)
+                           output_tokens(req))
         global_len = self.global_index.prefix_len(req.block_keys)
         d = self.policy.schedule(info, prefill, decode, global_len, now)
         if d.rejection is not None:
@@ -177,3 +177,9 @@ def decode_slots(w: WorkerState, tracker: Tracker,
             incoming.append(DecodeSlot(max(t.accepted_at + t.predicted_ttft_s, now),
                                        t.decode_tokens))
     return running, incoming
+
+
+def output_tokens(req: SubmitRequest) -> int:
+    """The most tokens ``req`` may add to its decode worker's KV: ``max_tokens`` for each
+    of its ``n`` choices (they share the prompt's)."""
+    return req.sampling.max_tokens * req.sampling.n

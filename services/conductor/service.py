@@ -23,7 +23,7 @@ from common.protocol import (
 from common.status_protocol import ClusterStatus
 from common.scheduling import Rejection
 from services.conductor.metrics import ConductorMetrics
-from services.conductor.placement import Placement, Placer
+from services.conductor.placement import Placement, Placer, output_tokens
 from services.conductor.registry import ROLES, Registry
 from services.conductor.status import StoreView, conductor_totals
 from services.conductor.store_events import StoreEventFeed
@@ -150,7 +150,7 @@ class Conductor:
                           phase=Phase.RESERVING, phase_deadline=now + RESERVE_TIMEOUT_S,
                           predicted_ttft_s=p.predicted_ttft_s, accepted_at=accepted_at,
                           prefill_tokens=p.prefill_tokens,
-                          decode_tokens=len(req.token_ids) + req.sampling.max_tokens,
+                          decode_tokens=len(req.token_ids) + output_tokens(req),
                           attempt=attempt)
         self.tracker.add(tracked)
         prefill.assigned.add(req.request_id)

@@ -17,7 +17,6 @@ back-off until one arrives or the master goes silent.
 """
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
 import time

@@ -15,15 +15,15 @@ from common.config import ClusterConfig
 from common.mailbox import serve_inbox
 from common.engine import DecodeInput
 from common.engine.grammar import GrammarError, Grammars
-from common.engine.sampling import sample
+from common.engine.sampling import make_generator, sample
 from common.idle_check import IdleCheck
 from common.security import clamp_deadline
 from common.protocol import (
     AbortRequest, BlocksReserved, Fence, FenceQuery, KVFailed, KVReady, RequestFailed,
     RequestFinished, ReserveBlocks, ReserveFailed, TokenDelta, WorkerGone, WorkerLoad,
 )
-from common.sampling_params import TopLogprobs
-from common.worker import WorkerRuntime, make_generator
+from common.sampling_params import SampledToken, TopLogprobs
+from common.worker import WorkerRuntime
 from services.decode.detok import IncrementalText
 from services.decode.sequence import Reservation, Running
 from services.decode.turns import Turns
@@ -49,7 +49,8 @@ class DecodeWorker:
         self.quarantine_s = QUARANTINE_S
         self.generations = itertools.count(1)
         self.dropped = rt.dropped  # stale messages, by kind: reported in heartbeats
-        self.running: dict[str, Running] = {}
+        self.running: dict[tuple[str, int], Running] = {}  # by (request id, choice)
+        self.choices: dict[str, int] = {}  # request id → its choices still running
         self.wake = asyncio.Event()
         self.idle_check = IdleCheck(self.pool.check_idle, "KV block pool")
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="decode")
@@ -67,26 +68,36 @@ class DecodeWorker:
     def on_reserve(self, msg: ReserveBlocks) -> None:
         if msg.epoch != self.rt.epoch:
             return self.drop("ReserveBlocks", msg.request_id, f"for epoch {msg.epoch}")
-        limit = self.engine.model_config.max_position_embeddings
-        tokens = min(msg.prompt_tokens + msg.sampling.max_tokens, limit)
-        n = -(-tokens // self.engine.config.block_size)
-        if msg.request_id in self.reserved or msg.request_id in self.running:
+        if msg.request_id in self.reserved or msg.request_id in self.choices:
             return
+        own, tail = self._blocks_needed(msg.prompt_tokens, msg.sampling.max_tokens)
+        n = own + (msg.sampling.n - 1) * tail
         blocks = self.pool.try_allocate(n)
         if blocks is None:
             self.rt.mail.send(self.rt.conductor, ReserveFailed(
                 msg.request_id, self.rt.instance_id,
                 f"needs {n} blocks, {self.pool.num_free} free", msg.attempt))
             return
+        blocks, rest = blocks[:own], blocks[own:]
         self.grammars.prefetch(msg.sampling)  # compiled while its prefill runs
         fence = Fence(self.rt.epoch, next(self.generations))
         self.reserved[msg.request_id] = Reservation(
             msg.request_id, blocks, msg.prompt_tokens, msg.sampling, msg.router_inbox,
             deadline=clamp_deadline(msg.deadline, self.rt.config.kv_wait_timeout_s),
             fence=fence, writer=msg.writer, writer_epoch=msg.writer_epoch,
-            writer_inbox=msg.writer_inbox)
+            writer_inbox=msg.writer_inbox,
+            tails=[rest[i:i + tail] for i in range(0, len(rest), tail)])
         self.rt.mail.send(self.rt.conductor, BlocksReserved(msg.request_id, self.rt.instance_id,
                                                             blocks, fence, msg.attempt))
+
+    def _blocks_needed(self, prompt_tokens: int, max_tokens: int) -> tuple[int, int]:
+        """(blocks for prompt + output, blocks of each further choice's own): further
+        choices share the prompt's full blocks and own the rest, from the prompt's last
+        partial block (copied at the fork: ``_fork``) on."""
+        bs = self.engine.config.block_size
+        limit = self.engine.model_config.max_position_embeddings
+        total = -(-min(prompt_tokens + max_tokens, limit) // bs)
+        return total, total - min(prompt_tokens // bs, total)
 
     def drop(self, kind: str, request_id: str, why: str) -> None:
         """A message no live state of this incarnation matches: logged, counted, ignored."""
@@ -111,34 +122,56 @@ class DecodeWorker:
     def on_kv_ready(self, msg: KVReady) -> None:
         r = self._settled("KVReady", msg.request_id, msg.fence)
         if r is not None:
-            self.start(r, msg.first_token, msg.first_logprob, msg.prompt_tokens,
-                       msg.cached_tokens, msg.first_top)
+            self.start(r, msg.first, msg.prompt_tokens, msg.cached_tokens)
 
-    def start(self, r: Reservation, first_token: int, first_logprob: Optional[float],
-              prompt_tokens: int, cached_tokens: int,
-              first_top: Optional[TopLogprobs] = None) -> None:
-        """The prompt's KV is in ``r.blocks``: join the batch with the first token."""
+    def start(self, r: Reservation, first: list[SampledToken], prompt_tokens: int,
+              cached_tokens: int) -> None:
+        """The prompt's KV is in ``r.blocks``: each choice joins the batch with its first
+        token, in blocks of its own past the prompt's full ones (``_fork``)."""
+        choices = [r.params.choice(i) for i in range(r.params.n)]
+        if len(first) != len(choices):
+            log.error("%s: %s: %d first tokens for n=%d", self.rt.instance_id, r.request_id,
+                      len(first), len(choices))
+            return self.failed(r, 500, "internal_error", "first tokens do not match n")
         try:
-            matcher = self.grammars.matcher(r.params)
+            matchers = [self.grammars.matcher(p) for p in choices]
         except GrammarError as exc:
-            return self.grammar_failed(r, exc)
-        seq = Running(
-            request_id=r.request_id, blocks=r.blocks, position=prompt_tokens,
-            last_token=first_token, params=r.params, router_inbox=r.router_inbox,
-            prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
-            text=IncrementalText(self.engine.decode_tokens, r.params.stop),
-            generator=make_generator(r.params, 1), fence=r.fence,
-            matcher=matcher)
-        self.running[seq.request_id] = seq
-        self.record_token(seq, first_token, first_logprob, first_top)
+            return self.failed(r, 400, "invalid_request_error", str(exc))
+        self.choices[r.request_id] = len(choices)
+        for i, (params, blocks, matcher, sampled) in enumerate(
+                zip(choices, self._fork(r, prompt_tokens), matchers, first)):
+            seq = Running(
+                request_id=r.request_id, blocks=blocks, position=prompt_tokens,
+                last_token=sampled.token, params=params, router_inbox=r.router_inbox,
+                prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                text=IncrementalText(self.engine.decode_tokens, params.stop),
+                generator=make_generator(params, 1), fence=r.fence, matcher=matcher,
+                index=i)
+            self.running[seq.key] = seq
+            self.record_token(seq, sampled.token, sampled.logprob, sampled.top)
         self.wake.set()
 
-    def grammar_failed(self, r: Reservation, exc: GrammarError) -> None:
-        """``r``'s grammar cannot be compiled here: its KV has landed and nothing writes
-        any more, so free its blocks and fail it alone (400)."""
-        self.pool.free(r.blocks)
+    def _fork(self, r: Reservation, prompt_tokens: int) -> list[list[int]]:
+        """The block tables of the request's choices: choice 0 runs in ``r.blocks``; each
+        other one shares the prompt's full blocks (one more reference each) and gets a
+        copy of the last, partial one in its own first block: every choice writes its
+        next token there, so it cannot be shared (copy on write, done at once)."""
+        shared = prompt_tokens // self.engine.config.block_size
+        tables = [r.blocks]
+        for tail in r.tails:
+            self.pool.share(r.blocks[:shared])
+            tables.append(r.blocks[:shared] + tail)
+        if r.tails and shared < len(r.blocks) and prompt_tokens % self.engine.config.block_size:
+            self.engine.kv.copy_blocks([r.blocks[shared]] * len(r.tails),
+                                       [tail[0] for tail in r.tails])
+        return tables
+
+    def failed(self, r: Reservation, status: int, kind: str, why: str) -> None:
+        """``r`` cannot start (its grammar cannot be compiled here: a 400): its KV has
+        landed and nothing writes any more, so free its blocks and fail it alone."""
+        self.pool.free(r.owned)
         self.rt.mail.send(self.rt.conductor, RequestFailed(
-            r.request_id, 400, "invalid_request_error", str(exc), fence=r.fence))
+            r.request_id, status, kind, why, fence=r.fence))
 
     def on_kv_failed(self, msg: KVFailed) -> None:
         r = self._settled("KVFailed", msg.request_id, msg.fence)
@@ -149,9 +182,10 @@ class DecodeWorker:
         r = self.reserved.get(msg.request_id)
         if r is not None and msg.fence in (None, r.fence):
             self._quarantine(self.reserved.pop(msg.request_id))
-        seq = self.running.get(msg.request_id)
-        if seq is not None and msg.fence in (None, seq.fence):
-            seq.aborted = True
+        if msg.request_id in self.choices:
+            for seq in self.running.values():
+                if seq.request_id == msg.request_id and msg.fence in (None, seq.fence):
+                    seq.aborted = True
 
     def _quarantine(self, r: Reservation) -> None:
         """A prefill worker may still write into these blocks: keep them out of the pool
@@ -189,8 +223,8 @@ class DecodeWorker:
                       "%s", self.rt.instance_id, q.request_id, self.quarantine_s, q.writer)
             self._release(q, "abort")
 
-    def _release(self, r: Reservation | Running, reason: str) -> None:
-        self.pool.free(r.blocks)
+    def _release(self, r: Reservation, reason: str) -> None:
+        self.pool.free(r.owned)
         self.rt.mail.send(self.rt.conductor, RequestFinished(
             r.request_id, self.rt.instance_id, reason, r.fence))
 
@@ -224,7 +258,7 @@ class DecodeWorker:
             logprobs=[logprob] if (p.logprobs and logprob is not None and ids) else None,
             finish_reason=finish, prompt_tokens=seq.prompt_tokens,
             completion_tokens=seq.generated, cached_tokens=seq.cached_tokens,
-            top_logprobs=[top] if (top is not None and ids) else []))
+            top_logprobs=[top] if (top is not None and ids) else [], index=seq.index))
         if finish is not None:
             self.finish(seq, finish)
 
@@ -239,8 +273,18 @@ class DecodeWorker:
         return seq.matcher.is_terminated()
 
     def finish(self, seq: Running, reason: str) -> None:
-        if self.running.pop(seq.request_id, None) is not None:
-            self._release(seq, reason)
+        """A choice ends: its blocks are freed (the shared ones lose its reference); the
+        request leaves with its last choice."""
+        if self.running.pop(seq.key, None) is None:
+            return
+        self.pool.free(seq.blocks)
+        left = self.choices[seq.request_id] - 1
+        if left:
+            self.choices[seq.request_id] = left
+            return
+        del self.choices[seq.request_id]
+        self.rt.mail.send(self.rt.conductor, RequestFinished(
+            seq.request_id, self.rt.instance_id, reason, seq.fence))
 
     async def step_loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -27,7 +27,7 @@ from common.host import host_id
 from common.kv.hidden import HiddenRoute, HiddenSender
 from common.mailbox import Mailbox
 from common.protocol import Fence
-from common.sampling_params import TopLogprobs
+from common.sampling_params import SampledToken
 from common.stage_protocol import (
     PartOpen, StageAbort, StageAck, StageBeat, StageHello, StagePart, StageReport, StageStep,
 )
@@ -124,9 +124,7 @@ class Outcome:
     kv_bytes: int = 0
     compute_s: float = 0.0
     wait_s: float = 0.0
-    first_token: Optional[int] = None
-    first_logprob: Optional[float] = None
-    first_top: Optional[TopLogprobs] = None
+    first: list[SampledToken] = field(default_factory=list)  # the last stage's tokens
     stages: set[int] = field(default_factory=set)
 
     def add(self, msg: StageReport) -> None:
@@ -136,9 +134,8 @@ class Outcome:
         self.kv_bytes += msg.kv_bytes
         self.compute_s += msg.compute_s
         self.wait_s += msg.wait_s
-        if msg.first_token is not None:
-            self.first_token, self.first_logprob = msg.first_token, msg.first_logprob
-            self.first_top = msg.first_top
+        if msg.first:
+            self.first = msg.first
 
 
 @dataclass
@@ -280,7 +277,7 @@ class HeadGroup:
             outcome = await asyncio.wait_for(asyncio.shield(fut), max(1.0, deadline - time.time()))
         except asyncio.TimeoutError:
             raise TransferError("the pipeline stages did not finish by the deadline") from None
-        if not outcome.ok or outcome.first_token is None:
+        if not outcome.ok or not outcome.first:
             raise TransferError(outcome.error or "a pipeline stage failed")
         return outcome
 

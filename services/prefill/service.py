@@ -37,7 +37,7 @@ from common.protocol import (
 from common.security import clamp_deadline
 from common.stage_protocol import StageStored
 from common.transfer import TransferError
-from common.worker import WorkerRuntime, fail_step, make_generator
+from common.worker import WorkerRuntime, fail_step
 from services.prefill.group import HeadGroup
 from services.prefill.lanes import Lanes
 from services.prefill.layer_io import LayerLoads, PartIO, StepIO, settle
@@ -340,9 +340,8 @@ class PrefillWorker:
             await settle(job.put_futures)
             if outcome is not None:  # its wait for the later stages counts in wait_s
                 result = await self.group.result(outcome, task.deadline)
-            token, logprob, top = (sample_first(logits, task.sampling, make_generator(
-                task.sampling, 0), self.grammars) if outcome is None else
-                (result.first_token, result.first_logprob, result.first_top))
+            first = (sample_first(logits, task.sampling, self.grammars) if outcome is None
+                     else result.first)
         except TransferError as exc:
             return await self.give_up(job, PrefillFailure(503, "kv_transfer_failed", str(exc)))
         except GrammarError as exc:
@@ -356,7 +355,7 @@ class PrefillWorker:
         if job.loads is not None:
             job.wait_s += job.loads.wait_s
         self.rt.mail.send(task.decode_inbox, KVReady(
-            task.request_id, token, logprob, prompt, cached_tokens, task.fence, top))
+            task.request_id, first, prompt, cached_tokens, task.fence))
         self.rt.mail.send(self.rt.conductor, PrefillDone(
             task.request_id, self.rt.instance_id, prompt, cached_tokens,
             job.plan.global_blocks * bs, job.compute_s, job.stream.bytes, job.stream.seconds,

@@ -31,12 +31,12 @@ from common.host import host_id
 from common.kv.hidden import HiddenInbox
 from common.mailbox import serve_inbox
 from common.protocol import Fence
-from common.sampling_params import TopLogprobs
+from common.sampling_params import SampledToken
 from common.stage_protocol import (
     StageAbort, StageAck, StageBeat, StageHello, StagePart, StageReport, StageStep, StageStored,
 )
 from common.store.ranges import RangeMover
-from common.worker import WorkerRuntime, make_generator
+from common.worker import WorkerRuntime
 from services.prefill.group import NextStage, StageLost
 from services.prefill.lanes import Lanes
 from services.prefill.layer_io import LayerLoads, PartIO, StepIO, settle
@@ -63,9 +63,7 @@ class Held:
     failed: str = ""
     aborted: bool = False
     finishing: bool = False  # its report is being prepared (``finish``)
-    token: Optional[int] = None
-    logprob: Optional[float] = None
-    top: Optional[TopLogprobs] = None
+    first: list[SampledToken] = field(default_factory=list)  # sampled here (last stage)
 
 
 class StageWorker:
@@ -196,8 +194,7 @@ class StageWorker:
             if held is None:
                 continue
             if row is not None and part.sampling is not None and not held.failed:
-                held.token, held.logprob, held.top = sample_first(
-                    row, part.sampling, make_generator(part.sampling, 0), self.grammars)
+                held.first = sample_first(row, part.sampling, self.grammars)
             if (held.aborted or part.end == part.prompt_len) and not held.finishing:
                 self._spawn(self.finish(key, held, part.deadline))
 
@@ -280,9 +277,7 @@ class StageWorker:
         self.held.pop(key, None)
         self._report(key, ok=not error, error=error, kv_bytes=held.stream.bytes,
                      compute_s=held.compute_s, wait_s=held.wait_s,
-                     first_token=held.token if self.last else None,
-                     first_logprob=held.logprob if self.last else None,
-                     first_top=held.top if self.last else None)
+                     first=held.first if self.last else [])
 
     def on_abort(self, msg: StageAbort) -> None:
         if msg.head_epoch != self.head_epoch:

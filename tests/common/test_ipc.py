@@ -13,7 +13,7 @@ from common.protocol import (
     Fence, KVReady, PrefillTask, RequestRejected, SubmitRequest, TokenDelta, WorkerHeartbeat,
     WorkerLoad,
 )
-from common.sampling_params import SamplingParams, TopLogprobs
+from common.sampling_params import SampledToken, SamplingParams, TopLogprobs
 from common.scheduling import Rejection
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, top_k=3, seed=7, stop=("\n",),
@@ -43,14 +43,14 @@ def test_nested_fields_are_json_objects_and_take_defaults() -> None:
     assert body["sampling"] == {"max_tokens": 9, "temperature": 1.0, "top_p": 1.0,
                                 "top_k": None, "seed": None, "stop": [],
                                 "stop_token_ids": [], "logprobs": False, "ignore_eos": False,
-                                "top_logprobs": 0, "response_format": None}
+                                "top_logprobs": 0, "response_format": None, "n": 1}
     short = decode(b'{"type":"SubmitRequest","request_id":"r","token_ids":[1],'
                    b'"block_keys":[],"sampling":{"max_tokens":9},"arrival_time":0}')
     assert short.sampling == SamplingParams(max_tokens=9)
 
 
 def test_optional_fields_default_and_accept_none() -> None:
-    msg = KVReady("r", 5, None, 10, 0)
+    msg = KVReady("r", [SampledToken(5)], 10, 0)
     assert decode(encode(msg)) == msg
     delta = decode(b'{"type":"TokenDelta","request_id":"r","token_ids":[],"text":"",'
                    b'"logprobs":null,"finish_reason":"stop","prompt_tokens":1,'
@@ -60,8 +60,9 @@ def test_optional_fields_default_and_accept_none() -> None:
 
 def test_top_logprobs_ride_as_nested_objects() -> None:
     top = TopLogprobs([7, 3], [-0.25, -1.5])
-    for msg in (KVReady("r", 7, -0.25, 10, 0, Fence(1, 2), top),
-                TokenDelta("r", [7], "a", [-0.25], None, 1, 1, 0, [top])):
+    for msg in (KVReady("r", [SampledToken(7, -0.25, top), SampledToken(3)], 10, 0,
+                        Fence(1, 2)),
+                TokenDelta("r", [7], "a", [-0.25], None, 1, 1, 0, [top], index=2)):
         assert decode(encode(msg)) == msg
     with pytest.raises(ProtocolError, match=r"top_logprobs\[0\] is invalid"):
         decode(encode(TokenDelta("r", [7], "a", [-0.25], None, 1, 1, 0, [top]))
@@ -77,14 +78,14 @@ def _submit(sampling: bytes) -> bytes:
     (b"not json", "not JSON"),
     (b"[1,2]", "no message type"),
     (b'{"type":"Nope"}', "unknown message type"),
-    (b'{"type":"KVReady","request_id":"r"}', "KVReady lacks field first_token"),
-    (b'{"type":"KVReady","request_id":1,"first_token":1,"first_logprob":null,'
+    (b'{"type":"KVReady","request_id":"r"}', "KVReady lacks field first"),
+    (b'{"type":"KVReady","request_id":1,"first":[{"token":1}],'
      b'"prompt_tokens":1,"cached_tokens":0}', "KVReady.request_id has the wrong type"),
-    (b'{"type":"KVReady","request_id":"r","first_token":true,"first_logprob":null,'
+    (b'{"type":"KVReady","request_id":"r","first":[{"token":true}],'
      b'"prompt_tokens":1,"cached_tokens":0}', "wrong type"),
     (b'{"type":"SubmitRequest","request_id":"r","token_ids":[1,"x"],"block_keys":[],'
      b'"sampling":{"max_tokens":1},"arrival_time":1}', "SubmitRequest.token_ids has the wrong"),
-    (b'{"type":"KVReady","request_id":"r","first_token":1,"first_logprob":null,'
+    (b'{"type":"KVReady","request_id":"r","first":[],'
      b'"prompt_tokens":1,"cached_tokens":0,"extra":1}', "unknown fields"),
     # A nested value is checked like a frame: shape, field types, names, its own rules.
     (_submit(b'[4]'), "SubmitRequest.sampling has the wrong type"),
@@ -92,7 +93,8 @@ def _submit(sampling: bytes) -> bytes:
     (_submit(b'{}'), "SubmitRequest.sampling lacks field max_tokens"),
     (_submit(b'{"max_tokens":"4"}'), "SubmitRequest.sampling.max_tokens has the wrong type"),
     (_submit(b'{"max_tokens":4,"stop":[1]}'), "SubmitRequest.sampling.stop has the wrong"),
-    (_submit(b'{"max_tokens":4,"n":2}'), r"SubmitRequest.sampling has unknown fields \['n'\]"),
+    (_submit(b'{"max_tokens":4,"best_of":2}'), r"SubmitRequest.sampling has unknown fields \['best_of'\]"),
+    (_submit(b'{"max_tokens":4,"n":0}'), "sampling is invalid: n must be in"),
     (_submit(b'{"max_tokens":0}'), "SubmitRequest.sampling is invalid: max_tokens must be"),
     (_submit(b'{"max_tokens":4,"top_p":1.5}'), "sampling is invalid: top_p must be in"),
     (b'{"type":"RequestRejected","request_id":"r","rejection":{"reason":"slo_violation",'

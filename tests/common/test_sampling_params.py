@@ -13,6 +13,8 @@ from common.sampling_params import SamplingParams
     (dict(max_tokens=4, top_p=1.01), r"top_p must be in \(0, 1\], got 1.01"),
     (dict(max_tokens=4, top_k=0), "top_k must be None or >= 1, got 0"),
     (dict(max_tokens=4, top_k=-1), "top_k must be None or >= 1, got -1"),
+    (dict(max_tokens=4, n=0), r"n must be in \[1, 16\], got 0"),
+    (dict(max_tokens=4, n=17), r"n must be in \[1, 16\], got 17"),
 ])
 def test_impossible_values_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -28,3 +30,12 @@ def test_defaults_lists_and_greedy() -> None:
     assert not p.greedy and SamplingParams(max_tokens=1, temperature=0).greedy
     with pytest.raises(TypeError):
         SamplingParams()  # type: ignore[call-arg]  # max_tokens has no default
+
+
+def test_each_choice_is_one_sequence_with_a_seed_of_its_own() -> None:
+    p = SamplingParams(max_tokens=3, seed=41, n=3, temperature=0.5)
+    assert [(c.n, c.seed) for c in map(p.choice, range(3))] == [(1, 41), (1, 42), (1, 43)]
+    assert p.choice(0) == SamplingParams(max_tokens=3, seed=41, temperature=0.5)
+    assert SamplingParams(max_tokens=3, n=2).choice(1).seed is None
+    with pytest.raises(ValueError, match="choice 3 of a request with n=3"):
+        p.choice(3)

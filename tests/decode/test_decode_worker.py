@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 import pytest
 
 from common.engine.config import DecodeInput
+from common.sampling_params import SampledToken
 from common.protocol import (
     AbortRequest, BlocksReserved, Fence, FenceQuery, KVFailed, KVReady, RequestFailed,
     RequestFinished, ReserveFailed, TokenDelta, WorkerGone, WorkerLoad,
@@ -63,7 +64,7 @@ def test_reservations_cover_prompt_and_max_tokens_up_to_the_context(make: Make) 
 def test_a_sequence_runs_to_max_tokens_and_frees_its_blocks(make: Make) -> None:
     rt, worker = make()
     worker.on_reserve(reserve("a", prompt_tokens=6, max_tokens=3))
-    worker.on_kv_ready(KVReady("a", first_token=7, first_logprob=None, prompt_tokens=6,
+    worker.on_kv_ready(KVReady("a", first=[SampledToken(7)], prompt_tokens=6,
                                cached_tokens=4, fence=F1))
     assert worker.load() == WorkerLoad(running=1, context_tokens=7)
     decode(worker, lambda: bool(finished(rt)))
@@ -88,7 +89,7 @@ def test_stop_conditions(make: Make, kw: dict, script: object, want: list) -> No
     if script is not None:
         rt.engine.next_token = script  # type: ignore[assignment]
     worker.on_reserve(reserve("a", prompt_tokens=6, max_tokens=4, **kw))
-    worker.on_kv_ready(KVReady("a", 7, None, 6, 0, F1))
+    worker.on_kv_ready(KVReady("a", [SampledToken(7)], 6, 0, F1))
     decode(worker, lambda: bool(finished(rt)))
     assert deltas(rt) == want
     assert finished(rt) == [("a", want[-1][2])]
@@ -99,7 +100,7 @@ def test_beyond_max_batch_size_sequences_take_turns(make: Make) -> None:
     rt, worker = make(max_batch_size=2)
     for rid in "abc":  # 3 blocks each: a [0, 1, 2], b [3, 4, 5], c [6, 7, 8]
         worker.on_reserve(reserve(rid, prompt_tokens=6, max_tokens=4))
-        worker.on_kv_ready(KVReady(rid, 7, None, 6, 0, fence_of(rt, rid)))
+        worker.on_kv_ready(KVReady(rid, [SampledToken(7)], 6, 0, fence_of(rt, rid)))
     decode(worker, lambda: len(finished(rt)) == 3)
     batches = [["abc"[d.block_table[0] // 3] for d in step] for _, step in rt.engine.steps]
     assert batches == [["a", "b"], ["c", "a"], ["b", "c"], ["a", "b"], ["c"]]
@@ -109,7 +110,7 @@ def test_beyond_max_batch_size_sequences_take_turns(make: Make) -> None:
 
 @pytest.mark.parametrize("confirm", [
     KVFailed("a", "aborted", F1),
-    KVReady("a", 7, None, 6, 0, F1),  # the KV landed anyway: not started
+    KVReady("a", [SampledToken(7)], 6, 0, F1),  # the KV landed anyway: not started
 ])
 def test_an_abort_keeps_reserved_blocks_until_the_prefill_stops_writing(
         make: Make, confirm: object) -> None:
@@ -128,12 +129,12 @@ def test_kv_is_admitted_only_under_the_live_fence(make: Make) -> None:
     rt, worker = make()
     worker.on_reserve(reserve("a", prompt_tokens=6, max_tokens=2))
     for fence in (Fence(EPOCH, 2), Fence(EPOCH + 1, 1), Fence()):  # not this reservation
-        worker.on_kv_ready(KVReady("a", 7, None, 6, 0, fence))
+        worker.on_kv_ready(KVReady("a", [SampledToken(7)], 6, 0, fence))
         worker.on_kv_failed(KVFailed("a", "aborted", fence))
-    worker.on_kv_ready(KVReady("b", 7, None, 6, 0, F1))  # the right fence, another request
+    worker.on_kv_ready(KVReady("b", [SampledToken(7)], 6, 0, F1))  # the right fence, another request
     assert worker.dropped == {"KVReady": 4, "KVFailed": 3}
     assert list(worker.reserved) == ["a"] and not worker.running and deltas(rt) == []
-    worker.on_kv_ready(KVReady("a", 7, None, 6, 0, F1))
+    worker.on_kv_ready(KVReady("a", [SampledToken(7)], 6, 0, F1))
     decode(worker, lambda: bool(finished(rt)))
     assert deltas(rt) == [([7], "h", None, 1), ([8], "i", "length", 2)]
     assert rt.mail.of(RequestFinished) == [RequestFinished("a", "worker-0", "length", F1)]
@@ -157,13 +158,13 @@ def test_an_old_generation_frees_only_its_own_blocks_never_the_new_ones(make: Ma
     worker.on_reserve(reserve("a", prompt_tokens=6, max_tokens=2, writer="prefill-1"))
     f2 = Fence(EPOCH, 2)
     assert rt.mail.of(BlocksReserved)[1] == BlocksReserved("a", "worker-0", [2, 3], f2)
-    worker.on_kv_ready(KVReady("a", 9, None, 6, 0, F1))  # the first writer, late
+    worker.on_kv_ready(KVReady("a", [SampledToken(9)], 6, 0, F1))  # the first writer, late
     assert rt.mail.of(RequestFinished) == [RequestFinished("a", "worker-0", "abort", F1)]
     assert worker.reserved["a"].blocks == [2, 3] and not worker.running
     assert rt.engine.pool.num_used == 2
-    worker.on_kv_ready(KVReady("a", 9, None, 6, 0, F1))  # replayed once more: stale now
+    worker.on_kv_ready(KVReady("a", [SampledToken(9)], 6, 0, F1))  # replayed once more: stale now
     assert worker.dropped == {"KVReady": 1}
-    worker.on_kv_ready(KVReady("a", 7, None, 6, 0, f2))
+    worker.on_kv_ready(KVReady("a", [SampledToken(7)], 6, 0, f2))
     decode(worker, lambda: len(finished(rt)) == 2)
     assert [d.block_table for _, ds in rt.engine.steps for d in ds] == [[2, 3]]
     assert deltas(rt) == [([7], "h", None, 1), ([8], "i", "length", 2)]
@@ -243,7 +244,7 @@ def test_kv_that_never_comes_fails_the_request_and_holds_the_blocks(make: Make) 
 def test_an_abort_of_a_running_sequence_ends_it_between_steps(make: Make) -> None:
     rt, worker = make()
     worker.on_reserve(reserve("a", prompt_tokens=6, max_tokens=10))
-    worker.on_kv_ready(KVReady("a", 7, None, 6, 0, F1))
+    worker.on_kv_ready(KVReady("a", [SampledToken(7)], 6, 0, F1))
 
     async def go() -> None:
         rt.engine.interrupt(asyncio.get_running_loop(), lambda: worker.on_abort(AbortRequest("a")))
@@ -257,7 +258,7 @@ def test_an_abort_of_a_running_sequence_ends_it_between_steps(make: Make) -> Non
 
 def test_kv_for_an_unknown_request_is_ignored(make: Make) -> None:
     rt, worker = make()
-    worker.on_kv_ready(KVReady("ghost", 7, None, 6, 0, F1))
+    worker.on_kv_ready(KVReady("ghost", [SampledToken(7)], 6, 0, F1))
     worker.on_kv_failed(KVFailed("ghost", "aborted", F1))
     worker.on_abort(AbortRequest("ghost"))
     assert rt.mail.sent == [] and not worker.running
@@ -271,7 +272,7 @@ def test_drops_are_counted_on_the_runtime_for_heartbeats(make: Make) -> None:
     from common.worker import drop_counts
 
     rt, worker = make()
-    worker.on_kv_ready(KVReady("ghost", 1, None, 6, 0, Fence(EPOCH, 99)))
+    worker.on_kv_ready(KVReady("ghost", [SampledToken(1)], 6, 0, Fence(EPOCH, 99)))
     assert worker.dropped is rt.dropped and rt.dropped == {"KVReady": 1}
     outboxes = SimpleNamespace(dropped={"tcp://a": 2, "tcp://b": 1})
     assert drop_counts(rt.dropped, outboxes) == {"KVReady": 1, "outbox_full": 3}
@@ -286,9 +287,75 @@ def test_a_grammar_this_worker_cannot_compile_fails_the_request_alone(make: Make
     worker.grammars = BrokenGrammars()  # type: ignore[assignment]
     worker.on_reserve(reserve("a", prompt_tokens=6, max_tokens=3,
                               response_format='{"type":"json_object"}'))
-    worker.on_kv_ready(KVReady("a", first_token=7, first_logprob=None, prompt_tokens=6,
+    worker.on_kv_ready(KVReady("a", first=[SampledToken(7)], prompt_tokens=6,
                                cached_tokens=0, fence=F1))
     [failed] = rt.mail.of(RequestFailed, to=CONDUCTOR)
     assert (failed.request_id, failed.status, failed.fence) == ("a", 400, F1)
     assert "response_format" in failed.message and deltas(rt) == []
+    clean(worker)
+
+
+# ---------------------------------------------------------------- n choices
+def test_n_choices_share_the_prompts_full_blocks_and_copy_its_partial_one(make: Make) -> None:
+    """n=3, a 6-token prompt, max_tokens 3: 9 tokens need 3 blocks of 4. Choice 0 gets
+    them; choices 1 and 2 share the prompt's one full block and own 2 each, the first a
+    copy of the prompt's partial block: 3 + 2 + 2 = 7 blocks, not 9."""
+    rt, worker = make()
+    worker.on_reserve(reserve("a", prompt_tokens=6, max_tokens=3, n=3))
+    assert rt.mail.sent == [(CONDUCTOR, BlocksReserved("a", "worker-0", [0, 1, 2], F1))]
+    assert rt.engine.pool.num_used == 7
+    kv = rt.engine.kv
+    kv.data[1] = 5.0  # what the prefill wrote into the prompt's partial block
+    worker.on_kv_ready(KVReady("a", [SampledToken(7), SampledToken(3), SampledToken(5)],
+                               prompt_tokens=6, cached_tokens=0, fence=F1))
+    tables = {key: s.blocks for key, s in worker.running.items()}
+    assert tables == {("a", 0): [0, 1, 2], ("a", 1): [0, 3, 4], ("a", 2): [0, 5, 6]}
+    assert [rt.engine.pool.ref_count(b) for b in range(7)] == [3, 1, 1, 1, 1, 1, 1]
+    assert bool((kv.data[3] == 5.0).all()) and bool((kv.data[5] == 5.0).all())
+    assert worker.load() == WorkerLoad(running=3, context_tokens=21)
+    decode(worker, lambda: bool(finished(rt)))
+    by_choice = {i: [(d.token_ids, d.finish_reason) for d in rt.mail.of(TokenDelta)
+                     if d.index == i] for i in range(3)}
+    assert by_choice == {0: [([7], None), ([8], None), ([9], "length")],
+                         1: [([3], None), ([4], None), ([5], "length")],
+                         2: [([5], None), ([6], None), ([7], "length")]}
+    steps = [d for _, d in rt.engine.steps]
+    assert steps[0] == [DecodeInput(7, 6, [0, 1, 2]), DecodeInput(3, 6, [0, 3, 4]),
+                        DecodeInput(5, 6, [0, 5, 6])]
+    assert finished(rt) == [("a", "length")]  # once, with the last choice
+    clean(worker)
+
+
+def test_a_prompt_ending_on_a_block_boundary_shares_every_prompt_block(make: Make) -> None:
+    rt, worker = make()
+    worker.on_reserve(reserve("a", prompt_tokens=8, max_tokens=2, n=2))  # 10: 3 blocks
+    assert rt.engine.pool.num_used == 3 + 1
+    worker.on_kv_ready(KVReady("a", [SampledToken(7), SampledToken(7)], 8, 0, F1))
+    assert [s.blocks for s in worker.running.values()] == [[0, 1, 2], [0, 1, 3]]
+    decode(worker, lambda: bool(finished(rt)))
+    clean(worker)
+
+
+def test_choices_end_one_by_one_and_an_abort_ends_them_all(make: Make) -> None:
+    rt, worker = make()
+    rt.engine.next_token = lambda t: EOS if t == 3 else t + 1  # choice 1 stops at once
+    worker.on_reserve(reserve("a", prompt_tokens=6, max_tokens=20, n=2))  # 7 + 6 blocks
+    worker.on_kv_ready(KVReady("a", [SampledToken(7), SampledToken(3)], 6, 0, F1))
+    batch = list(worker.running.values())  # one step, by hand
+    worker.advance(batch, rt.engine.decode_logits(
+        [DecodeInput(s.last_token, s.position, s.blocks) for s in batch]), None)
+    assert list(worker.running) == [("a", 0)] and worker.choices == {"a": 1}
+    assert finished(rt) == [] and rt.engine.pool.num_used == 7  # choice 1 freed its 6
+    worker.on_abort(AbortRequest("a"))
+    decode(worker, lambda: bool(finished(rt)))
+    assert finished(rt) == [("a", "abort")]
+    clean(worker)
+
+
+def test_first_tokens_that_do_not_match_n_fail_the_request_and_free_it(make: Make) -> None:
+    rt, worker = make()
+    worker.on_reserve(reserve("a", prompt_tokens=6, max_tokens=3, n=2))
+    worker.on_kv_ready(KVReady("a", [SampledToken(7)], 6, 0, F1))
+    [failed] = rt.mail.of(RequestFailed)
+    assert (failed.status, failed.fence) == (500, F1) and not worker.running
     clean(worker)

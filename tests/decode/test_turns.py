@@ -11,7 +11,7 @@ import pytest
 from common.engine import Engine, EngineConfig
 from common.config import ClusterConfig
 from common.protocol import Fence, KVReady, ReserveBlocks, TokenDelta
-from common.sampling_params import SamplingParams
+from common.sampling_params import SampledToken, SamplingParams
 from services.decode.service import DecodeWorker
 from services.decode.turns import Turns
 from tests.conductor.test_conductor import RecordingMail
@@ -83,9 +83,9 @@ def test_decode_worker_serves_every_sequence_within_ceil_n_over_max_steps() -> N
     for i in range(5):
         worker.on_reserve(ReserveBlocks(f"r{i}", 8, sampling, "router", time.time() + 60,
                                         epoch=1))
-        worker.on_kv_ready(KVReady(f"r{i}", first_token=3, first_logprob=None,
+        worker.on_kv_ready(KVReady(f"r{i}", first=[SampledToken(3)],
                                    prompt_tokens=8, cached_tokens=0, fence=Fence(1, i + 1)))
-    worker_ids = {tuple(s.blocks): int(rid[1:]) for rid, s in worker.running.items()}
+    worker_ids = {tuple(s.blocks): int(key[0][1:]) for key, s in worker.running.items()}
 
     async def run_steps(n: int) -> None:
         task = asyncio.create_task(worker.step_loop())

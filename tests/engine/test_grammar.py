@@ -78,11 +78,11 @@ def test_grammar_forces_json_where_the_model_prefers_prose(
     logits = torch.zeros(vocab)
     logits[tok.encode("Hello")[0]] = 10.0
     greedy = SamplingParams(8, temperature=0)
-    token, _, _ = sample_first(logits, greedy, None, grammars)
-    assert tok.decode([token]) == "Hello"
-    token, _, _ = sample_first(logits, SamplingParams(8, temperature=0,
-                                                      response_format=OBJECT), None, grammars)
-    assert tok.decode([token]).startswith("{")
+    [first] = sample_first(logits, greedy, grammars)
+    assert tok.decode([first.token]) == "Hello"
+    [first] = sample_first(logits, SamplingParams(8, temperature=0, response_format=OBJECT),
+                           grammars)
+    assert tok.decode([first.token]).startswith("{")
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -96,3 +96,22 @@ def test_out_of_blocks_frees_everything(tiny: Engine) -> None:
         raise AssertionError("expected OutOfBlocksError")
     tiny.pool.check_integrity()
     assert tiny.pool.num_used == 0
+
+
+def test_first_tokens_of_n_choices() -> None:
+    """Greedy choices agree; seeded ones are reproducible, each choice has its own seed
+    (choice 0 samples what n = 1 does), and the logprobs are the same distribution's."""
+    from common.engine.grammar import Grammars
+    from common.engine.sampling import sample_first
+
+    grammars = Grammars(lambda: None)  # no response_format: never asked for a grammar
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    greedy = sample_first(logits, SamplingParams(4, temperature=0, n=3), grammars)
+    assert [t.token for t in greedy] == [int(logits.argmax())] * 3
+    seeded = SamplingParams(4, seed=7, n=8, logprobs=True)
+    first = sample_first(logits, seeded, grammars)
+    assert first == sample_first(logits, seeded, grammars)
+    assert len({t.token for t in first}) > 1
+    assert sample_first(logits, SamplingParams(4, seed=7, logprobs=True), grammars) == first[:1]
+    raw = torch.log_softmax(logits, -1)
+    assert all(abs(t.logprob - float(raw[t.token])) < 1e-6 for t in first)

@@ -58,6 +58,22 @@ def test_shared_blocks_need_every_reference_freed() -> None:
     _check(pool, [2, 3, 1, 0], 2)
 
 
+def test_share_adds_a_reference_each_holder_frees() -> None:
+    pool = BlockPool(4)
+    a = pool.allocate(2)
+    pool.share(a[:1])
+    pool.share(a[:1])
+    assert [pool.ref_count(b) for b in a] == [3, 1]
+    pool.free(a)
+    _check(pool, [2, 3, 1], 0)
+    pool.free(a[:1])
+    pool.free(a[:1])
+    _check(pool, [2, 3, 1, 0], 0)
+    with pytest.raises(ValueError, match="not in use and cannot be shared"):
+        pool.share([0])
+    assert pool.ref_count(0) == 0
+
+
 def test_duplicate_key_keeps_first_block() -> None:
     pool = BlockPool(4)
     a, b = pool.allocate(1), pool.allocate(1)

@@ -1,6 +1,7 @@
 """Paged KV memory: one contiguous tensor; block and layer byte ranges."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from common.kv.memory import PagedKVMemory
@@ -54,3 +55,18 @@ def test_write_rows_and_gather_into_buffers_match_reference() -> None:
         rk, rv = ref.gather(layer, tables)
         assert kk.shape == rk.shape == (2, 12, 2, 3)
         assert torch.equal(kk, rk) and torch.equal(vv, rv)
+
+
+def test_copy_blocks_copies_every_layer_of_each_pair() -> None:
+    mem = PagedKVMemory(num_blocks=6, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8)
+    mem.data.copy_(torch.randn(mem.shape))
+    before = mem.data.clone()
+    mem.copy_blocks([1, 1, 4], [0, 5, 2])
+    for src, dst in ((1, 0), (1, 5), (4, 2)):
+        assert torch.equal(mem.data[dst], before[src])
+    assert torch.equal(mem.data[[1, 3, 4]], before[[1, 3, 4]])
+    mem.copy_blocks([], [])
+    with pytest.raises(ValueError, match="2 source blocks for 1"):
+        mem.copy_blocks([1, 2], [3])
+    with pytest.raises(IndexError):
+        mem.copy_blocks([6], [0])

@@ -12,6 +12,7 @@ from typing import Callable
 
 import pytest
 
+from common.sampling_params import SampledToken
 from common.protocol import AbortRequest, Fence, FenceQuery, KVFailed, KVReady, RequestFailed
 from services.prefill.lanes import Lanes
 from tests.prefill.conftest import Make, clean
@@ -36,7 +37,7 @@ def test_a_task_for_another_incarnation_or_a_replay_is_dropped(make: Make) -> No
     assert [t.fence for t in worker.waiting] == [fence_for("a")]
     assert worker.dropped == {"epoch": 1, "duplicate": 1} and rt.mail.sent == []
     asyncio.run(run_until(worker.serve(), lambda: bool(rt.mail.of(KVReady)) and worker.idle()))
-    assert rt.mail.of(KVReady) == [KVReady("a", 11, None, 10, 0, fence_for("a"))]
+    assert rt.mail.of(KVReady) == [KVReady("a", [SampledToken(11)], 10, 0, fence_for("a"))]
     writes = len(rt.transfer.writes)
     worker.on_task(prefill_task("a", list(range(1, 11))))  # replayed after it was served
     assert not worker.waiting and worker.dropped == {"epoch": 1, "duplicate": 2}

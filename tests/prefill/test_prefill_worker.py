@@ -14,6 +14,7 @@ import pytest
 
 from common.engine.errors import EngineInputError
 from common.idle_check import IdleCheck
+from common.sampling_params import SampledToken
 from common.protocol import (
     AbortRequest, KVFailed, KVReady, PrefillDone, RequestFailed, WorkerLoad,
 )
@@ -48,8 +49,8 @@ def test_prompts_batch_oldest_first_within_the_token_budget(make: Make) -> None:
     assert chunks(rt.engine) == [[(1, 0, 10, [0, 1, 2]), (20, 0, 4, [3]), (30, 0, 2, [4, 5, 6])],
                                  [(30, 2, 10, [4, 5, 6])]]
     ready = {m.request_id: m for m in rt.mail.of(KVReady, to=DECODE_INBOX)}
-    assert ready == {"a": KVReady("a", 11, None, 10, 0, fence_for("a")), "b": KVReady("b", 24, None, 4, 0, fence_for("b")),
-                     "c": KVReady("c", 40, None, 10, 0, fence_for("c"))}
+    assert ready == {"a": KVReady("a", [SampledToken(11)], 10, 0, fence_for("a")), "b": KVReady("b", [SampledToken(24)], 4, 0, fence_for("b")),
+                     "c": KVReady("c", [SampledToken(40)], 10, 0, fence_for("c"))}
     done = {m.request_id: m for m in rt.mail.of(PrefillDone, to=CONDUCTOR)}
     # Each chunk streams the blocks it wrote, per layer: c's block 0 in both of its chunks.
     assert {r: (d.prompt_tokens, d.cached_tokens, d.transfer_bytes) for r, d in done.items()} \
@@ -72,7 +73,7 @@ def test_a_cached_prefix_is_reused_and_sent_whole(make: Make) -> None:
 
     asyncio.run(go())
     assert chunks(rt.engine)[1] == [(1, 8, 11, [0, 1, 3])]
-    assert rt.mail.of(KVReady)[1] == KVReady("b", 53, None, 11, 8, fence_for("b"))
+    assert rt.mail.of(KVReady)[1] == KVReady("b", [SampledToken(53)], 11, 8, fence_for("b"))
     done = rt.mail.of(PrefillDone)[1]
     assert (done.cached_tokens, done.global_hit_tokens) == (8, 0)
     assert done.transfer_bytes == 2 * BLOCK + 2 * LAYER  # the prefix whole, then block 2
@@ -196,7 +197,7 @@ def test_an_engine_error_fails_the_step_prompts_and_keeps_serving(make: Make) ->
         await run_until(worker.serve(), lambda: bool(rt.mail.of(PrefillDone)) and worker.idle())
 
     asyncio.run(go())
-    assert rt.mail.of(KVReady) == [KVReady("b", 11, None, 10, 0, fence_for("b"))]
+    assert rt.mail.of(KVReady) == [KVReady("b", [SampledToken(11)], 10, 0, fence_for("b"))]
     clean(worker)
 
 
