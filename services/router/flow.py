@@ -44,6 +44,7 @@ class RequestRun:
         self.arrival = req.arrival_time
         self.timeout = state.config.request_timeout_s
         self.done = False
+        self.open_choices = req.sampling.n  # each ends with a delta with a finish reason
         self.status = 500  # the HTTP status counted at the end
         self._pending: Optional[TokenDelta] = None
         self._last_token: Optional[float] = None
@@ -152,7 +153,8 @@ class RequestRun:
             self._pending = msg  # a token came first: keep it for deltas()
 
     async def deltas(self) -> AsyncIterator[TokenDelta]:
-        """Token deltas until the one with a finish reason; failures raise ``ApiError``."""
+        """Token deltas, of every choice, until each choice's with a finish reason;
+        failures raise ``ApiError``."""
         while True:
             if self._pending is not None:
                 msg: RequestEvent = self._pending
@@ -163,7 +165,8 @@ class RequestRun:
                 continue
             self._delta(msg)
             if msg.finish_reason is not None:
-                self.done = True
+                self.open_choices -= 1
+                self.done = self.open_choices == 0
             yield msg
             if self.done:
                 return

@@ -16,6 +16,7 @@ from common.protocol import SubmitRequest
 from common.sampling_params import SamplingParams
 from services.router.errors import ApiError, invalid
 from services.router.flow import RequestRun
+from services.router.choices import Choices
 from services.router.openai_format import DONE, ResponseBuilder, sse
 from services.router.state import RouterState
 from services.router.tokenize import (check_token_ids, encode_chat, parse_detokenize,
@@ -86,23 +87,32 @@ async def _prompt(state: RouterState,
     return ids, replace(req.sampling, max_tokens=min(req.sampling.max_tokens, ctx - len(ids)))
 
 
-def _builder(state: RouterState, req: GenerationRequest, request_id: str) -> ResponseBuilder:
+def _choices(state: RouterState, req: GenerationRequest, request_id: str) -> Choices:
     tok = state.tokenizer
-    return ResponseBuilder(kind=req.kind, request_id=request_id, model=req.model,
-                           created=int(time.time()), token_text=lambda t: tok.decode([t]),
-                           want_logprobs=req.sampling.logprobs,
-                           want_top=req.sampling.top_logprobs,
-                           include_usage=req.include_usage, tool_call=req.tool_call)
+    created = int(time.time())
+    return Choices([ResponseBuilder(kind=req.kind, request_id=request_id, model=req.model,
+                                    created=created, token_text=lambda t: tok.decode([t]),
+                                    want_logprobs=req.sampling.logprobs,
+                                    want_top=req.sampling.top_logprobs,
+                                    include_usage=req.include_usage, tool_call=req.tool_call,
+                                    index=i)
+                    for i in range(req.sampling.n)], req.n)
 
 
-async def _complete(run: RequestRun, out: ResponseBuilder) -> web.Response:
+def _wire_sampling(req: GenerationRequest, sampling: SamplingParams) -> SamplingParams:
+    """What the workers sample under: best_of ranks its choices by cumulative logprob,
+    so the workers report every token's (the answer shows them only where asked)."""
+    return replace(sampling, logprobs=True) if req.n < sampling.n else sampling
+
+
+async def _complete(run: RequestRun, out: Choices) -> web.Response:
     await run.wait_started()
     async for delta in run.deltas():
-        out.absorb(delta)
+        out.of(delta).absorb(delta)
     return _json(out.response())
 
 
-async def _stream(request: web.Request, run: RequestRun, out: ResponseBuilder,
+async def _stream(request: web.Request, run: RequestRun, out: Choices,
                   ) -> web.StreamResponse:
     """SSE; errors before the first byte are plain HTTP errors, after it error chunks."""
     await run.wait_started()
@@ -119,18 +129,17 @@ async def _stream(request: web.Request, run: RequestRun, out: ResponseBuilder,
     return resp
 
 
-async def _write_events(resp: web.StreamResponse, run: RequestRun,
-                        out: ResponseBuilder) -> None:
+async def _write_events(resp: web.StreamResponse, run: RequestRun, out: Choices) -> None:
     try:
-        if out.kind == "chat":
-            await resp.write(sse(out.role_chunk()))
-        async for delta in run.deltas():
-            chunk = out.absorb(delta)
-            if chunk is not None:
+        if out.first.kind == "chat":
+            for chunk in out.role_chunks():
                 await resp.write(sse(chunk))
-        await resp.write(sse(out.finish_chunk()))
-        if out.include_usage:
-            await resp.write(sse(out.usage_chunk()))
+        async for delta in run.deltas():
+            for chunk in out.absorb(delta):
+                await resp.write(sse(chunk))
+        usage = out.usage_chunk()
+        if usage is not None:
+            await resp.write(sse(usage))
     except ApiError as err:
         run.status = err.status
         await resp.write(sse(err.body()))
@@ -147,9 +156,10 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         state.metrics.requests.labels(endpoint, str(err.status)).inc()
         raise
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    submit = SubmitRequest(request_id, ids, state.block_keys(ids), sampling, time.time())
+    submit = SubmitRequest(request_id, ids, state.block_keys(ids), _wire_sampling(req, sampling),
+                           time.time())
     run = RequestRun(state, endpoint, submit)
-    out = _builder(state, req, request_id)
+    out = _choices(state, req, request_id)
     run.status = CLIENT_GONE  # unless something below sets the real outcome
     try:
         if req.stream:

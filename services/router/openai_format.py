@@ -50,7 +50,8 @@ def completion_logprobs(tokens: list[str], logprobs: list[float], tops: list[Alt
 
 @dataclass
 class ResponseBuilder:
-    """Accumulates one request's output and renders it as chunks or as one response."""
+    """Accumulates one choice of a request (``index``) and renders it as chunks or as
+    one response (choices.py puts a request's n together)."""
 
     kind: str  # "chat" | "completion"
     request_id: str
@@ -61,6 +62,7 @@ class ResponseBuilder:
     want_top: int = 0  # top alternatives per position (top_logprobs / logprobs: k)
     include_usage: bool = False
     tool_call: Optional[str] = None  # the named function the text is the arguments of
+    index: int = 0  # the choice
     texts: list[str] = field(default_factory=list)
     token_strs: list[str] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -70,6 +72,7 @@ class ResponseBuilder:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cumulative_logprob: float = 0.0  # of the tokens sampled, where the wire carried them
 
     def _head(self, obj: str) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created,
@@ -108,6 +111,7 @@ class ResponseBuilder:
         self.cached_tokens = delta.cached_tokens
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
+        self.cumulative_logprob += sum(delta.logprobs or ())
         has_logprobs = self.want_logprobs and bool(delta.logprobs)
         if not delta.text and not has_logprobs:
             return None
@@ -123,7 +127,7 @@ class ResponseBuilder:
         if self.tool_call is not None:  # the call's id and name first, then its arguments
             delta = {"role": "assistant", "content": None,
                      "tool_calls": [{"index": 0, **self._call("")}]}
-        return self._chunk({"index": 0, "delta": delta, "logprobs": None,
+        return self._chunk({"index": self.index, "delta": delta, "logprobs": None,
                             "finish_reason": None})
 
     def add(self, text: str, token_ids: list[int], lps: Optional[list[float]],
@@ -134,49 +138,48 @@ class ResponseBuilder:
         self.text_len += len(text)
         lp = self._logprobs_of(token_ids, lps, tops, offset)
         if self.tool_call is not None:
-            choice = {"index": 0, "delta": {"tool_calls": [
+            choice = {"index": self.index, "delta": {"tool_calls": [
                 {"index": 0, "function": {"arguments": text}}]}}
         elif self.kind == "chat":
-            choice = {"index": 0, "delta": {"content": text}}
+            choice = {"index": self.index, "delta": {"content": text}}
         else:
-            choice = {"index": 0, "text": text}
+            choice = {"index": self.index, "text": text}
         choice.update(logprobs=lp, finish_reason=None)
         return self._chunk(choice)
 
     def finish_chunk(self) -> dict:
-        choice: dict = {"index": 0, "logprobs": None, "finish_reason": self.finish_reason}
+        choice: dict = {"index": self.index, "logprobs": None,
+                        "finish_reason": self.finish_reason}
         if self.kind == "chat":
             choice["delta"] = {}
         else:
             choice["text"] = ""
         return self._chunk(choice)
 
-    def usage(self) -> dict:
-        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
-
-    def usage_chunk(self) -> dict:
+    def usage_chunk(self, usage: dict) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         out = self._head(obj)
-        out.update(choices=[], usage=self.usage())
+        out.update(choices=[], usage=usage)
         return out
 
-    def response(self) -> dict:
-        """The non-streaming response object."""
+    def choice(self, index: int) -> dict:
+        """The choice of the non-streaming response, at ``index`` (best_of renumbers)."""
         text = "".join(self.texts)
         lp: Optional[dict] = None
         if self.want_logprobs:
             lp = self._render_logprobs(self.token_strs, self.logprobs, self.tops, 0)
         if self.kind == "chat":
-            out = self._head("chat.completion")
             message: dict = {"role": "assistant", "content": text}
             if self.tool_call is not None:
                 message = {"role": "assistant", "content": None,
                            "tool_calls": [self._call(text)]}
-            choice = {"index": 0, "message": message, "logprobs": lp,
-                      "finish_reason": self.finish_reason}
-        else:
-            out = self._head("text_completion")
-            choice = {"index": 0, "text": text, "logprobs": lp,
-                      "finish_reason": self.finish_reason}
-        out.update(choices=[choice], usage=self.usage())
+            return {"index": index, "message": message, "logprobs": lp,
+                    "finish_reason": self.finish_reason}
+        return {"index": index, "text": text, "logprobs": lp,
+                "finish_reason": self.finish_reason}
+
+    def response(self, choices: list[dict], usage: dict) -> dict:
+        """The non-streaming response object."""
+        out = self._head("chat.completion" if self.kind == "chat" else "text_completion")
+        out.update(choices=choices, usage=usage)
         return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from common.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from common.sampling_params import MAX_CHOICES, MAX_TOP_LOGPROBS, SamplingParams
 from services.router.chat_messages import parse_messages
 from services.router.errors import ApiError, invalid
 from services.router.request_fields import boolean, check_fields, only
@@ -33,6 +33,7 @@ class GenerationRequest:
     messages: Optional[list[dict[str, str]]] = None
     prompt: Optional[Union[str, list[int]]] = None
     tool_call: Optional[str] = None  # the function a named tool_choice calls
+    n: int = 1  # choices returned; ``sampling.n`` are sampled (more: best_of)
 
 
 def _is_int(value: Any) -> bool:
@@ -105,6 +106,8 @@ def _seed(body: dict) -> Optional[int]:
     value = body.get("seed")
     if value is not None and not _is_int(value):
         raise invalid("'seed' must be an integer", "seed", "invalid_type")
+    if value is not None and not -(1 << 63) <= value < 1 << 63:
+        raise invalid("'seed' must fit in 64 bits (signed)", "seed", "invalid_value")
     return value
 
 
@@ -144,13 +147,10 @@ def _stop_token_ids(body: dict) -> list[int]:
     return value
 
 
-def parse_sampling(body: dict, kind: str, max_tokens: int,
-                   grammar: Optional[str] = None) -> SamplingParams:
+def parse_sampling(body: dict, kind: str, max_tokens: int, grammar: Optional[str] = None,
+                   sampled: int = 1) -> SamplingParams:
     """The body's sampling knobs (``max_tokens`` as decided by the caller; ``grammar``:
-    the structured output's, structured.py)."""
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise invalid("only n=1 is supported", "n", "invalid_value")
+    the structured output's, structured.py; ``sampled``: the sequences, ``_choices``)."""
     logprobs, top_logprobs = _logprobs(body, kind)
     return SamplingParams(
         max_tokens=max_tokens,
@@ -159,7 +159,25 @@ def parse_sampling(body: dict, kind: str, max_tokens: int,
         top_k=_top_k(body), seed=_seed(body), stop=_stop(body),
         stop_token_ids=_stop_token_ids(body), logprobs=logprobs,
         top_logprobs=top_logprobs, ignore_eos=_bool(body, "ignore_eos"),
-        response_format=grammar)
+        response_format=grammar, n=sampled)
+
+
+def _choices(body: dict, kind: str) -> tuple[int, int]:
+    """(``n``: the choices returned, the sequences sampled: ``best_of``, completions
+    only, else ``n``)."""
+    n = 1 if body.get("n") is None else body["n"]
+    if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise invalid(f"'n' must be an integer in [1, {MAX_CHOICES}]", "n", "invalid_value")
+    best_of = body.get("best_of") if kind == "completion" else None
+    if best_of is None:
+        return n, n
+    if not _is_int(best_of) or not n <= best_of <= MAX_CHOICES:
+        raise invalid(f"'best_of' must be an integer in [n, {MAX_CHOICES}] (n = {n})",
+                      "best_of", "invalid_value")
+    if best_of > n and body.get("stream"):
+        raise invalid("'best_of' greater than 'n' cannot be streamed: the best choices "
+                      "are known only at the end", "best_of", "invalid_value")
+    return n, best_of
 
 
 def check_model(body: dict, served: str) -> str:
@@ -225,10 +243,11 @@ def parse_request(body: Any, kind: str, served_model: str,
     tool, grammar = tool_call(body) if kind == "chat" else (None, None)
     if tool is None and kind == "chat":
         grammar = response_format(body)
-    sampling = parse_sampling(body, kind, asked or default_max_tokens, grammar)
+    n, sampled = _choices(body, kind)
+    sampling = parse_sampling(body, kind, asked or default_max_tokens, grammar, sampled)
     req = GenerationRequest(kind=kind, model=model, sampling=sampling,
                             max_tokens_asked=asked is not None, stream=stream,
-                            include_usage=include_usage, tool_call=tool)
+                            include_usage=include_usage, tool_call=tool, n=n)
     if kind == "chat":
         if "messages" not in body:
             raise invalid("'messages' is required", "messages", "missing_required_parameter")

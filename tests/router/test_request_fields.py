@@ -67,7 +67,9 @@ ROWS = [
     Row("both", "stop", ["\n\n"], HONOURED, _sampling(stop=("\n\n",))),
     Row("both", "stream", True, HONOURED, lambda r: r.stream),
     Row("both", "n", 1, HONOURED, _sampling()),
-    Row("both", "n", 2, REFUSED),
+    Row("both", "n", 3, HONOURED, lambda r: r.n == 3 and r.sampling == SamplingParams(
+        max_tokens=DEFAULT_MAX, n=3)),
+    Row("both", "n", 17, REFUSED),
     Row("chat", "logprobs", True, HONOURED, _sampling(logprobs=True)),
     Row("completion", "logprobs", 0, HONOURED, _sampling(logprobs=True)),
     Row("completion", "logprobs", 3, HONOURED, _sampling(logprobs=True, top_logprobs=3)),
@@ -125,8 +127,9 @@ ROWS = [
     Row("chat", "verbosity", "low", REFUSED),
     Row("chat", "web_search_options", {}, REFUSED),
     Row("chat", "moderation", {"input": True}, REFUSED),
-    Row("completion", "best_of", 1, ACCEPTED),
-    Row("completion", "best_of", 3, REFUSED),
+    Row("completion", "best_of", 3, HONOURED, lambda r: r.n == 1 and r.sampling ==
+        SamplingParams(max_tokens=DEFAULT_MAX, n=3)),
+    Row("completion", "best_of", 0, REFUSED),  # below n
     Row("completion", "echo", False, ACCEPTED),
     Row("completion", "echo", True, REFUSED),
     Row("completion", "suffix", "", ACCEPTED),

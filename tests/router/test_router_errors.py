@@ -38,7 +38,7 @@ CASES = [
     case(CHAT, dict(C, seed="s"), "seed", "invalid_type"),
     case(CHAT, dict(C, stop=["a", "b", "c", "d", "e"]), "stop", "invalid_value"),
     case(CHAT, dict(C, stop=3), "stop", "invalid_type"),
-    case(CHAT, dict(C, n=2), "n", "invalid_value"),
+    case(CHAT, dict(C, n=17), "n", "invalid_value"),
     case(CHAT, dict(C, stream="yes"), "stream", "invalid_type"),
     case(CHAT, dict(C, stream=True, stream_options=1), "stream_options", "invalid_type"),
     case(CHAT, dict(C, logprobs="yes"), "logprobs", "invalid_type"),

@@ -7,7 +7,6 @@ from typing import Any, Callable
 import pytest
 
 from common.protocol import RequestFailed, RequestRejected, SubmitRequest
-from common.status_protocol import ClusterStatus
 from common.sampling_params import SamplingParams
 from common.scheduling import Rejection
 from common.kv.block_keys import compute_block_keys, model_fingerprint

@@ -5,6 +5,7 @@ import pytest
 
 from common.protocol import TokenDelta
 from services.router.errors import ApiError
+from services.router.choices import Choices
 from services.router.openai_format import ResponseBuilder
 from common.sampling_params import SamplingParams, TopLogprobs
 from services.router.validation import GenerationRequest, parse_request
@@ -62,7 +63,9 @@ def test_completion_prompts() -> None:
     (dict(CHAT, top_k=0), "top_k", "invalid_value"),
     (dict(CHAT, stop=["a"] * 5), "stop", "invalid_value"),
     (dict(CHAT, stop=[""]), "stop", "invalid_type"),
-    (dict(CHAT, n=3), "n", "invalid_value"),
+    (dict(CHAT, n=0), "n", "invalid_value"),
+    (dict(CHAT, seed=1 << 63), "seed", "invalid_value"),  # the wire carries 64 bits
+    (dict(CHAT, n=1.5), "n", "invalid_value"),
     (dict(CHAT, logprobs=1), "logprobs", "invalid_type"),
     (dict(CHAT, stream_options={"include_usage": True}), "stream_options", "invalid_value"),
 ])
@@ -81,6 +84,21 @@ def test_completion_rejects_bad_prompts(prompt: object) -> None:
     assert info.value.param == "prompt"
 
 
+@pytest.mark.parametrize("body, why", [
+    ({"best_of": 2, "n": 3}, "must be an integer in \\[n, 16\\] \\(n = 3\\)"),
+    ({"best_of": 17}, "must be an integer in"),
+    ({"best_of": True}, "must be an integer in"),
+    ({"best_of": 3, "stream": True}, "cannot be streamed"),
+])
+def test_best_of_is_at_least_n_at_most_16_and_not_streamed(body: dict, why: str) -> None:
+    with pytest.raises(ApiError, match=why) as info:
+        parse_request({"prompt": "hi", **body}, "completion", MODEL, DEFAULT_MAX)
+    assert info.value.param == "best_of"
+    req = parse_request({"prompt": "hi", "n": 2, "best_of": 2, "stream": True}, "completion",
+                        MODEL, DEFAULT_MAX)
+    assert (req.n, req.sampling.n) == (2, 2)  # best_of = n streams
+
+
 def _delta(text: str, n: int, finish: str | None = None) -> TokenDelta:
     return TokenDelta("r", [n], text, [-1.0], finish, prompt_tokens=5, completion_tokens=n,
                       cached_tokens=2)
@@ -92,7 +110,7 @@ def test_builder_renders_top_logprobs_in_both_shapes() -> None:
     chat = ResponseBuilder("chat", "r", MODEL, 1, token_text=lambda t: f"<{t}>",
                            want_logprobs=True, want_top=3)
     streamed = chat.absorb(delta)["choices"][0]["logprobs"]["content"]
-    assert streamed == chat.response()["choices"][0]["logprobs"]["content"] == [{
+    assert streamed == chat.choice(0)["logprobs"]["content"] == [{
         "token": "<1>", "logprob": -0.5, "bytes": list(b"<1>"), "top_logprobs": [
             {"token": "<1>", "logprob": -0.5, "bytes": list(b"<1>")},
             {"token": "<9>", "logprob": -1.0, "bytes": list(b"<9>")},
@@ -101,7 +119,7 @@ def test_builder_renders_top_logprobs_in_both_shapes() -> None:
                              token_text=lambda t: "x" if t in (9, 4) else "ab",
                              want_logprobs=True, want_top=3)
     legacy.absorb(delta)
-    assert legacy.response()["choices"][0]["logprobs"]["top_logprobs"] == [
+    assert legacy.choice(0)["logprobs"]["top_logprobs"] == [
         {"ab": -0.5, "x": -1.0}]  # one text: the likelier of the two
 
 
@@ -110,10 +128,53 @@ def test_builder_completion_logprobs_and_usage() -> None:
                           want_logprobs=True)
     out.absorb(_delta("ab", 1))
     out.absorb(_delta("c", 2, "length"))
-    body = out.response()
+    body = Choices([out], 1).response()
     assert body["choices"] == [{"index": 0, "text": "abc", "finish_reason": "length",
                                 "logprobs": {"tokens": ["<1>", "<2>"],
                                              "token_logprobs": [-1.0, -1.0],
                                              "top_logprobs": None, "text_offset": [0, 3]}}]
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
                              "prompt_tokens_details": {"cached_tokens": 2}}
+
+
+def _choice_delta(index: int, text: str, n: int, lp: float,
+                  finish: str | None = None) -> TokenDelta:
+    return TokenDelta("r", [n], text, [lp], finish, 5, n, 2, index=index)
+
+
+def _builders(kind: str, n: int, **kw: object) -> list[ResponseBuilder]:
+    return [ResponseBuilder(kind, "r", MODEL, 1, token_text=str, index=i, **kw)  # type: ignore[arg-type]
+            for i in range(n)]
+
+
+def test_choices_interleave_and_each_ends_with_its_own_finish_chunk() -> None:
+    out = Choices(_builders("chat", 2, include_usage=True), 2)
+    assert [c["choices"][0]["index"] for c in out.role_chunks()] == [0, 1]
+    streamed = [out.absorb(d) for d in (
+        _choice_delta(1, "x", 1, -1.0), _choice_delta(0, "a", 1, -1.0),
+        _choice_delta(1, "y", 2, -1.0, "stop"), _choice_delta(0, "b", 2, -1.0),
+        _choice_delta(0, "c", 3, -1.0, "length"))]
+    assert [[(c["choices"][0]["index"], c["choices"][0]["delta"].get("content"),
+              c["choices"][0]["finish_reason"]) for c in chunks] for chunks in streamed] == [
+        [(1, "x", None)], [(0, "a", None)], [(1, "y", None), (1, None, "stop")],
+        [(0, "b", None)], [(0, "c", None), (0, None, "length")]]
+    body = out.response()
+    assert [(c["index"], c["message"]["content"], c["finish_reason"])
+            for c in body["choices"]] == [(0, "abc", "length"), (1, "xy", "stop")]
+    assert body["usage"]["completion_tokens"] == 5  # every choice's tokens
+    assert out.usage_chunk()["usage"] == body["usage"]
+
+
+def test_best_of_returns_the_likeliest_choices_renumbered() -> None:
+    out = Choices(_builders("completion", 3), 1)
+    for d in (_choice_delta(0, "a", 1, -2.0, "stop"), _choice_delta(1, "b", 1, -0.5),
+              _choice_delta(1, "c", 2, -1.0, "stop"), _choice_delta(2, "d", 1, -1.0, "stop")):
+        out.of(d).absorb(d)
+    body = out.response()  # cumulative: -2.0, -1.5, -1.0
+    assert [(c["index"], c["text"], c["logprobs"]) for c in body["choices"]] == [
+        (0, "d", None)]  # logprobs were not asked: ranked on them, not shown
+    assert body["usage"]["completion_tokens"] == 4
+    two = Choices(out.builders, 2).response()["choices"]
+    assert [(c["index"], c["text"]) for c in two] == [(0, "d"), (1, "bc")]
+    with pytest.raises(ValueError):
+        Choices(out.builders, 4)
