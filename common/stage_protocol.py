@@ -120,6 +120,7 @@ class StageReport:
     compute_s: float = 0.0
     wait_s: float = 0.0
     first: list[SampledToken] = field(default_factory=list)  # the last stage's, per choice
+    invalid: bool = False  # not ok by the request's fault (a grammar it cannot compile)
 
 
 @message

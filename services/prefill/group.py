@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from common.engine.grammar import GrammarError
 from common.host import host_id
 from common.kv.hidden import HiddenRoute, HiddenSender
 from common.mailbox import Mailbox
@@ -125,6 +126,7 @@ class Outcome:
     compute_s: float = 0.0
     wait_s: float = 0.0
     first: list[SampledToken] = field(default_factory=list)  # the last stage's tokens
+    invalid: str = ""  # why a stage failed it for its own fault: a 400, not a 503
     stages: set[int] = field(default_factory=set)
 
     def add(self, msg: StageReport) -> None:
@@ -134,8 +136,18 @@ class Outcome:
         self.kv_bytes += msg.kv_bytes
         self.compute_s += msg.compute_s
         self.wait_s += msg.wait_s
+        if msg.invalid and not self.invalid:
+            self.invalid = msg.error or "the request's grammar failed"
         if msg.first:
             self.first = msg.first
+
+    def check(self) -> None:
+        """Raise unless every stage did its part and the last sampled: GrammarError (a
+        400: the request's own grammar failed) or TransferError (a 503)."""
+        if self.invalid:
+            raise GrammarError(self.invalid)
+        if not self.ok or not self.first:
+            raise TransferError(self.error or "a pipeline stage failed")
 
 
 @dataclass
@@ -272,13 +284,13 @@ class HeadGroup:
         return self.followers.expect(task.request_id, task.fence)
 
     async def result(self, fut: asyncio.Future[Outcome], deadline: float) -> Outcome:
-        """Every follower's report; TransferError when one failed or none came in time."""
+        """Every follower's report; TransferError when one failed or none came in time,
+        GrammarError when the last stage could not compile the request's grammar."""
         try:
             outcome = await asyncio.wait_for(asyncio.shield(fut), max(1.0, deadline - time.time()))
         except asyncio.TimeoutError:
             raise TransferError("the pipeline stages did not finish by the deadline") from None
-        if not outcome.ok or not outcome.first:
-            raise TransferError(outcome.error or "a pipeline stage failed")
+        outcome.check()
         return outcome
 
     def abort(self, task: "PrefillTask") -> asyncio.Future[Outcome]:

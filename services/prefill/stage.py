@@ -26,6 +26,7 @@ import torch
 
 from common.config import ClusterConfig
 from common.engine.config import PrefillChunk
+from common.engine.grammar import GrammarError
 from common.engine.sampling import Grammars, sample_first
 from common.host import host_id
 from common.kv.hidden import HiddenInbox
@@ -64,6 +65,7 @@ class Held:
     aborted: bool = False
     finishing: bool = False  # its report is being prepared (``finish``)
     first: list[SampledToken] = field(default_factory=list)  # sampled here (last stage)
+    invalid: bool = False  # ``failed`` by the request's own fault (its grammar): a 400
 
 
 class StageWorker:
@@ -194,7 +196,10 @@ class StageWorker:
             if held is None:
                 continue
             if row is not None and part.sampling is not None and not held.failed:
-                held.first = sample_first(row, part.sampling, self.grammars)
+                try:
+                    held.first = sample_first(row, part.sampling, self.grammars)
+                except GrammarError as exc:  # the head fails it with a 400
+                    held.failed, held.invalid = str(exc), True
             if (held.aborted or part.end == part.prompt_len) and not held.finishing:
                 self._spawn(self.finish(key, held, part.deadline))
 
@@ -277,7 +282,7 @@ class StageWorker:
         self.held.pop(key, None)
         self._report(key, ok=not error, error=error, kv_bytes=held.stream.bytes,
                      compute_s=held.compute_s, wait_s=held.wait_s,
-                     first=held.first if self.last else [])
+                     first=held.first if self.last else [], invalid=held.invalid)
 
     def on_abort(self, msg: StageAbort) -> None:
         if msg.head_epoch != self.head_epoch:

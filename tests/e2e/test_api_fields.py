@@ -45,12 +45,12 @@ CHAT_REFUSED = [  # (what the caller sets, the param the 400 names)
     ({"store": True}, "store"),
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"reasoning_effort": "low"}, "reasoning_effort"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),  # at most 16 choices
     ({"extra_body": {"min_p": 0.1}}, "min_p"),
     ({"stream": True, "stream_options": {"include_obfuscation": True}},
      "stream_options.include_obfuscation"),
 ]
-COMPLETION_REFUSED = [({"echo": True}, "echo"), ({"best_of": 2}, "best_of"),
+COMPLETION_REFUSED = [({"echo": True}, "echo"), ({"n": 3, "best_of": 2}, "best_of"),
                       ({"logprobs": 6}, "logprobs"), ({"suffix": "end"}, "suffix")]
 
 
