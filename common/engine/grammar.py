@@ -4,21 +4,22 @@ A request's ``SamplingParams.response_format`` is the canonical JSON text of Ope
 ``response_format`` object (``json_object`` or ``json_schema``), or of an xgrammar
 structural tag (``{"type": "structural_tag", "format": {...}}``: free text with
 ``<tool_call>`` blocks whose JSON follows the tools' schemas, services/router/
-structured.py); the router checked it with ``check_response_format``. Each worker compiles it once per distinct value against its
-tokenizer (``Grammars``, an LRU of compiled grammars) and gives every constrained
-sequence its own ``GrammarMatcher``. Before a token is chosen the matcher's token bitmask
-forbids every token the grammar does not allow next; the chosen token then advances it.
+structured.py); the router checked it with ``check_response_format``. Each worker compiles
+it once per distinct value against its tokenizer (``Grammars``, an LRU of compiled
+grammars) and gives every constrained sequence its own ``GrammarMatcher``. Before a token
+is chosen the matcher's token bitmask forbids every token the grammar does not allow next;
+the chosen token then advances it.
 
 The first token is sampled on the prefill side (prefill worker, a group's last stage,
 colocated worker) under a fresh matcher that is then dropped; the decode worker builds
 its own matcher and advances it with that first token, so both sides of the handover see
 the same grammar state without shipping it.
 
-Whitespace: schemas compile without free whitespace between JSON tokens (compact JSON),
-so a small model cannot wander into endless newlines inside an object. A structural
-tag's ``json_schema`` contents get the same grammar (xgrammar's own would allow free
-whitespace): each is replaced by the EBNF of ``Grammar.from_json_schema`` before the tag
-is compiled.
+Whitespace: schemas compile without free whitespace between JSON tokens (one space after
+``:`` and ``,``, as ``json.dumps`` writes), so a small model cannot wander into endless
+newlines inside an object. A structural tag's ``json_schema`` contents get the same
+grammar (xgrammar's own would allow free whitespace): each is replaced by the EBNF of
+``Grammar.from_json_schema`` before the tag is compiled.
 """
 from __future__ import annotations
 
