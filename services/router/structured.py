@@ -147,9 +147,12 @@ def _parallel(body: dict) -> bool:
 
 
 def _named(choice: Any) -> Optional[str]:
+    """The function a named ``tool_choice`` names, None for any other value."""
     if isinstance(choice, dict) and choice.get("type") == "function" and \
-            isinstance(choice.get("function"), dict) and set(choice) == {"type", "function"}:
-        return choice["function"].get("name")
+            isinstance(choice.get("function"), dict) and set(choice) == {"type", "function"} \
+            and set(choice["function"]) == {"name"} and \
+            isinstance(choice["function"]["name"], str):
+        return choice["function"]["name"]
     return None
 
 
@@ -163,7 +166,7 @@ def tool_plan(body: dict) -> ToolPlan:
     if choice == "none" or choice == "auto" and not functions:
         return ToolPlan()
     name = _named(choice)
-    if choice not in ("auto", "required") and name is None:
+    if name is None and not (isinstance(choice, str) and choice in ("auto", "required")):
         raise _bad("tool_choice", "must be \"none\", \"auto\", \"required\" or "
                    "{\"type\": \"function\", \"function\": {\"name\": ...}}")
     if name is not None and name not in functions:
