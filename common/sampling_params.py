@@ -28,7 +28,8 @@ class SamplingParams:
     logprobs: bool = False  # logprob (raw model distribution) of each chosen token
     ignore_eos: bool = False
     top_logprobs: int = 0  # and the k most likely tokens at each position, with theirs
-    # OpenAI's response_format as canonical JSON text (json_object or json_schema), or
+    # OpenAI's response_format as canonical JSON text (json_object, json_schema or an
+    # xgrammar structural_tag: tool calls), or
     # None: free text. Text keeps the type frozen and hashable; common/engine/grammar.py
     # compiles it (once per distinct value) into the grammar that masks each token.
     response_format: Optional[str] = None
@@ -84,8 +85,11 @@ def _check_response_format(text: str) -> None:
     if kind == "json_schema" and isinstance(fmt.get("json_schema"), dict) and \
             isinstance(fmt["json_schema"].get("schema", {}), (dict, bool)):
         return
+    if kind == "structural_tag" and isinstance(fmt.get("format"), dict):
+        return
     if kind != "json_object":
-        raise ValueError("response_format must be a json_object or json_schema object")
+        raise ValueError("response_format must be a json_object, json_schema or "
+                         "structural_tag object")
 
 
 @dataclass(frozen=True)

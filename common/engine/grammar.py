@@ -1,19 +1,25 @@
 """Grammar-constrained sampling (``response_format``) with xgrammar.
 
 A request's ``SamplingParams.response_format`` is the canonical JSON text of OpenAI's
-``response_format`` object (``json_object`` or ``json_schema``; the router checked it with
-``check_response_format``). Each worker compiles it once per distinct value against its
-tokenizer (``Grammars``, an LRU of compiled grammars) and gives every constrained
-sequence its own ``GrammarMatcher``. Before a token is chosen the matcher's token bitmask
-forbids every token the grammar does not allow next; the chosen token then advances it.
+``response_format`` object (``json_object`` or ``json_schema``), or of an xgrammar
+structural tag (``{"type": "structural_tag", "format": {...}}``: free text with
+``<tool_call>`` blocks whose JSON follows the tools' schemas, services/router/
+structured.py); the router checked it with ``check_response_format``. Each worker compiles
+it once per distinct value against its tokenizer (``Grammars``, an LRU of compiled
+grammars) and gives every constrained sequence its own ``GrammarMatcher``. Before a token
+is chosen the matcher's token bitmask forbids every token the grammar does not allow next;
+the chosen token then advances it.
 
 The first token is sampled on the prefill side (prefill worker, a group's last stage,
 colocated worker) under a fresh matcher that is then dropped; the decode worker builds
 its own matcher and advances it with that first token, so both sides of the handover see
 the same grammar state without shipping it.
 
-Whitespace: schemas compile without free whitespace between JSON tokens (compact JSON),
-so a small model cannot wander into endless newlines inside an object.
+Whitespace: schemas compile without free whitespace between JSON tokens (one space after
+``:`` and ``,``, as ``json.dumps`` writes), so a small model cannot wander into endless
+newlines inside an object. A structural tag's ``json_schema`` contents get the same
+grammar (xgrammar's own would allow free whitespace): each is replaced by the EBNF of
+``Grammar.from_json_schema`` before the tag is compiled.
 """
 from __future__ import annotations
 
@@ -42,16 +48,45 @@ def _schema_of(response_format: str) -> tuple[str, bool]:
     return json.dumps(spec.get("schema", {})), True
 
 
+def _compact(node: Any) -> Any:
+    """A structural tag's format tree with every ``json_schema`` node replaced by the
+    grammar (EBNF) of its schema as ``response_format`` compiles one: no free whitespace,
+    strict."""
+    if isinstance(node, list):
+        return [_compact(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and "json_schema" in node:
+        schema = json.dumps(node["json_schema"])
+        ebnf = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+        return {"type": "grammar", "grammar": str(ebnf)}
+    return {k: _compact(v) for k, v in node.items()}
+
+
+def _structural_tag(response_format: str) -> Optional[str]:
+    """The structural tag to compile (JSON text), or None for a JSON format."""
+    fmt = json.loads(response_format)
+    if fmt.get("type") != "structural_tag":
+        return None
+    return json.dumps({"type": "structural_tag", "format": _compact(fmt["format"])})
+
+
 @functools.lru_cache(maxsize=256)
 def check_response_format(response_format: str) -> None:
     """Raise ValueError if ``response_format``'s schema cannot become a grammar (the
     router's 400). Needs no tokenizer, so the router checks what workers will compile."""
-    schema, strict = _schema_of(response_format)
+    what = "the JSON schema"
     try:
+        tag = _structural_tag(response_format)
+        if tag is not None:
+            what = "the structural tag (or a JSON schema in it)"
+            xgr.Grammar.from_structural_tag(tag)
+            return
+        schema, strict = _schema_of(response_format)
         xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError/InvalidJSONError
         why = re.sub(r"^\[[^\]]*\] \S+: ", "", str(exc)).strip()  # xgrammar's log prefix
-        raise ValueError(f"the JSON schema cannot be compiled to a grammar: {why}") from exc
+        raise ValueError(f"{what} cannot be compiled to a grammar: {why}") from exc
 
 
 def tokenizer_info(tokenizer: Any, vocab_size: int,
@@ -130,8 +165,11 @@ class Grammars:
             info = self._info()
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
             self._vocab = info.vocab_size
-        schema, strict = _schema_of(response_format)
         self.compiles += 1
+        tag = _structural_tag(response_format)
+        if tag is not None:
+            return self._compiler.compile_structural_tag(tag)
+        schema, strict = _schema_of(response_format)
         return self._compiler.compile_json_schema(schema, any_whitespace=False,
                                                   strict_mode=strict)
 

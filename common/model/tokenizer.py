@@ -25,7 +25,11 @@ def _compile(template: str) -> Any:
 
 
 def _render(template: str, messages: list[dict], add_generation_prompt: bool,
-            **specials: Any) -> str:
+            tools: Optional[list[dict]] = None, **specials: Any) -> str:
+    """``tools`` (OpenAI's tool objects) go to the template only when given, as
+    Hugging Face's ``apply_chat_template`` passes them."""
+    if tools is not None:
+        specials["tools"] = tools
     return _compile(template).render(
         messages=messages, add_generation_prompt=add_generation_prompt, **specials)
 
@@ -57,14 +61,17 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str:
         return self._tk.id_to_token(token_id) or ""
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: Optional[list[dict]] = None) -> str:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
-        return _render(self.chat_template, messages, add_generation_prompt,
+        return _render(self.chat_template, messages, add_generation_prompt, tools,
                        bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: Optional[list[dict]] = None) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools),
+                           add_special_tokens=False)
 
 
 class ByteTokenizer:
@@ -94,9 +101,12 @@ class ByteTokenizer:
             return f"<0x{token_id - self.OFFSET:02X}>"
         return f"<{token_id}>"
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return _render(self.chat_template, messages, add_generation_prompt)
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: Optional[list[dict]] = None) -> str:
+        return _render(self.chat_template, messages, add_generation_prompt, tools)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        ids = self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: Optional[list[dict]] = None) -> list[int]:
+        ids = self.encode(self.render_chat(messages, add_generation_prompt, tools),
+                          add_special_tokens=False)
         return [self.bos_token_id] + ids

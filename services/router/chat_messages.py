@@ -3,19 +3,31 @@ is honoured or refused (400 naming ``messages[i].<key>``), like the request's fi
 
 Honoured: ``role`` (``developer`` is OpenAI's newer name for ``system`` and becomes one),
 ``content`` (a string or text parts, joined) and ``name`` (passed to the template, as vLLM
-and Hugging Face do; whether it shows in the prompt is the template's choice). An
-assistant message's tool and audio keys are accepted only empty: tools are not built yet.
+and Hugging Face do; whether it shows in the prompt is the template's choice).
+
+Tool history: an assistant message's ``tool_calls`` (``[{"id", "type": "function",
+"function": {"name", "arguments"}}]``; its content may then be null) are rendered into its
+content as the model writes calls (``<tool_call>{"name": ..., "arguments": ...}
+</tool_call>``, one per line after the text; tool_calls.py), and a ``tool`` message
+(``tool_call_id``, ``content``: the call's result) stays a ``tool`` message for the
+template, with its ``tool_call_id``; its id must be one of an earlier assistant call's.
+The deprecated ``function`` role, ``function_call``, ``refusal`` and ``audio`` are accepted
+only empty.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from services.router.errors import invalid
 from services.router.request_fields import only
+from services.router.tool_calls import call_text
 
-ROLES = ("system", "user", "assistant", "developer")
-_ASSISTANT_EMPTY = {"tool_calls": [], "function_call": {}, "refusal": "", "audio": {}}
-_NOT_EMPTY = "is only accepted empty: no tool calls, refusals or audio to replay yet"
+ROLES = ("system", "user", "assistant", "developer", "tool")
+_ASSISTANT_EMPTY = {"function_call": {}, "refusal": "", "audio": {}}
+_NOT_EMPTY = "is only accepted empty: no function calls, refusals or audio to replay"
+_CALL = "must be {\"id\": str, \"type\": \"function\", \"function\": {\"name\": str, " \
+    "\"arguments\": str}}"
 
 
 def _content_text(content: Any, index: int) -> str:
@@ -49,32 +61,92 @@ def _check_keys(msg: dict, role: str, i: int) -> None:
                 raise invalid(f"'{param}' must be a string", param, "invalid_type")
         elif role == "assistant" and key in _ASSISTANT_EMPTY:
             only(_ASSISTANT_EMPTY[key], why=_NOT_EMPTY)(param, value)
-        else:
+        elif not (role == "assistant" and key == "tool_calls" or
+                  role == "tool" and key == "tool_call_id"):
             raise invalid(f"unknown parameter '{param}'", param, "unknown_parameter")
 
 
+def _arguments_json(arguments: str) -> str:
+    """The arguments as JSON text in the call: as sent when they parse (the model's own
+    text round-trips), else as a JSON string."""
+    try:
+        json.loads(arguments)
+        return arguments
+    except ValueError:
+        return json.dumps(arguments)
+
+
+def _calls(value: Any, i: int) -> list[tuple[str, str]]:
+    """An assistant message's ``tool_calls``: (id, the call's text) each."""
+    param = f"messages[{i}].tool_calls"
+    if not isinstance(value, list):
+        raise invalid(f"'{param}' must be a list of tool calls", param, "invalid_type")
+    out = []
+    for j, call in enumerate(value):
+        here = f"{param}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        ok = isinstance(fn, dict) and isinstance(call.get("id"), str) and \
+            call.get("type") == "function" and isinstance(fn.get("name"), str) and \
+            isinstance(fn.get("arguments"), str)
+        if not ok:
+            raise invalid(f"'{here}' {_CALL}", here, "invalid_value")
+        for key, keys in ((here, set(call) - {"id", "type", "function"}),
+                          (f"{here}.function", set(fn) - {"name", "arguments"})):
+            if keys:
+                bad = f"{key}.{sorted(keys)[0]}"
+                raise invalid(f"unknown parameter '{bad}'", bad, "unknown_parameter")
+        out.append((call["id"], call_text(fn["name"], _arguments_json(fn["arguments"]))))
+    return out
+
+
+def _content(msg: dict, i: int, calls: list[tuple[str, str]]) -> str:
+    if msg.get("content") is None and not calls:
+        raise invalid("message content is required", f"messages[{i}].content",
+                      "invalid_value")
+    text = _content_text(msg["content"], i) if msg.get("content") is not None else ""
+    return "\n".join([text] * bool(text) + [call for _, call in calls])
+
+
+def _tool_call_id(msg: dict, i: int, call_ids: set[str]) -> str:
+    param = f"messages[{i}].tool_call_id"
+    value = msg.get("tool_call_id")
+    if value is None:
+        raise invalid("a tool message needs the 'tool_call_id' of the call it answers",
+                      param, "missing_required_parameter")
+    if not isinstance(value, str):
+        raise invalid(f"'{param}' must be a string", param, "invalid_type")
+    if value not in call_ids:
+        raise invalid(f"'{param}' {value!r} is not the id of an earlier assistant tool "
+                      "call", param, "invalid_value")
+    return value
+
+
 def parse_messages(value: Any) -> list[dict[str, str]]:
-    """The messages for the chat template: ``{"role", "content"[, "name"]}``, strings."""
+    """The messages for the chat template: ``{"role", "content"[, "name"][,
+    "tool_call_id"]}``, strings."""
     if not isinstance(value, list) or not value:
         raise invalid("'messages' must be a non-empty list", "messages", "invalid_value")
     out = []
+    call_ids: set[str] = set()
     for i, msg in enumerate(value):
         if not isinstance(msg, dict):
             raise invalid("each message must be an object", f"messages[{i}]",
                           "invalid_type")
         role = msg.get("role")
-        if role in ("tool", "function"):
-            raise invalid(f"{role} messages are not supported yet (no tools)",
-                          f"messages[{i}].role", "invalid_value")
+        if role == "function":
+            raise invalid("function messages (deprecated) are not supported: use tool "
+                          "messages", f"messages[{i}].role", "invalid_value")
         if role not in ROLES:
             raise invalid(f"role must be one of {', '.join(ROLES)}, got {role!r}",
                           f"messages[{i}].role", "invalid_value")
         _check_keys(msg, role, i)
-        if msg.get("content") is None:
-            raise invalid("message content is required", f"messages[{i}].content",
-                          "invalid_value")
+        calls = _calls(msg["tool_calls"], i) if role == "assistant" and \
+            msg.get("tool_calls") is not None else []
         parsed = {"role": "system" if role == "developer" else role,
-                  "content": _content_text(msg["content"], i)}
+                  "content": _content(msg, i, calls)}
+        call_ids.update(call_id for call_id, _ in calls)
+        if role == "tool":
+            parsed["tool_call_id"] = _tool_call_id(msg, i, call_ids)
         if msg.get("name") is not None:
             parsed["name"] = msg["name"]
         out.append(parsed)

@@ -22,6 +22,7 @@ from services.router.state import RouterState
 from services.router.tokenize import (check_token_ids, encode_chat, parse_detokenize,
                                       parse_tokenize)
 from services.router.tokenize import tokenize as tokenize_ids
+from services.router.tool_response import TaggedCallsBuilder
 from services.router.validation import GenerationRequest, parse_request
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ async def _read_json(request: web.Request) -> Any:
 def _tokenize(state: RouterState, req: GenerationRequest) -> list[int]:
     tok = state.tokenizer
     if req.kind == "chat":
-        return encode_chat(tok, req.messages or [])
+        return encode_chat(tok, req.messages or [], tools=req.tools)
     if isinstance(req.prompt, str):
         return tok.encode_text(req.prompt)
     ids = list(req.prompt or [])
@@ -89,13 +90,13 @@ async def _prompt(state: RouterState,
 
 def _choices(state: RouterState, req: GenerationRequest, request_id: str) -> Choices:
     tok = state.tokenizer
+    cls = TaggedCallsBuilder if req.tagged_calls else ResponseBuilder
     created = int(time.time())
-    return Choices([ResponseBuilder(kind=req.kind, request_id=request_id, model=req.model,
-                                    created=created, token_text=lambda t: tok.decode([t]),
-                                    want_logprobs=req.sampling.logprobs,
-                                    want_top=req.sampling.top_logprobs,
-                                    include_usage=req.include_usage, tool_call=req.tool_call,
-                                    index=i)
+    return Choices([cls(kind=req.kind, request_id=request_id, model=req.model, created=created,
+                        token_text=lambda t: tok.decode([t]),
+                        want_logprobs=req.sampling.logprobs,
+                        want_top=req.sampling.top_logprobs, include_usage=req.include_usage,
+                        tool_call=req.tool_call, index=i)
                     for i in range(req.sampling.n)], req.n)
 
 

@@ -24,7 +24,7 @@ _SHARED = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p
            "stop", "n", "stream", "stream_options", "logprobs",
            "top_k", "ignore_eos", "stop_token_ids"}  # the last three: vLLM's extensions
 PARSED = {CHAT: _SHARED | {"messages", "top_logprobs", "response_format", "tools",
-                          "tool_choice"},  # the last three: structured.py
+                          "tool_choice", "parallel_tool_calls"},  # the last 4: structured.py
           COMPLETION: _SHARED | {"prompt", "best_of"}}
 
 Check = Callable[[str, Any], None]  # raises ApiError (400) naming the field
@@ -107,7 +107,6 @@ LIMITED: dict[str, tuple[tuple[str, ...], Check]] = {
     "logit_bias": ((CHAT, COMPLETION), only({}, why="is not supported yet: only {}")),
     "functions": ((CHAT,), only([], why=_NO_TOOLS)),
     "function_call": ((CHAT,), only("none", "auto", why=_NO_CHOICE)),
-    "parallel_tool_calls": ((CHAT,), boolean),  # at most one call (a named function)
     "echo": ((COMPLETION,), only(False, why="is not supported yet: only false")),
     "suffix": ((COMPLETION,), only("", why="is not supported yet: only \"\"")),
     # Features of other models or of OpenAI's platform.

@@ -1,27 +1,32 @@
-"""Structured outputs: ``response_format`` and a named ``tool_choice`` become the one
-grammar the workers sample under (SamplingParams.response_format; common/engine/
-grammar.py compiles it). A schema xgrammar cannot compile is refused here, before any
-work, with a 400 naming the field that carried it.
+"""Structured outputs: ``response_format`` and ``tool_choice`` become the one grammar
+the workers sample under (SamplingParams.response_format; common/engine/grammar.py
+compiles it). A schema xgrammar cannot compile is refused here, before any work, with a
+400 naming the field that carried it.
 
-Tools: only a named function (``tool_choice: {"type": "function", "function": {"name":
-...}}``) is honoured: the answer is that function's arguments, a JSON document valid
-against its ``parameters``, returned in OpenAI's ``tool_calls`` shape (openai_format.py).
-``tool_choice: "none"`` answers in text. ``"auto"`` (the default with tools) and
-``"required"`` would need the model to choose between text and tools, which a grammar
-alone does not decide: they are refused with a 400 naming ``tool_choice``.
+Tools (``ToolPlan``): a named function (``{"type": "function", "function": {"name":
+...}}``): the answer is that function's arguments, a JSON document valid against its
+``parameters`` (openai_format.py returns it as one call). ``"auto"`` (the default with
+tools): an xgrammar structural tag lets the model write free text and, once it writes
+``<tool_call>``, forces ``{"name": <a tool>, "arguments": <valid for it>}</tool_call>``;
+``"required"``: only such calls, at least one. ``parallel_tool_calls: false`` ends the
+answer after its first call. The router splits the answer into content and calls
+(tool_calls.py, tool_response.py). ``"none"``: a text answer, the tools not shown.
 """
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from common.engine.grammar import check_response_format
 from services.router.errors import ApiError, invalid
+from services.router.tool_calls import CALL_BEGIN, CALL_END, call_begin
 
 MAX_SCHEMA_CHARS = 65_536  # a schema, as JSON text
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for schema and function names
 JSON_OBJECT = '{"type":"json_object"}'
+_NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
 def _bad(param: str, why: str) -> ApiError:
@@ -79,34 +84,101 @@ def _functions(tools: Any) -> dict[str, dict]:
         ok = isinstance(fn, dict) and tool.get("type") == "function" and set(tool) == {
             "type", "function"} and isinstance(fn.get("name"), str) and \
             _NAME.fullmatch(fn["name"]) and not set(fn) - {
-                "name", "description", "parameters", "strict"}
+                "name", "description", "parameters", "strict"} and \
+            isinstance(fn.get("parameters", {}), dict)
         if not ok or fn["name"] in out:
             raise _bad("tools", f"[{i}] must be {{\"type\": \"function\", \"function\": "
                        "{\"name\" (1-64 of A-Za-z0-9_-, unique), \"description\"?, "
-                       "\"parameters\"?, \"strict\"?}}")
+                       "\"parameters\"? (an object), \"strict\"?}}")
         out[fn["name"]] = fn
     return out
 
 
-def tool_call(body: dict) -> tuple[Optional[str], Optional[str]]:
-    """(the function the answer calls, the grammar of its arguments), or (None, None)
-    for a text answer."""
+@dataclass(frozen=True)
+class ToolPlan:
+    """What ``tools`` and ``tool_choice`` ask of the answer. ``named``: the function a
+    named choice calls (the answer is its arguments); ``tagged``: ``"auto"`` or
+    ``"required"`` (the answer is text with ``<tool_call>`` blocks, tool_calls.py splits
+    it); ``functions``: the tools shown to the model in the prompt (none when it may not
+    call one); ``grammar``: the response_format text the workers sample under."""
+
+    grammar: Optional[str] = None
+    named: Optional[str] = None
+    tagged: bool = False
+    functions: tuple[dict, ...] = ()
+
+
+def _call_tag(name: str, parameters: Any) -> dict:
+    return {"type": "tag", "begin": call_begin(name),
+            "content": {"type": "json_schema", "json_schema": parameters},
+            "end": "}" + CALL_END}
+
+
+def tagged_format(functions: dict[str, dict], required: bool, parallel: bool) -> str:
+    """The canonical response_format (an xgrammar structural tag, common/engine/
+    grammar.py) of ``"auto"`` (free text; after ``<tool_call>`` one call of a tool,
+    then free text again) or ``"required"`` (calls only, one per line, at least one);
+    ``parallel`` false: the answer ends after the first call."""
+    tags = [_call_tag(name, fn.get("parameters", _NO_PARAMETERS))
+            for name, fn in functions.items()]
+    fmt: dict = {"type": "triggered_tags", "triggers": [CALL_BEGIN], "tags": tags}
+    if required:
+        fmt = {"type": "tags_with_separator", "separator": "\n", "tags": tags,
+               "at_least_one": True}
+    fmt["stop_after_first"] = not parallel
+    text = json.dumps({"type": "structural_tag", "format": fmt}, separators=(",", ":"))
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise _bad("tools", f"have schemas over {MAX_SCHEMA_CHARS} characters of JSON")
+    try:
+        check_response_format(text)
+    except ValueError as exc:
+        raise _bad("tools", str(exc)) from exc
+    return text
+
+
+def _parallel(body: dict) -> bool:
+    value = body.get("parallel_tool_calls")
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise invalid("'parallel_tool_calls' must be a boolean", "parallel_tool_calls",
+                      "invalid_type")
+    return value
+
+
+def _named(choice: Any) -> Optional[str]:
+    """The function a named ``tool_choice`` names, None for any other value."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and \
+            isinstance(choice.get("function"), dict) and set(choice) == {"type", "function"} \
+            and set(choice["function"]) == {"name"} and \
+            isinstance(choice["function"]["name"], str):
+        return choice["function"]["name"]
+    return None
+
+
+def tool_plan(body: dict) -> ToolPlan:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat request."""
     functions = _functions(body.get("tools") or [])
+    parallel = _parallel(body)
     choice = body.get("tool_choice")
-    if choice in (None, "none", "auto") and not functions or choice == "none":
-        return None, None
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
-        choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
-        else None
-    if name is None:
-        raise invalid("'tool_choice' with tools must be \"none\" or a named function "
-                      "({\"type\": \"function\", \"function\": {\"name\": ...}}): \"auto\" "
-                      "and \"required\" are not supported yet", "tool_choice",
-                      "unsupported_value")
-    if name not in functions:
+    if choice is None:
+        choice = "auto" if functions else "none"
+    if choice == "none" or choice == "auto" and not functions:
+        return ToolPlan()
+    name = _named(choice)
+    if name is None and not (isinstance(choice, str) and choice in ("auto", "required")):
+        raise _bad("tool_choice", "must be \"none\", \"auto\", \"required\" or "
+                   "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    if name is not None and name not in functions:
         raise _bad("tool_choice", f"names '{name}', which is not one of the tools")
+    if not functions:
+        raise _bad("tool_choice", "is \"required\" but there are no tools")
     if body.get("response_format") not in (None, {"type": "text"}):
-        raise _bad("tool_choice", "cannot name a function together with a JSON "
-                   "response_format")
-    params = functions[name].get("parameters", {"type": "object", "properties": {}})
-    return name, schema_format(params, "tools")
+        raise invalid("'tool_choice' (a function call) cannot be combined with a JSON "
+                      "response_format yet", "tool_choice", "unsupported_value")
+    shown = tuple(functions.values())
+    if name is not None:
+        params = functions[name].get("parameters", _NO_PARAMETERS)
+        return ToolPlan(schema_format(params, "tools"), named=name, functions=shown)
+    return ToolPlan(tagged_format(functions, choice == "required", parallel), tagged=True,
+                    functions=shown)

@@ -117,11 +117,12 @@ def parse_detokenize(body: Any, tok: PromptTokenizer, served_model: str) -> list
 
 
 def encode_chat(tok: PromptTokenizer, messages: list[dict[str, str]],
-                add_generation_prompt: bool = True, add_special_tokens: bool = False
-                ) -> list[int]:
-    """The chat template's tokens; a 400 when the model's template refuses the messages."""
+                add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                tools: Optional[list[dict]] = None) -> list[int]:
+    """The chat template's tokens (with ``tools`` shown to the model); a 400 when the
+    model's template refuses the messages."""
     try:
-        return tok.encode_chat(messages, add_generation_prompt, add_special_tokens)
+        return tok.encode_chat(messages, add_generation_prompt, add_special_tokens, tools)
     except TemplateError as exc:
         raise invalid(f"chat template: {exc}", "messages", "invalid_value") from None
 

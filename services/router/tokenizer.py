@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence, Union
 from common.model import loader
 from common.model.config import DUMMY_CONFIGS, ModelConfig, config_from_hf
 from common.model.tokenizer import ByteTokenizer, Tokenizer
+from services.router.tool_calls import tools_prompt
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -103,11 +104,21 @@ class PromptTokenizer:
         return self.model_config.vocab_size
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False) -> list[int]:
+                    add_special_tokens: bool = False,
+                    tools: Optional[list[dict]] = None) -> list[int]:
         """The chat template's tokens; ``add_special_tokens`` adds the tokenizer's own
-        (BOS) on top of what the template wrote, as vLLM's /tokenize does."""
+        (BOS) on top of what the template wrote, as vLLM's /tokenize does. ``tools``
+        (OpenAI's function objects) reach the model: as the template's ``tools`` when it
+        renders them, else as a system text (tool_calls.py's ``tools_prompt``) after the
+        first system message's content, or as a first system message."""
+        template_tools = None
+        if tools:
+            if "tools" in (self.tokenizer.chat_template or ""):
+                template_tools = [{"type": "function", "function": fn} for fn in tools]
+            else:
+                messages = with_tools_prompt(messages, tools)
         ids = list(self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt))
+            messages, add_generation_prompt=add_generation_prompt, tools=template_tools))
         if add_special_tokens:  # what encoding "" adds is exactly the special prefix
             ids = self.encode_text("") + ids
         return ids
@@ -125,6 +136,18 @@ class PromptTokenizer:
     def out_of_vocab(self, token_ids: Sequence[int]) -> Optional[int]:
         """The first id outside ``[0, vocab_size)``, if any."""
         return next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+
+
+def with_tools_prompt(messages: list[dict[str, str]],
+                      tools: list[dict]) -> list[dict[str, str]]:
+    """``messages`` with the tools' system text merged into the first system message (or
+    in a new one before them)."""
+    text = tools_prompt(tools)
+    if messages and messages[0]["role"] == "system":
+        first = messages[0]
+        merged = f"{first['content']}\n\n{text}" if first["content"] else text
+        return [{**first, "content": merged}] + messages[1:]
+    return [{"role": "system", "content": text}] + messages
 
 
 def load_tokenizer(model: str) -> PromptTokenizer:

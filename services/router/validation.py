@@ -14,7 +14,7 @@ from common.sampling_params import MAX_CHOICES, MAX_TOP_LOGPROBS, SamplingParams
 from services.router.chat_messages import parse_messages
 from services.router.errors import ApiError, invalid
 from services.router.request_fields import boolean, check_fields, only
-from services.router.structured import response_format, tool_call
+from services.router.structured import response_format, tool_plan
 
 MAX_STOP = 4
 MAX_STOP_TOKEN_IDS = 256
@@ -34,6 +34,8 @@ class GenerationRequest:
     prompt: Optional[Union[str, list[int]]] = None
     tool_call: Optional[str] = None  # the function a named tool_choice calls
     n: int = 1  # choices returned; ``sampling.n`` are sampled (more: best_of)
+    tagged_calls: bool = False  # tool_choice auto/required: <tool_call> blocks to split
+    tools: Optional[list[dict]] = None  # the functions the prompt shows the model
 
 
 def _is_int(value: Any) -> bool:
@@ -240,14 +242,17 @@ def parse_request(body: Any, kind: str, served_model: str,
     check_fields(body, kind)
     stream, include_usage = _stream_flags(body)
     asked = _max_tokens(body)
-    tool, grammar = tool_call(body) if kind == "chat" else (None, None)
-    if tool is None and kind == "chat":
-        grammar = response_format(body)
+    plan = tool_plan(body) if kind == "chat" else None
+    grammar = plan.grammar if plan is not None and plan.grammar is not None else \
+        response_format(body) if kind == "chat" else None
     n, sampled = _choices(body, kind)
     sampling = parse_sampling(body, kind, asked or default_max_tokens, grammar, sampled)
     req = GenerationRequest(kind=kind, model=model, sampling=sampling,
                             max_tokens_asked=asked is not None, stream=stream,
-                            include_usage=include_usage, tool_call=tool, n=n)
+                            include_usage=include_usage, n=n)
+    if plan is not None and plan.functions:
+        req.tool_call, req.tagged_calls = plan.named, plan.tagged
+        req.tools = list(plan.functions)
     if kind == "chat":
         if "messages" not in body:
             raise invalid("'messages' is required", "messages", "missing_required_parameter")

@@ -129,3 +129,63 @@ def test_byte_tokenizer_models_take_grammars_too() -> None:
     [(token, _, _)] = sample(torch.zeros(1, 300), [SamplingParams(1, temperature=0)], [None],
                              grammars.bitmask([matcher]))
     assert tok.decode([token]) == "{"
+
+
+def _tools_tag(required: bool) -> str:
+    """Tool calls as services/router/structured.py asks for them: free text with calls
+    ("auto") or calls only ("required"), one call at most."""
+    tag = {"type": "tag", "begin": '<tool_call>{"name": "person", "arguments": ',
+           "content": {"type": "json_schema", "json_schema": SCHEMA}, "end": "}</tool_call>"}
+    fmt: dict = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": [tag]}
+    if required:
+        fmt = {"type": "tags_with_separator", "separator": "\n", "tags": [tag],
+               "at_least_one": True}
+    fmt["stop_after_first"] = True
+    return json.dumps({"type": "structural_tag", "format": fmt})
+
+
+def _accepts(grammars: Grammars, tok: Tokenizer, fmt: str, text: str) -> tuple[bool, bool]:
+    """(every token of ``text`` accepted, the answer may then end: EOS accepted)."""
+    matcher = grammars.matcher(SamplingParams(4, response_format=fmt))
+    ok = all(matcher.accept_token(t) for t in tok.encode(text, add_special_tokens=False))
+    return ok, ok and matcher.accept_token(tok.eos_token_id) and matcher.is_terminated()
+
+
+def test_structural_tag_forces_the_call_after_its_trigger(
+        grammars: Grammars, model: tuple[Tokenizer, int, tuple[int, ...]]) -> None:
+    tok, _, _ = model
+    call = '<tool_call>{"name": "person", "arguments": {"name": "Ann", "age": 3, "tags": ' \
+           '["a"]}}</tool_call>'
+    auto, required = _tools_tag(False), _tools_tag(True)
+    check_response_format(auto)
+    assert _accepts(grammars, tok, auto, "Any text <b>") == (True, True)
+    assert _accepts(grammars, tok, auto, "Sure. " + call) == (True, True)
+    assert _accepts(grammars, tok, auto, call + " more")[0] is False  # one call: the end
+    assert _accepts(grammars, tok, auto, "Sure. <tool_call>") == (True, False)
+    assert _accepts(grammars, tok, auto, call.replace(": 3", ":3"))[0] is False  # spacing
+    assert _accepts(grammars, tok, auto, call.replace("person", "other"))[0] is False
+    assert _accepts(grammars, tok, auto, call.replace('"a"', '"c"'))[0] is False  # schema
+    assert _accepts(grammars, tok, required, "Sure. " + call)[0] is False  # calls only
+    assert _accepts(grammars, tok, required, call) == (True, True)
+    with pytest.raises(ValueError, match="cannot be compiled"):
+        check_response_format(auto.replace('"integer"', '"nonsense"'))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_logits_under_a_required_tag_give_a_valid_call(
+        grammars: Grammars, model: tuple[Tokenizer, int, tuple[int, ...]],
+        seed: int) -> None:
+    tok, vocab, eos = model
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(400, temperature=1.0, response_format=_tools_tag(True))
+    matcher = grammars.matcher(params)
+    out: list[int] = []
+    while not matcher.is_terminated():
+        [(token, _, _)] = sample(torch.randn(1, vocab, generator=gen) * 3, [params], [gen],
+                                 grammars.bitmask([matcher]))
+        assert matcher.accept_token(token) and len(out) < 400
+        out.append(token)
+    text = tok.decode(out)
+    head, tail = '<tool_call>{"name": "person", "arguments": ', "}</tool_call>"
+    assert text.startswith(head) and text.endswith(tail), text
+    jsonschema.validate(json.loads(text[len(head):-len(tail)]), SCHEMA)

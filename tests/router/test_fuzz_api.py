@@ -20,7 +20,8 @@ MODEL = "smollm2-135m"
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens",
           "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options",
           "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias",
-          "user", "echo", "best_of", "suffix", "response_format", "tools"]
+          "user", "echo", "best_of", "suffix", "response_format", "tools", "tool_choice",
+          "parallel_tool_calls"]
 SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture,
                                            HealthCheck.too_slow])
@@ -36,9 +37,15 @@ json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
 messages = st.lists(st.one_of(
     st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool"])
                            | texts, "content": texts | json_values}),
-    st.dictionaries(st.sampled_from(["role", "content", "name", "x"]), json_values,
-                    max_size=3),
+    st.dictionaries(st.sampled_from(["role", "content", "name", "x", "tool_calls",
+                                     "tool_call_id"]), json_values, max_size=3),
     json_values), max_size=3)
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}}}}}
+choices = st.sampled_from(["auto", "required", "none", {"type": "function", "function":
+                                                        {"name": "f"}}]) | json_values
 
 
 def valid_base(kind: str) -> dict[str, Any]:
@@ -54,9 +61,20 @@ def valid_base(kind: str) -> dict[str, Any]:
 def bodies(draw: st.DrawFn) -> tuple[str, bytes]:
     """(kind, raw body): one of several shapes, from nearly valid to garbage."""
     kind = draw(st.sampled_from(["chat", "completion"]))
-    shape = draw(st.sampled_from(["mutated", "fields", "any_json", "truncated", "bytes"]))
+    shape = draw(st.sampled_from(["mutated", "fields", "any_json", "truncated", "bytes",
+                                  "tools"]))
     body: Any = valid_base(kind)
-    if shape == "mutated":  # a valid request with a few fields set to junk
+    if shape == "tools":  # a valid tool, a choice and a tool history, each maybe junk
+        body.update(tools=[TOOL], tool_choice=draw(choices),
+                    parallel_tool_calls=draw(st.booleans() | json_values))
+        call = {"id": "c", "type": "function",
+                "function": {"name": "f", "arguments": draw(texts | json_values)}}
+        body["messages"] = [{"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": None,
+                             "tool_calls": draw(st.just([call]) | json_values)},
+                            {"role": "tool", "tool_call_id": draw(st.just("c") | json_values),
+                             "content": draw(texts | json_values)}]
+    elif shape == "mutated":  # a valid request with a few fields set to junk
         for name in draw(st.lists(st.sampled_from(FIELDS), min_size=1, max_size=3)):
             body[name] = draw(messages if name == "messages" else json_values)
     elif shape == "fields":  # only known field names, any values

@@ -116,9 +116,11 @@ ROWS = [
     Row("chat", "tools", [TOOL, TOOL], REFUSED),  # two functions of one name
     Row("chat", "tool_choice", "none", ACCEPTED),
     Row("chat", "tool_choice", "auto", ACCEPTED),
-    Row("chat", "tool_choice", "required", REFUSED),
+    Row("chat", "tool_choice", "required", REFUSED),  # no tools to call
     Row("chat", "tool_choice", {"type": "function", "function": {"name": "f"}}, REFUSED),
-    Row("chat", "parallel_tool_calls", False, ACCEPTED),
+    Row("chat", "tool_choice", "sometimes", REFUSED),
+    Row("chat", "parallel_tool_calls", False, ACCEPTED),  # no tools: changes nothing
+    Row("chat", "parallel_tool_calls", "no", REFUSED),
     Row("chat", "functions", [TOOL["function"]], REFUSED),
     Row("chat", "function_call", "none", ACCEPTED),
     Row("chat", "function_call", {"name": "f"}, REFUSED),
@@ -190,19 +192,52 @@ def test_named_tool_choice_is_a_grammar_over_its_parameters() -> None:
     assert req.tool_call == "f" and req.sampling == SamplingParams(
         DEFAULT_MAX, response_format='{"type":"json_schema","json_schema":{"schema":'
                                      '{"type":"object"}}}')
+    assert req.tools == [TOOL["function"]] and not req.tagged_calls
     assert parse("chat", {"tools": [TOOL], "tool_choice": "none"}) == parse("chat", {})
-    for body, param in (({"tools": [TOOL]}, "tool_choice"),  # "auto" by default
-                        ({"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
-                        ({"tools": [TOOL], "tool_choice": {"type": "function", "function":
+    for body, param in (({"tools": [TOOL], "tool_choice": {"type": "function", "function":
                                                            {"name": "g"}}}, "tool_choice"),
                         ({"tools": [TOOL], "tool_choice": named,
                           "response_format": {"type": "json_object"}}, "tool_choice"),
+                        ({"tools": [TOOL], "response_format": {"type": "json_object"}},
+                         "tool_choice"),  # "auto" by default
                         ({"tools": [{"type": "function", "function": {
                             "name": "f", "parameters": {"type": "nope"}}}],
-                          "tool_choice": named}, "tools")):
+                          "tool_choice": named}, "tools"),
+                        ({"tools": [{"type": "function", "function": {
+                            "name": "f", "parameters": {"type": "nope"}}}]}, "tools"),
+                        ({"tools": [{"type": "function", "function": {
+                            "name": "f", "parameters": []}}]}, "tools")):
         with pytest.raises(ApiError) as info:
             parse("chat", body)
         assert info.value.param == param, (body, info.value.message)
+
+
+G = {"type": "function", "function": {"name": "g"}}  # no parameters: an empty object
+
+
+def _tag(name: str, params: dict) -> dict:
+    return {"type": "tag", "begin": f'<tool_call>{{"name": "{name}", "arguments": ',
+            "content": {"type": "json_schema", "json_schema": params}, "end": "}</tool_call>"}
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "required"])
+@pytest.mark.parametrize("parallel", [None, True, False])
+def test_auto_and_required_are_structural_tags(choice: Optional[str],
+                                               parallel: Optional[bool]) -> None:
+    """"auto" (the default with tools): free text, and a call's JSON forced once it
+    starts; "required": calls only, at least one; parallel_tool_calls false: one."""
+    req = parse("chat", {"tools": [TOOL, G], "tool_choice": choice,
+                         "parallel_tool_calls": parallel})
+    tags = [_tag("f", {"type": "object"}), _tag("g", {"type": "object", "properties": {}})]
+    fmt: dict = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags}
+    if choice == "required":
+        fmt = {"type": "tags_with_separator", "separator": "\n", "tags": tags,
+               "at_least_one": True}
+    fmt["stop_after_first"] = parallel is False
+    assert json.loads(req.sampling.response_format) == {"type": "structural_tag",
+                                                         "format": fmt}
+    assert req.tagged_calls and req.tool_call is None
+    assert req.tools == [TOOL["function"], G["function"]]
 
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])
@@ -254,8 +289,24 @@ MESSAGE_CASES = [  # (message, parsed or None, param of the 400)
     ({"role": "assistant", "content": "a", "tool_calls": [], "refusal": None},
      {"role": "assistant", "content": "a"}, None),
     ({"role": "assistant", "content": "a", "tool_calls": [{"id": "c", "type": "function"}]},
-     None, "messages[0].tool_calls"),
-    ({"role": "tool", "content": "r", "tool_call_id": "c"}, None, "messages[0].role"),
+     None, "messages[0].tool_calls[0]"),
+    ({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+     {"role": "assistant", "content": '<tool_call>{"name": "f", "arguments": {}}</tool_call>'},
+     None),
+    ({"role": "assistant", "content": "a", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"},
+         "x": 1}]}, None, "messages[0].tool_calls[0].x"),
+    ({"role": "assistant", "content": "a", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}",
+                                                     "strict": True}}]},
+     None, "messages[0].tool_calls[0].function.strict"),
+    ({"role": "assistant", "content": None}, None, "messages[0].content"),
+    ({"role": "tool", "content": "r", "tool_call_id": "c"}, None,
+     "messages[0].tool_call_id"),  # no earlier call has that id
+    ({"role": "tool", "content": "r"}, None, "messages[0].tool_call_id"),
+    ({"role": "user", "content": "u", "tool_call_id": "c"}, None, "messages[0].tool_call_id"),
+    ({"role": "function", "content": "r", "name": "f"}, None, "messages[0].role"),
     ({"role": "user", "content": "u", "name": 3}, None, "messages[0].name"),
     ({"role": "user", "content": "u", "weight": 1}, None, "messages[0].weight"),
     ({"role": "user", "content": [{"type": "text", "text": "t", "cache": 1}]}, None,
@@ -273,6 +324,32 @@ def test_message_keys(message: dict, parsed: Optional[dict], param: Optional[str
     with pytest.raises(ApiError) as info:
         parse("chat", {"messages": [message]})
     assert info.value.param == param, info.value.message
+
+
+def test_tool_history_round_trip() -> None:
+    """An assistant's calls are rendered as the model writes them (text first, one call
+    per line; arguments that are not JSON become a JSON string); a tool message keeps
+    its role and id, which must name an earlier call."""
+    calls = [{"id": "c1", "type": "function",
+              "function": {"name": "f", "arguments": '{"a": 1}'}},
+             {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "x"}}]
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": "Let me see.", "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text",
+                                                                     "text": "42"}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "7"},
+                {"role": "assistant", "content": "49"}]
+    assert parse("chat", {"messages": messages}).messages == [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": 'Let me see.\n<tool_call>{"name": "f", "arguments": '
+                                         '{"a": 1}}</tool_call>\n<tool_call>{"name": "g", '
+                                         '"arguments": "x"}</tool_call>'},
+        {"role": "tool", "content": "42", "tool_call_id": "c2"},
+        {"role": "tool", "content": "7", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "49"}]
+    with pytest.raises(ApiError) as info:  # the answer comes before its call
+        parse("chat", {"messages": [messages[0], messages[3], messages[1]]})
+    assert info.value.param == "messages[1].tool_call_id"
 
 
 def test_what_the_openai_client_sends_is_accepted() -> None:

@@ -52,7 +52,10 @@ def test_completion_prompts() -> None:
 @pytest.mark.parametrize("body,param,code", [
     ({"messages": []}, "messages", "invalid_value"),
     ({}, "messages", "missing_required_parameter"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "invalid_value"),
+    ({"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages[0].role",
+     "invalid_value"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id",
+     "missing_required_parameter"),
     ({"messages": [{"role": "user"}]}, "messages[0].content", "invalid_value"),
     ({"messages": ["hi"]}, "messages[0]", "invalid_type"),
     (dict(CHAT, model="gpt-4"), "model", "model_not_found"),

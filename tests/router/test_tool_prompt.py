@@ -1,0 +1,69 @@
+"""The tools reach the model's prompt (services/router/tokenizer.py encode_chat): SmolLM2's
+chat template ignores ``tools``, so they come as a system text merged into the first
+system message; a template that renders ``tools`` gets them itself. Checked on the ids a
+chat request is submitted with (handlers._tokenize)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import pytest
+
+from common.model.tokenizer import Tokenizer
+from services.router.handlers import _tokenize
+from services.router.tokenizer import PromptTokenizer, load_tokenizer, with_tools_prompt
+from services.router.tool_calls import tools_prompt
+from services.router.validation import parse_request
+
+MODEL = "smollm2-135m"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                                           "parameters": {"type": "object"}}},
+         {"type": "function", "function": {"name": "lookup_zebra"}}]
+USER = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+@pytest.fixture(scope="module")
+def smol() -> PromptTokenizer:
+    return load_tokenizer(MODEL)
+
+
+def _prompt(tok: PromptTokenizer, choice: Any, messages: Optional[list] = None) -> str:
+    body = {"messages": messages or USER, "tools": TOOLS, "tool_choice": choice}
+    req = parse_request(body, "chat", MODEL, 16)
+    return tok.decode(_tokenize(SimpleNamespace(tokenizer=tok), req))
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "required",
+                                    {"type": "function", "function": {"name": "lookup_zebra"}}])
+def test_the_tools_are_in_the_prompt(smol: PromptTokenizer, choice: Any) -> None:
+    text = _prompt(smol, choice)
+    system = tools_prompt([t["function"] for t in TOOLS])
+    assert text == f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n" \
+                   "Weather in Oslo?<|im_end|>\n<|im_start|>assistant\n"
+    assert "get_weather" in text and "lookup_zebra" in text and "<tool_call>" in text
+
+
+def test_no_tools_in_the_prompt_when_no_call_may_be_made(smol: PromptTokenizer) -> None:
+    text = _prompt(smol, "none")
+    assert "get_weather" not in text and "<tool_call>" not in text
+    assert text == smol.decode(smol.encode_chat(USER))
+
+
+def test_merged_into_the_first_system_message(smol: PromptTokenizer) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, *USER]
+    text = _prompt(smol, "auto", messages)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert text.count("<|im_start|>system") == 1
+    fns = [t["function"] for t in TOOLS]
+    assert with_tools_prompt([{"role": "system", "content": ""}], fns) == [
+        {"role": "system", "content": tools_prompt(fns)}]
+
+
+def test_a_template_that_renders_tools_gets_them(smol: PromptTokenizer) -> None:
+    spec = {"tokenizer_json": smol.tokenizer._tk.to_str(),
+            "chat_template": "{% for t in tools or [] %}[{{ t['function']['name'] }}]"
+                             "{% endfor %}{% for m in messages %}{{ m['content'] }}"
+                             "{% endfor %}"}
+    tok = PromptTokenizer(Tokenizer(spec), smol.model_config)
+    assert _prompt(tok, "auto") == "[get_weather][lookup_zebra]Weather in Oslo?"
+    assert _prompt(tok, "none") == "Weather in Oslo?"
