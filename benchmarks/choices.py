@@ -79,15 +79,26 @@ async def run_round(url: str, prompt: str, n: int, tokens: int, together: bool
     return seconds, computed, choices
 
 
+def decode_blocks(url: str) -> list[int]:
+    pools = httpx.get(url + "/debug/pools", timeout=5).json()["instances"]
+    return [p["used_blocks"] for p in pools if p["role"] == "decode"]
+
+
 def peak_decode_blocks(url: str, fn: Callable[[], T]) -> tuple[T, int]:
-    """Run ``fn()`` while polling the decode worker's used blocks; (its result, peak)."""
+    """Run ``fn()`` while polling the decode worker's used blocks; (its result, peak).
+    Starts once the pool reads empty: the status lags a heartbeat, and a round must not
+    see the last one's blocks."""
+    deadline = time.monotonic() + 30
+    while any(decode_blocks(url)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"decode blocks still used: {decode_blocks(url)}")
+        time.sleep(0.05)
     seen = [0]
     done = threading.Event()
 
     def watch() -> None:
         while not done.is_set():
-            pools = httpx.get(url + "/debug/pools", timeout=5).json()["instances"]
-            seen.extend(p["used_blocks"] for p in pools if p["role"] == "decode")
+            seen.extend(decode_blocks(url))
             done.wait(0.02)
 
     watcher = threading.Thread(target=watch)
