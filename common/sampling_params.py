@@ -14,6 +14,8 @@ from typing import Optional
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat (completions: 5)
 MAX_CHOICES = 16  # n (or best_of) sequences of one request, sharing its prompt's KV
+MAX_PENALTY = 2.0  # OpenAI's bound for presence_penalty and frequency_penalty
+MAX_BIAS = 100.0  # and for a logit_bias value
 
 
 @dataclass(frozen=True)
@@ -36,12 +38,20 @@ class SamplingParams:
     # Sequences to sample from the one prompt (OpenAI's ``n``, or ``best_of``): one
     # prefill, n first tokens, n decode sequences sharing the prompt's KV blocks.
     n: int = 1
+    # OpenAI's penalties over the tokens this sequence generated so far, and logit_bias
+    # (token ids and the bias added to each one's logit before sampling).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias_ids: tuple[int, ...] = ()
+    logit_bias_values: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         """Reject impossible values at construction (a ValueError; the codec turns it into
         a ProtocolError). Lists given for ``stop``/``stop_token_ids`` are kept as tuples."""
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias_ids", tuple(self.logit_bias_ids))
+        object.__setattr__(self, "logit_bias_values", tuple(self.logit_bias_values))
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -55,6 +65,15 @@ class SamplingParams:
                              f"{self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                                 f"got {getattr(self, name)}")
+        if len(self.logit_bias_ids) != len(self.logit_bias_values) or \
+                any(t < 0 for t in self.logit_bias_ids) or \
+                any(not -MAX_BIAS <= v <= MAX_BIAS for v in self.logit_bias_values):
+            raise ValueError(f"logit_bias needs one value in [-{MAX_BIAS:g}, {MAX_BIAS:g}] "
+                             "per token id >= 0")
         if not 1 <= self.n <= MAX_CHOICES:
             raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
         if self.response_format is not None:
@@ -63,6 +82,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Its logits depend on what the sequence generated so far."""
+        return bool(self.presence_penalty or self.frequency_penalty)
 
     def choice(self, index: int) -> SamplingParams:
         """The parameters of sequence ``index`` of ``n``: one sequence, and a seed of its

@@ -40,15 +40,44 @@ class Sampled:
         return iter(zip(self.tokens, self.logprobs, self.top))
 
 
+def _adjust(logits: torch.Tensor, params: Sequence[SamplingParams],
+            outputs: Optional[Sequence[Sequence[int]]]) -> torch.Tensor:
+    """The logits to choose from: each row's ``logit_bias`` added, then OpenAI's penalties
+    over the tokens the row's sequence generated so far (``outputs``): ``logit −
+    frequency_penalty × count − presence_penalty × (count > 0)``. ``logits`` itself is
+    left alone (the logprobs stay the model's)."""
+    vocab = logits.shape[-1]
+    rows = [i for i, p in enumerate(params) if p.logit_bias_ids or
+            (p.penalized and outputs is not None and outputs[i])]
+    if not rows:
+        return logits
+    out = logits.clone()
+    for i in rows:
+        p = params[i]
+        if p.logit_bias_ids:  # ids the router checked against the vocabulary
+            ids = [t for t in p.logit_bias_ids if t < vocab]
+            out[i, ids] += torch.tensor(p.logit_bias_values[:len(ids)], dtype=out.dtype,
+                                        device=out.device)
+        if p.penalized and outputs is not None and outputs[i]:
+            seen = torch.as_tensor([t for t in outputs[i] if t < vocab], device=out.device)
+            counts = torch.bincount(seen, minlength=vocab).to(out.dtype)
+            out[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return out
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[Optional[torch.Generator]],
-           bitmask: Optional[torch.Tensor] = None) -> Sampled:
+           bitmask: Optional[torch.Tensor] = None,
+           outputs: Optional[Sequence[Sequence[int]]] = None) -> Sampled:
     """Choose one token per row of logits [B, V] among those ``bitmask`` allows (a
-    grammar's; None allows all); also its logprob and the top alternatives where asked.
-    Logprobs are the model's, as OpenAI reports them: the raw distribution (log_softmax
-    of the unmasked logits), so a forbidden token can appear among the alternatives."""
+    grammar's; None allows all), after each row's logit_bias and penalties over its
+    ``outputs`` so far (``_adjust``); also its logprob and the top alternatives where
+    asked. Logprobs are the model's, as OpenAI reports them: the raw distribution
+    (log_softmax of the unmasked, unbiased logits), so a forbidden token can appear among
+    the alternatives."""
     logits = logits.float()
-    choose = logits if bitmask is None else apply_bitmask(logits, bitmask)
+    choose = _adjust(logits, params, outputs)
+    choose = choose if bitmask is None else apply_bitmask(choose, bitmask)
     tokens: list[int] = []
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     greedy = choose[greedy_rows].argmax(-1).tolist() if greedy_rows else []

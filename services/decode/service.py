@@ -309,7 +309,7 @@ class DecodeWorker:
         """Sample one token for each sequence of a step (among those its grammar allows:
         ``bitmask``, filled while the step computed) and stream it."""
         sampled = sample(logits, [s.params for s in batch], [s.generator for s in batch],
-                         bitmask)
+                         bitmask, [s.text.ids for s in batch])
         for seq, (tok, lp, top) in zip(batch, sampled):
             if seq.aborted:
                 self.finish(seq, "abort")

@@ -74,6 +74,10 @@ async def _prompt(state: RouterState,
     param = "messages" if req.kind == "chat" else "prompt"
     size = sum(len(m["content"]) for m in req.messages or []) if req.kind == "chat" \
         else len(req.prompt or "")
+    bad = state.tokenizer.out_of_vocab(req.sampling.logit_bias_ids)
+    if bad is not None:
+        raise invalid(f"'logit_bias' has token id {bad}, outside the vocabulary (size "
+                      f"{state.tokenizer.vocab_size})", "logit_bias", "invalid_value")
     ids = await _off_loop_if_long(size, _tokenize, state, req)
     if not ids:
         raise invalid("the prompt is empty", param, "invalid_value")

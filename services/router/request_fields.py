@@ -22,6 +22,7 @@ ENDPOINT = {CHAT: "/v1/chat/completions", COMPLETION: "/v1/completions"}
 
 _SHARED = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
            "stop", "n", "stream", "stream_options", "logprobs",
+           "frequency_penalty", "presence_penalty", "logit_bias",
            "top_k", "ignore_eos", "stop_token_ids"}  # the last three: vLLM's extensions
 PARSED = {CHAT: _SHARED | {"messages", "top_logprobs", "response_format", "tools",
                           "tool_choice", "parallel_tool_calls"},  # the last 4: structured.py
@@ -77,14 +78,6 @@ def metadata(name: str, value: Any) -> None:
                       "to 64 characters, values up to 512)", name, "invalid_value")
 
 
-def penalty(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not -2 <= value <= 2:
-        raise invalid(f"'{name}' must be a number in [-2, 2]", name, "invalid_value")
-    if value != 0:
-        raise unsupported(name, "is not supported yet: only 0")
-
-
 _NO_TOOLS = "is deprecated and not supported: use 'tools' (null or [] accepted)"
 _NO_CHOICE = "is deprecated and not supported: use 'tool_choice' (\"none\", \"auto\" accepted)"
 _ONE_TIER = "must be \"auto\" or \"default\": Crescent has one service tier"
@@ -102,9 +95,6 @@ LIMITED: dict[str, tuple[tuple[str, ...], Check]] = {
                                              "allows, never a promised 24 h")),
     "modalities": ((CHAT,), only(["text"], why="must be [\"text\"]: text output only")),
     # Output-changing features not built yet: only their "off" values.
-    "frequency_penalty": ((CHAT, COMPLETION), penalty),
-    "presence_penalty": ((CHAT, COMPLETION), penalty),
-    "logit_bias": ((CHAT, COMPLETION), only({}, why="is not supported yet: only {}")),
     "functions": ((CHAT,), only([], why=_NO_TOOLS)),
     "function_call": ((CHAT,), only("none", "auto", why=_NO_CHOICE)),
     "echo": ((COMPLETION,), only(False, why="is not supported yet: only false")),

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from common.sampling_params import MAX_CHOICES, MAX_TOP_LOGPROBS, SamplingParams
+from common.sampling_params import (MAX_BIAS, MAX_CHOICES, MAX_PENALTY, MAX_TOP_LOGPROBS,
+                                   SamplingParams)
 from services.router.chat_messages import parse_messages
 from services.router.errors import ApiError, invalid
 from services.router.request_fields import boolean, check_fields, only
@@ -18,6 +19,7 @@ from services.router.structured import response_format, tool_plan
 
 MAX_STOP = 4
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024  # token ids in one logit_bias
 
 
 @dataclass
@@ -138,6 +140,27 @@ def _logprobs(body: dict, kind: str) -> tuple[bool, int]:
     return True, value
 
 
+def _penalty(body: dict, name: str) -> float:
+    return _number(body, name, 0.0, -MAX_PENALTY, MAX_PENALTY)
+
+
+def _logit_bias(body: dict) -> tuple[list[int], list[float]]:
+    """OpenAI's ``logit_bias``: token id (a JSON key, so a string of digits) → a number in
+    [-100, 100] added to its logit; at most ``MAX_LOGIT_BIAS`` ids. The ids are checked
+    against the vocabulary once the tokenizer is at hand (handlers.py)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return [], []
+    ok = isinstance(value, dict) and len(value) <= MAX_LOGIT_BIAS and all(
+        isinstance(k, str) and k.isdigit() and k.isascii() and _is_number(v)
+        and -MAX_BIAS <= v <= MAX_BIAS for k, v in value.items())
+    if not ok:
+        raise invalid(f"'logit_bias' must map at most {MAX_LOGIT_BIAS} token ids (as "
+                      f"strings) to numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}]", "logit_bias",
+                      "invalid_value")
+    return [int(k) for k in value], [float(v) for v in value.values()]
+
+
 def _stop_token_ids(body: dict) -> list[int]:
     value = body.get("stop_token_ids")
     if value is None:
@@ -154,6 +177,7 @@ def parse_sampling(body: dict, kind: str, max_tokens: int, grammar: Optional[str
     """The body's sampling knobs (``max_tokens`` as decided by the caller; ``grammar``:
     the structured output's, structured.py; ``sampled``: the sequences, ``_choices``)."""
     logprobs, top_logprobs = _logprobs(body, kind)
+    bias_ids, bias_values = _logit_bias(body)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -161,7 +185,10 @@ def parse_sampling(body: dict, kind: str, max_tokens: int, grammar: Optional[str
         top_k=_top_k(body), seed=_seed(body), stop=_stop(body),
         stop_token_ids=_stop_token_ids(body), logprobs=logprobs,
         top_logprobs=top_logprobs, ignore_eos=_bool(body, "ignore_eos"),
-        response_format=grammar, n=sampled)
+        response_format=grammar, n=sampled,
+        presence_penalty=_penalty(body, "presence_penalty"),
+        frequency_penalty=_penalty(body, "frequency_penalty"),
+        logit_bias_ids=bias_ids, logit_bias_values=bias_values)
 
 
 def _choices(body: dict, kind: str) -> tuple[int, int]:

@@ -43,7 +43,9 @@ def test_nested_fields_are_json_objects_and_take_defaults() -> None:
     assert body["sampling"] == {"max_tokens": 9, "temperature": 1.0, "top_p": 1.0,
                                 "top_k": None, "seed": None, "stop": [],
                                 "stop_token_ids": [], "logprobs": False, "ignore_eos": False,
-                                "top_logprobs": 0, "response_format": None, "n": 1}
+                                "top_logprobs": 0, "response_format": None, "n": 1,
+                                "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                                "logit_bias_ids": [], "logit_bias_values": []}
     short = decode(b'{"type":"SubmitRequest","request_id":"r","token_ids":[1],'
                    b'"block_keys":[],"sampling":{"max_tokens":9},"arrival_time":0}')
     assert short.sampling == SamplingParams(max_tokens=9)

@@ -14,6 +14,11 @@ from common.sampling_params import SamplingParams
     (dict(max_tokens=4, top_k=0), "top_k must be None or >= 1, got 0"),
     (dict(max_tokens=4, top_k=-1), "top_k must be None or >= 1, got -1"),
     (dict(max_tokens=4, n=0), r"n must be in \[1, 16\], got 0"),
+    (dict(max_tokens=4, presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\]"),
+    (dict(max_tokens=4, frequency_penalty=-3), r"frequency_penalty must be in \[-2, 2\]"),
+    (dict(max_tokens=4, logit_bias_ids=[1], logit_bias_values=[]), "logit_bias needs one"),
+    (dict(max_tokens=4, logit_bias_ids=[-1], logit_bias_values=[1.0]), "logit_bias needs"),
+    (dict(max_tokens=4, logit_bias_ids=[1], logit_bias_values=[100.5]), "logit_bias needs"),
     (dict(max_tokens=4, n=17), r"n must be in \[1, 16\], got 17"),
 ])
 def test_impossible_values_are_refused(kwargs: dict, message: str) -> None:

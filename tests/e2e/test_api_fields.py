@@ -40,7 +40,8 @@ CHAT_REFUSED = [  # (what the caller sets, the param the 400 names)
         "name": "bad", "schema": {"type": "nonsense"}}}}, "response_format"),
     ({"tool_choice": "required"}, "tool_choice"),  # without tools
     ({"store": True}, "store"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias"),  # outside smollm2's 49,152 ids
     ({"reasoning_effort": "low"}, "reasoning_effort"),
     ({"n": 17}, "n"),  # at most 16 choices
     ({"extra_body": {"min_p": 0.1}}, "min_p"),
@@ -114,3 +115,28 @@ def test_tokenize_round_trip(cluster: LocalCluster) -> None:
     assert back.status_code == 200 and back.json() == {"prompt": text}
     bad = httpx.post(cluster.url + "/detokenize", json={"tokens": [10 ** 9]}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_logit_bias_and_penalties_change_what_is_sampled(cluster: LocalCluster,
+                                                         client: Any) -> None:
+    """logit_bias +100 on one token makes greedy sampling pick it at every position (the
+    first on the prefill worker, the rest on the decode worker); frequency and presence
+    penalties make a greedy answer that repeats itself use more distinct tokens."""
+    [banana] = httpx.post(cluster.url + "/tokenize", timeout=30, json={
+        "prompt": " banana", "add_special_tokens": False}).json()["tokens"]
+    out = client.completions.create(model=MODEL, prompt="Paris is", max_tokens=5,
+                                    temperature=0, logit_bias={str(banana): 100},
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == " banana" * 5
+
+    def distinct(**penalties: float) -> int:
+        answer = client.completions.create(model=MODEL, prompt="one one one one one one",
+                                           max_tokens=40, temperature=0, logprobs=0,
+                                           extra_body={"ignore_eos": True}, **penalties)
+        tokens = answer.choices[0].logprobs.tokens
+        assert len(tokens) == 40
+        return len(set(tokens))
+
+    plain = distinct()
+    assert distinct(frequency_penalty=2.0) > plain and distinct(presence_penalty=2.0) > plain
+    wait_no_leaks(cluster)

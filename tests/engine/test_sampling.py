@@ -1,6 +1,7 @@
 """Sampling and the generate helper on dummy-tiny."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from common.engine import Engine, SamplingParams, generate, generate_batch, sample
@@ -115,3 +116,29 @@ def test_first_tokens_of_n_choices() -> None:
     assert sample_first(logits, SamplingParams(4, seed=7, logprobs=True), grammars) == first[:1]
     raw = torch.log_softmax(logits, -1)
     assert all(abs(t.logprob - float(raw[t.token])) < 1e-6 for t in first)
+
+
+def test_logit_bias_and_penalties_move_the_choice_not_the_logprobs() -> None:
+    """logit_bias adds to the logits sampled from; presence and frequency penalties take
+    ``presence × (count > 0) + frequency × count`` off each token the sequence generated,
+    as OpenAI defines them; the reported logprobs stay the model's."""
+    logits = torch.tensor([[3.0, 2.9, 2.0, 0.0]])
+    greedy = SamplingParams(4, temperature=0, logprobs=True)
+
+    def pick(params: SamplingParams, outputs: list[int]) -> tuple[int, float]:
+        [(token, lp, _)] = sample(logits, [params], [None], None, [outputs])
+        return token, lp
+
+    assert pick(greedy, [0, 0])[0] == 0
+    biased = SamplingParams(4, temperature=0, logprobs=True, logit_bias_ids=[3],
+                            logit_bias_values=[5.0])
+    token, lp = pick(biased, [])
+    assert token == 3 and lp == pytest.approx(float(torch.log_softmax(logits[0], -1)[3]))
+    presence = SamplingParams(4, temperature=0, presence_penalty=0.2)
+    assert pick(presence, [0])[0] == 1  # 3.0 - 0.2 < 2.9
+    frequency = SamplingParams(4, temperature=0, frequency_penalty=0.06)
+    assert pick(frequency, [0])[0] == 0 and pick(frequency, [0, 0])[0] == 1  # 2.94, 2.88
+    assert pick(SamplingParams(4, temperature=0, presence_penalty=-2.0), [2])[0] == 2
+    both = SamplingParams(4, temperature=0, presence_penalty=0.5, frequency_penalty=0.5)
+    assert pick(both, [0, 0, 1])[0] == 2  # 3.0 - 1.5 = 1.5, 2.9 - 1.0 = 1.9, 2.0
+    assert torch.equal(logits, torch.tensor([[3.0, 2.9, 2.0, 0.0]]))  # left alone
