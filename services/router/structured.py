@@ -74,7 +74,7 @@ def response_format(body: dict) -> Optional[str]:
     return schema_format(spec.get("schema", {}), param)
 
 
-def _functions(tools: Any) -> dict[str, dict]:
+def functions_of(tools: Any) -> dict[str, dict]:
     """The tools' functions by name (each checked: OpenAI's function tool shape)."""
     if not isinstance(tools, list):
         raise _bad("tools", "must be a list of function tools")
@@ -158,7 +158,7 @@ def _named(choice: Any) -> Optional[str]:
 
 def tool_plan(body: dict) -> ToolPlan:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat request."""
-    functions = _functions(body.get("tools") or [])
+    functions = functions_of(body.get("tools") or [])
     parallel = _parallel(body)
     choice = body.get("tool_choice")
     if choice is None:

@@ -6,10 +6,12 @@ tokenizer: the very ids a generation request with the same prompt would be given
 as /v1/chat/completions renders them; ``add_special_tokens``, default false, adds the
 tokenizer's BOS on top of the template's) and answers ``{"count", "max_model_len",
 "tokens", "token_strs"}``; ``return_token_strs`` fills ``token_strs``. /detokenize takes
-``tokens`` and answers ``{"prompt"}``. As on the generation endpoints, a field is honoured
-or refused with a 400 naming it; vLLM's template options that Crescent lacks
-(``continue_final_message``, ``chat_template``, ``chat_template_kwargs``, ``tools``,
-multimodal kwargs) are refused unless off.
+``tokens`` and answers ``{"prompt"}``. Chat ``tools`` are shown to the model as a chat
+request with those tools and a ``tool_choice`` other than ``"none"`` shows them, so the
+count is that request's prompt. As on the generation endpoints, a field is honoured or
+refused with a 400 naming it; vLLM's template options that Crescent lacks
+(``continue_final_message``, ``chat_template``, ``chat_template_kwargs``, multimodal
+kwargs) are refused unless off.
 """
 from __future__ import annotations
 
@@ -21,11 +23,12 @@ from jinja2.exceptions import TemplateError
 from services.router.chat_messages import parse_messages
 from services.router.errors import invalid
 from services.router.request_fields import boolean, only
+from services.router.structured import functions_of
 from services.router.tokenizer import PromptTokenizer
 from services.router.validation import check_model
 
 _OFF = {"continue_final_message": False, "chat_template": "", "chat_template_kwargs": {},
-        "tools": [], "media_io_kwargs": {}, "mm_processor_kwargs": {}}
+        "media_io_kwargs": {}, "mm_processor_kwargs": {}}
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class TokenizeRequest:
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: tuple[dict, ...] = ()  # chat: the functions shown to the model
 
     @property
     def size(self) -> int:
@@ -81,9 +85,10 @@ def parse_tokenize(body: Any, served_model: str) -> TokenizeRequest:
         return TokenizeRequest(prompt=body["prompt"],
                                add_special_tokens=_flag(body, "add_special_tokens", True),
                                return_token_strs=_flag(body, "return_token_strs", False))
-    _check_keys(body, flags | {"messages", "add_generation_prompt"})
+    _check_keys(body, flags | {"messages", "add_generation_prompt", "tools"})
     return TokenizeRequest(
         messages=parse_messages(body["messages"]),
+        tools=tuple(functions_of(body.get("tools") or []).values()),
         add_special_tokens=_flag(body, "add_special_tokens", False),
         add_generation_prompt=_flag(body, "add_generation_prompt", True),
         return_token_strs=_flag(body, "return_token_strs", False))
@@ -93,7 +98,7 @@ def tokenize(tok: PromptTokenizer, req: TokenizeRequest) -> dict:
     """The /tokenize answer."""
     if req.messages is not None:
         ids = encode_chat(tok, req.messages, req.add_generation_prompt,
-                          req.add_special_tokens)
+                          req.add_special_tokens, list(req.tools) or None)
     else:
         ids = tok.encode_text(req.prompt or "", req.add_special_tokens)
     return {"count": len(ids), "max_model_len": tok.context_length, "tokens": ids,

@@ -233,3 +233,15 @@ def test_bad_tools_are_400s(cluster: LocalCluster, client: Any) -> None:
                                        tool_choice="required")
     assert info.value.param == "tool_choice"
     wait_no_leaks(cluster)
+
+
+def test_tokenize_counts_the_prompt_a_tool_request_gets(cluster: LocalCluster,
+                                                        client: Any) -> None:
+    messages = _ask("What is the weather in Oslo?")
+    out = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                         tool_choice="required", max_completion_tokens=40,
+                                         temperature=0)
+    counted = httpx.post(cluster.url + "/tokenize", timeout=30,
+                         json={"messages": messages, "tools": TOOLS}).json()["count"]
+    assert counted == out.usage.prompt_tokens
+    wait_no_leaks(cluster)

@@ -89,6 +89,14 @@ def test_tokenize_refusals(smol: PromptTokenizer, body: Any, param: str) -> None
     assert (info.value.status, info.value.param) == (400, param), info.value.message
 
 
+def test_tools_are_shown_as_a_chat_request_with_them_shows_them(
+        smol: PromptTokenizer) -> None:
+    fn = {"name": "get_weather", "parameters": {"type": "object"}}
+    out = run(smol, {"messages": USER, "tools": [{"type": "function", "function": fn}]})
+    assert out["tokens"] == smol.encode_chat(USER, tools=[fn]) != smol.encode_chat(USER)
+    assert "get_weather" in smol.decode(out["tokens"])
+
+
 def test_tokenize_accepts_vllm_defaults(smol: PromptTokenizer) -> None:
     """vLLM's options at their off values are fine (a client may send them all)."""
     body = {"messages": USER, "continue_final_message": False, "chat_template": None,
