@@ -3,15 +3,43 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import sys
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from common.config import ClusterConfig
+
+
+def remote_processes(config: "ClusterConfig") -> list[tuple[str, int, str]]:
+    """(role, index, address) of each process whose address ([hosts], else ``host``) this
+    machine cannot bind: 'up' would start it here under another host's name."""
+    from common.health import layout
+
+    out = []
+    for role, index in layout(config):
+        address = config.address(role, index)
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+                s.bind((address, 0))
+        except OSError:
+            out.append((role, index, address))
+    return out
+
 
 def cmd_up(args: argparse.Namespace) -> int:
     from launch.cluster import ClusterError, LocalCluster
 
     cluster = LocalCluster(args.config, args.log_dir)
     c = cluster.config
+    elsewhere = remote_processes(c)
+    if elsewhere:
+        listed = ", ".join(f"{role} {index} at {addr}" for role, index, addr in elsewhere)
+        print(f"crescent: 'up' starts every process on this machine, but the config puts "
+              f"{listed}, not an address of this machine; run 'crescent serve' on each "
+              f"host instead (docs/multihost.md)", file=sys.stderr)
+        return 2
     workers = (f"{c.colocated_workers} colocated" if c.mode == "colocated" else
                f"{c.prefill_workers} prefill, {c.decode_workers} decode")
     print(f"crescent: starting {workers}, {c.store.nodes if c.store.enabled else 0} store "

@@ -76,3 +76,20 @@ def test_up_serves_then_ctrl_c_stops_every_child(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_up_refuses_a_config_that_puts_processes_on_other_hosts(tmp_path: Path) -> None:
+    """'up' starts everything here: a [hosts] address this machine does not have is named
+    at once (exit 2), before any process starts, instead of failing to bind later."""
+    from common.config import ClusterConfig
+    from launch.cli import remote_processes
+
+    assert remote_processes(ClusterConfig.from_dict({"http_port": 19440})) == []
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG + '\n[hosts]\ndecode = ["192.0.2.7"]\n')  # TEST-NET-1: not here
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "up", "--config", str(cfg),
+                           "--log-dir", str(tmp_path / "logs")], cwd=REPO, timeout=60,
+                          capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "decode 0 at 192.0.2.7" in done.stderr and "crescent serve" in done.stderr
+    assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir())
