@@ -126,13 +126,15 @@ class StageReport:
 @message
 class StageHello:
     """A follower → head and → its predecessor, every heartbeat interval: who it is
-    (``epoch``: this incarnation) and where its hidden-state slots are."""
+    (``epoch``: this incarnation), where its hidden-state slots are, and the bytes it
+    moved so far (followers send no heartbeats of their own: the head's carry them)."""
 
     stage: int
     epoch: int
     inbox: str
     route: HiddenRoute
     head_epoch: int = 0  # the head it follows (0: none yet)
+    kv_bytes: dict[str, int] = field(default_factory=dict)  # as WorkerHeartbeat's
 
 
 @message

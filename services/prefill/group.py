@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
@@ -156,6 +157,7 @@ class Follower:
     inbox: str
     last_hello: float  # monotonic
     following: bool  # it follows this head (its hello names our epoch)
+    kv_bytes: dict[str, int] = field(default_factory=dict)  # its latest hello's
 
 
 class Followers:
@@ -186,7 +188,15 @@ class Followers:
             log.info("stage %d (%s) %s", msg.stage, msg.inbox,
                      "follows" if msg.head_epoch == self.epoch else "joined")
         self.members[msg.stage] = Follower(msg.epoch, msg.inbox, time.monotonic(),
-                                           msg.head_epoch == self.epoch)
+                                           msg.head_epoch == self.epoch, msg.kv_bytes)
+
+    def kv_bytes(self, own: dict[str, int]) -> dict[str, int]:
+        """The group's bytes moved, by flow/path: the head's ``own`` plus what each
+        follower said in its latest hello (the head's heartbeat reports the group)."""
+        out = Counter(own)
+        for f in self.members.values():
+            out.update(f.kv_bytes)
+        return dict(out)
 
     def check(self) -> None:
         """Raise ``StageLost`` when a follower that followed us fell silent."""

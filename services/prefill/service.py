@@ -79,8 +79,8 @@ class PrefillWorker:
         self.settling: set[Fence] = set()  # fences whose writes are still settling
         self.layerwise = rt.config.kv_layerwise
         self.mover = prefix.store.mover if prefix.store is not None else None
-        rt.kv_bytes = lambda: self.kv_paths.moved(self.mover,
-                                                  self.group.next.sent if self.group else None)
+        rt.kv_bytes = lambda: self.group.followers.kv_bytes(self.kv_paths.moved(
+            self.mover, self.group.next.sent)) if self.group else self.kv_paths.moved(self.mover)
         self.load_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
         self.store_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
         stages = rt.config.prefill_place(index).stages
@@ -358,8 +358,9 @@ class PrefillWorker:
             task.request_id, first, prompt, cached_tokens, task.fence))
         self.rt.mail.send(self.rt.conductor, PrefillDone(
             task.request_id, self.rt.instance_id, prompt, cached_tokens,
-            job.plan.global_blocks * bs, job.compute_s, job.stream.bytes, job.stream.seconds,
-            task.fence, wait_s=job.wait_s))
+            job.plan.global_blocks * bs, job.compute_s,
+            job.stream.bytes + (result.kv_bytes if outcome is not None else 0),  # the group's
+            job.stream.seconds, task.fence, wait_s=job.wait_s))
         self.prefix.release(job.plan, job.keys)
 
     def fail(self, task: PrefillTask, status: int, kind: str, message: str) -> None:

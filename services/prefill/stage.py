@@ -119,12 +119,16 @@ class StageWorker:
             self.lost = StageLost(f"another head incarnation beats ({msg.head_epoch})")
         self.last_beat = time.monotonic()
 
+    def kv_bytes(self) -> dict[str, int]:
+        """Bytes this stage moved so far, by flow/path (``KVPaths.moved``)."""
+        return self.kv_paths.moved(self.mover, self.next.sent if self.next else None)
+
     async def hello_loop(self) -> None:
         """Say hello to the head and the previous stage every interval; exit (the group
         restarts) once our head is gone."""
         while True:
             hello = StageHello(self.stage, self.rt.epoch, self.rt.inbox_address,
-                               self.hidden_in.route, self.head_epoch or 0)
+                               self.hidden_in.route, self.head_epoch or 0, self.kv_bytes())
             for inbox in {self.head, self.prev}:
                 self.rt.mail.send(inbox, hello)
             silent = time.monotonic() - self.last_beat
