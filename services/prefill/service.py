@@ -214,7 +214,8 @@ class PrefillWorker:
                                plan.block_table[plan.load_from:plan.cached_blocks], 0,
                                self.load_lane)
         # whole blocks present already; loaded ones stream per layer as they land
-        stream.send_whole_blocks(plan.load_from if loads is not None else plan.cached_blocks)
+        stream.send_prefix(plan.load_from if loads is not None else plan.cached_blocks,
+                           plan.cached_blocks)
         done = min(plan.cached_blocks * self.engine.config.block_size, len(tokens) - 1)
         return Job(task, keys, plan, stream, done, loads)
 
@@ -335,7 +336,7 @@ class PrefillWorker:
         started = time.perf_counter()
         try:
             if not self.layerwise:  # the baseline: every block after the prefill
-                job.stream.send_whole_blocks(len(job.plan.block_table))
+                job.stream.send_rest()
             await job.stream.wait(max(1.0, task.deadline - time.time()))
             await settle(job.put_futures)
             if outcome is not None:  # its wait for the later stages counts in wait_s

@@ -240,8 +240,8 @@ class StageWorker:
             loads = LayerLoads(self.mover, opening.load, self.kv,
                                part.block_table[opening.load_from:opening.cached_blocks],
                                self.first_layer, self.load_lane)
-        stream.send_whole_blocks(opening.load_from if loads is not None
-                                 else opening.cached_blocks)
+        stream.send_prefix(opening.load_from if loads is not None else opening.cached_blocks,
+                           opening.cached_blocks)
         self.held[key] = Held(stream, loads, [0] * part.prompt_len)
 
     def _zeros(self, key: Key, part: StagePart) -> list[int]:
@@ -270,7 +270,7 @@ class StageWorker:
         if not error and not held.aborted:
             try:
                 if not self.rt.config.kv_layerwise:
-                    held.stream.send_whole_blocks(len(held.stream.local))
+                    held.stream.send_rest()
                 await held.stream.wait(max(1.0, deadline - time.time()))
             except Exception as exc:  # TransferError: the stream failed or timed out
                 error = str(exc)

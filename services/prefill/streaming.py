@@ -55,6 +55,7 @@ class KVStream:
         self.seconds = 0.0  # first write queued → last write done
         self._started: Optional[float] = None
         self.aborted = False
+        self.prefix = 0  # leading blocks sent at open or streamed as they load: never again
 
     def _remote_layer(self, block: int, layer: int) -> int:
         return (self.base + block * self.remote_block_nbytes
@@ -69,12 +70,25 @@ class KVStream:
     def _submit(self, src: list[int], dst: list[int], lengths: list[int]) -> None:
         self._queue(sum(lengths), lambda: self.transfer.write(self.session, src, dst, lengths))
 
-    def send_whole_blocks(self, count: int) -> None:
-        """The first ``count`` blocks (a cached prefix): all layers at once."""
+    def send_prefix(self, whole: int, cached: int) -> None:
+        """At open: the prompt's first ``cached`` blocks are here already or on their way
+        from the store; the first ``whole`` of them go now, all layers at once, the rest
+        per layer as they land (layer_io.py). Either way they are sent once."""
+        self.prefix = cached
+        self._send_blocks(0, whole)
+
+    def send_rest(self) -> None:
+        """The whole-block baseline (``kv_layerwise = false``), after the prefill: every
+        block past the prefix, all layers at once."""
+        self._send_blocks(self.prefix, len(self.local))
+
+    def _send_blocks(self, start: int, end: int) -> None:
+        """Blocks [start, end) of the prompt, all layers at once."""
+        count = end - start
         if count <= 0:
             return
         n = self.kv.block_nbytes
-        local, remote = self.local[:count], self.remote[:count]
+        local, remote = self.local[start:end], self.remote[start:end]
         if self.shm is not None:
             shm = self.shm
             self._queue(n * count, lambda: shm.write_blocks(local, remote))

@@ -95,6 +95,7 @@ def test_same_greedy_outputs_with_any_group_size(tmp_path_factory, stages):
     assert got["sibling_cached"] >= 0.8 * got["sibling_prompt"] - 16, got["sibling_cached"]
     assert got["sibling_cached"] == ref["sibling_cached"]
     assert got["kv_bytes"] == single["kv_bytes"]  # every stage's layers counted
+    assert ref["kv_bytes"] == single["kv_bytes"]  # whole blocks: the cached prefix once
 
 
 def placements(metrics: str) -> dict[str, float]:

@@ -51,7 +51,7 @@ def task(decode_path: str | None, host: str | None, decode_id: str = "decode-0",
 
 def stream_prompt(stream: KVStream, cached_blocks: int, n_tokens: int, chunk: int) -> int:
     """What a prefill does: the cached prefix whole, then every layer of every chunk."""
-    stream.send_whole_blocks(cached_blocks)
+    stream.send_prefix(cached_blocks, cached_blocks)
     start = cached_blocks * DIMS["block_size"]
     for s in range(start, n_tokens, chunk):
         for layer in range(DIMS["num_layers"]):
