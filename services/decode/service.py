@@ -161,7 +161,7 @@ class DecodeWorker:
         for tail in r.tails:
             self.pool.share(r.blocks[:shared])
             tables.append(r.blocks[:shared] + tail)
-        if r.tails and shared < len(r.blocks) and prompt_tokens % self.engine.config.block_size:
+        if r.tails and prompt_tokens % self.engine.config.block_size:
             self.engine.kv.copy_blocks([r.blocks[shared]] * len(r.tails),
                                        [tail[0] for tail in r.tails])
         return tables

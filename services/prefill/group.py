@@ -37,7 +37,9 @@ from common.transfer import TransferAgent, TransferError
 
 if TYPE_CHECKING:
     from common.protocol import PrefillTask
+    from common.store.ranges import RangeMover
     from common.worker import WorkerRuntime
+    from services.prefill.streaming import KVPaths
     from services.prefill.layer_io import PartIO
     from services.prefill.prefix import PrefixPlan
 
@@ -248,6 +250,11 @@ class HeadGroup:
         self.lost: Optional[StageLost] = None
         self.handlers = {StageHello: self.on_hello, StageAck: self.next.on_ack,
                          StageReport: self.followers.on_report}
+
+    def moved(self, own: "KVPaths", mover: Optional["RangeMover"]) -> dict[str, int]:
+        """The group's bytes moved, by flow/path: the head's (its streams, ``mover``'s
+        store I/O, the hidden states it sent) and its followers'."""
+        return self.followers.kv_bytes(own.moved(mover, self.next.sent))
 
     def on_hello(self, msg: StageHello) -> None:
         try:

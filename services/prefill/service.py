@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Callable, Coroutine, Optional
@@ -30,6 +30,7 @@ from common.engine.sampling import Grammars, sample_first
 from common.host import host_id
 from common.idle_check import IdleCheck
 from common.mailbox import serve_inbox
+from common.recent import Recent
 from common.protocol import (
     AbortRequest, Fence, FenceQuery, KVFailed, KVReady, PrefillDone, PrefillTask, RequestFailed,
     WorkerLoad,
@@ -67,7 +68,7 @@ class PrefillWorker:
         self.admitting: Optional[PrefillTask] = None  # out of ``waiting``, not a job yet
         self.admitting_aborted = False
         self.dropped = rt.dropped  # stale messages, by kind: reported in heartbeats
-        self.served: OrderedDict[Fence, None] = OrderedDict()  # the latest tasks taken
+        self.served: Recent[Fence] = Recent(SERVED_MEMORY)  # the latest tasks taken
         self.wake = asyncio.Event()
         self.idle_check = IdleCheck(self.pool.check_idle, "KV block pool")
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="prefill")
@@ -79,8 +80,8 @@ class PrefillWorker:
         self.settling: set[Fence] = set()  # fences whose writes are still settling
         self.layerwise = rt.config.kv_layerwise
         self.mover = prefix.store.mover if prefix.store is not None else None
-        rt.kv_bytes = lambda: self.group.followers.kv_bytes(self.kv_paths.moved(
-            self.mover, self.group.next.sent)) if self.group else self.kv_paths.moved(self.mover)
+        rt.kv_bytes = lambda: (self.group.moved(self.kv_paths, self.mover) if self.group
+                               else self.kv_paths.moved(self.mover))
         self.load_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
         self.store_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
         stages = rt.config.prefill_place(index).stages
@@ -112,17 +113,12 @@ class PrefillWorker:
         if len(self.waiting) >= self.max_waiting:
             return self.fail(task, 503, "prefill_queue_full",
                              f"{self.max_waiting} prompts are queued on {self.rt.instance_id}")
-        self._remember(task.fence)  # a replay of it must never write again
+        self.served.add(task.fence)  # a replay of it must never write again
         self.grammars.prefetch(task.sampling)  # compiled while it waits and computes
         # a sender-chosen deadline reaches no further than this worker's own limit
         self.waiting.append(replace(task, deadline=clamp_deadline(
             task.deadline, self.rt.config.kv_wait_timeout_s)))
         self.wake.set()
-
-    def _remember(self, fence: Fence) -> None:
-        self.served[fence] = None
-        while len(self.served) > SERVED_MEMORY:
-            self.served.popitem(last=False)
 
     def on_fence_query(self, q: FenceQuery) -> None:
         """May a write under ``q.fence`` still land? A task admitting, computing or
@@ -133,7 +129,7 @@ class PrefillWorker:
             return
         for task in [t for t in self.waiting if t.fence == q.fence]:
             self.waiting.remove(task)
-        self._remember(q.fence)
+        self.served.add(q.fence)
         self.rt.mail.send(q.decode_inbox, KVFailed(q.request_id, "released", q.fence))
 
     def _known(self, request_id: str) -> bool:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -31,6 +30,7 @@ from common.engine.sampling import Grammars, sample_first
 from common.host import host_id
 from common.kv.hidden import HiddenInbox
 from common.mailbox import serve_inbox
+from common.recent import Recent
 from common.protocol import Fence
 from common.sampling_params import SampledToken
 from common.stage_protocol import (
@@ -102,7 +102,7 @@ class StageWorker:
         self.wake = asyncio.Event()
         self.held: dict[Key, Held] = {}
         self.current: set[Key] = set()  # in the step computing now
-        self.aborted: OrderedDict[Key, None] = OrderedDict()
+        self.aborted: Recent[Key] = Recent(ABORTED_MEMORY)
         self.tasks: set[asyncio.Task] = set()
         self.handlers = {StageStep: self.on_step, StageAbort: self.on_abort,
                          StageBeat: self.on_beat}
@@ -292,9 +292,7 @@ class StageWorker:
         if msg.head_epoch != self.head_epoch:
             return
         key = (msg.request_id, msg.fence)
-        self.aborted[key] = None
-        while len(self.aborted) > ABORTED_MEMORY:
-            self.aborted.popitem(last=False)
+        self.aborted.add(key)
         held = self.held.get(key)
         if held is None:  # nothing of it here (never came, or reported already)
             return self._report(key, ok=False, error="aborted")

@@ -64,6 +64,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     c.stop()
 
 
+def shaped_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                   shapes: dict[str, tuple[int, str]]) -> Iterator[LocalCluster]:
+    """The body of a module's cluster fixture parametrized over ``shapes`` (name → (HTTP
+    port, extra config lines); ``yield from``): one cluster of the shape, no store."""
+    port, extra = shapes[request.param]
+    c = start_cluster(tmp_path_factory.mktemp(request.param), http=port, base=port + 5,
+                      store=False, extra=extra)
+    yield c
+    c.stop()
+
+
 def wait_no_leaks(cluster: LocalCluster, timeout_s: float = 10.0) -> list[dict]:
     """Poll the pool introspection until no worker holds a referenced block."""
     deadline = time.monotonic() + timeout_s

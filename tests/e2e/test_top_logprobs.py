@@ -12,7 +12,7 @@ import torch
 
 from common.engine import Engine, EngineConfig
 from launch.cluster import LocalCluster
-from tests.e2e.conftest import start_cluster, wait_no_leaks
+from tests.e2e.conftest import shaped_cluster, wait_no_leaks
 
 pytestmark = pytest.mark.e2e
 
@@ -33,11 +33,7 @@ def engine() -> Iterator[Engine]:
 @pytest.fixture(scope="module", params=list(SHAPES))
 def cluster(request: pytest.FixtureRequest,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    port, extra = SHAPES[request.param]
-    c = start_cluster(tmp_path_factory.mktemp(request.param), http=port, base=port + 5,
-                      store=False, extra=extra)
-    yield c
-    c.stop()
+    yield from shaped_cluster(request, tmp_path_factory, SHAPES)
 
 
 def reference(engine: Engine, ids: list[int]) -> tuple[list[int], list[float]]:
