@@ -22,7 +22,8 @@ stage, which shares core 1 with decode and the services (a 2-core host).
     ``kv_layerwise`` true / false (KV to decode and new blocks to the store layer by layer
     during compute, or whole blocks after it). Compute alone = the ``after`` prefill's
     compute share (nothing moves while it computes); extra = TTFT − compute alone
-    (medians; it includes the fixed serving path: router, conductor, first-token hop).
+    (medians; it includes the fixed serving path: router, conductor, first-token hop),
+    split into KV work on the compute core, waits, and the path outside the prefill.
     ``--breakdown`` adds both modes with the store off (KV to decode only). Unique
     prompts: no cache hits (checked).
 (b) CPP: one group of ``prefill_stages = 2`` (one core each) vs one worker on one core:
@@ -264,8 +265,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: short prompts, one rep")
     p.add_argument("--reps", type=int, default=None,
-                   help="requests per length of 16k tokens and more, twice as many below "
-                   "(default 3; --quick 1)")
+                   help="requests per length of 16k tokens and more, more below: 8x at 1k, "
+                   "2x at 4k (default 3; --quick 1)")
     p.add_argument("--breakdown", action="store_true",
                    help="also (a) with the store off: KV to the decode worker only")
     p.add_argument("--seed", type=int, default=0)
@@ -293,7 +294,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     b = part_b(res, args.cpp_lengths)
     c = part_c(res, args.cache_lengths)
     print(f"{MODEL}: 4 layers, hidden 256, 2 KV heads x 64, float32 (4 KiB KV/token); "
-          f"{args.reps} rep(s) per cell at 16k, twice below, medians; {os.cpu_count()} CPUs, "
+          f"{args.reps} rep(s) per cell at 16k, 2x at 4k, 8x at 1k, medians; "
+          f"{os.cpu_count()} CPUs, "
           f"load average {load0[0]:.2f} before, {os.getloadavg()[0]:.2f} after; logs in {out}")
     print("\n(a) extra TTFT of moving KV (to decode and store) over compute alone (the "
           "after-prefill prefill's compute share)")
@@ -301,6 +303,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     ("compute_alone_s", "compute alone s", ".3f"),
                     ("compute_s", "own compute s", ".3f"), ("wait_s", "wait s", ".3f"),
                     ("extra_s", "extra s", "+.3f"), ("extra_pct", "extra %", "+.1f"),
+                    ("on_core_s", "on core s", "+.3f"), ("outside_s", "outside s", ".3f"),
                     ("cpu_s", "prefill CPU s", ".2f"),
                     ("cpu_vs_after_pct", "CPU vs after %", "+.1f")]))
     print("\n(b) chunked pipeline: 2 stages (cores 0, 1) vs 1 worker (core 0)")

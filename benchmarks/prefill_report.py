@@ -73,9 +73,10 @@ def changed_label(before: str, after: str, sample: str, label: str) -> Optional[
 
 
 def reps_for(n: int, reps: int) -> int:
-    """Requests per configuration at ``n`` tokens: twice as many below 16k (cheap ones,
-    and the noisiest relative to their compute)."""
-    return reps if n >= 16384 else 2 * reps
+    """Requests per configuration at ``n`` tokens: more below 16k, where they are cheap
+    and noisiest relative to their compute (8x at 1k, 2x at 4k: a 1k median of 6 moved by
+    5-10 ms between two runs, which is 5-10 % of its compute)."""
+    return reps * max(1, 16384 // n // 2)
 
 
 def median(xs: list[float]) -> Optional[float]:
@@ -84,6 +85,13 @@ def median(xs: list[float]) -> Optional[float]:
 
 def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
+
+
+def difference(a: Optional[float], *bs: Optional[float]) -> Optional[float]:
+    """``a`` minus every one of ``bs`` (None if any is missing)."""
+    if a is None or any(b is None for b in bs):
+        return None
+    return a - sum(bs)  # type: ignore[arg-type]
 
 
 def pct(a: Optional[float], b: Optional[float]) -> Optional[float]:
@@ -106,7 +114,10 @@ def part_a(res: dict[str, dict[str, list[Sample]]], lengths: list[int]) -> list[
     """Per length and mode run: medians of TTFT, the prefill's compute share and wait, and
     prefill CPU. Compute alone = the after-prefill prefill's compute share (no KV moves
     while it computes). Extra = TTFT − compute alone (also in % of it); CPU in % more than
-    the after-prefill prefill's."""
+    the after-prefill prefill's. The extra, roughly split (medians do not add exactly):
+    ``on_core_s`` = own compute − compute alone (KV work on the compute core: copies,
+    messages, the GIL) + ``wait_s`` (blocked on transfers) + ``outside_s`` = TTFT − own
+    compute − wait (router, conductor, reservation, admission, first-token hops)."""
     rows = []
     for n in lengths:
         alone = med(res["after"]["cold"], n, "compute_s")
@@ -115,8 +126,11 @@ def part_a(res: dict[str, dict[str, list[Sample]]], lengths: list[int]) -> list[
             cold = res[mode]["cold"]
             ttft, cpu = med(cold, n, "ttft_s"), med(cold, n, "cpu_s")
             extra = None if ttft is None or alone is None else ttft - alone
+            compute, wait = med(cold, n, "compute_s"), med(cold, n, "wait_s")
             rows.append({"tokens": n, "mode": mode, "ttft_s": ttft, "compute_alone_s": alone,
-                         "compute_s": med(cold, n, "compute_s"), "wait_s": med(cold, n, "wait_s"),
+                         "compute_s": compute, "wait_s": wait,
+                         "on_core_s": difference(compute, alone),
+                         "outside_s": difference(ttft, compute, wait),
                          "cpu_s": cpu, "extra_s": extra, "extra_pct": pct(extra, alone),
                          "cpu_vs_after_pct": pct(None if cpu is None or after_cpu is None
                                                  else cpu - after_cpu, after_cpu)})

@@ -63,8 +63,9 @@ def test_metric_scrapes():
     assert changed_label(BEFORE, BEFORE, "crescent_conductor_placed_total", "prefill") is None
 
 
-def test_reps_double_below_16k():
-    assert [reps_for(n, 3) for n in (1024, 4096, 16384, 32768)] == [6, 6, 3, 3]
+def test_more_reps_below_16k():
+    assert [reps_for(n, 3) for n in (512, 1024, 2048, 4096, 8192, 16384, 32768)] == [
+        48, 24, 12, 6, 3, 3, 3]
 
 
 RES = {
@@ -88,6 +89,9 @@ def test_part_a_extra_over_the_after_prefill_compute():
     assert round(lw["extra_s"], 9) == 0.03 and round(lw["extra_pct"], 6) == 15.0
     assert round(after["extra_s"], 9) == 0.05 and round(after["extra_pct"], 6) == 25.0
     assert round(lw["cpu_vs_after_pct"], 6) == 60.0 and after["cpu_vs_after_pct"] == 0.0
+    # the split: own compute over compute alone, and the rest outside compute and wait
+    assert round(lw["on_core_s"], 9) == -0.055 and after["on_core_s"] == 0.0
+    assert round(lw["outside_s"], 9) == 0.085 and round(after["outside_s"], 9) == 0.05
 
 
 def test_part_b_and_c_ratios_and_goals():

@@ -1,14 +1,17 @@
 """One cluster over three hosts (network namespaces on one machine, tests/multihost/
 conftest.py): it answers exactly as one host does, its KV crosses hosts through the
-transfer engine and never through shared memory (which one host uses), a prefix computed
-on one host is served to another from the store, and a decode worker SIGKILLed under load
-loses nothing and comes back."""
+transfer engine and never through shared memory (which one host uses), the OpenAI API's
+features (streaming, n choices, structured outputs, errors) work across hosts, a prefix
+computed on one host is served to another from the store, and a decode worker SIGKILLed
+under load loses nothing and comes back."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
+import openai
 import pytest
 
 from benchmarks.fault_load import body, reference_answers
@@ -19,6 +22,7 @@ from tests.multihost.conftest import (
 )
 
 pytestmark = pytest.mark.e2e
+MODEL = "smollm2-135m"
 
 
 def test_processes_run_on_their_hosts(multihost: NetnsCluster) -> None:
@@ -52,6 +56,53 @@ def test_kv_crosses_hosts_through_the_transfer_engine(multihost: NetnsCluster,
     for i in (0, 1):
         assert many[(f"prefill-{i}", "decode", "transfer_engine")] > 0
         assert many.get((f"prefill-{i}", "decode", "shm"), 0) == 0
+
+
+def _api_across_hosts(url: str) -> None:
+    """The official client against a router whose prefill and decode workers are on other
+    hosts (run inside the router's host)."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages,
+                                           max_tokens=MAX_TOKENS, temperature=0)
+    streamed = client.chat.completions.create(model=MODEL, messages=messages,
+                                              max_tokens=MAX_TOKENS, temperature=0,
+                                              stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == whole.choices[0].message.content and text
+
+    two = client.chat.completions.create(model=MODEL, messages=messages, n=2, seed=3,
+                                         max_tokens=MAX_TOKENS, temperature=1.0)
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    alone = [client.chat.completions.create(model=MODEL, messages=messages, seed=3 + i,
+                                            max_tokens=MAX_TOKENS, temperature=1.0)
+             for i in (0, 1)]  # choice i samples as seed + i asked alone
+    assert [c.message.content for c in sorted(two.choices, key=lambda c: c.index)] == [
+        a.choices[0].message.content for a in alone]
+    assert two.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"], "additionalProperties": False}
+    shaped = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "answer", "schema": schema}})
+    reply = json.loads(shaped.choices[0].message.content)
+    assert list(reply) == ["city"] and isinstance(reply["city"], str)
+
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=messages, temperature=5)
+    assert bad.value.status_code == 400 and bad.value.body["param"] == "temperature"
+
+
+def test_the_openai_api_works_across_hosts(multihost: NetnsCluster) -> None:
+    multihost.call(_api_across_hosts, multihost.url)
+    # no prefill worker shares a host with the decode worker: KV crossed hosts only
+    def to_decode(text: str, path: str) -> float:
+        return sum(n for (_, flow, via), n in kv_bytes(text).items()
+                   if flow == "decode" and via == path)
+    text = wait_metrics(multihost, lambda t: to_decode(t, "transfer_engine") > 0)
+    assert to_decode(text, "shm") == 0
 
 
 def _ask(cluster: NetnsCluster, prompt: str) -> dict:
