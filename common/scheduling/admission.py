@@ -10,7 +10,8 @@ each request running on the instance, and each one predicted to finish prefill b
 (``incoming``), counts with the probability that it is still decoding at ``at_s``
 (``DecodeDurations``: the empirical survival of recent decode durations, or the paper's
 uniform typical time), or exactly when its own ``DecodeSlot.decode_s`` is known. Batch
-size and context are thus expected values.
+size and context are thus expected values. Batch sizes count sequences: a request of n
+choices decodes as n sequences, each attending to its prompt (``RequestInfo.sequences``).
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ class DecodeLoad:
     max_batch: Optional[int] = None   # None: only KV memory bounds the batch
     step_batch: Optional[int] = None  # most sequences per step; beyond it, turns
 
-    def fits(self, tokens: int) -> bool:
-        if self.max_batch is not None and self.batch_size + 1 > self.max_batch:
+    def fits(self, tokens: int, sequences: int = 1) -> bool:
+        if self.max_batch is not None and self.batch_size + sequences > self.max_batch:
             return False
         return self.context_tokens + tokens <= self.capacity_tokens
 
@@ -50,12 +51,12 @@ def predicted_load(state: DecodeInstanceState, at_s: float, now_s: float,
     batch, tokens = 0.0, 0.0
     for slot in state.running:
         p = _alive(slot, at_s, max(now_s - slot.start_s, 0.0), at_s - now_s, durations)
-        batch += p
+        batch += p * slot.sequences
         tokens += p * slot.tokens
     for slot in state.incoming:
         if slot.start_s <= at_s:
             p = _alive(slot, at_s, 0.0, at_s - slot.start_s, durations)
-            batch += p
+            batch += p * slot.sequences
             tokens += p * slot.tokens
     return DecodeLoad(batch, tokens, state.capacity_tokens, state.max_batch, state.step_batch)
 
@@ -85,12 +86,14 @@ def choose_decode(
     with room still come first).
     """
     need = req.prompt_tokens + req.max_tokens
+    n = req.sequences
     ranked = []
     for i, load in enumerate(loads):
-        fits = load.fits(need)
+        fits = load.fits(need, n)
         if require_fit and not fits:
             continue
-        tbt = cost.decode_tbt_seconds(load.batch_size + 1, load.context_tokens + req.prompt_tokens,
+        tbt = cost.decode_tbt_seconds(load.batch_size + n,
+                                      load.context_tokens + n * req.prompt_tokens,
                                       load.step_batch)
         ranked.append((not fits, tbt, i))
     if not ranked:

@@ -118,6 +118,7 @@ class DecodeSlot:
     start_s: float
     tokens: int
     decode_s: Optional[float] = None
+    sequences: int = 1  # its n choices decode as n sequences of the batch
 
 
 @dataclass
@@ -149,7 +150,8 @@ class RequestInfo:
     request_id: str
     block_keys: Sequence[BlockKey]
     prompt_tokens: int
-    max_tokens: int
+    max_tokens: int  # the most tokens it adds to decode KV (n choices: n x max_tokens)
+    sequences: int = 1  # sequences it decodes as (its n choices), each attending the prompt
 
 
 REJECT_REASONS = ("no_instances", "ttft_slo", "decode_full", "tbt_slo", "queue_full")

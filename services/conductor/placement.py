@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 from common.config import ClusterConfig
 from common.protocol import PrefillDone, SubmitRequest
@@ -115,8 +115,8 @@ class Placer:
     def _decode_state(self, w: WorkerState, tracker: Optional[Tracker],
                       now: float) -> DecodeInstanceState:
         load = w.load
-        running, context = load.running, load.context_tokens
-        pending = len(w.assigned) - running
+        running, context = load.running, load.context_tokens  # running: sequences
+        pending = sequences_of(w.assigned, tracker) - running
         state = DecodeInstanceState(
             w.instance_id, batch_size=running + max(pending, 0), total_context_tokens=context,
             free_blocks=w.free_blocks, block_size=w.info.block_size,
@@ -132,7 +132,7 @@ class Placer:
         prefill = [self._prefill_state(w, tracker, now) for w in registry.by_role("prefill")]
         decode = [self._decode_state(w, tracker, now) for w in registry.by_role("decode")]
         info = RequestInfo(req.request_id, req.block_keys, len(req.token_ids),
-                           output_tokens(req))
+                           output_tokens(req), req.sampling.n)
         global_len = self.global_index.prefix_len(req.block_keys)
         d = self.policy.schedule(info, prefill, decode, global_len, now)
         if d.rejection is not None:
@@ -170,13 +170,21 @@ def decode_slots(w: WorkerState, tracker: Tracker,
         t = tracker.get(rid)
         if t is None:
             continue
+        n = t.req.sampling.n
         if t.phase is Phase.DECODING:
             start = t.decode_started_at if t.decode_started_at is not None else now
-            running.append(DecodeSlot(start, t.decode_tokens))
+            running.append(DecodeSlot(start, t.decode_tokens, sequences=n))
         else:
             incoming.append(DecodeSlot(max(t.accepted_at + t.predicted_ttft_s, now),
-                                       t.decode_tokens))
+                                       t.decode_tokens, sequences=n))
     return running, incoming
+
+
+def sequences_of(request_ids: Iterable[str], tracker: Optional[Tracker]) -> int:
+    """Sequences the requests decode as: n for a request of n choices (one each for those
+    the tracker does not know, or without a tracker)."""
+    requests = [tracker.get(rid) if tracker is not None else None for rid in request_ids]
+    return sum(t.req.sampling.n if t is not None else 1 for t in requests)
 
 
 def output_tokens(req: SubmitRequest) -> int:

@@ -57,8 +57,9 @@ def beat(c: Conductor, role: str, free: int, running: int = 0, context: int = 0)
                                    context_tokens=context), free, 100 - free, 100, [], 0))
 
 
-def submit(c: Conductor, rid: str) -> None:
-    c.on_submit(SubmitRequest(rid, list(range(PROMPT)), [], SamplingParams(max_tokens=MAX_TOKENS), 0.0))
+def submit(c: Conductor, rid: str, n: int = 1) -> None:
+    c.on_submit(SubmitRequest(rid, list(range(PROMPT)), [],
+                              SamplingParams(max_tokens=MAX_TOKENS, n=n), 0.0))
 
 
 def make(admission: str) -> tuple[Conductor, Mail, Clock]:
@@ -125,6 +126,23 @@ def test_decode_slots_from_tracker() -> None:
     running, incoming = decode_slots(c.registry.get("decode-0"), c.tracker, now=1004.0)
     assert running == [DecodeSlot(1003.0, PROMPT + MAX_TOKENS)]
     assert incoming == [DecodeSlot(max(1000.0 + ttft_b, 1004.0), PROMPT + MAX_TOKENS)]
+
+
+def test_a_requests_choices_count_as_sequences_on_its_decode_worker() -> None:
+    """The worker reports running *sequences*; the placer counts the assigned requests'
+    choices the same way, so one running n=3 request does not hide a pending one."""
+    c, mail, clock = make("predicted")
+    register(c, "decode")
+    submit(c, "three", n=3)
+    submit(c, "one")
+    start_decoding(c, clock, "three", at=1003.0)
+    running, incoming = decode_slots(c.registry.get("decode-0"), c.tracker, now=1004.0)
+    assert [s.sequences for s in running] == [3] and [s.sequences for s in incoming] == [1]
+    assert running[0].tokens == PROMPT + 3 * MAX_TOKENS  # one prompt, three outputs
+    beat(c, "decode", free=90, running=3, context=3 * PROMPT)  # its 3 choices run
+    state = c.placer._decode_state(c.registry.get("decode-0"), c.tracker, 1004.0)
+    assert state.batch_size == 4  # 3 running + the pending request (was 3: 2 - 3 < 0)
+    assert c.placer._decode_state(c.registry.get("decode-0"), None, 1004.0).batch_size == 3
 
 
 def test_finished_decode_feeds_the_history_and_gauge() -> None:

@@ -151,3 +151,28 @@ def test_decode_rejections_retry_after_half_the_observed_decode(observed_s: floa
 def test_impossible_rejections_cannot_be_built(reason: str, retry: float) -> None:
     with pytest.raises(ValueError):
         Rejection(reason, retry)
+
+
+def test_a_requests_choices_join_the_batch_as_sequences() -> None:
+    """n choices decode as n sequences, each attending to the prompt: the predicted TBT
+    adds n to the batch and n prompts to the context, and a batch cap must seat all n."""
+    busy = [decode("d0", batch=100, ctx=10_000)]
+    four = RequestInfo("r", list(range(10)), prompt_tokens=1000, max_tokens=400, sequences=4)
+    one = sched("early", tbt=1.0).schedule(REQ, [prefill("A", 0.0, 0)], busy, 0, 0.0)
+    assert one.predicted_tbt_s == pytest.approx(0.01 + 0.101 + 0.011)
+    d = sched("early", tbt=0.125).schedule(four, [prefill("A", 0.0, 0)], busy, 0, 0.0)
+    assert d.predicted_tbt_s == pytest.approx(0.01 + 0.104 + 0.014)  # batch 104, 14k tokens
+    assert rejected(d) == Rejection("tbt_slo", 2.5,
+                                    "predicted TBT 128 ms exceeds the 125 ms SLO")
+    capped = DecodeInstanceState("d0", 6, 0, 1000, BLOCK, max_batch=8)
+    assert sched("early").schedule(REQ, [prefill("A", 0.0, 0)], [capped], 0, 0.0).accepted
+    assert rejected(sched("early").schedule(four, [prefill("A", 0.0, 0)], [capped], 0,
+                                            0.0)).reason == "decode_full"
+
+
+def test_predicted_load_counts_each_slots_sequences() -> None:
+    state = DecodeInstanceState("d0", 0, 0, 1000, BLOCK,
+                                running=[DecodeSlot(0.0, 100, decode_s=50.0, sequences=3)],
+                                incoming=[DecodeSlot(1.0, 200, decode_s=50.0)])
+    load = predicted_load(state, at_s=2.0, now_s=0.0, durations=DecodeDurations(5.0))
+    assert (load.batch_size, load.context_tokens) == (4.0, 300.0)
