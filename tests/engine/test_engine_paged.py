@@ -76,3 +76,15 @@ def test_kv_lands_in_the_callers_blocks_only(tiny: Engine) -> None:
     touched = (tiny.kv.data.flatten(1).abs().sum(1) > 0).nonzero().flatten().tolist()
     assert touched == [2, 7]
     assert tiny.kv.data[2, :, :, 2:].abs().sum() == 0  # tokens 4, 5 fill offsets 0, 1 of block 2
+
+
+def test_a_chunks_mask_is_causal_from_its_start(tiny: Engine) -> None:
+    """Query i of a chunk at ``start`` (position start + i) sees exactly keys
+    [0, start + i], over a block-rounded key width: what the full comparison gives."""
+    for start, q_len, width in [(1, 1, 4), (12, 5, 20), (16, 16, 32), (30, 2, 32), (3, 7, 12)]:
+        positions = torch.arange(start, start + q_len)
+        keys = torch.arange(width)
+        want = tiny._additive_mask(keys[None, :] <= positions[:, None])
+        got = tiny._chunk_mask(start, q_len, width)
+        assert torch.equal(got, want), (start, q_len, width)
+        assert got.dtype == tiny.dtype and got.shape == (q_len, width)
