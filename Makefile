@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 CONFIG ?= launch/configs/default.toml
 
-.PHONY: setup setup-bench up test test-fast bench clean
+.PHONY: setup setup-bench up test test-fast bench gpu-carry clean
 
 setup:
 	@bash launch/setup.sh
@@ -31,6 +31,20 @@ bench: setup
 	$(PY) benchmarks/live_replay.py
 	$(PY) benchmarks/faults.py
 	$(PY) benchmarks/soak.py
+
+# What benchmarks/gpu_device.sh installs on a GPU machine that has no network (Python 3.12,
+# CUDA 13): wheels in .whl/ and Debian libraries in .deb/, both ignored by git.
+GPU_WHEELS := mooncake-transfer-engine-cuda13==0.3.14 pyzmq==27.3.0 orjson==3.13.0 \
+	xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 pydantic_core==2.50.5 \
+	annotated-types==0.8.0 typing-inspection==0.4.5
+GPU_DEBS := libibverbs1 ibverbs-providers libnuma1 librdmacm1 libcurl4 libnghttp2-14 \
+	libssh2-1 librtmp1 libpsl5 libbrotli1 libldap-2.5-0 libsasl2-2
+gpu-carry: setup
+	mkdir -p .whl .deb
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(foreach m,17 24 26 27 28,--platform manylinux_2_$(m)_x86_64) \
+		--platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)
+	cd .deb && apt-get download $(GPU_DEBS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -2,6 +2,8 @@
 
 ``python benchmarks/prefill.py [--quick] [--breakdown] [--reps N]`` (~3 minutes on an
 idle 2-core host with ``--breakdown``, ~6 with ``--reps 5``; ``--quick``: a smoke run, ~1).
+``--device cuda --model dummy-llama3-8b --dtype bfloat16`` runs (a) and (c) on a GPU (no
+pipeline: its stages would share the one card; ``benchmarks/gpu_device.sh``).
 Every configuration is a real cluster (launch/cluster.py: each role its own process)
 serving the dummy LLaMA ``dummy-bench-prefill`` (4 layers, hidden 256, 2 heads and 2 KV
 heads of 64, float32: 4 KiB of KV per token; random weights). The clusters run at once and
@@ -69,14 +71,16 @@ INDEX_KEYS = "crescent_conductor_global_index_keys"
 PLACED = "crescent_conductor_placed_total"
 
 BASE = """model = "{model}"
+dtype = "{dtype}"
+device = "{device}"
 block_size = {block}
-token_budget = 256
+token_budget = {budget}
 http_port = {http}
 scheduler = "round_robin"
 base_port = {base}
 admission = "none"
-prefill_blocks = 1600
-decode_blocks = 2400
+prefill_blocks = {prefill_blocks}
+decode_blocks = {decode_blocks}
 heartbeat_interval_s = 0.5
 kv_wait_timeout_s = 300.0
 request_timeout_s = 600.0
@@ -88,7 +92,9 @@ tbt_s = 60.0
 [store]
 enabled = {store}
 segment_bytes = {segment}
-
+{cpu}"""
+# A 2-core host: prefill on core 0 (the pipeline's second stage shares core 1 with decode)
+CPU_PINS = """
 [cpu]
 prefill_cores = "{prefill_cores}"
 prefill_threads = 1
@@ -119,13 +125,21 @@ def cpu_seconds(pid: int) -> float:
 class Run:
     """One live cluster; ``send`` one prompt and read what the conductor saw of it."""
 
-    def __init__(self, name: str, index: int, out: Path, segment: int) -> None:
+    def __init__(self, name: str, index: int, out: Path, args: argparse.Namespace) -> None:
         extra, store, cores = CLUSTERS[name]
         http, base = 21100 + 10 * index, 21000 + 20 * index
         cfg = out / f"{name}.toml"
-        cfg.write_text(BASE.format(model=MODEL, http=http, base=base, block=BLOCK,
-                                   extra=extra, store=str(store).lower(), segment=segment,
-                                   prefill_cores=cores))
+        # on a GPU, pools sized to the longest prompt (requests run one at a time) so that
+        # two clusters of 8B workers fit one card; on the CPU, room to spare
+        gpu_blocks = max(args.lengths) // BLOCK + 64
+        cfg.write_text(BASE.format(
+            model=args.model, dtype=args.dtype, device=args.device, http=http, base=base,
+            block=BLOCK, extra=extra, store=str(store).lower(), segment=args.segment_mb << 20,
+            budget=256 if args.device == "cpu" else 2048,  # tokens per prefill step
+            prefill_blocks=1600 if args.device == "cpu" else gpu_blocks,
+            decode_blocks=2400 if args.device == "cpu" else gpu_blocks,
+            cpu=CPU_PINS.format(prefill_cores=cores) if args.device == "cpu" else ""))
+        self.model = args.model
         self.name = name
         self.cluster = LocalCluster(str(cfg), out / f"logs-{name}")
         c = self.cluster.config
@@ -169,7 +183,7 @@ class Run:
     def _stream(self, ids: list[int]) -> tuple[float, dict]:
         ttft: Optional[float] = None
         usage: Optional[dict] = None
-        body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0,
+        body = {"model": self.model, "prompt": ids, "max_tokens": 2, "temperature": 0,
                 "logprobs": 0, "stream": True, "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
         with self.http.stream("POST", self.cluster.url + "/v1/completions", json=body) as r:
@@ -236,9 +250,10 @@ def run_all(args: argparse.Namespace, rng: random.Random,
     configuration alike; then all stopped."""
     runs: list[Run] = []
     try:
-        names = [n for n in CLUSTERS if args.breakdown or "nostore" not in n]
+        names = [n for n in CLUSTERS if (args.breakdown or "nostore" not in n)
+                 and (n != "cpp2" or args.cpp_lengths)]
         for i, name in enumerate(names):
-            runs.append(Run(name, i, out, args.segment_mb << 20))
+            runs.append(Run(name, i, out, args))
             runs[-1].start()
             say(f"{name} up")
         for run in runs:
@@ -272,9 +287,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--segment-mb", type=int, default=640, help="the store node's DRAM")
     p.add_argument("--out", default=None, help="configs and logs (default: a temp dir)")
+    p.add_argument("--model", default=MODEL)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu",
+                   help="cuda: no core pins and no pipeline (its stages would share one GPU)")
     args = p.parse_args(argv)
     args.lengths = [512, 2048] if args.quick else [1024, 4096, 16384]
-    args.cpp_lengths = args.lengths[-1:]
+    args.cpp_lengths = args.lengths[-1:] if args.device == "cpu" else []
     args.cache_lengths = args.lengths[-1:] if args.quick else args.lengths[1:]
     args.reps = args.reps or (1 if args.quick else 3)
     if args.reps < 1:
@@ -293,7 +312,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = part_a(res, args.lengths)
     b = part_b(res, args.cpp_lengths)
     c = part_c(res, args.cache_lengths)
-    print(f"{MODEL}: 4 layers, hidden 256, 2 KV heads x 64, float32 (4 KiB KV/token); "
+    about = ("4 layers, hidden 256, 2 KV heads x 64, float32 (4 KiB KV/token)"
+             if args.model == MODEL else f"{args.dtype} on {args.device}")
+    print(f"{args.model}: {about}; "
           f"{args.reps} rep(s) per cell at 16k, 2x at 4k, 8x at 1k, medians; "
           f"{os.cpu_count()} CPUs, "
           f"load average {load0[0]:.2f} before, {os.getloadavg()[0]:.2f} after; logs in {out}")
@@ -321,7 +342,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     ("cacheable", "cacheable", "d"), ("speedup", "speedup", ".2f"),
                     ("cpu_speedup", "CPU ratio", ".2f")]))
     print(json.dumps({"bench": "prefill", "started": started.isoformat(timespec="seconds"),
-                      "quick": args.quick, "reps": args.reps, "model": MODEL,
+                      "quick": args.quick, "reps": args.reps, "model": args.model,
+                      "device": args.device, "dtype": args.dtype,
                       "load_average": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
                       "goals": goals(a, b, c), "a": a, "b": b, "c": c,
                       "samples": {k: {kk: [asdict(s) for s in vv] for kk, vv in v.items()}

@@ -88,7 +88,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
             continue
         row = _filter(choose[i] / p.temperature, p.top_k, p.top_p)
         probs = row.softmax(-1)
-        tokens.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
+        gen = generators[i]
+        if gen is not None and gen.device != probs.device:  # seeded: the same draw on any device
+            probs = probs.to(gen.device)
+        tokens.append(int(torch.multinomial(probs, 1, generator=gen).item()))
     out = Sampled(tokens, [None] * len(params), [None] * len(params))
     want = [i for i, p in enumerate(params) if p.logprobs]
     if want:

@@ -76,28 +76,50 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+POOLED_PARAMS = 1 << 28  # a dummy model larger than this takes its linears from one pool
+POOL_SIZE, ROW_STEP = 1 << 26, 257
+
+
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Seeded random weights in HF names (std 0.02 linears, unit norms)."""
-    gen = torch.Generator().manual_seed(seed)
+    """Seeded random weights in HF names (std 0.02 linears, unit norms).
+
+    A model of more than ``POOLED_PARAMS`` parameters (the LLaMA-sized dummies) draws one
+    pool of ``POOL_SIZE`` values, and each linear is a read-only window of it at a seeded
+    offset, row i starting ``ROW_STEP * i`` values after row 0 (rows overlap, and stay
+    distinct): it starts in a second with 256 MB, where drawing every value would take
+    ~50 s and 32 GB of float32 for 8B parameters. Smaller models draw every value.
+    """
     d, i, hd = config.hidden_size, config.intermediate_size, config.head_dim
-
-    def rnd(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * 0.02
-
-    w = {"model.embed_tokens.weight": rnd(config.vocab_size, d), "model.norm.weight": torch.ones(d)}
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, d)}
     if not config.tie_word_embeddings:
-        w["lm_head.weight"] = rnd(config.vocab_size, d)
+        shapes["lm_head.weight"] = (config.vocab_size, d)
+    for layer in range(config.num_layers):
+        p = f"model.layers.{layer}."
+        shapes[p + "self_attn.q_proj.weight"] = (config.num_heads * hd, d)
+        shapes[p + "self_attn.k_proj.weight"] = (config.num_kv_heads * hd, d)
+        shapes[p + "self_attn.v_proj.weight"] = (config.num_kv_heads * hd, d)
+        shapes[p + "self_attn.o_proj.weight"] = (d, config.num_heads * hd)
+        shapes[p + "mlp.gate_proj.weight"] = (i, d)
+        shapes[p + "mlp.up_proj.weight"] = (i, d)
+        shapes[p + "mlp.down_proj.weight"] = (d, i)
+    gen = torch.Generator().manual_seed(seed)
+    if sum(r * c for r, c in shapes.values()) > POOLED_PARAMS:
+        pool = torch.randn(POOL_SIZE, generator=gen) * 0.02
+
+        def rnd(r: int, c: int) -> torch.Tensor:
+            room = POOL_SIZE - ROW_STEP * (r - 1) - c
+            offset = int(torch.randint(room, (), generator=gen))
+            return pool.as_strided((r, c), (ROW_STEP, 1), offset)
+    else:
+        def rnd(r: int, c: int) -> torch.Tensor:
+            return torch.randn(r, c, generator=gen) * 0.02
+
+    w = {name: rnd(*shape) for name, shape in shapes.items()}
+    w["model.norm.weight"] = torch.ones(d)
     for layer in range(config.num_layers):
         p = f"model.layers.{layer}."
         w[p + "input_layernorm.weight"] = torch.ones(d)
         w[p + "post_attention_layernorm.weight"] = torch.ones(d)
-        w[p + "self_attn.q_proj.weight"] = rnd(config.num_heads * hd, d)
-        w[p + "self_attn.k_proj.weight"] = rnd(config.num_kv_heads * hd, d)
-        w[p + "self_attn.v_proj.weight"] = rnd(config.num_kv_heads * hd, d)
-        w[p + "self_attn.o_proj.weight"] = rnd(d, config.num_heads * hd)
-        w[p + "mlp.gate_proj.weight"] = rnd(i, d)
-        w[p + "mlp.up_proj.weight"] = rnd(i, d)
-        w[p + "mlp.down_proj.weight"] = rnd(d, i)
     return w
 
 

@@ -182,7 +182,8 @@ class KVPaths:
     ``mode``: "transfer_engine" always; "auto" shared memory when the decode worker
     advertised a segment and runs on this host (same ``host_id``); "shm" shared memory
     whenever a segment is advertised (the host check skipped). Either falls back to the
-    transfer engine, with a warning, when the segment cannot be mapped.
+    transfer engine, with a warning, when the segment cannot be mapped. KV in GPU memory
+    always takes the transfer engine (a memmove reads host memory only).
     """
 
     def __init__(self, mode: str, kv: PagedKVMemory, host_id: str,
@@ -194,11 +195,12 @@ class KVPaths:
         self.host_id = host_id
         self.window = (first_layer, total_layers)  # a pipeline stage's layers of a block
         self.maps = PeerKVMaps(kv, shm_dir, first_layer, total_layers)
+        self.host_memory = not kv.data.is_cuda  # a memmove reads host memory only
         self.bytes: dict[str, int] = {SHM: 0, TRANSFER_ENGINE: 0}
         self.streams: dict[str, int] = {SHM: 0, TRANSFER_ENGINE: 0}
 
     def peer(self, target: StreamTarget) -> Optional[PeerKV]:
-        if self.mode == TRANSFER_ENGINE or not target.shm_path:
+        if self.mode == TRANSFER_ENGINE or not target.shm_path or not self.host_memory:
             return None
         if self.mode == "auto" and target.host_id != self.host_id:
             return None

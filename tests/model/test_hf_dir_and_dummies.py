@@ -66,3 +66,27 @@ def test_dummy_engine_weights_are_seeded_and_layers_overridable() -> None:
     la = a.prefill([5, 6, 7], a.pool.allocate(1))
     lb = Engine(EngineConfig(model="dummy-tiny", num_blocks=8)).prefill([5, 6, 7], [0])
     assert torch.equal(la, lb)
+
+
+def test_big_dummies_take_their_linears_from_one_pool() -> None:
+    """An 8B dummy's weights in a second, as windows of one 256 MB pool: same shapes as the
+    config says, seeded, each row distinct, std 0.02; a small dummy draws every value."""
+    import time
+
+    from common.model.llama import POOL_SIZE
+
+    cfg = DUMMY_CONFIGS["dummy-llama3-8b"]
+    t0 = time.perf_counter()
+    w = random_weights(cfg, seed=1)
+    assert time.perf_counter() - t0 < 10
+    embed, gate = w["model.embed_tokens.weight"], w["model.layers.31.mlp.gate_proj.weight"]
+    assert embed.shape == (cfg.vocab_size, cfg.hidden_size)
+    assert gate.shape == (cfg.intermediate_size, cfg.hidden_size)
+    pools = {t.untyped_storage().data_ptr() for n, t in w.items() if n.endswith("proj.weight")}
+    assert len(pools) == 1 and embed.untyped_storage().nbytes() == POOL_SIZE * 4
+    assert abs(embed[:2000].std().item() - 0.02) < 1e-3
+    assert not torch.equal(embed[0], embed[1]) and not torch.equal(gate[0], gate[-1])
+    assert torch.equal(random_weights(cfg, seed=1)["model.layers.7.self_attn.k_proj.weight"],
+                       w["model.layers.7.self_attn.k_proj.weight"])
+    tiny = random_weights(DUMMY_CONFIGS["dummy-tiny"])
+    assert tiny["model.embed_tokens.weight"].is_contiguous()

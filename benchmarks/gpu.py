@@ -1,0 +1,185 @@
+"""The engine and the KV path on a GPU: what one prefill or decode worker does there.
+
+``python benchmarks/gpu.py [--model dummy-llama3-8b] [--device cuda]`` (~1 minute on an
+H100/H200; ``--quick`` with ``--device cpu --model dummy-tiny`` checks the script here).
+
+- prefill: TTFT of one prompt of 1k, 4k and 16k tokens alone in the engine (median of 3,
+  after a warm-up), at the cluster's default chunk of 512 tokens and at 4096; the achieved
+  TFLOP/s counts 2 x parameters x tokens plus the attention's 4 x layers x hidden x
+  (causal pairs).
+- decode: one step of B sequences at 1k tokens of context each: ms per step, tokens/s.
+- KV: bytes per token; one layer of a 4k prompt's KV copied to pinned host memory, against
+  that layer's share of the prefill (what layer-wise streaming must hide behind compute);
+  a 4k prompt's KV written by the transfer engine (TCP on loopback, as the cluster does on
+  one host) from GPU memory to another engine's host memory and to its GPU memory: GB/s.
+
+Prints a table, then one line of JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common.engine import DecodeInput, Engine, EngineConfig  # noqa: E402
+from common.transfer import TransferAgent  # noqa: E402
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn: Callable[[], object], reps: int) -> float:
+    """Median seconds of ``reps`` calls after one warm-up."""
+    fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def prompt(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def prefill_flops(engine: Engine, n: int) -> float:
+    """2 x (non-embedding) parameters x tokens, the last token's LM head, and attention:
+    4 x heads x head_dim per (query, key) pair, n (n + 1) / 2 causal pairs per layer."""
+    c = engine.model_config
+    d, i, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    per_layer = d * hd * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * d * i
+    attention = 4 * c.num_layers * c.num_heads * hd * n * (n + 1) / 2
+    return 2 * c.num_layers * per_layer * n + 2 * c.vocab_size * d + attention
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    lengths = [256, 1024] if args.quick else [1024, 4096, 16384]
+    batches = [1, 8] if args.quick else [1, 8, 32, 128]
+    context = 256 if args.quick else 1024
+    block = 16
+    need = max(lengths) + 16 + max(batches) * (context + 8)
+    engines = {chunk: Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                          block_size=block, num_blocks=need // block + 8,
+                                          prefill_chunk=chunk))
+               for chunk in args.chunks}
+    res: dict = {"model": args.model, "dtype": args.dtype, "device": str(device),
+                 "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                 "prefill": {}, "decode": {}}
+    e = engines[args.chunks[0]]
+    vocab = e.model_config.vocab_size
+    # ---- prefill
+    for n in lengths:
+        ids = prompt(n, vocab, n)
+        for chunk, eng in engines.items():
+            blocks = eng.pool.allocate(eng.blocks_needed(n))
+            s = timed(device, lambda: eng.prefill(ids, blocks), args.reps)
+            eng.pool.free(blocks)
+            res["prefill"][f"{n}/{chunk}"] = {"s": s, "tflops": prefill_flops(eng, n) / s / 1e12}
+    # ---- decode (on the first engine): contexts of random KV, not prefilled
+    for first in range(0, e.kv.num_blocks, 256):
+        e.kv.data[first:first + 256].normal_()
+    for b in batches:
+        seqs = []
+        for i in range(b):
+            blocks = e.pool.allocate(e.blocks_needed(context + 8))
+            seqs.append(DecodeInput(5 + i, context, blocks))
+        s = timed(device, lambda: e.decode_step(seqs), args.reps)
+        for q in seqs:
+            e.pool.free(q.block_table)
+        res["decode"][str(b)] = {"ms": s * 1e3, "tok_s": b / s}
+    # ---- KV
+    n = lengths[1]
+    blocks = e.pool.allocate(e.blocks_needed(n))
+    idx = torch.tensor(blocks, device=device)
+    kv_per_token = e.kv.block_nbytes // block
+    layer = e.kv.data[idx, 0]  # one layer of the prompt's blocks
+    host = torch.empty(layer.shape, dtype=layer.dtype, pin_memory=device.type == "cuda")
+    copy_s = timed(device, lambda: host.copy_(e.kv.data[idx, 0]), args.reps)
+    layer_compute_s = res["prefill"][f"{n}/{args.chunks[0]}"]["s"] / e.model_config.num_layers
+    res["kv"] = {"bytes_per_token": kv_per_token, "layer_bytes": layer.numel() * layer.element_size(),
+                 "layer_copy_to_host_s": copy_s, "layer_compute_s": layer_compute_s}
+    res["kv"]["transfer"] = transfer(e, blocks, device, args.reps)
+    e.pool.free(blocks)
+    return res
+
+
+def transfer(e: Engine, blocks: list[int], device: torch.device, reps: int) -> dict:
+    """One prompt's KV blocks from this engine's pool to a peer engine's host / GPU buffer."""
+    local, remote = TransferAgent(), TransferAgent()
+    out = {}
+    try:
+        local.register(e.kv.base_address, e.kv.nbytes)
+        size = len(blocks) * e.kv.block_nbytes
+        src = [e.kv.block_address(b) for b in blocks]
+        targets = {"host": "cpu"} | ({"gpu": device.type} if device.type == "cuda" else {})
+        for name, dev in targets.items():
+            dst = torch.empty(size, dtype=torch.uint8, device=dev)
+            remote.register(dst.data_ptr(), size)
+            addrs = [dst.data_ptr() + i * e.kv.block_nbytes for i in range(len(blocks))]
+            lengths = [e.kv.block_nbytes] * len(blocks)
+            s = timed(device, lambda: local.write(remote.session_id, src, addrs, lengths,
+                                                  timeout=120), reps)
+            want = e.kv.data[torch.tensor(blocks, device=e.kv.data.device)].reshape(-1)
+            ok = torch.equal(dst.view(want.dtype).cpu(), want.cpu())
+            out[name] = {"bytes": size, "s": s, "gb_s": size / s / 1e9, "bytes_equal": ok}
+            remote.unregister(dst.data_ptr())
+    finally:
+        local.close()
+        remote.close()
+    return out
+
+
+def table(res: dict) -> str:
+    rows = [f"{res['name']} ({res['device']}), {res['model']} {res['dtype']}", "",
+            "| prefill | chunk | TTFT (s) | TFLOP/s |", "|---|---|---|---|"]
+    for key, v in res["prefill"].items():
+        n, chunk = key.split("/")
+        rows.append(f"| {n} | {chunk} | {v['s']:.4f} | {v['tflops']:.1f} |")
+    rows += ["", "| decode batch | ms/step | tokens/s |", "|---|---|---|"]
+    rows += [f"| {b} | {v['ms']:.2f} | {v['tok_s']:.0f} |" for b, v in res["decode"].items()]
+    kv = res["kv"]
+    rows += ["", f"KV {kv['bytes_per_token'] / 1024:.0f} KiB/token; one layer of the prompt "
+             f"({kv['layer_bytes'] / 2**20:.1f} MiB) to pinned host {kv['layer_copy_to_host_s'] * 1e3:.2f} ms "
+             f"vs its prefill share {kv['layer_compute_s'] * 1e3:.2f} ms",
+             "", "| transfer engine (TCP, loopback) | MiB | s | GB/s | bytes equal |", "|---|---|---|---|---|"]
+    rows += [f"| GPU -> {name} | {v['bytes'] / 2**20:.0f} | {v['s']:.3f} | {v['gb_s']:.2f} | {v['bytes_equal']} |"
+             for name, v in kv["transfer"].items()]
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="dummy-llama3-8b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--chunks", default="512,4096", help="prefill chunk sizes to compare")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="short prompts and batches")
+    args = p.parse_args(argv)
+    args.chunks = [int(c) for c in args.chunks.split(",")]
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    with torch.inference_mode():
+        res = run(args)
+    res["date"] = started
+    print(table(res))
+    print(json.dumps(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU checks in one call on a machine with an NVIDIA GPU and no network: what its image
+# lacks comes as wheels in .whl/ and Debian packages in .deb/ (`make gpu-carry` fetches
+# both here, for Python 3.12). Then: the CUDA tests, benchmarks/gpu.py (the engine and the
+# KV path on the card) and benchmarks/prefill.py (a) and (c) on live clusters of 8B-shaped
+# workers. Logs go to $OUT (or /tmp/gpu-out); each step has its own deadline.
+#
+#   bash benchmarks/gpu_device.sh [quick]
+set -u
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+log() { echo "== $(date +%T) $*"; }
+
+log "machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import sys, torch; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+log "install the carried wheels"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+
+# The transfer engine's native libraries: the CUDA runtime from the image's pip packages,
+# and from the carried .debs only the libraries the image lacks (never shadow its own).
+mkdir -p /tmp/deb /tmp/xlib
+for f in .deb/*.deb; do dpkg -x "$f" /tmp/deb; done
+cudart=$(python3 -c "import glob, sys; print(next((p for d in sys.path if d for p in glob.glob(d + '/nvidia/**/libcudart.so.13', recursive=True)), ''))")
+export LD_LIBRARY_PATH=/tmp/xlib:${cudart%/*}:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+for _ in 1 2 3; do
+  for lib in $(ldd /tmp/site/mooncake/engine.so /tmp/deb/usr/lib/x86_64-linux-gnu/*.so* 2>/dev/null \
+               | awk '/not found/ {print $1}' | sort -u); do
+    found=$(find /tmp/deb -name "$lib" | head -1)
+    [ -n "$found" ] && cp -L "$found" /tmp/xlib/ && echo "carried $lib"
+  done
+done
+ldd /tmp/site/mooncake/engine.so | grep "not found" && log "transfer engine: libraries missing"
+python3 -c "from mooncake.engine import TransferEngine; print('transfer engine imports')"
+
+log "CUDA tests"
+timeout 120 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/model/test_cuda.py \
+  tests/model/test_flash_attention.py 2>&1 | tee "$OUT/pytest.log" | grep -v "^[IWE][0-9]" | tail -25
+
+log "engine and KV path (benchmarks/gpu.py)"
+timeout 150 python3 benchmarks/gpu.py 2>&1 | tee "$OUT/gpu.log" | grep -v "^[IWE][0-9]" | tail -30
+
+if [ "${1:-}" != "quick" ]; then
+  log "prefill benchmark on the GPU (benchmarks/prefill.py)"
+  timeout 220 python3 benchmarks/prefill.py --device cuda --model dummy-llama3-8b --dtype bfloat16 \
+    --reps 1 --segment-mb 8192 --out /tmp/prefill-gpu > "$OUT/prefill.log" 2> "$OUT/prefill.err"
+  echo "rc=$?"
+  tail -32 "$OUT/prefill.log"
+  grep -v "^[IWE][0-9]" "$OUT/prefill.err" | tail -8
+  tar czf "$OUT/prefill-logs.tgz" -C /tmp prefill-gpu 2>/dev/null
+fi
+log "done"

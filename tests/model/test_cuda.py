@@ -1,0 +1,91 @@
+"""The CUDA path: the engine on a GPU agrees with the CPU, and KV in GPU memory moves through
+the transfer engine (the CUDA build of mooncake-transfer-engine) to host and GPU memory.
+
+Skipped without a CUDA GPU. ``benchmarks/gpu_device.sh`` runs these on a lent GPU machine.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.engine import DecodeInput, Engine, EngineConfig
+from common.transfer import TransferAgent
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the CUDA path needs a CUDA GPU (none here)")]
+
+
+def _run(device: str, dtype: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """A prompt in chunks of 32 after a cached prefix, two decoding sequences, then five
+    greedy tokens; logits come back on the CPU."""
+    e = Engine(EngineConfig(model="dummy-tiny", dtype=dtype, device=device, num_blocks=64,
+                            block_size=16, prefill_chunk=32))
+    ids = torch.randint(3, 500, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    a, b = e.pool.allocate(e.blocks_needed(170)), e.pool.allocate(e.blocks_needed(170))
+    e.prefill(ids[:64], a)
+    first = e.prefill(ids, a, num_cached_tokens=64).float().cpu()  # KV of 64 reused
+    e.prefill(ids[:100], b)
+    step = e.decode_step([DecodeInput(ids[-1], 150, a), DecodeInput(7, 100, b)]).float().cpu()
+    tokens, pos = [int(first.argmax())], 151
+    for _ in range(5):
+        logits = e.decode_step([DecodeInput(tokens[-1], pos, a)])[0]
+        tokens.append(int(logits.argmax()))
+        pos += 1
+    return first, step, tokens
+
+
+def test_engine_on_cuda_equals_cpu() -> None:
+    cpu_first, cpu_step, cpu_tokens = _run("cpu", "float32")
+    gpu_first, gpu_step, gpu_tokens = _run("cuda", "float32")
+    assert torch.allclose(gpu_first, cpu_first, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(gpu_step, cpu_step, atol=1e-4, rtol=1e-4)
+    assert gpu_tokens == cpu_tokens
+    bf_first, bf_step, _ = _run("cuda", "bfloat16")  # the dtype a GPU serves in
+    assert torch.isfinite(bf_first).all() and torch.isfinite(bf_step).all()
+    assert torch.allclose(bf_first, cpu_first, atol=5e-2)
+
+
+@pytest.mark.parametrize("src_dev,dst_dev", [("cuda", "cpu"), ("cpu", "cuda"), ("cuda", "cuda")])
+def test_transfer_engine_moves_gpu_memory(src_dev: str, dst_dev: str) -> None:
+    """What a GPU worker does with its KV pool: register the device memory with the
+    transfer engine, then write scattered blocks to a peer and read them back."""
+    local, remote = TransferAgent(), TransferAgent()
+    try:
+        n, block = 64, 64 << 10
+        src = torch.randint(0, 255, (n * block,), dtype=torch.uint8, device=src_dev)
+        dst = torch.zeros(n * block, dtype=torch.uint8, device=dst_dev)
+        back = torch.zeros_like(src)
+        for agent, t in ((local, src), (remote, dst), (local, back)):
+            agent.register(t.data_ptr(), t.numel())
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+        lengths = [block] * n
+        moved = local.write(remote.session_id, [src.data_ptr() + i * block for i in range(n)],
+                            [dst.data_ptr() + j * block for j in order], lengths, timeout=30)
+        assert moved == n * block
+        got = dst.view(n, block).cpu()
+        want = src.view(n, block).cpu()
+        assert all(torch.equal(got[j], want[i]) for i, j in enumerate(order))
+        local.read(remote.session_id, [back.data_ptr()], [dst.data_ptr()], [n * block], timeout=30)
+        assert torch.equal(back.cpu(), dst.cpu())
+    finally:
+        local.close()
+        remote.close()
+
+
+def test_seeded_sampling_on_cuda_draws_what_the_cpu_draws() -> None:
+    """A seeded request's generator lives on the CPU (make_generator), so a GPU worker's
+    logits give the same tokens as a CPU worker's; a logit_bias and a penalty apply there."""
+    from common.engine.sampling import make_generator, sample
+    from common.sampling_params import SamplingParams
+
+    logits = torch.randn(3, 4096, generator=torch.Generator().manual_seed(2)) * 3
+    params = [SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, seed=s,
+                             logit_bias_ids=(5,), logit_bias_values=(2.0,),
+                             presence_penalty=0.5) for s in (1, 2, 3)]
+    outputs = [[5, 9], [], [7]]
+
+    def draw(device: str) -> list[int]:
+        return sample(logits.to(device), params, [make_generator(p, 1) for p in params],
+                      outputs=outputs).tokens
+
+    assert draw("cuda") == draw("cpu")
