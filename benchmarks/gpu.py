@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> dict:
     need = max(lengths) + 16 + max(batches) * (context + 8)
     engines = {chunk: Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                           block_size=block, num_blocks=need // block + 8,
-                                          prefill_chunk=chunk))
+                                          prefill_chunk=chunk, max_batch_size=max(batches)))
                for chunk in args.chunks}
     res: dict = {"model": args.model, "dtype": args.dtype, "device": str(device),
                  "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -46,7 +46,7 @@ timeout 150 python3 benchmarks/gpu.py 2>&1 | tee "$OUT/gpu.log" | grep -v "^[IWE
 if [ "${1:-}" != "quick" ]; then
   log "prefill benchmark on the GPU (benchmarks/prefill.py)"
   timeout 220 python3 benchmarks/prefill.py --device cuda --model dummy-llama3-8b --dtype bfloat16 \
-    --reps 1 --segment-mb 8192 --out /tmp/prefill-gpu > "$OUT/prefill.log" 2> "$OUT/prefill.err"
+    --reps 2 --segment-mb 8192 --out /tmp/prefill-gpu > "$OUT/prefill.log" 2> "$OUT/prefill.err"
   echo "rc=$?"
   tail -32 "$OUT/prefill.log"
   grep -v "^[IWE][0-9]" "$OUT/prefill.err" | tail -8

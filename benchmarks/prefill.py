@@ -193,6 +193,8 @@ class Run:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"{self.name}: {len(ids)} tokens: {chunk['error']}")
                 if chunk.get("choices") and ttft is None:
                     ttft = time.perf_counter() - t0
                 usage = chunk.get("usage") or usage

@@ -32,7 +32,7 @@ from common.ipc import encode, make_socket, try_decode
 from common.mailbox import OUTBOX_HWM
 from common.store import protocol as p
 from common.store.ranges import GetPlan, Location, PutPlan, RangeMover, Replicas, node_refs
-from common.transfer import TransferAgent
+from common.transfer import BYTES_PER_S_FLOOR, TransferAgent
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +147,8 @@ class StoreClient:
             return None
         self.mover.retain(reply.live)
         return GetPlan(size, [k.hex() for k in keys], _replicas(reply.locations),
-                       node_refs(reply.nodes), t0 + min(reply.lease_s, self.timeout_s),
-                       reply.live)
+                       node_refs(reply.nodes),
+                       t0 + min(reply.lease_s, self._for_bytes(size * len(keys))), reply.live)
 
     async def start_put(self, keys: list[bytes], size: int,
                         replica_num: int = 1) -> Optional[PutPlan]:
@@ -167,7 +167,14 @@ class StoreClient:
         new = [i for i, s in enumerate(reply.status) if s == "new"]
         return PutPlan(size, [hexkeys[i] for i in new], new,
                        _replicas([reply.locations[i] for i in new]), node_refs(reply.nodes),
-                       t0 + min(reply.put_timeout_s / 2, self.timeout_s), reply.live)
+                       t0 + min(reply.put_timeout_s / 2, self._for_bytes(size * len(keys))),
+                       reply.live)
+
+    def _for_bytes(self, nbytes: int) -> float:
+        """The longest this client lets a plan of ``nbytes`` run: ``timeout_s`` plus the
+        bytes at the transfer engine's slowest healthy rate (the master's grant, which
+        counts them the same way, is the other bound)."""
+        return self.timeout_s + nbytes / BYTES_PER_S_FLOOR
 
     async def end_put(self, plan: PutPlan, written: list[bool]) -> int:
         """Commit the plan's keys whose every byte was written (``written[i]``), abandon

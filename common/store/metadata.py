@@ -7,6 +7,8 @@ exact outcomes. Semantics (after Mooncake Store):
   ``put_end`` commits it. Readers (``exists``/``get``) see only complete objects. An
   incomplete object older than ``put_timeout_s`` is a zombie and ``reap`` reclaims it.
 - ``get`` grants a lease of ``lease_s``; a leased object is never evicted nor removed.
+  A lease and a put's deadline also count the request's bytes at ``min_bytes_per_s``
+  (``grant_s``): a 2 GB prompt's KV over TCP from GPU memory needs seconds, not a fixed 5.
 - Eviction: when a put would push a node's DRAM above ``high_watermark`` of its capacity,
   the least recently used (committed or read) complete, unleased READY replicas on that node
   are evicted until ``evict_fraction`` of its capacity is freed. With an SSD tier an evicted
@@ -53,6 +55,9 @@ class MetadataConfig:
     hot_read_threshold: int = 4  # reads per DRAM replica within hot_window_s; 0: off
     hot_window_s: float = 10.0
     max_replicas: int = 2  # hot replication stops here (puts may ask for more)
+    # the slowest rate a healthy path moves bytes (TCP from GPU memory: ~1.5 GB/s seen on
+    # an H200): a grant lasts its base time plus its bytes at this rate (``grant_s``)
+    min_bytes_per_s: float = float(1 << 30)
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,16 @@ class StoreMetadata:
             out.append(obj is not None and obj.readable())
         return out
 
+    def grant_s(self, base_s: float, nbytes: int) -> float:
+        """A lease or put grant for ``nbytes``: ``base_s`` plus their time at the slowest
+        healthy rate (``min_bytes_per_s``)."""
+        return base_s + nbytes / self.config.min_bytes_per_s
+
+    def complete_bytes(self, keys: Iterable[str]) -> int:
+        """Bytes of the committed objects among ``keys`` (what a get of them would lease)."""
+        objs = (self.objects.get(k) for k in keys)
+        return sum(o.size for o in objs if o is not None and o.complete)
+
     def get(self, keys: list[str], now: float,
             promote: bool = True) -> tuple[list[Optional[list[Location]]], list[int]]:
         """Ready DRAM locations per key (None: miss) and the indices whose SSD-only objects
@@ -140,6 +155,7 @@ class StoreMetadata:
         promotion grants a lease and refreshes the object's LRU position."""
         out: list[Optional[list[Location]]] = []
         promoting: list[int] = []
+        lease = self.grant_s(self.config.lease_s, self.complete_bytes(keys))
         for i, key in enumerate(keys):
             obj = self.objects.get(key)
             if obj is None or not obj.complete:
@@ -150,7 +166,7 @@ class StoreMetadata:
             if started:
                 promoting.append(i)
             if dram or started:
-                obj.lease_until = max(obj.lease_until, now + self.config.lease_s)
+                obj.lease_until = max(obj.lease_until, now + lease)
                 self.objects.move_to_end(key)
             if dram:
                 turn = obj.gets % len(dram)
@@ -175,7 +191,7 @@ class StoreMetadata:
             if not locations:
                 slots.append(PutSlot("nospace"))
                 continue
-            deadline = now + self.config.put_timeout_s
+            deadline = now + self.grant_s(self.config.put_timeout_s, size * len(keys))
             obj = StoreObject(key, size, [Replica(n, DRAM, S.WRITING, off, deadline)
                                           for n, off in locations])
             self.objects[key] = obj

@@ -308,6 +308,8 @@ class PrefillWorker:
             failure = (PrefillFailure(499, "aborted", "aborted during prefill") if job.aborted
                        else PrefillFailure(503, "kv_load_failed", job.failed) if job.failed
                        else PrefillFailure(504, "timeout", "prefill missed its deadline"))
+            if not job.aborted:
+                log.warning("%s failed: %s", job.task.request_id, failure)
             self._spawn(job, self.give_up(job, failure))
 
     async def give_up(self, job: Job, failure: PrefillFailure) -> None:

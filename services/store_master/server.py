@@ -132,7 +132,7 @@ class MasterServer:
         locations, promoting = self.md.get(keys, time.monotonic())
         if not promoting:
             return p.StoreGetReply(msg.req_id, locations, self._nodes_of(locations),
-                                   self.policy.lease_s, self._live())
+                                   self._lease_s(keys), self._live())
         task = asyncio.create_task(self._finish_get(identity, msg.req_id, keys, locations,
                                                     promoting))
         self.tasks.add(task)
@@ -156,7 +156,11 @@ class MasterServer:
         for i, locs in zip(promoting, again):
             locations[i] = locs
         self._send(identity, p.StoreGetReply(req_id, locations, self._nodes_of(locations),
-                                             self.policy.lease_s, self._live()))
+                                             self._lease_s(keys), self._live()))
+
+    def _lease_s(self, keys: list[str]) -> float:
+        """The lease a get of ``keys`` was granted (``StoreMetadata.get``'s)."""
+        return self.md.grant_s(self.policy.lease_s, self.md.complete_bytes(keys))
 
     async def on_put_start(self, identity: bytes, msg: p.StorePutStart) -> Any:
         if msg.size <= 0:
@@ -164,9 +168,9 @@ class MasterServer:
                                         [[] for _ in msg.keys], {}, self.policy.put_timeout_s)
         slots = self.md.put_start(list(msg.keys), msg.size, msg.replica_num, time.monotonic())
         locations = [[list(loc) for loc in s.locations] for s in slots]
+        timeout = self.md.grant_s(self.policy.put_timeout_s, msg.size * len(msg.keys))
         return p.StorePutStartReply(msg.req_id, [s.status for s in slots], locations,
-                                    self._nodes_of(locations), self.policy.put_timeout_s,
-                                    self._live())
+                                    self._nodes_of(locations), timeout, self._live())
 
     async def on_put_end(self, identity: bytes, msg: p.StorePutEnd) -> Any:
         committed = self.md.put_end(list(msg.keys), list(msg.ok), time.monotonic())

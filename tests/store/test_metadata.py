@@ -8,6 +8,9 @@ B = 1024  # one block
 
 
 def make(nodes: int = 1, capacity: int = 10 * B, ssd: int = 0, **kw) -> StoreMetadata:
+    """Grants last exactly their base times here (no per-byte share) unless ``kw`` sets
+    ``min_bytes_per_s``."""
+    kw = {"min_bytes_per_s": float("inf")} | kw
     cfg = MetadataConfig(put_timeout_s=10.0, lease_s=5.0, high_watermark=0.9,
                          evict_fraction=0.2, heartbeat_timeout_s=3.0, **kw)
     md = StoreMetadata(cfg)
@@ -50,6 +53,23 @@ def test_zombie_put_reclaimed_after_timeout():
     assert md.put_end(["z"], [True], now=10.5) == [False]  # too late: never visible
     assert md.exists(["z"]) == [False]
     assert md.events.since(0) == []
+    md.check_integrity()
+
+
+def test_grants_count_their_bytes():
+    """A put's deadline and a get's lease add the request's bytes at min_bytes_per_s: two
+    blocks at one block per second are 2 s more; a get leases only what it found."""
+    md = make(min_bytes_per_s=float(B))
+    md.put_start(["a", "b"], B, 1, now=0.0)  # 10 s + 2 s
+    md.heartbeat("n0", 11.9)
+    assert md.reap(now=11.9) == ([], 0)
+    md.heartbeat("n0", 11.9)
+    assert md.reap(now=12.0) == ([], 2)
+    put(md, ["c"], now=20.0)
+    assert md.grant_s(5.0, md.complete_bytes(["c", "missing"])) == 6.0
+    md.get(["c", "missing"], now=21.0)  # lease until 27.0, not 26.0
+    assert md.remove(["c"], now=26.5) == 0
+    assert md.remove(["c"], now=27.1) == 1
     md.check_integrity()
 
 
