@@ -5,7 +5,8 @@
 # KV path on the card) and benchmarks/prefill.py (a) and (c) on live clusters of 8B-shaped
 # workers. Logs go to $OUT (or /tmp/gpu-out); each step has its own deadline.
 #
-#   bash benchmarks/gpu_device.sh [quick]
+#   bash benchmarks/gpu_device.sh [quick | prefill]   (quick: no prefill benchmark;
+#                                                       prefill: only the prefill benchmark)
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -36,12 +37,15 @@ done
 ldd /tmp/site/mooncake/engine.so | grep "not found" && log "transfer engine: libraries missing"
 python3 -c "from mooncake.engine import TransferEngine; print('transfer engine imports')"
 
+if [ "${1:-}" != "prefill" ]; then
 log "CUDA tests"
 timeout 120 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/model/test_cuda.py \
   tests/model/test_flash_attention.py 2>&1 | tee "$OUT/pytest.log" | grep -v "^[IWE][0-9]" | tail -25
 
 log "engine and KV path (benchmarks/gpu.py)"
 timeout 150 python3 benchmarks/gpu.py 2>&1 | tee "$OUT/gpu.log" | grep -v "^[IWE][0-9]" | tail -30
+
+fi
 
 if [ "${1:-}" != "quick" ]; then
   log "prefill benchmark on the GPU (benchmarks/prefill.py)"

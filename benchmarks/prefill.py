@@ -114,6 +114,10 @@ CLUSTERS: dict[str, tuple[str, bool, str]] = {
 }
 
 
+class RequestFailed(RuntimeError):
+    """The cluster answered a request with an error: recorded, and the run goes on."""
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process, every thread (kernel's /proc/<pid>/stat)."""
     with open(f"/proc/{pid}/stat") as fh:
@@ -188,13 +192,13 @@ class Run:
         t0 = time.perf_counter()
         with self.http.stream("POST", self.cluster.url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
-                raise RuntimeError(f"{self.name}: HTTP {r.status_code}: {r.read()[:300]!r}")
+                raise RequestFailed(f"{self.name}: HTTP {r.status_code}: {r.read()[:300]!r}")
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    raise RuntimeError(f"{self.name}: {len(ids)} tokens: {chunk['error']}")
+                    raise RequestFailed(f"{self.name}: {len(ids)} tokens: {chunk['error']}")
                 if chunk.get("choices") and ttft is None:
                     ttft = time.perf_counter() - t0
                 usage = chunk.get("usage") or usage
@@ -226,9 +230,19 @@ class Run:
 
 
 def step(run: Run, n: int, args: argparse.Namespace, rng: random.Random,
-         samples: dict[str, list[Sample]]) -> None:
+         samples: dict[str, list]) -> None:
     """A cold unique prompt P of ``n`` tokens and, on a 2-instance store cluster at a
-    cache length, its 90 % sibling P' right after (round robin: on the other instance)."""
+    cache length, its 90 % sibling P' right after (round robin: on the other instance).
+    A request the cluster fails goes to ``samples["failed"]`` (and out of the medians)."""
+    try:
+        _step(run, n, args, rng, samples)
+    except RequestFailed as exc:
+        samples["failed"].append({"tokens": n, "error": str(exc)})
+        say(f"FAILED: {exc}")
+
+
+def _step(run: Run, n: int, args: argparse.Namespace, rng: random.Random,
+          samples: dict[str, list]) -> None:
     prompt = unique_prompt(rng, n)
     keys = total(run.scrape(), INDEX_KEYS)
     cold = run.send(prompt)
@@ -261,7 +275,8 @@ def run_all(args: argparse.Namespace, rng: random.Random,
         for run in runs:
             for _ in range(2):  # first forwards, thread pools, KV paths of both instances
                 run.send(unique_prompt(rng, 300))
-        res: dict[str, dict[str, list[Sample]]] = {r.name: {"cold": [], "warm": []} for r in runs}
+        res: dict[str, dict[str, list]] = {r.name: {"cold": [], "warm": [], "failed": []}
+                                           for r in runs}
         for n in args.lengths:
             for rep in range(reps_for(n, args.reps)):
                 for run in runs[rep % len(runs):] + runs[:rep % len(runs)]:
@@ -343,13 +358,19 @@ def main(argv: Optional[list[str]] = None) -> int:
                     ("cached", "cached", ".0f"), ("global_hit", "from store", ".0f"),
                     ("cacheable", "cacheable", "d"), ("speedup", "speedup", ".2f"),
                     ("cpu_speedup", "CPU ratio", ".2f")]))
+    failed = [(name, f) for name, v in res.items() for f in v["failed"]]
+    if failed:
+        print(f"\n{len(failed)} request(s) failed (left out of the medians):")
+        for name, f in failed:
+            print(f"  {name}, {f['tokens']} tokens: {f['error']}")
     print(json.dumps({"bench": "prefill", "started": started.isoformat(timespec="seconds"),
                       "quick": args.quick, "reps": args.reps, "model": args.model,
                       "device": args.device, "dtype": args.dtype,
                       "load_average": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
                       "goals": goals(a, b, c), "a": a, "b": b, "c": c,
-                      "samples": {k: {kk: [asdict(s) for s in vv] for kk, vv in v.items()}
-                                  for k, v in res.items()}}))
+                      "failed": {k: v["failed"] for k, v in res.items()},
+                      "samples": {k: {kk: [asdict(s) for s in vv] for kk, vv in v.items()
+                                      if kk != "failed"} for k, v in res.items()}}))
     return 0
 
 
