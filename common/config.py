@@ -120,6 +120,17 @@ class PrefillPlace:
     head: int
 
 
+def default_layerwise(data: dict[str, Any]) -> bool:
+    """``kv_layerwise`` when a config leaves it out: true, except for KV in GPU memory over
+    TCP. There each layer of a block is a piece of its own (64 KiB for an 8B model) that
+    the transfer engine copies out of the GPU and sends alone, ~0.4 ms each on an H200, so
+    whole blocks after the prefill reach the first token 2.5-2.8x sooner (BENCHMARKS.md,
+    "GPU"); RDMA moves such pieces without the copy. A pipeline is always layer-wise."""
+    gpu_tcp = (str(data.get("device", "cpu")).startswith("cuda")
+               and data.get("transfer_protocol", "tcp") == "tcp")
+    return not gpu_tcp or data.get("prefill_stages", 1) > 1
+
+
 @dataclass
 class ClusterConfig:
     model: str = "smollm2-135m"
@@ -153,6 +164,7 @@ class ClusterConfig:
     # computed, a cached prefix loads from it layer by layer while the rest computes, and
     # KV streams to the decode worker per layer. False: whole blocks after the prefill (to
     # the decode worker and the store) and before it (from the store): the baseline.
+    # Left out of the TOML: ``default_layerwise`` (true, except GPU KV over TCP).
     kv_layerwise: bool = True
     decode_workers: int = 1
     block_size: int = 16
@@ -318,6 +330,8 @@ class ClusterConfig:
                              "its own layers of a block, so store I/O is layer-wise")
         if data.get("mode", "disaggregated") not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be 'disaggregated' or 'colocated', not {data['mode']!r}")
+        if "kv_layerwise" not in data:
+            data = dict(data, kv_layerwise=default_layerwise(data))
         return _build(cls, data, "")
 
     @classmethod

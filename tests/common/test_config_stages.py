@@ -56,3 +56,17 @@ def test_stage_layers_split_contiguously_and_evenly() -> None:
 def test_bad_group_configs_are_refused(data, match) -> None:
     with pytest.raises(ValueError, match=match):
         ClusterConfig.from_dict(data)
+
+
+def test_kv_layerwise_defaults_off_for_gpu_kv_over_tcp() -> None:
+    """Left out, kv_layerwise is true except for GPU KV over TCP (one piece per layer of a
+    block, each copied out of the GPU alone); a pipeline and an explicit value win."""
+    def layerwise(**kw) -> bool:
+        return ClusterConfig.from_dict(kw).kv_layerwise
+
+    assert layerwise() and layerwise(device="cpu")
+    assert not layerwise(device="cuda") and not layerwise(device="cuda:1", transfer_protocol="tcp")
+    assert layerwise(device="cuda", transfer_protocol="rdma")
+    assert layerwise(device="cuda", prefill_stages=2)
+    assert layerwise(device="cuda", kv_layerwise=True)
+    assert not layerwise(kv_layerwise=False)
