@@ -16,7 +16,7 @@ from common.engine.errors import EngineInputError, UnknownModelError
 from common.kv.block_keys import compute_block_keys, model_fingerprint
 from common.kv.block_pool import BlockPool
 from common.kv.memory import KV_DTYPES, PagedKVMemory, resolve_kv_dtype
-from common.model.attention import AttnMetadata, make_backend
+from common.model.attention import AttnMetadata, make_backend, splits_chunks
 from common.model.config import ModelConfig
 from common.model.llama import LlamaModel, random_weights
 from common.model.loader import ModelNotFoundError
@@ -229,7 +229,10 @@ class Engine:
         bs = self.config.block_size
         positions = torch.arange(start, end, device=self.device)
         nb = self.blocks_needed(end)
-        mask = self._chunk_mask(start, end - start, nb * bs)[None, None] if start > 0 else None
+        # a chunk after a prefix needs a mask, except where attention splits it (several
+        # queries on the CPU: common/model/attention.py chunk_attention)
+        masked = start > 0 and not (end - start > 1 and splits_chunks(self.device))
+        mask = self._chunk_mask(start, end - start, nb * bs)[None, None] if masked else None
         return AttnMetadata(
             batch=1, q_len=end - start, positions=positions, slot_blocks=table[positions // bs],
             block_tables=table[:nb][None], kv_lens=torch.tensor([end], dtype=torch.int32,

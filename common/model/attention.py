@@ -78,7 +78,7 @@ class SdpaAttention:
             kk, vv = kv.gather(layer, meta.block_tables, self._gather_buffers(numel))
             kk, vv = kk.to(q.dtype).transpose(1, 2), vv.to(q.dtype).transpose(1, 2)
             end = meta.kv_lens_list[0]
-            if b == 1 and 1 < ql < end and _FLASH_CPU is not None and q.device.type == "cpu":
+            if b == 1 and 1 < ql < end and splits_chunks(q.device):
                 out = chunk_attention(qb, kk, vv, end - ql, end)  # a chunk after a prefix
             else:
                 out = F.scaled_dot_product_attention(qb, kk, vv, attn_mask=meta.mask,
@@ -89,6 +89,12 @@ class SdpaAttention:
 # torch's CPU flash attention, which also returns the softmax's log-sum-exp per query
 # (what F.scaled_dot_product_attention runs on CPU without a mask); None if absent.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def splits_chunks(device: torch.device) -> bool:
+    """Whether SDPA attends a chunk of several queries after a prefix by
+    ``chunk_attention`` (no mask) on ``device``."""
+    return _FLASH_CPU is not None and device.type == "cpu"
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
