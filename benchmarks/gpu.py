@@ -8,6 +8,9 @@ H100/H200; ``--quick`` with ``--device cpu --model dummy-tiny`` checks the scrip
   TFLOP/s counts 2 x parameters x tokens plus the attention's 4 x layers x hidden x
   (causal pairs).
 - decode: one step of B sequences at 1k tokens of context each: ms per step, tokens/s.
+- pieces: 2048 scattered pieces of one layer of one block (64 KiB for the 8B model), the
+  unit of layer-wise streaming, in one transfer-engine write between host and GPU memory
+  each way: µs per piece.
 - KV: bytes per token; one layer of a 4k prompt's KV copied to pinned host memory, against
   that layer's share of the prefill (what layer-wise streaming must hide behind compute);
   a 4k prompt's KV written by the transfer engine (TCP on loopback, as the cluster does on
@@ -115,7 +118,38 @@ def run(args: argparse.Namespace) -> dict:
                  "layer_copy_to_host_s": copy_s, "layer_compute_s": layer_compute_s}
     res["kv"]["transfer"] = transfer(e, blocks, device, args.reps)
     e.pool.free(blocks)
+    res["pieces"] = pieces(e.kv.layer_nbytes, 256 if args.quick else 2048, device, args.reps)
     return res
+
+
+def pieces(size: int, n: int, device: torch.device, reps: int) -> dict:
+    """``n`` scattered pieces of ``size`` bytes (one layer of one block: what layer-wise
+    streaming sends) in one transfer-engine write, between host and GPU memory each way:
+    where the per-piece cost lies. Pieces sit every other slot, so none coalesce."""
+    local, remote = TransferAgent(), TransferAgent()
+    kinds = ["cpu"] + (["cuda"] if device.type == "cuda" else [])
+    out = {}
+    try:
+        for src_dev in kinds:
+            for dst_dev in kinds:
+                src = torch.randint(0, 255, (2 * n * size,), dtype=torch.uint8, device=src_dev)
+                dst = torch.zeros(2 * n * size, dtype=torch.uint8, device=dst_dev)
+                local.register(src.data_ptr(), src.numel())
+                remote.register(dst.data_ptr(), dst.numel())
+                at = [2 * i * size for i in range(n)]
+                s = timed(device, lambda: local.write(
+                    remote.session_id, [src.data_ptr() + a for a in at],
+                    [dst.data_ptr() + a for a in at], [size] * n, timeout=120), reps)
+                ok = torch.equal(src.view(2 * n, size)[::2].cpu(), dst.view(2 * n, size)[::2].cpu())
+                name = f"{'gpu' if src_dev == 'cuda' else 'host'} -> {'gpu' if dst_dev == 'cuda' else 'host'}"
+                out[name] = {"piece_bytes": size, "pieces": n, "s": s, "us_per_piece": s / n * 1e6,
+                             "gb_s": n * size / s / 1e9, "bytes_equal": ok}
+                local.unregister(src.data_ptr())
+                remote.unregister(dst.data_ptr())
+    finally:
+        local.close()
+        remote.close()
+    return out
 
 
 def transfer(e: Engine, blocks: list[int], device: torch.device, reps: int) -> dict:
@@ -159,6 +193,10 @@ def table(res: dict) -> str:
              "", "| transfer engine (TCP, loopback) | MiB | s | GB/s | bytes equal |", "|---|---|---|---|---|"]
     rows += [f"| GPU -> {name} | {v['bytes'] / 2**20:.0f} | {v['s']:.3f} | {v['gb_s']:.2f} | {v['bytes_equal']} |"
              for name, v in kv["transfer"].items()]
+    rows += ["", "| scattered pieces (one layer of a block each) | KiB | pieces | µs per piece | GB/s | bytes equal |",
+             "|---|---|---|---|---|---|"]
+    rows += [f"| {name} | {v['piece_bytes'] / 1024:.0f} | {v['pieces']} | {v['us_per_piece']:.1f} | {v['gb_s']:.2f} | {v['bytes_equal']} |"
+             for name, v in res["pieces"].items()]
     return "\n".join(rows)
 
 
@@ -170,9 +208,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", default="512,4096", help="prefill chunk sizes to compare")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="short prompts and batches")
+    p.add_argument("--pieces-only", action="store_true", help="only the scattered pieces")
     args = p.parse_args(argv)
     args.chunks = [int(c) for c in args.chunks.split(",")]
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    if args.pieces_only:
+        from common.model.config import DUMMY_CONFIGS
+
+        c = DUMMY_CONFIGS[args.model]
+        layer = 16 * c.num_kv_heads * c.head_dim * 2 * torch.finfo(getattr(torch, args.dtype)).bits // 8
+        res = {"pieces": pieces(layer, 256 if args.quick else 2048, torch.device(args.device),
+                                args.reps), "date": started}
+        print(json.dumps(res))
+        return 0
     with torch.inference_mode():
         res = run(args)
     res["date"] = started

@@ -5,8 +5,8 @@
 # KV path on the card) and benchmarks/prefill.py (a) and (c) on live clusters of 8B-shaped
 # workers. Logs go to $OUT (or /tmp/gpu-out); each step has its own deadline.
 #
-#   bash benchmarks/gpu_device.sh [quick | prefill]   (quick: no prefill benchmark;
-#                                                       prefill: only the prefill benchmark)
+#   bash benchmarks/gpu_device.sh [quick | prefill | pieces]   (quick: no prefill benchmark;
+#       prefill: only the prefill benchmark; pieces: only gpu.py's scattered pieces)
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -36,6 +36,12 @@ for _ in 1 2 3; do
 done
 ldd /tmp/site/mooncake/engine.so | grep "not found" && log "transfer engine: libraries missing"
 python3 -c "from mooncake.engine import TransferEngine; print('transfer engine imports')"
+
+if [ "${1:-}" = "pieces" ]; then  # only the transfer engine's cost per scattered piece
+  timeout 200 python3 benchmarks/gpu.py --pieces-only 2>&1 | tee "$OUT/pieces.log" | grep -v "^[IWE][0-9]"
+  log "done"
+  exit 0
+fi
 
 if [ "${1:-}" != "prefill" ]; then
 log "CUDA tests"
