@@ -122,10 +122,10 @@ class PrefillPlace:
 
 def default_layerwise(data: dict[str, Any]) -> bool:
     """``kv_layerwise`` when a config leaves it out: true, except for KV in GPU memory over
-    TCP. There each layer of a block is a piece of its own (64 KiB for an 8B model) that
-    the transfer engine copies out of the GPU and sends alone, ~0.4 ms each on an H200, so
-    whole blocks after the prefill reach the first token 2.5-2.8x sooner (BENCHMARKS.md,
-    "GPU"); RDMA moves such pieces without the copy. A pipeline is always layer-wise."""
+    TCP, where whole blocks after the prefill reached the first token 2.5-2.8x sooner than
+    layer-wise on an H200 (BENCHMARKS.md, "GPU": layer-wise moves each layer of a block as
+    its own piece, 32x the pieces of whole blocks, from GPU memory at half the host rate).
+    RDMA is not measured; it keeps layer-wise. A pipeline is always layer-wise."""
     gpu_tcp = (str(data.get("device", "cpu")).startswith("cuda")
                and data.get("transfer_protocol", "tcp") == "tcp")
     return not gpu_tcp or data.get("prefill_stages", 1) > 1
