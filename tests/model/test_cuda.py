@@ -89,3 +89,35 @@ def test_seeded_sampling_on_cuda_draws_what_the_cpu_draws() -> None:
                       outputs=outputs).tokens
 
     assert draw("cuda") == draw("cpu")
+
+
+def test_a_json_schema_document_sampled_on_cuda_parses() -> None:
+    """A grammar's token bitmask applied to GPU logits (xgrammar's kernel on the device):
+    seeded sampling from random GPU logits under a JSON schema gives a document that parses
+    and names the required key, and each token is what the CPU draws from the same row."""
+    import json
+
+    from common.engine.grammar import Grammars, tokenizer_info
+    from common.engine.sampling import make_generator, sample
+    from common.model.tokenizer import ByteTokenizer
+    from common.sampling_params import SamplingParams
+
+    tok = ByteTokenizer(300)
+    grammars = Grammars(lambda: tokenizer_info(tok, 300, (tok.eos_token_id,)))
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    params = SamplingParams(64, temperature=1.0, seed=4, response_format=json.dumps(
+        {"type": "json_schema", "json_schema": {"schema": schema}}, separators=(",", ":")))
+    matchers = {dev: grammars.matcher(params) for dev in ("cuda", "cpu")}
+    gens = {dev: make_generator(params, 1) for dev in ("cuda", "cpu")}
+    rows = torch.randn(64, 300, generator=torch.Generator().manual_seed(5)) * 2
+    out: list[int] = []
+    for row in rows:
+        picked = {dev: sample(row[None].to(dev), [params], [gens[dev]],
+                              grammars.bitmask([matchers[dev]])).tokens[0] for dev in matchers}
+        assert picked["cuda"] == picked["cpu"]
+        if picked["cuda"] == tok.eos_token_id:
+            break
+        out.append(picked["cuda"])
+        for m in matchers.values():
+            assert m.accept_token(picked["cuda"])
+    assert isinstance(json.loads(tok.decode(out))["n"], int)
