@@ -32,6 +32,16 @@ POLL_MIN_S, POLL_MAX_S = 50e-6, 1e-3  # the pause between polls doubles from min
 BYTES_PER_S_FLOOR = 1 << 30  # a polled call may also take 1 s per GiB past call_timeout_s
 
 
+def watched(future: Future) -> "asyncio.Future":
+    """``future`` (a transfer or copy job) as an asyncio future whose failure counts as
+    seen: its error is read where its outcome is, and the wrapper must not log it again as
+    "Future exception was never retrieved" when it is collected (seen when a GPU's store
+    writes missed their deadline)."""
+    wrapper = asyncio.wrap_future(future)
+    wrapper.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return wrapper
+
+
 class TransferError(RuntimeError):
     """A transfer failed or missed its deadline; the caller falls back (recompute, retry)."""
 

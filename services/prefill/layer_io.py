@@ -25,6 +25,7 @@ from typing import Optional
 
 from common.kv.memory import PagedKVMemory
 from common.store.ranges import GetPlan, PutPlan, RangeMover
+from common.transfer import watched
 from services.prefill.streaming import KVStream, RequestAborted
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,7 @@ class StepIO:
 async def settle(futures: list[Future]) -> None:
     """Wait until none of ``futures`` (writes reading our blocks, reads landing in them)
     runs any more. Each is bounded by its own deadline, so this ends."""
-    pending = [asyncio.wrap_future(f) for f in futures if not f.done()]
+    pending = [watched(f) for f in futures if not f.done()]
     if pending:
         await asyncio.wait(pending)
+

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional
 
 from common.kv.block_pool import BlockPool
 from common.kv.memory import PagedKVMemory
+from common.transfer import watched
 from common.worker import WorkerRuntime
 from services.prefill.prefix_plan import (
     Reuse, ask_store, leading, plan_reuse, put_back, store_fetch,
@@ -176,7 +177,7 @@ class PrefixLoader:
 
     async def _free_after(self, blocks: list[int], pending: list) -> None:
         try:
-            await asyncio.wait([asyncio.wrap_future(f) for f in pending])
+            await asyncio.wait([watched(f) for f in pending])
         finally:
             self.pool.free(blocks)
 

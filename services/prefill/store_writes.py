@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Coroutine, Hashable, Optional, Sequence
 from common.engine.batching import plan_chunks
 from common.stage_protocol import StageStored
 from services.prefill.job import Job
+from common.transfer import watched
 from services.prefill.layer_io import PartIO
 
 if TYPE_CHECKING:
@@ -167,7 +168,7 @@ class StoreWrites:
     async def _commit(self, step: int, entry: Pending) -> None:
         deadline = max(p.put.deadline for p in entry.parts if p.put is not None)
         try:
-            futures = [asyncio.wrap_future(f) for p in entry.parts for f in p.put_futures]
+            futures = [watched(f) for p in entry.parts for f in p.put_futures]
             left = max(0.0, deadline - time.time()) + 1.0
             if futures:
                 await asyncio.wait(futures, timeout=left)

@@ -20,7 +20,7 @@ from common.kv.memory import PagedKVMemory
 from common.kv.shm_kv import KV_PATHS, SHM_DIR, PeerKV, PeerKVMaps
 from common.protocol import StreamTarget
 from common.store.ranges import RangeMover
-from common.transfer import TransferAgent, TransferError
+from common.transfer import TransferAgent, TransferError, watched
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class KVStream:
         pending = [f for f in self.futures if not f.done()]
         while pending:
             left = deadline - loop.time()
-            done, _ = await asyncio.wait([asyncio.wrap_future(pending[-1])],
+            done, _ = await asyncio.wait([watched(pending[-1])],
                                          timeout=max(0.0, left))
             if not done:
                 raise TransferError(f"KV stream ({self.path}) missed its {timeout:.1f}s "
@@ -158,7 +158,7 @@ class KVStream:
         that takes (logged every ``report_s``): its blocks must not be reused before."""
         self.cancel()
         while pending := self.unsettled():
-            done, _ = await asyncio.wait([asyncio.wrap_future(f) for f in pending],
+            done, _ = await asyncio.wait([watched(f) for f in pending],
                                          timeout=report_s)
             if not done:
                 log.warning("KV stream to %s: %d writes still running after %.0fs", self.session,
