@@ -57,6 +57,7 @@ class Placer:
             ttft_slo_s=config.slo.ttft_s, tbt_slo_s=config.slo.tbt_s,
             admission=config.admission, block_size=config.block_size,
             expected_decode_s=config.expected_decode_s,
+            transfer_bandwidth_bytes_per_s=config.transfer_bandwidth_bytes_per_s,
         ), self.cost)
         self.global_index = global_index or PrefixIndex()
         # a cost model and its online calibration per prefill shape (stages per instance):

@@ -175,3 +175,14 @@ def test_configured_typical_decode_time_is_the_prior() -> None:
     placer = Placer(ClusterConfig(admission="predicted", expected_decode_s=4.0))
     assert placer.policy.decode_durations.mean() == 4.0
     assert placer.policy.config.expected_decode_s == 4.0
+
+
+def test_configured_transfer_bandwidth_prices_store_loads() -> None:
+    """``transfer_bandwidth_bytes_per_s`` is what the scheduler prices a prefix load from the
+    store at; left out, the cost profile's (1e9 bytes/s in the shipped one)."""
+    from services.conductor.placement import Placer
+    default = Placer(ClusterConfig())
+    assert default.policy.transfer_seconds(10) == pytest.approx(
+        10 * default.policy._block_bytes / 1e9)
+    fast = Placer(ClusterConfig(transfer_bandwidth_bytes_per_s=4e9))
+    assert fast.policy.transfer_seconds(10) == pytest.approx(default.policy.transfer_seconds(10) / 4)
