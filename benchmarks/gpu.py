@@ -213,10 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     args.chunks = [int(c) for c in args.chunks.split(",")]
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     if args.pieces_only:
+        from common.kv.memory import PagedKVMemory
         from common.model.config import DUMMY_CONFIGS
 
-        c = DUMMY_CONFIGS[args.model]
-        layer = 16 * c.num_kv_heads * c.head_dim * 2 * torch.finfo(getattr(torch, args.dtype)).bits // 8
+        c = DUMMY_CONFIGS[args.model]  # one layer of one block, as the engine lays it out
+        layer = PagedKVMemory(1, 1, 16, c.num_kv_heads, c.head_dim,
+                              getattr(torch, args.dtype)).layer_nbytes
         res = {"pieces": pieces(layer, 256 if args.quick else 2048, torch.device(args.device),
                                 args.reps), "date": started}
         print(json.dumps(res))

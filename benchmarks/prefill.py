@@ -133,16 +133,18 @@ class Run:
         extra, store, cores = CLUSTERS[name]
         http, base = 21100 + 10 * index, 21000 + 20 * index
         cfg = out / f"{name}.toml"
-        # on a GPU, pools sized to the longest prompt (requests run one at a time) so that
-        # two clusters of 8B workers fit one card; on the CPU, room to spare
-        gpu_blocks = max(args.lengths) // BLOCK + 64
+        if args.device == "cpu":  # pinned cores, room to spare, 256 tokens per step
+            budget, prefill_blocks, decode_blocks = 256, 1600, 2400
+            pins = CPU_PINS.format(prefill_cores=cores)
+        else:  # pools sized to the longest prompt (one request at a time): two clusters of
+            # 8B workers fit one card
+            budget, pins = 2048, ""
+            prefill_blocks = decode_blocks = max(args.lengths) // BLOCK + 64
         cfg.write_text(BASE.format(
             model=args.model, dtype=args.dtype, device=args.device, http=http, base=base,
             block=BLOCK, extra=extra, store=str(store).lower(), segment=args.segment_mb << 20,
-            budget=256 if args.device == "cpu" else 2048,  # tokens per prefill step
-            prefill_blocks=1600 if args.device == "cpu" else gpu_blocks,
-            decode_blocks=2400 if args.device == "cpu" else gpu_blocks,
-            cpu=CPU_PINS.format(prefill_cores=cores) if args.device == "cpu" else ""))
+            budget=budget, prefill_blocks=prefill_blocks, decode_blocks=decode_blocks,
+            cpu=pins))
         self.model = args.model
         self.name = name
         self.cluster = LocalCluster(str(cfg), out / f"logs-{name}")
