@@ -2,11 +2,13 @@
 # The GPU checks in one call on a machine with an NVIDIA GPU and no network: what its image
 # lacks comes as wheels in .whl/ and Debian packages in .deb/ (`make gpu-carry` fetches
 # both here, for Python 3.12). Then: the CUDA tests, benchmarks/gpu.py (the engine and the
-# KV path on the card) and benchmarks/prefill.py (a) and (c) on live clusters of 8B-shaped
-# workers. Logs go to $OUT (or /tmp/gpu-out); each step has its own deadline.
+# KV path on the card), tests/e2e/test_pipeline.py on the GPU, and benchmarks/prefill.py (a)
+# and (c) on live clusters of 8B-shaped workers. Logs go to $OUT (or /tmp/gpu-out); each
+# step has its own deadline.
 #
-#   bash benchmarks/gpu_device.sh [quick | prefill | pieces]   (quick: no prefill benchmark;
-#       prefill: only the prefill benchmark; pieces: only gpu.py's scattered pieces)
+#   bash benchmarks/gpu_device.sh [quick | prefill | pieces | check | live [-k expr]]
+#       (quick: no prefill benchmark; prefill: only it; pieces: only gpu.py's scattered
+#       pieces; check: the tests and the prefill benchmark, not gpu.py; live: the tests)
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -37,29 +39,45 @@ done
 ldd /tmp/site/mooncake/engine.so | grep "not found" && log "transfer engine: libraries missing"
 python3 -c "from mooncake.engine import TransferEngine; print('transfer engine imports')"
 
-if [ "${1:-}" = "pieces" ]; then  # only the transfer engine's cost per scattered piece
+cuda_tests() {
+  log "CUDA tests"
+  timeout 120 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/model/test_cuda.py \
+    tests/model/test_flash_attention.py 2>&1 | tee "$OUT/pytest.log" | grep -v "^[IWE][0-9]" | tail -25
+}
+
+live_pipeline() {  # [pytest -k expression]
+  log "live clusters on the GPU: greedy outputs with 1-3 pipeline stages, layer-wise or not"
+  CRESCENT_TEST_DEVICE=cuda CRESCENT_TEST_MODEL=dummy-bench-prefill timeout 240 \
+    python3 -m pytest -q -rs -p no:cacheprovider --basetemp=/tmp/pipeline tests/e2e/test_pipeline.py \
+    ${1:+-k "$1"} 2>&1 | tee "$OUT/pipeline.log" | grep -v "^[IWE][0-9]" | tail -8
+  tar czf "$OUT/pipeline-logs.tgz" -C /tmp pipeline 2>/dev/null
+}
+
+engine_figures() {
+  log "engine and KV path (benchmarks/gpu.py)"
+  timeout 150 python3 benchmarks/gpu.py 2>&1 | tee "$OUT/gpu.log" | grep -v "^[IWE][0-9]" | tail -30
+}
+
+pieces() {  # only the transfer engine's cost per scattered piece
   timeout 200 python3 benchmarks/gpu.py --pieces-only 2>&1 | tee "$OUT/pieces.log" | grep -v "^[IWE][0-9]"
-  log "done"
-  exit 0
-fi
+}
 
-if [ "${1:-}" != "prefill" ]; then
-log "CUDA tests"
-timeout 120 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/model/test_cuda.py \
-  tests/model/test_flash_attention.py 2>&1 | tee "$OUT/pytest.log" | grep -v "^[IWE][0-9]" | tail -25
-
-log "engine and KV path (benchmarks/gpu.py)"
-timeout 150 python3 benchmarks/gpu.py 2>&1 | tee "$OUT/gpu.log" | grep -v "^[IWE][0-9]" | tail -30
-
-fi
-
-if [ "${1:-}" != "quick" ]; then
+prefill_bench() {
   log "prefill benchmark on the GPU (benchmarks/prefill.py)"
   timeout 220 python3 benchmarks/prefill.py --device cuda --model dummy-llama3-8b --dtype bfloat16 \
-    --reps 2 --segment-mb 8192 --out /tmp/prefill-gpu > "$OUT/prefill.log" 2> "$OUT/prefill.err"
+    --reps 2 --segment-mb 12288 --out /tmp/prefill-gpu > "$OUT/prefill.log" 2> "$OUT/prefill.err"
   echo "rc=$?"
   tail -32 "$OUT/prefill.log"
   grep -v "^[IWE][0-9]" "$OUT/prefill.err" | tail -8
   tar czf "$OUT/prefill-logs.tgz" -C /tmp prefill-gpu 2>/dev/null
-fi
+}
+
+case "${1:-all}" in
+  quick) cuda_tests; live_pipeline; engine_figures ;;
+  prefill) prefill_bench ;;
+  pieces) pieces ;;
+  check) cuda_tests; prefill_bench; live_pipeline ;;
+  live) cuda_tests; live_pipeline "${2:-}" ;;  # [pytest -k expression]
+  *) cuda_tests; live_pipeline; engine_figures; prefill_bench ;;
+esac
 log "done"

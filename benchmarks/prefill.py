@@ -61,6 +61,8 @@ from benchmarks.prefill_report import (  # noqa: E402
     BLOCK, CACHED_SHARE, Sample, changed_label, goals, part_a, part_b, part_c, reps_for, sibling,
     table, total, unique_prompt,
 )
+from common.kv.memory import KV_DTYPES  # noqa: E402
+from common.model.config import DUMMY_CONFIGS  # noqa: E402
 from launch.cluster import LocalCluster  # noqa: E402
 
 MODEL = "dummy-bench-prefill"
@@ -317,7 +319,24 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.reps = args.reps or (1 if args.quick else 3)
     if args.reps < 1:
         p.error("--reps must be >= 1")
+    need = store_mb_needed(args)
+    if args.segment_mb < need:  # eviction would hide P from the check before each P'
+        p.error(f"--segment-mb {args.segment_mb} cannot hold what this run stores: "
+                f"{need} MiB of {args.model} KV ({args.dtype})")
     return args
+
+
+def store_mb_needed(args: argparse.Namespace) -> int:
+    """The store's DRAM a run fills: every cold prompt, its sibling's new tenth and the
+    warm-up prompts, in whole blocks of the model's KV."""
+    cfg = DUMMY_CONFIGS.get(args.model)
+    if cfg is None:
+        return 0
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * KV_DTYPES[
+        args.dtype].itemsize
+    tokens = 4 * 300 + sum(reps_for(n, args.reps) * n * (1 + (1 - CACHED_SHARE))
+                           for n in args.lengths)
+    return int(tokens * per_token) // (1 << 20) + 1
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,10 +1,13 @@
-"""The prefill benchmark's pure parts (benchmarks/prefill_report.py), against hand-computed
-values; no cluster."""
+"""The prefill benchmark's pure parts (benchmarks/prefill_report.py, prefill.py's argument
+checks), against hand-computed values; no cluster."""
 from __future__ import annotations
 
 import random
 from typing import Optional
 
+import pytest
+
+from benchmarks.prefill import parse_args, store_mb_needed
 from benchmarks.prefill_report import (
     Sample, cacheable_tokens, changed_label, goals, labelled, part_a, part_b, part_c,
     reps_for, sibling, table, total, unique_prompt,
@@ -118,3 +121,16 @@ def test_empty_cells_print_as_dashes():
     assert text.splitlines() == ["tokens       mode  speedup",
                                  "  4096  layerwise        -",
                                  "  4096      after        -"]
+
+
+def test_a_store_too_small_for_the_run_is_refused_up_front(capsys):
+    """Eviction would hide a prompt P from the wait before its sibling P' (the GPU run of
+    2026-11-26 waited 30 s for blocks an 8 GiB store could not hold): the run refuses to
+    start, naming what it needs; the CPU defaults fit."""
+    gpu = ["--device", "cuda", "--model", "dummy-llama3-8b", "--dtype", "bfloat16", "--reps", "2"]
+    need = store_mb_needed(parse_args(gpu + ["--segment-mb", "100000"]))
+    assert 8192 < need < 12288  # ~72k tokens of 128 KiB each
+    with pytest.raises(SystemExit):
+        parse_args(gpu + ["--segment-mb", "8192"])
+    assert f"{need} MiB of dummy-llama3-8b KV" in capsys.readouterr().err
+    assert store_mb_needed(parse_args([])) <= 640  # the default --segment-mb

@@ -1,6 +1,7 @@
 """Real clusters for end-to-end tests: every role is its own process."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Iterator
@@ -10,8 +11,14 @@ import pytest
 
 from launch.cluster import LocalCluster
 
+# CRESCENT_TEST_DEVICE=cuda runs these clusters' workers on a GPU, and CRESCENT_TEST_MODEL
+# another model under the served name the tests ask for (benchmarks/gpu_device.sh: a dummy,
+# since the GPU machine has no SmolLM2 weights)
+DEVICE = os.environ.get("CRESCENT_TEST_DEVICE", "")
+MODEL = os.environ.get("CRESCENT_TEST_MODEL", "")
+
 BASE_CONFIG = """
-model = "smollm2-135m"
+model = "{model}"
 http_port = {http}
 base_port = {base}
 prefill_workers = {prefill}
@@ -37,9 +44,13 @@ def start_cluster(tmp: Path, http: int, base: int, prefill: int = 1, store: bool
                   extra: str = "") -> LocalCluster:
     """``extra``: more top-level TOML lines (e.g. 'mode = "colocated"')."""
     cfg = tmp / "cluster.toml"
-    cfg.write_text(BASE_CONFIG.format(http=http, base=base, prefill=prefill,
-                                      store=str(store).lower(), scheduler=scheduler,
-                                      ttft=ttft_slo_s, extra=extra))
+    if DEVICE:
+        extra = f'device = "{DEVICE}"\n' + extra
+    if MODEL:
+        extra = 'served_model_name = "smollm2-135m"\n' + extra
+    cfg.write_text(BASE_CONFIG.format(model=MODEL or "smollm2-135m", http=http, base=base,
+                                      prefill=prefill, store=str(store).lower(),
+                                      scheduler=scheduler, ttft=ttft_slo_s, extra=extra))
     cluster = LocalCluster(str(cfg), tmp / "logs")
     try:
         cluster.start(timeout_s=180)

@@ -5,6 +5,8 @@ Skipped without a CUDA GPU. ``benchmarks/gpu_device.sh`` runs these on a lent GP
 """
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -121,3 +123,44 @@ def test_a_json_schema_document_sampled_on_cuda_parses() -> None:
         for m in matchers.values():
             assert m.accept_token(picked["cuda"])
     assert isinstance(json.loads(tok.decode(out))["n"], int)
+
+
+def test_layer_wise_kv_from_the_gpu_is_what_the_engine_wrote() -> None:
+    """A prefill on the GPU streams each layer's KV through the transfer engine as the
+    next layers compute (services/prefill/layer_io.py). The engine's kernels are queued,
+    not done, when a layer's hook runs; the peer still gets every layer's final bytes, not
+    the zeros the KV memory held before, because the transfer engine's copy (cudaMemcpy on
+    the default stream, like the kernels) waits for the kernels queued before it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from common.engine.config import PrefillChunk
+    from common.kv.memory import PagedKVMemory
+    from services.prefill.layer_io import PartIO, StepIO
+    from services.prefill.streaming import KVStream
+
+    e = Engine(EngineConfig(model="dummy-llama3-8b", num_layers=4, dtype="bfloat16",
+                            device="cuda", num_blocks=300, block_size=16, prefill_chunk=4096))
+    peer = PagedKVMemory(300, 4, 16, e.model_config.num_kv_heads, e.model_config.head_dim,
+                         e.kv.dtype, "cuda")
+    local, remote = TransferAgent(), TransferAgent()
+    lane = ThreadPoolExecutor(1)
+    try:
+        local.register(e.kv.base_address, e.kv.nbytes)
+        remote.register(peer.base_address, peer.nbytes)
+        n = 4096
+        ids = torch.randint(3, 100000, (n,), generator=torch.Generator().manual_seed(3)).tolist()
+        table = e.pool.allocate(e.blocks_needed(n))
+        remote_blocks = list(reversed(range(300)))[:len(table)]
+        stream = KVStream(local, lane, e.kv, table, remote_blocks, remote.session_id,
+                          peer.base_address)
+        io = StepIO([PartIO(stream, 0, n)], e.kv, 0, None, None, True)
+        e.stage_step([PrefillChunk(ids, 0, n, table)], None, io.after, io.before)
+        assert asyncio.run(stream.wait(60)) == len(table) * e.kv.block_nbytes
+        got = peer.data[remote_blocks].cpu()
+        want = e.kv.data[table].cpu()
+        assert want.abs().amax(dim=(2, 3, 4, 5)).min() > 0  # every layer of every block written
+        assert torch.equal(got, want)
+    finally:
+        lane.shutdown()
+        local.close()
+        remote.close()
