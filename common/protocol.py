@@ -77,7 +77,8 @@ class WorkerHeartbeat:
     inbox: Optional[str] = None  # the sender's: where a ReRegister goes
     draining: bool = False  # SIGTERM: finishing in-flight work; place nothing new here
     # What this incarnation dropped or gave up on, by reason, cumulative: stale messages
-    # (e.g. "KVReady", "duplicate"), "outbox_full", "quarantine_expired".
+    # (e.g. "KVReady", "duplicate"), "outbox_full", "quarantine_expired", "store_load" (a
+    # layer-wise load from the store failed; the prefix was computed instead).
     dropped: dict[str, int] = field(default_factory=dict)
     # Bytes this incarnation moved, cumulative, by "FLOW/PATH": FLOW decode (KV to decode
     # workers), hidden (to the next pipeline stage), store_read or store_write; PATH shm

@@ -75,7 +75,8 @@ class ConductorMetrics:
         # Workers have no HTTP endpoint: what they report in heartbeats is served here.
         self.worker_dropped = Gauge(
             "crescent_worker_dropped", "messages a worker incarnation dropped or gave up on "
-            "(stale fences/epochs, full outboxes, expired quarantines), cumulative",
+            "(stale fences/epochs, full outboxes, expired quarantines, failed store loads "
+            "computed instead), cumulative",
             ["instance", "reason"], registry=r)
         self.worker_kv_blocks = Gauge(
             "crescent_worker_kv_blocks", "a worker's KV blocks by state (used, free), as of "

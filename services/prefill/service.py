@@ -65,6 +65,7 @@ class PrefillWorker:
         self.waiting: deque[PrefillTask] = deque()
         self.max_waiting = rt.config.max_queue  # the conductor admits no more cluster-wide
         self.jobs: list[Job] = []  # admitted and computing, oldest first
+        self.reloading: list[Job] = []  # a layer-wise load failed: its reads settling
         self.admitting: Optional[PrefillTask] = None  # out of ``waiting``, not a job yet
         self.admitting_aborted = False
         self.dropped = rt.dropped  # stale messages, by kind: reported in heartbeats
@@ -124,7 +125,8 @@ class PrefillWorker:
         """May a write under ``q.fence`` still land? A task admitting, computing or
         settling under it answers when its writes settle. Otherwise none can: a task queued
         under it is dropped, and the fence is remembered so a late task under it is too."""
-        if q.fence in self.settling or any(j.task.fence == q.fence for j in self.jobs) or (
+        if q.fence in self.settling or any(
+                j.task.fence == q.fence for j in self.jobs + self.reloading) or (
                 self.admitting is not None and self.admitting.fence == q.fence):
             return
         for task in [t for t in self.waiting if t.fence == q.fence]:
@@ -134,7 +136,7 @@ class PrefillWorker:
 
     def _known(self, request_id: str) -> bool:
         return any(t.request_id == request_id for t in self.waiting) or any(
-            j.task.request_id == request_id for j in self.jobs) or (
+            j.task.request_id == request_id for j in self.jobs + self.reloading) or (
             self.admitting is not None and self.admitting.request_id == request_id)
 
     def _drop(self, why: str, task: PrefillTask) -> None:
@@ -143,7 +145,7 @@ class PrefillWorker:
                  task.request_id, task.fence)
 
     def on_abort(self, msg: AbortRequest) -> None:
-        for job in self.jobs:
+        for job in self.jobs + self.reloading:
             if job.task.request_id == msg.request_id:
                 job.aborted = job.stream.aborted = True  # dropped between steps
                 return
@@ -305,12 +307,40 @@ class PrefillWorker:
             self.jobs.remove(job)
             if self.store_writes is not None:
                 self.store_writes.forget(job.task.fence)
+            if job.failed and not job.aborted and now <= job.task.deadline and (
+                    self.group is None):
+                self.reloading.append(job)
+                self._spawn(job, self.recompute(job))
+                continue
             failure = (PrefillFailure(499, "aborted", "aborted during prefill") if job.aborted
                        else PrefillFailure(503, "kv_load_failed", job.failed) if job.failed
                        else PrefillFailure(504, "timeout", "prefill missed its deadline"))
             if not job.aborted:
                 log.warning("%s failed: %s", job.task.request_id, failure)
             self._spawn(job, self.give_up(job, failure))
+
+    async def recompute(self, job: Job) -> None:
+        """A layer-wise load failed (the store lost the blocks, or the copy outlived its
+        lease): compute the prefix instead, as when a whole-block fetch fails, so a cache
+        miss costs time, not the request. The failed load's reads may still land in its
+        blocks, so they settle first; what was streamed from them is streamed again,
+        after, on the same ordered lane. (In a pipeline group the stages would have to
+        restart together: there the request fails, ``kv_load_failed``.)"""
+        assert job.loads is not None and job.failed is not None
+        log.warning("%s: %s; computing the prefix instead", job.task.request_id, job.failed)
+        await settle(job.loads.futures)
+        if self.mover is not None and self.mover.transfer is not None:
+            await settle(self.mover.transfer.in_flight())
+        self.reloading.remove(job)
+        self.dropped["store_load"] += 1  # gave up a load: crescent_worker_dropped
+        plan = job.plan
+        job.plan = replace(plan, cached_blocks=plan.load_from, global_blocks=0, load=None)
+        job.loads, job.failed = None, None
+        job.done = min(plan.load_from * self.engine.config.block_size,
+                       len(job.task.token_ids) - 1)
+        job.stream.prefix = plan.load_from
+        self.jobs.append(job)  # aborted or late meanwhile: given up between steps
+        self.wake.set()
 
     async def give_up(self, job: Job, failure: PrefillFailure) -> None:
         """Stop the stream and wait until none of its writes can land (they read our

@@ -26,11 +26,13 @@ REFERENCE: dict[str, object] = {}
 ONE_STAGE_LAYERWISE: dict[str, object] = {}  # what the groups are compared with
 
 
-def serve(tmp: Path, port: int, stages: int, layerwise: bool) -> dict[str, object]:
+def serve(tmp: Path, port: int, stages: int, layerwise: bool,
+          tables: str = "") -> dict[str, object]:
+    """``tables``: more TOML tables (e.g. ``[store.policy]``)."""
     cluster = start_cluster(tmp, http=port, base=port + 10, prefill=2, scheduler="round_robin",
                             extra=f"prefill_stages = {stages}\n"
                                   f"kv_layerwise = {str(layerwise).lower()}\n"
-                                  "token_budget = 128\n")
+                                  "token_budget = 128\n" + tables)
     try:
         out: dict[str, object] = {}
         for name, prompt in (("long", LONG), ("sibling", SIBLING), ("short", SHORT)):
@@ -45,6 +47,10 @@ def serve(tmp: Path, port: int, stages: int, layerwise: bool) -> dict[str, objec
         out["metrics"] = metrics
         wait_no_leaks(cluster)
         out["kv_bytes"] = kv_moved(cluster, metrics)
+        out["loads_given_up"] = sum(
+            s.value for family in text_string_to_metric_families(conductor_metrics(cluster))
+            if family.name == "crescent_worker_dropped" for s in family.samples
+            if s.labels["reason"] == "store_load")
         return out
     finally:
         cluster.stop()
@@ -96,6 +102,21 @@ def test_same_greedy_outputs_with_any_group_size(tmp_path_factory, stages):
     assert got["sibling_cached"] == ref["sibling_cached"]
     assert got["kv_bytes"] == single["kv_bytes"]  # every stage's layers counted
     assert ref["kv_bytes"] == single["kv_bytes"]  # whole blocks: the cached prefix once
+
+
+def test_a_failed_layer_wise_load_computes_the_prefix_instead(tmp_path_factory) -> None:
+    """Every store lease ends before its first read can start, so the sibling's layer-wise
+    load from the store fails: its prefix is computed instead (as a failed whole-block
+    fetch is), with the reference's greedy text, nothing counted as cached, the give-up
+    counted, and no block leaked (``serve``)."""
+    ref = reference(tmp_path_factory)
+    got = serve(tmp_path_factory.mktemp("lapsed"), 20880, 1, True,
+                "[store.policy]\nlease_s = 0.0001\nmin_bytes_per_s = 1e15\n")
+    for name in ("long", "sibling", "short"):
+        assert got[name] == ref[name], name
+    assert got["sibling_cached"] == 0 < ref["sibling_cached"]
+    assert got["loads_given_up"] >= 1
+    assert ref["loads_given_up"] == 0
 
 
 def placements(metrics: str) -> dict[str, float]:
