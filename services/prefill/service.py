@@ -326,9 +326,8 @@ class PrefillWorker:
         blocks, so they settle first; what was streamed from them is streamed again,
         after, on the same ordered lane. (In a pipeline group the stages would have to
         restart together: there the request fails, ``kv_load_failed``.)"""
-        assert job.loads is not None and job.failed is not None
         log.warning("%s: %s; computing the prefix instead", job.task.request_id, job.failed)
-        await settle(job.loads.futures)
+        await settle(job.loads.futures if job.loads is not None else [])
         if self.mover is not None and self.mover.transfer is not None:
             await settle(self.mover.transfer.in_flight())
         self.reloading.remove(job)
