@@ -190,8 +190,9 @@ class ClusterConfig:
     kvcache_balancing_threshold: float = 2.0
     cost_profile: str = "cpu-smollm2-135m"  # a named profile or a coefficients JSON file
     # What the scheduler assumes a prefix moves at from the store to a prefill worker
-    # (bytes/s; None: the cost profile's, 1e9 for the shipped one). TCP moved 1.4-1.6e9
-    # from an H200's memory; RDMA is far more (the paper's profiles: 87e9).
+    # (bytes/s). None: learned from the prefills' loads (services/conductor/calibration.py
+    # ReadBandwidth), the cost profile's (1e9 for the shipped one) until then. TCP moved
+    # 1.4-1.6e9 from an H200's memory; RDMA is far more (the paper's profiles: 87e9).
     transfer_bandwidth_bytes_per_s: Optional[float] = None
     slo: SLOConfig = field(default_factory=SLOConfig)
     transfer_protocol: str = "tcp"

@@ -139,6 +139,10 @@ class PrefillDone:
     transfer_seconds: float = 0.0  # time the KV stream was in flight (overlaps compute)
     fence: Fence = Fence()  # the reservation it filled: a stale one is dropped
     wait_s: float = 0.0  # time blocked on transfers (loads, the pipeline, the last writes)
+    # its prefix read from the store: bytes, and seconds from the first read's start to the
+    # last one's end (the conductor learns the store's read bandwidth from them)
+    store_read_bytes: int = 0
+    store_read_s: float = 0.0
 
 
 @message

@@ -59,6 +59,12 @@ class Scheduler(ABC):
         """A decode finished after ``seconds``: history for prediction-based admission."""
         self.decode_durations.observe(seconds)
 
+    def set_transfer_bandwidth(self, bytes_per_s: float) -> None:
+        """Price a prefix fetch at ``bytes_per_s`` from now on (learned from real loads)."""
+        if not bytes_per_s > 0:
+            raise ValueError(f"transfer bandwidth must be positive, got {bytes_per_s}")
+        self._bandwidth = bytes_per_s
+
     # --- the cost of running a request on one prefill instance ----------------------
     def transfer_seconds(self, blocks: int) -> float:
         return blocks * self._block_bytes / self._bandwidth if blocks > 0 else 0.0

@@ -54,3 +54,27 @@ class PrefillCalibrator:
         self.cost.prefill = candidate
         self.refits += 1
         return True
+
+
+class ReadBandwidth:
+    """The store's read bandwidth as prefills see it, learned from their loads: bytes over
+    seconds summed over the last ``window`` loads of at least ``min_bytes`` (smaller
+    ones are mostly round trips, not bandwidth), once ``min_samples`` of them came.
+    The scheduler prices a prefix fetch with it (``Scheduler.transfer_seconds``)."""
+
+    def __init__(self, window: int = 32, min_bytes: int = 4 << 20, min_samples: int = 3) -> None:
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.min_bytes = min_bytes
+        self.min_samples = min_samples
+
+    def observe(self, nbytes: int, seconds: float) -> Optional[float]:
+        """Record one load; returns the estimate (bytes/s), None until there is one."""
+        if nbytes >= self.min_bytes and seconds > 0:
+            self.samples.append((nbytes, seconds))
+        return self.estimate
+
+    @property
+    def estimate(self) -> Optional[float]:
+        if len(self.samples) < self.min_samples:
+            return None
+        return sum(b for b, _ in self.samples) / sum(s for _, s in self.samples)

@@ -58,6 +58,10 @@ class ConductorMetrics:
                                          "prompt tokens loaded from the KV pool", registry=r)
         self.transfer_bytes = Counter("crescent_conductor_kv_transfer_bytes",
                                       "KV bytes moved prefill → decode", registry=r)
+        self.store_read_bandwidth = Gauge(
+            "crescent_conductor_store_read_bytes_per_s", "the store's read bandwidth learned "
+            "from prefills' loads (what a prefix fetch is priced at, unless "
+            "transfer_bandwidth_bytes_per_s pins it)", registry=r)
         self.cost_refits = Counter("crescent_conductor_cost_refits",
                                    "prefill cost model replaced by an online refit", registry=r)
         self.workers = Gauge("crescent_workers", "live workers", ["role"], registry=r)

@@ -17,7 +17,7 @@ from common.scheduling import (
     CostModel, DecodeInstanceState, DecodeSlot, PipelineCost, PrefillInstanceState, PrefixIndex,
     Rejection, RequestInfo, SchedulerConfig, make_scheduler,
 )
-from services.conductor.calibration import PrefillCalibrator
+from services.conductor.calibration import PrefillCalibrator, ReadBandwidth
 from services.conductor.registry import Registry, WorkerState
 from services.conductor.tracker import Phase, Tracker
 
@@ -63,6 +63,7 @@ class Placer:
         # a cost model and its online calibration per prefill shape (stages per instance):
         # a pipeline group's TTFT is not a single worker's (short prompts gain nothing)
         self.shapes: dict[int, PrefillCalibrator] = {1: PrefillCalibrator(self.cost)}
+        self.store_reads = ReadBandwidth()
 
     @property
     def calibrator(self) -> PrefillCalibrator:
@@ -146,6 +147,15 @@ class Placer:
             decode_id = d.prefill_id  # a colocated worker decodes what it prefills
         return Placement(d.prefill_id, decode_id, d.predicted_ttft_s,
                          max(len(req.token_ids) - cached, 1))
+
+    def observe_store_read(self, msg: PrefillDone) -> Optional[float]:
+        """Learn the store's read bandwidth from a prefill's load; the scheduler prices
+        fetches with it unless ``transfer_bandwidth_bytes_per_s`` pins the figure. Returns
+        the estimate (bytes/s), None until there is one."""
+        estimate = self.store_reads.observe(msg.store_read_bytes, msg.store_read_s)
+        if estimate is not None and self.config.transfer_bandwidth_bytes_per_s is None:
+            self.policy.set_transfer_bandwidth(estimate)
+        return estimate
 
     def observe_prefill(self, msg: PrefillDone, stages: int = 1) -> bool:
         """Feed a real prefill time of an instance of ``stages`` processes to its shape's

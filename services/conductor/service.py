@@ -230,6 +230,10 @@ class Conductor:
         worker = self.registry.get(msg.instance_id)
         if self.placer.observe_prefill(msg, worker.info.stages if worker else 1):
             self.metrics.cost_refits.inc()
+        if msg.store_read_bytes:
+            bandwidth = self.placer.observe_store_read(msg)
+            if bandwidth is not None:
+                self.metrics.store_read_bandwidth.set(bandwidth)
 
     def on_finished(self, msg: RequestFinished) -> None:
         t = self.tracker.get(msg.request_id)

@@ -38,12 +38,30 @@ class LayerLoads:
                  blocks: list[int], first_layer: int, lane: ThreadPoolExecutor) -> None:
         self.plan = plan
         ln = kv.layer_nbytes
+        self.nbytes = len(blocks) * ln * kv.num_layers
+        self._first: Optional[float] = None  # the first read's start, the last one's end
+        self._last: Optional[float] = None
+
+        def read(items: list[tuple[int, int, int, int]]) -> None:  # on the one lane thread
+            if self._first is None:
+                self._first = time.perf_counter()
+            mover.read(plan, items)
+            self._last = time.perf_counter()
+
         self.futures: list[Future] = [
-            lane.submit(mover.read, plan, [(i, kv.layer_address(b, layer), (first_layer + layer)
-                                            * ln, ln) for i, b in enumerate(blocks)])
+            lane.submit(read, [(i, kv.layer_address(b, layer), (first_layer + layer) * ln, ln)
+                               for i, b in enumerate(blocks)])
             for layer in range(kv.num_layers)]
         self.failed: Optional[str] = None
         self.wait_s = 0.0
+
+    @property
+    def read_s(self) -> float:
+        """Seconds from the first read's start to the last one's end (once all landed):
+        what the store's bytes took on their path, queueing on the lane left out."""
+        if self._first is None or self._last is None:
+            return 0.0
+        return self._last - self._first
 
     def wait(self, layer: int) -> bool:
         """In the compute thread: layer ``layer`` has landed (False: a read failed, or

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Optional
 
 from common.kv.block_pool import BlockPool
@@ -40,6 +41,9 @@ class PrefixPlan:
     # layer under ``load`` while the prompt computes (services/prefill/layer_io.py).
     load: Optional["GetPlan"] = None
     load_from: int = 0
+    # whole blocks read from the store before compute: bytes, seconds (PrefillDone)
+    read_bytes: int = 0
+    read_s: float = field(default=0.0, compare=False)  # measured: no two plans alike
 
 
 class PrefixLoader:
@@ -75,7 +79,7 @@ class PrefixLoader:
 
     async def acquire(self, tokens: list[int], keys: list[bytes]) -> Optional[PrefixPlan]:
         """Reference every block the prompt needs; None if the pool cannot hold it."""
-        cached, reuse, load = await self._find(tokens, keys)
+        cached, reuse, load, read = await self._find(tokens, keys)
         rest = self.pool.try_allocate(reuse.fresh)
         if rest is None:
             self.pool.free(cached)
@@ -86,21 +90,24 @@ class PrefixLoader:
         else:
             load = None
         return PrefixPlan(cached + rest, reuse.kept, reuse.global_blocks, reuse.stored_from,
-                          load, reuse.local if load is not None else 0)
+                          load, reuse.local if load is not None else 0, *read)
 
     async def lookup(self, tokens: list[int], keys: list[bytes]) -> tuple[list[int], int, int]:
         """The prompt's longest cached prefix, referenced: the local cache first, then the
         store. Returns (blocks, how many came from the store now, first block index not
         known to be in the store). At least one token is always left to compute."""
-        cached, reuse, _ = await self._find(tokens, keys, whole=True)
+        cached, reuse, _, _ = await self._find(tokens, keys, whole=True)
         return cached, reuse.global_blocks, reuse.stored_from
 
     async def _find(self, tokens: list[int], keys: list[bytes], whole: bool = False,
-                    ) -> tuple[list[int], Reuse, Optional["GetPlan"]]:
+                    ) -> tuple[list[int], Reuse, Optional["GetPlan"], tuple[int, float]]:
+        """(blocks kept, the reuse plan, a layer-wise load's lease, (bytes, seconds) of
+        whole blocks read from the store now)."""
         local = self.pool.match_prefix(keys)
         loaded: list[int] = []
         found: Optional[int] = None
         load = None
+        read = (0, 0.0)
         if ask_store(len(local), len(keys), self.store is not None):
             exists = await self._exists(keys)
             if exists is not None:
@@ -109,11 +116,15 @@ class PrefixLoader:
                 if self.layerwise and not whole:
                     loaded, load = await self._plan_load(keys, fetch)
                 else:
+                    started = time.perf_counter()
                     loaded = await self._fetch(keys, fetch)
+                    if loaded:
+                        read = (len(loaded) * self.kv.block_nbytes,
+                                time.perf_counter() - started)
         reuse = plan_reuse(len(tokens), self.bs, len(local), len(loaded), found)
         cached = local + loaded
         self.pool.free(cached[reuse.kept:])  # tail first, like any sequence's blocks
-        return cached[:reuse.kept], reuse, load
+        return cached[:reuse.kept], reuse, load, read
 
     async def _plan_load(self, keys: list[bytes], fetch: range
                          ) -> tuple[list[int], Optional["GetPlan"]]:

@@ -384,11 +384,14 @@ class PrefillWorker:
             job.wait_s += job.loads.wait_s
         self.rt.mail.send(task.decode_inbox, KVReady(
             task.request_id, first, prompt, cached_tokens, task.fence))
+        read = ((job.loads.nbytes, job.loads.read_s) if job.loads is not None
+                else (job.plan.read_bytes, job.plan.read_s))
         self.rt.mail.send(self.rt.conductor, PrefillDone(
             task.request_id, self.rt.instance_id, prompt, cached_tokens,
             job.plan.global_blocks * bs, job.compute_s,
             job.stream.bytes + (result.kv_bytes if outcome is not None else 0),  # the group's
-            job.stream.seconds, task.fence, wait_s=job.wait_s))
+            job.stream.seconds, task.fence, wait_s=job.wait_s, store_read_bytes=read[0],
+            store_read_s=read[1]))
         self.prefix.release(job.plan, job.keys)
 
     def fail(self, task: PrefillTask, status: int, kind: str, message: str) -> None:

@@ -186,3 +186,38 @@ def test_configured_transfer_bandwidth_prices_store_loads() -> None:
         10 * default.policy._block_bytes / 1e9)
     fast = Placer(ClusterConfig(transfer_bandwidth_bytes_per_s=4e9))
     assert fast.policy.transfer_seconds(10) == pytest.approx(default.policy.transfer_seconds(10) / 4)
+
+
+def test_store_read_bandwidth_is_learned_from_prefills_loads() -> None:
+    """Each PrefillDone says what its prefix load from the store took; from the third load
+    of at least 4 MiB the scheduler prices a fetch at their bytes over their seconds (here
+    2 GB/s, not the profile's 1 GB/s), and the gauge shows it. Small loads (mostly round
+    trips) and a pinned ``transfer_bandwidth_bytes_per_s`` are left alone."""
+    c, _, _ = make("predicted")
+    policy = c.placer.policy
+    profile_s = policy.transfer_seconds(10)
+    mib = 1 << 20
+
+    def done(rid: str, nbytes: int, seconds: float) -> None:
+        c.on_prefill_done(PrefillDone(rid, "prefill-0", PROMPT, 64, 64, 0.1, 1000, 0.01,
+                                      store_read_bytes=nbytes, store_read_s=seconds))
+
+    done("tiny", 64 << 10, 1.0)  # 64 KiB in 1 s: a round trip, not bandwidth
+    done("a", 8 * mib, 8 * mib / 1e9)
+    done("b", 24 * mib, 24 * mib / 3e9)
+    assert policy.transfer_seconds(10) == profile_s  # two loads: not yet
+    assert c.metrics.registry.get_sample_value("crescent_conductor_store_read_bytes_per_s") == 0
+    done("c", 16 * mib, 16 * mib / 2e9)
+    learned = 48 * mib / (8 * mib / 1e9 + 24 * mib / 3e9 + 16 * mib / 2e9)
+    assert learned == pytest.approx(2.0e9, rel=0.01)
+    assert policy.transfer_seconds(10) == pytest.approx(profile_s * 1e9 / learned)
+    assert c.metrics.registry.get_sample_value(
+        "crescent_conductor_store_read_bytes_per_s") == pytest.approx(learned)
+
+    from services.conductor.placement import Placer
+    pinned = Placer(ClusterConfig(transfer_bandwidth_bytes_per_s=4e9))
+    for rid in "abc":
+        pinned.observe_store_read(PrefillDone(rid, "prefill-0", PROMPT, 64, 64, 0.1, 1000,
+                                              store_read_bytes=8 * mib, store_read_s=1.0))
+    assert pinned.store_reads.estimate == pytest.approx(8 * mib)  # learned, not applied
+    assert pinned.policy.transfer_seconds(10) == pytest.approx(profile_s / 4)

@@ -76,6 +76,8 @@ def test_a_stage_loads_streams_and_stores_its_layers(cluster, transfer, tmp_path
             stage.data[2, layer] = source.data[2, 2 + layer]  # "compute" block 2
             io.after(layer)
         assert not part.poisoned and loads.failed is None
+        # what PrefillDone reports: our 2 layers of 2 blocks, first read to last
+        assert loads.nbytes == 2 * 2 * stage.layer_nbytes and loads.read_s > 0
         await stream.wait(10)
         await settle(part.put_futures)
         assert torch.equal(stage.data[:2], source.data[:2, 2:])  # loaded: our layers only

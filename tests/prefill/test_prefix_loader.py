@@ -12,6 +12,7 @@ from common.kv.memory import PagedKVMemory
 from services.prefill.prefix import PrefixLoader, PrefixPlan
 
 BS = 4
+BLOCK_BYTES = 2 * BS * 2 * 4  # one layer, K and V, one head of 2 float32 per token
 
 
 class Store:
@@ -68,7 +69,9 @@ def test_local_hits_then_the_store_then_fresh_blocks() -> None:
     warm(pl, ks[:1])  # block 0
     plan = asyncio.run(pl.acquire(list(range(17)), ks))
     # Block 0 from the local cache; 1, 2 copied from the store; 3, 4 fresh.
-    assert plan == PrefixPlan([0, 1, 2, 3, 4], cached_blocks=3, global_blocks=2, stored_from=3)
+    assert plan == PrefixPlan([0, 1, 2, 3, 4], cached_blocks=3, global_blocks=2, stored_from=3,
+                              read_bytes=2 * BLOCK_BYTES)
+    assert plan.read_s > 0  # measured around the copy: the conductor learns bandwidth from it
     assert store.calls == [("exists", 4), ("get", 2)]
     assert [pl.pool.block_key(b) for b in range(5)] == ks[:3] + [None, None]
     assert [pl.pool.ref_count(b) for b in range(5)] == [1] * 5
@@ -81,7 +84,8 @@ def test_a_failed_copy_keeps_the_intact_head_and_frees_the_rest() -> None:
     plan = asyncio.run(pl.acquire(list(range(17)), ks))
     # Fetched into blocks 0..3; the copy of 1 failed, so 1..3 go back to the end of the
     # free list and the prompt's other four blocks are fresh ones.
-    assert plan == PrefixPlan([0, 4, 5, 6, 7], cached_blocks=1, global_blocks=1, stored_from=4)
+    assert plan == PrefixPlan([0, 4, 5, 6, 7], cached_blocks=1, global_blocks=1, stored_from=4,
+                              read_bytes=BLOCK_BYTES)  # the intact head only
     assert pl.pool.free_order()[-3:] == [3, 2, 1]  # freed tail first
     assert [pl.pool.block_key(b) for b in plan.block_table] == [ks[0], None, None, None, None]
 
@@ -126,7 +130,7 @@ def test_release_caches_puts_blocks_not_in_the_store_then_frees() -> None:
 
     async def go() -> None:
         plan = await pl.acquire(list(range(14)), ks)
-        assert plan == PrefixPlan([0, 1, 2, 3], 1, 1, stored_from=1)
+        assert plan == PrefixPlan([0, 1, 2, 3], 1, 1, stored_from=1, read_bytes=BLOCK_BYTES)
         pl.release(plan, ks)
         assert pl.busy and pl.pool.num_used == 4  # the put still reads the blocks
         while pl.busy:
@@ -151,7 +155,7 @@ def test_blocks_of_a_read_that_outlived_its_deadline_stay_out_of_the_pool() -> N
     async def go() -> None:
         plan = await pl.acquire(list(range(13)), ks)
         assert plan == PrefixPlan([0, 3, 4, 5], cached_blocks=1, global_blocks=1,
-                                  stored_from=3)
+                                  stored_from=3, read_bytes=BLOCK_BYTES)
         assert pl.busy and pl.pool.num_used == 6  # 1 and 2 held for the read
         assert pl.pool.try_allocate(3) is None  # not even to a request asking for them
         native.set_result(0)
