@@ -252,8 +252,13 @@ class Conductor:
 
     def on_failed(self, msg: RequestFailed) -> None:
         t = self.tracker.get(msg.request_id)
-        if t is not None and msg.fence in (None, t.fence):  # not about an older attempt
-            self.fail(t, msg.status, msg.error_type, msg.message, msg.retry_after_s)
+        if t is None or msg.fence not in (None, t.fence):  # gone, or an older attempt's
+            return
+        if msg.error_type == "kv_load_failed" and t.attempt == 0:
+            # a pipeline group's store load failed (a lone worker computes the prefix
+            # itself): the cache cost the attempt, not the request; re-run it once
+            return self.rerun(t, msg.message, msg.error_type)
+        self.fail(t, msg.status, msg.error_type, msg.message, msg.retry_after_s)
 
     def on_abort(self, msg: AbortRequest) -> None:
         t = self.tracker.pop(msg.request_id)
@@ -308,23 +313,23 @@ class Conductor:
         for t in loss.detach:
             self._release_prefill(t)
         for t in loss.rerun:
-            self.rerun(t, f"{instance_id} {why}")
+            self.rerun(t, f"prefill worker lost ({instance_id} {why})")
 
-    def rerun(self, t: Tracked, why: str) -> None:
-        """Its prefill worker was lost before the first token: place the request again,
-        once, unseen by the client. The old reservation is aborted: its blocks stay in
-        the decode worker's quarantine until the old writer is known to have stopped."""
+    def rerun(self, t: Tracked, why: str, kind: str = "worker_lost") -> None:
+        """Its prefill worker was lost (or its group's store load failed) before the first
+        token: place the request again, once, unseen by the client. The old reservation is
+        aborted: its blocks stay in the decode worker's quarantine until the old writer is
+        known to have stopped."""
         self.tracker.pop(t.req.request_id)
         self._abort_workers(t, "prefill_lost")
         decision = self.placer.place(t.req, self.registry, self.clock(), self.tracker)
         if isinstance(decision, Rejection):
-            self.metrics.failed.labels(reason="worker_lost").inc()
+            self.metrics.failed.labels(reason=kind).inc()
             self.mail.send(self.router_inbox, RequestFailed(
-                t.req.request_id, 503, "worker_lost",
-                f"prefill worker lost ({why}) and no re-run possible: {decision.reason}"))
+                t.req.request_id, 503, kind,
+                f"{why}, and no re-run possible: {decision.reason}"))
             return
-        log.info("%s: prefill lost (%s); re-run on %s", t.req.request_id, why,
-                 decision.prefill_id)
+        log.info("%s: %s; re-run on %s", t.req.request_id, why, decision.prefill_id)
         self.metrics.reruns.inc()
         self._reserve(t.req, decision, attempt=t.attempt + 1, accepted_at=t.accepted_at)
 

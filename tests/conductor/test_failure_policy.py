@@ -107,6 +107,31 @@ def test_a_request_loses_its_prefill_worker_on_the_rerun_too(conductor) -> None:
     assert c.tracker.requests == {}
 
 
+def test_a_failed_store_load_reruns_the_request_once(conductor) -> None:
+    """A pipeline group fails a prompt whose store load failed (a lone worker computes the
+    prefix itself): the cache cost that attempt, not the request, which runs again, unseen
+    by the client; the same failure on the re-run reaches the client as it is."""
+    c, mail = conductor
+    prefilling(c, mail)
+    first = c.tracker.get("r").prefill_id
+    c.on_failed(RequestFailed("r", 503, "kv_load_failed", "layer-wise load failed at layer 3",
+                              fence=F0))
+    sent = mail.take()
+    assert [type(m) for _, m in sent] == [AbortRequest, AbortRequest, ReserveBlocks]
+    assert {addr for addr, m in sent if isinstance(m, AbortRequest)} == {
+        "tcp://w/decode0", f"tcp://w/prefill{first[-1]}"}
+    assert sent[-1][1].attempt == 1 and c.metrics.reruns._value.get() == 1
+    assert c.tracker.get("r").phase is Phase.RESERVING
+    c.on_reserved(BlocksReserved("r", "decode-0", [4, 5, 6], F1, attempt=1))
+    mail.take()
+    c.on_failed(RequestFailed("r", 503, "kv_load_failed", "again", fence=F1))
+    failed = [m for _, m in mail.take() if isinstance(m, RequestFailed)]
+    assert [(m.status, m.error_type, m.message) for m in failed] == [
+        (503, "kv_load_failed", "again")]
+    assert c.tracker.requests == {}
+    assert all(not w.assigned for w in c.registry.workers.values())
+
+
 def test_no_other_prefill_worker_fails_the_request_with_a_clear_error(conductor) -> None:
     c, mail = conductor
     prefilling(c, mail)
