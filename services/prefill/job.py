@@ -1,7 +1,7 @@
 """A prefill job: an admitted prompt, its blocks, its KV stream, how far it has computed."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from common.protocol import PrefillTask
@@ -36,3 +36,12 @@ class Job:
     @property
     def remaining(self) -> int:
         return len(self.task.token_ids) - self.done
+
+    def rewind_to_local_prefix(self, block_size: int) -> None:
+        """Its store load failed: compute from its last local hit instead, into the blocks
+        the load was to fill (its reads settled); nothing counts as loaded any more."""
+        plan = self.plan
+        self.plan = replace(plan, cached_blocks=plan.load_from, global_blocks=0, load=None)
+        self.loads, self.failed = None, None
+        self.done = min(plan.load_from * block_size, len(self.task.token_ids) - 1)
+        self.stream.prefix = plan.load_from

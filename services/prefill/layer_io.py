@@ -37,6 +37,7 @@ class LayerLoads:
     def __init__(self, mover: RangeMover, plan: GetPlan, kv: PagedKVMemory,
                  blocks: list[int], first_layer: int, lane: ThreadPoolExecutor) -> None:
         self.plan = plan
+        self.mover = mover
         ln = kv.layer_nbytes
         self.nbytes = len(blocks) * ln * kv.num_layers
         self._first: Optional[float] = None  # the first read's start, the last one's end
@@ -77,8 +78,12 @@ class LayerLoads:
             self.wait_s += time.perf_counter() - started
         return self.failed is None
 
-    def unsettled(self) -> list[Future]:
-        return [f for f in self.futures if not f.done()]
+    async def settle(self) -> None:
+        """Until none of its reads can land in its blocks any more: those queued and,
+        after a failure, any native call of the mover that outlived its deadline."""
+        await settle(self.futures)
+        if self.failed is not None and self.mover.transfer is not None:
+            await settle(self.mover.transfer.in_flight())
 
 
 @dataclass
@@ -153,4 +158,3 @@ async def settle(futures: list[Future]) -> None:
     pending = [watched(f) for f in futures if not f.done()]
     if pending:
         await asyncio.wait(pending)
-

@@ -327,17 +327,11 @@ class PrefillWorker:
         after, on the same ordered lane. (In a pipeline group the stages would have to
         restart together: there the request fails, ``kv_load_failed``.)"""
         log.warning("%s: %s; computing the prefix instead", job.task.request_id, job.failed)
-        await settle(job.loads.futures if job.loads is not None else [])
-        if self.mover is not None and self.mover.transfer is not None:
-            await settle(self.mover.transfer.in_flight())
+        if job.loads is not None:
+            await job.loads.settle()
         self.reloading.remove(job)
         self.dropped["store_load"] += 1  # gave up a load: crescent_worker_dropped
-        plan = job.plan
-        job.plan = replace(plan, cached_blocks=plan.load_from, global_blocks=0, load=None)
-        job.loads, job.failed = None, None
-        job.done = min(plan.load_from * self.engine.config.block_size,
-                       len(job.task.token_ids) - 1)
-        job.stream.prefix = plan.load_from
+        job.rewind_to_local_prefix(self.engine.config.block_size)
         self.jobs.append(job)  # aborted or late meanwhile: given up between steps
         self.wake.set()
 
@@ -347,9 +341,9 @@ class PrefillWorker:
         free our blocks and send KVFailed, which lets the decode worker reuse its blocks."""
         outcome = self.group.abort(job.task) if self.group is not None else None
         await job.stream.settle()
-        await settle(job.put_futures + (job.loads.futures if job.loads else []))
-        if job.loads is not None and job.loads.failed and self.mover is not None:
-            await settle(self.mover.transfer.in_flight() if self.mover.transfer else [])
+        await settle(job.put_futures)
+        if job.loads is not None:
+            await job.loads.settle()
         if outcome is not None:
             await self.group.settled(outcome)
         self.pool.free(job.plan.block_table)

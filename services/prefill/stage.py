@@ -277,9 +277,9 @@ class StageWorker:
         error = error or ("aborted" if held.aborted else "")
         if error:
             await held.stream.settle()
-        await settle(held.put_futures + (held.loads.futures if held.loads else []))
-        if held.loads is not None and held.loads.failed and self.mover and self.mover.transfer:
-            await settle(self.mover.transfer.in_flight())
+        await settle(held.put_futures)
+        if held.loads is not None:
+            await held.loads.settle()
         if not error:
             self.kv_paths.done(held.stream)
         held.wait_s += time.perf_counter() - started + (held.loads.wait_s if held.loads else 0)
