@@ -238,6 +238,7 @@ class PrefillTask:
     decode_host_id: Optional[str] = None
     fence: Fence = Fence()  # the reservation written into; every answer carries it
     prefill_epoch: int = 0  # the incarnation it is for: another one drops it
+    store_loads: bool = True  # False: compute past the local prefix (a failed load's re-run)
 
     @property
     def target(self) -> StreamTarget:

@@ -140,7 +140,7 @@ class Conductor:
         self.metrics.predicted_ttft.observe(p.predicted_ttft_s)
 
     def _reserve(self, req: SubmitRequest, p: Placement, attempt: int,
-                 accepted_at: float) -> None:
+                 accepted_at: float, store_loads: bool = True) -> None:
         """Track the request on its placement and ask its decode worker for blocks."""
         decode = self.registry.get(p.decode_id)
         prefill = self.registry.get(p.prefill_id)
@@ -151,7 +151,7 @@ class Conductor:
                           predicted_ttft_s=p.predicted_ttft_s, accepted_at=accepted_at,
                           prefill_tokens=p.prefill_tokens,
                           decode_tokens=len(req.token_ids) + output_tokens(req),
-                          attempt=attempt)
+                          attempt=attempt, store_loads=store_loads)
         self.tracker.add(tracked)
         prefill.assigned.add(req.request_id)
         prefill.pending_tokens += p.prefill_tokens
@@ -193,7 +193,7 @@ class Conductor:
             decode_block_ids=msg.block_ids,
             deadline=time.time() + self.config.kv_wait_timeout_s,
             decode_shm_path=d.kv_shm_path, decode_host_id=d.host_id, fence=msg.fence,
-            prefill_epoch=p.epoch))
+            prefill_epoch=p.epoch, store_loads=t.store_loads))
 
     def on_reserve_failed(self, msg: ReserveFailed) -> None:
         t = self.tracker.get(msg.request_id)
@@ -319,7 +319,9 @@ class Conductor:
         """Its prefill worker was lost (or its group's store load failed) before the first
         token: place the request again, once, unseen by the client. The old reservation is
         aborted: its blocks stay in the decode worker's quarantine until the old writer is
-        known to have stopped."""
+        known to have stopped. After a failed store load the re-run loads nothing from the
+        store (what failed once over a path may fail again): it computes past the local
+        prefix."""
         self.tracker.pop(t.req.request_id)
         self._abort_workers(t, "prefill_lost")
         decision = self.placer.place(t.req, self.registry, self.clock(), self.tracker)
@@ -331,7 +333,8 @@ class Conductor:
             return
         log.info("%s: %s; re-run on %s", t.req.request_id, why, decision.prefill_id)
         self.metrics.reruns.inc()
-        self._reserve(t.req, decision, attempt=t.attempt + 1, accepted_at=t.accepted_at)
+        self._reserve(t.req, decision, attempt=t.attempt + 1, accepted_at=t.accepted_at,
+                      store_loads=t.store_loads and kind != "kv_load_failed")
 
     def sweep(self) -> None:
         """Expire silent workers and overdue requests; publish status."""

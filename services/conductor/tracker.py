@@ -27,6 +27,7 @@ class Tracked:
     decode_tokens: int = 0  # prompt + max_tokens: the KV it may hold on the decode worker
     decode_started_at: Optional[float] = None  # wall clock of PrefillDone: decode began
     attempt: int = 0  # 1 once re-run after its prefill worker was lost (at most once)
+    store_loads: bool = True  # False once re-run after its store load failed
     fence: Optional[Fence] = None  # the live reservation's, from BlocksReserved
 
 

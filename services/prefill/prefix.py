@@ -77,9 +77,12 @@ class PrefixLoader:
         return cls(rt.engine.pool, kv, store, rt.config.kv_layerwise,
                    kv.layer_nbytes * rt.engine.model_config.num_layers)
 
-    async def acquire(self, tokens: list[int], keys: list[bytes]) -> Optional[PrefixPlan]:
-        """Reference every block the prompt needs; None if the pool cannot hold it."""
-        cached, reuse, load, read = await self._find(tokens, keys)
+    async def acquire(self, tokens: list[int], keys: list[bytes], from_store: bool = True
+                      ) -> Optional[PrefixPlan]:
+        """Reference every block the prompt needs; None if the pool cannot hold it.
+        ``from_store`` False: read nothing from the store (still asked which blocks it
+        holds, so that they are not put again)."""
+        cached, reuse, load, read = await self._find(tokens, keys, from_store=from_store)
         rest = self.pool.try_allocate(reuse.fresh)
         if rest is None:
             self.pool.free(cached)
@@ -100,6 +103,7 @@ class PrefixLoader:
         return cached, reuse.global_blocks, reuse.stored_from
 
     async def _find(self, tokens: list[int], keys: list[bytes], whole: bool = False,
+                    from_store: bool = True,
                     ) -> tuple[list[int], Reuse, Optional["GetPlan"], tuple[int, float]]:
         """(blocks kept, the reuse plan, a layer-wise load's lease, (bytes, seconds) of
         whole blocks read from the store now)."""
@@ -112,7 +116,7 @@ class PrefixLoader:
             exists = await self._exists(keys)
             if exists is not None:
                 found = leading(exists)
-                fetch = store_fetch(len(local), exists)
+                fetch = store_fetch(len(local), exists) if from_store else range(0)
                 if self.layerwise and not whole:
                     loaded, load = await self._plan_load(keys, fetch)
                 else:

@@ -195,7 +195,7 @@ class PrefillWorker:
         except EngineInputError as exc:
             raise PrefillFailure(400, "invalid_request_error", str(exc)) from exc
         keys = self.engine.block_keys(tokens)
-        plan = await self.prefix.acquire(tokens, keys)
+        plan = await self.prefix.acquire(tokens, keys, from_store=task.store_loads)
         if plan is None:
             if self.jobs or self._finishing:
                 return None

@@ -78,8 +78,8 @@ def test_a_prefill_lost_before_the_first_token_reruns_the_request_once(conductor
     c.on_reserved(BlocksReserved("r", "decode-0", [4, 5, 6], F1, attempt=1))
     [(addr, rerun)] = mail.take()
     assert addr == f"tcp://w/prefill{other[-1]}"
-    assert (rerun.fence, rerun.decode_block_ids, rerun.prefill_epoch) == (
-        F1, [4, 5, 6], EPOCHS[other])
+    assert (rerun.fence, rerun.decode_block_ids, rerun.prefill_epoch, rerun.store_loads) == (
+        F1, [4, 5, 6], EPOCHS[other], True)  # a lost worker's re-run may load from the store
     # The old attempt's late reports change nothing.
     c.on_prefill_done(PrefillDone("r", first, 40, 0, 0, 0.1, 1000, 0.01, F0))
     c.on_finished(RequestFinished("r", "decode-0", "abort", F0))
@@ -112,7 +112,7 @@ def test_a_failed_store_load_reruns_the_request_once(conductor) -> None:
     prefix itself): the cache cost that attempt, not the request, which runs again, unseen
     by the client; the same failure on the re-run reaches the client as it is."""
     c, mail = conductor
-    prefilling(c, mail)
+    assert prefilling(c, mail).store_loads
     first = c.tracker.get("r").prefill_id
     c.on_failed(RequestFailed("r", 503, "kv_load_failed", "layer-wise load failed at layer 3",
                               fence=F0))
@@ -123,7 +123,8 @@ def test_a_failed_store_load_reruns_the_request_once(conductor) -> None:
     assert sent[-1][1].attempt == 1 and c.metrics.reruns._value.get() == 1
     assert c.tracker.get("r").phase is Phase.RESERVING
     c.on_reserved(BlocksReserved("r", "decode-0", [4, 5, 6], F1, attempt=1))
-    mail.take()
+    [(_, task)] = mail.take()
+    assert not task.store_loads  # the re-run computes what it failed to load
     c.on_failed(RequestFailed("r", 503, "kv_load_failed", "again", fence=F1))
     failed = [m for _, m in mail.take() if isinstance(m, RequestFailed)]
     assert [(m.status, m.error_type, m.message) for m in failed] == [

@@ -112,6 +112,18 @@ def test_the_store_down_or_off_means_computing() -> None:
     assert asyncio.run(off.acquire(list(range(9)), ks)) == PrefixPlan([0, 1, 2], 2, 0, 2)
 
 
+def test_a_rerun_after_a_failed_load_reads_nothing_from_the_store() -> None:
+    """``from_store=False`` (PrefillTask.store_loads): local hits only, the store's blocks
+    computed again, but still known to be there, so not put again."""
+    ks = keys(4)
+    store = Store(set(ks[:3]))
+    pl = loader(store)
+    warm(pl, ks[:1])  # block 0
+    plan = asyncio.run(pl.acquire(list(range(17)), ks, from_store=False))
+    assert plan == PrefixPlan([0, 1, 2, 3, 4], cached_blocks=1, global_blocks=0, stored_from=3)
+    assert store.calls == [("exists", 4)]
+
+
 def test_a_full_pool_frees_the_hits_and_returns_none() -> None:
     ks = keys(2)
     pl = loader(None, num_blocks=3)
