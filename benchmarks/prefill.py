@@ -1,12 +1,16 @@
 """Prefill benchmark of issue 12: layer-wise KV, pipeline stages, store hits, on real clusters.
 
-``python benchmarks/prefill.py [--quick] [--breakdown] [--reps N]`` (~3 minutes on an
-idle 2-core host with ``--breakdown``, ~6 with ``--reps 5``; ``--quick``: a smoke run, ~1).
+``python benchmarks/prefill.py [--quick] [--breakdown] [--reps N]`` (~10 minutes on an
+idle 2-core host with ``--breakdown``; ``--quick``: a smoke run, ~1).
 ``--device cuda --model dummy-llama3-8b --dtype bfloat16`` runs (a) and (c) on a GPU (no
 pipeline: its stages would share the one card; ``benchmarks/gpu_device.sh``).
 Every configuration is a real cluster (launch/cluster.py: each role its own process)
-serving the dummy LLaMA ``dummy-bench-prefill`` (4 layers, hidden 256, 2 heads and 2 KV
-heads of 64, float32: 4 KiB of KV per token; random weights). The clusters run at once and
+serving the dummy LLaMA ``dummy-bench-prefill-wide`` (4 layers, hidden 1024, intermediate
+2048, 2 heads and 2 KV heads of 64, float32: 4 KiB of KV per token; random weights), sized
+as the issue asks, so that each run takes seconds (1k tokens ~0.55 s on one core) and with
+LLaMA-3-8B's balance of attention to projection FLOPs; ``--model dummy-bench-prefill``
+(hidden 256, intermediate 512: the same KV, 1k tokens in ~0.08 s, attention-heavy) gives
+the runs A-I of BENCHMARKS.md. The clusters run at once and
 the requests are interleaved across them, one at a time, so that the host's background
 load hits every configuration alike. Prompts go as token ids to ``/v1/completions``,
 streamed, 2 output tokens: TTFT is the client's time to the first token's chunk. Per
@@ -65,7 +69,7 @@ from common.kv.memory import KV_DTYPES  # noqa: E402
 from common.model.config import DUMMY_CONFIGS  # noqa: E402
 from launch.cluster import LocalCluster  # noqa: E402
 
-MODEL = "dummy-bench-prefill"
+MODEL = "dummy-bench-prefill-wide"
 COMPUTE = "crescent_prefill_compute_seconds"
 WAIT = "crescent_prefill_transfer_wait_seconds"
 HITS = "crescent_global_cache_hit_tokens_total"
@@ -329,14 +333,29 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def store_mb_needed(args: argparse.Namespace) -> int:
     """The store's DRAM a run fills: every cold prompt, its sibling's new tenth and the
     warm-up prompts, in whole blocks of the model's KV."""
-    cfg = DUMMY_CONFIGS.get(args.model)
-    if cfg is None:
-        return 0
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * KV_DTYPES[
-        args.dtype].itemsize
+    per_token = kv_bytes_per_token(args)
     tokens = 4 * 300 + sum(reps_for(n, args.reps) * n * (1 + (1 - CACHED_SHARE))
                            for n in args.lengths)
     return int(tokens * per_token) // (1 << 20) + 1
+
+
+def kv_bytes_per_token(args: argparse.Namespace) -> int:
+    """KV bytes per token of a dummy model (0 for any other model)."""
+    cfg = DUMMY_CONFIGS.get(args.model)
+    if cfg is None:
+        return 0
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * KV_DTYPES[args.dtype].itemsize
+
+
+def describe(args: argparse.Namespace) -> str:
+    """The model's shape as the report's header gives it."""
+    cfg = DUMMY_CONFIGS.get(args.model)
+    if cfg is None:
+        return f"{args.dtype} on {args.device}"
+    per_token = kv_bytes_per_token(args)
+    return (f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, intermediate "
+            f"{cfg.intermediate_size}, {cfg.num_heads} heads / {cfg.num_kv_heads} KV heads "
+            f"x {cfg.head_dim}, {args.dtype} on {args.device} ({per_token >> 10} KiB KV/token)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -350,8 +369,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = part_a(res, args.lengths)
     b = part_b(res, args.cpp_lengths)
     c = part_c(res, args.cache_lengths)
-    about = ("4 layers, hidden 256, 2 KV heads x 64, float32 (4 KiB KV/token)"
-             if args.model == MODEL else f"{args.dtype} on {args.device}")
+    about = describe(args)
     print(f"{args.model}: {about}; "
           f"{args.reps} rep(s) per cell at 16k, 2x at 4k, 8x at 1k, medians; "
           f"{os.cpu_count()} CPUs, "

@@ -74,6 +74,17 @@ DUMMY_CONFIGS: dict[str, ModelConfig] = {
         num_layers=4, num_heads=2, num_kv_heads=2, head_dim=64, rope_theta=10000.0,
         rope_scaling=None, rms_norm_eps=1e-5, max_position_embeddings=32768,
         tie_word_embeddings=False, bos_token_id=1, eos_token_ids=(2,)),
+    # benchmarks/prefill.py's default (issue 12: "sized so each run takes seconds"): the
+    # attention and KV of dummy-bench-prefill (2 heads of 64, 4 KiB of KV per token), with
+    # projections widened so that, as in LLaMA-3-8B, a token of context costs 1/26.6k of a
+    # token's projection FLOPs (2 * 128 attention dims / 6.8M weights per layer; the narrow
+    # model spends 13x that share on attention). One core: 1k tokens ~0.55 s, 16k ~13 s.
+    "dummy-bench-prefill-wide": ModelConfig(
+        name="dummy-bench-prefill-wide", vocab_size=4096, hidden_size=1024,
+        intermediate_size=2048, num_layers=4, num_heads=2, num_kv_heads=2, head_dim=64,
+        rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5,
+        max_position_embeddings=32768, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_ids=(2,)),
 }
 
 
