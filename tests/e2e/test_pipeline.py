@@ -119,6 +119,36 @@ def test_a_failed_layer_wise_load_computes_the_prefix_instead(tmp_path_factory) 
     assert ref["loads_given_up"] == 0
 
 
+def test_a_group_whose_store_load_failed_reruns_without_the_store(tmp_path_factory) -> None:
+    """Three groups of 2 stages, store leases that end before any read: the sibling's group
+    fails its load (a group cannot compute the prefix in place), and the conductor re-runs
+    it once on the third group (round robin), which never saw the prefix. The re-run reads
+    nothing from the store (``PrefillTask.store_loads``), so the same lapse cannot fail it
+    again: the client gets the reference's greedy text, nothing cached, and no worker keeps
+    a block. (Before, the re-run loaded again, failed again, and the client got a 503.)"""
+    ref = reference(tmp_path_factory)
+    cluster = start_cluster(tmp_path_factory.mktemp("group-lapsed"), http=22500, base=22510,
+                            prefill=3, scheduler="round_robin",
+                            extra="prefill_stages = 2\nkv_layerwise = true\ntoken_budget = 128\n"
+                                  "[store.policy]\nlease_s = 0.0001\nmin_bytes_per_s = 1e15\n")
+    try:
+        got = {}
+        for name, prompt in (("long", LONG), ("sibling", SIBLING)):
+            r = httpx.post(cluster.url + "/v1/completions", timeout=120, json={
+                "model": "smollm2-135m", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            got[name] = r.json()
+        for name in ("long", "sibling"):
+            assert got[name]["choices"][0]["text"] == ref[name], name
+        assert got["sibling"]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        reruns = [line for line in conductor_metrics(cluster).splitlines()
+                  if line.startswith("crescent_conductor_reruns_total ")]
+        assert reruns == ["crescent_conductor_reruns_total 1.0"]
+        wait_no_leaks(cluster)
+    finally:
+        cluster.stop()
+
+
 def placements(metrics: str) -> dict[str, float]:
     """Requests placed per prefill instance (the conductor's counter)."""
     out: dict[str, float] = {}
