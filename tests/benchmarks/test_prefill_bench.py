@@ -7,7 +7,7 @@ from typing import Optional
 
 import pytest
 
-from benchmarks.prefill import parse_args, store_mb_needed
+from benchmarks.prefill import describe, parse_args, store_mb_needed
 from benchmarks.prefill_report import (
     Sample, cacheable_tokens, changed_label, goals, labelled, part_a, part_b, part_c,
     reps_for, sibling, table, total, unique_prompt,
@@ -134,3 +134,14 @@ def test_a_store_too_small_for_the_run_is_refused_up_front(capsys):
         parse_args(gpu + ["--segment-mb", "8192"])
     assert f"{need} MiB of dummy-llama3-8b KV" in capsys.readouterr().err
     assert store_mb_needed(parse_args([])) <= 640  # the default --segment-mb
+
+
+def test_the_default_model_has_the_narrow_ones_kv_and_its_shape_is_named():
+    """The issue-sized default moves the same KV per token as the narrow model of runs
+    A-I; the report's header names the shape it ran."""
+    assert describe(parse_args([])) == (
+        "4 layers, hidden 1024, intermediate 2048, 2 heads / 2 KV heads x 64, float32 on cpu "
+        "(4 KiB KV/token)")
+    assert describe(parse_args(["--model", "dummy-bench-prefill"])).startswith(
+        "4 layers, hidden 256, intermediate 512, 2 heads / 2 KV heads x 64")
+    assert describe(parse_args(["--model", "/models/x.gguf"])) == "float32 on cpu"
