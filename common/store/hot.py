@@ -51,6 +51,7 @@ def start_replication(md: StoreMetadata, obj: StoreObject, now: float) -> bool:
         obj.replicas.append(Replica(node.node_id, DRAM, ReplicaState.REPLICATING, offset,
                                     deadline=now + md.config.put_timeout_s,
                                     source=source.node_id))
+        md.arm(obj.key, now + md.config.put_timeout_s)
         md.commands.append(NodeCommand(node.node_id, "replicate", obj.key, offset,
                                        obj.size, source.node_id, source.offset or 0))
         return True

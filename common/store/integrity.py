@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 def check_metadata(md: "StoreMetadata") -> None:
     """Every DRAM replica owns exactly one allocation; usage counters add up; replica states
-    fit together (see ``check_object``)."""
+    fit together (see ``check_object``); every deadline has its timer."""
     for node in md.nodes.values():
         node.allocator.check_integrity()
         owned = {}
@@ -31,8 +31,12 @@ def check_metadata(md: "StoreMetadata") -> None:
         assert owned == dict(node.allocator.used_ranges()), "allocations ≠ replicas"
         assert ssd == node.ssd_used, f"ssd_used {node.ssd_used} ≠ {ssd}"
         assert offloading == node.offloading_bytes, "offloading_bytes drifted"
+    timers = set(md.timers)
     for obj in md.objects.values():
         check_object(obj)
+        for rep in obj.replicas:  # reap sees every deadline (StoreMetadata.arm)
+            assert rep.deadline is None or (rep.deadline, obj.key) in timers, (
+                f"{obj.key}: a deadline without its timer")
 
 
 def check_object(obj: "StoreObject") -> None:

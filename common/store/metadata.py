@@ -28,9 +28,16 @@ exact outcomes. Semantics (after Mooncake Store):
 Each replica's state (WRITING, READY, OFFLOADING, PROMOTING, REPLICATING, DROPPED) and its
 legal moves live in replica.py; eviction and the SSD tier in tiers.py; hot replication in
 hot.py. The service reads the state only through the query verbs at the end of this class.
+
+Deadlines are timers: every replica that gets one (``arm``) puts ``(deadline, key)`` on a
+heap, and ``reap`` looks only at the objects whose timers are due, so a tick costs what
+expires, not the number of objects (a scan of 50,000 objects took 21 ms, every 0.1 s).
+A timer is a hint: ``reap`` checks what the object holds now (its replicas may have moved
+on, or the key been forgotten and put again).
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
@@ -73,6 +80,7 @@ class StoreMetadata:
         self.objects: OrderedDict[str, StoreObject] = OrderedDict()  # oldest use first
         self.events = EventLog()
         self.commands: list[NodeCommand] = []  # drained by the service
+        self.timers: list[tuple[float, str]] = []  # heap of (deadline, key): see ``arm``
         self.counters = {"evicted": 0, "offloaded": 0, "promoted": 0, "zombies": 0,
                          "dead_nodes": 0, "hits": 0, "misses": 0, "replications": 0,
                          "replications_failed": 0}
@@ -106,7 +114,8 @@ class StoreMetadata:
         self.commands = [c for c in self.commands if c.node_id != node_id]
 
     def reap(self, now: float) -> tuple[list[str], int]:
-        """Drop silent nodes, reclaim zombie puts and stale promotions.
+        """Drop silent nodes, reclaim zombie puts and stale promotions: the objects whose
+        timers are due (``arm``), not every object.
 
         Returns (dead node ids, zombie puts reclaimed)."""
         dead = [n.node_id for n in self.nodes.values()
@@ -114,11 +123,18 @@ class StoreMetadata:
         for node_id in dead:
             self.remove_node(node_id)
         self.counters["dead_nodes"] += len(dead)
-        zombies = [k for k, o in self.objects.items() if o.zombie(now)]
-        for key in zombies:
-            self._forget(key)
-        self.counters["zombies"] += len(zombies)
-        for obj in list(self.objects.values()):
+        due: dict[str, None] = {}  # in deadline order, each key once
+        while self.timers and self.timers[0][0] <= now:
+            due[heapq.heappop(self.timers)[1]] = None
+        zombies = 0
+        for key in due:
+            obj = self.objects.get(key)
+            if obj is None:
+                continue
+            if obj.zombie(now):
+                self._forget(key)
+                zombies += 1
+                continue
             for rep in list(obj.replicas):
                 if rep.tier != DRAM or not rep.expired(now):
                     continue
@@ -128,7 +144,14 @@ class StoreMetadata:
                     if rep.state is S.REPLICATING:
                         self.counters["replications_failed"] += 1
                     self.drop_replica(obj, rep)
-        return dead, len(zombies)
+        self.counters["zombies"] += zombies
+        return dead, zombies
+
+    def arm(self, key: str, deadline: float) -> None:
+        """A replica of ``key`` now waits on a node until ``deadline`` (a TIMED state of
+        replica.py): ``reap`` looks at the object once that has passed. Every place that
+        gives a replica a deadline calls this (``check_integrity`` holds it to that)."""
+        heapq.heappush(self.timers, (deadline, key))
 
     # ------------------------------------------------------------------ reads
     def exists(self, keys: list[str]) -> list[bool]:
@@ -195,6 +218,7 @@ class StoreMetadata:
             obj = StoreObject(key, size, [Replica(n, DRAM, S.WRITING, off, deadline)
                                           for n, off in locations])
             self.objects[key] = obj
+            self.arm(key, deadline)
             slots.append(PutSlot("new", tuple(locations)))
         return slots
 

@@ -48,6 +48,7 @@ def start_offload(md: StoreMetadata, node: NodeState, obj: StoreObject, rep: Rep
     node.ssd_used += obj.size
     node.offloading_bytes += obj.size
     rep.move(S.OFFLOADING, now + md.config.put_timeout_s)
+    md.arm(obj.key, now + md.config.put_timeout_s)
     obj.replicas.append(Replica(node.node_id, SSD, S.WRITING))
     md.commands.append(NodeCommand(node.node_id, "offload", obj.key, rep.offset or 0,
                                    obj.size))
@@ -85,6 +86,7 @@ def start_promotion(md: StoreMetadata, obj: StoreObject, now: float) -> bool:
             continue
         obj.replicas.append(Replica(node.node_id, DRAM, S.PROMOTING, offset,
                                     deadline=now + md.config.put_timeout_s))
+        md.arm(obj.key, now + md.config.put_timeout_s)
         md.commands.append(NodeCommand(node.node_id, "promote", obj.key, offset, obj.size))
         return True
     return False

@@ -56,6 +56,27 @@ def test_zombie_put_reclaimed_after_timeout():
     md.check_integrity()
 
 
+def test_reap_looks_only_at_objects_whose_timers_are_due():
+    """Each deadline arms a timer; a tick pops the due ones and checks what their objects
+    hold now: a committed put's timer finds nothing to do, a key put again after it was
+    reclaimed is judged by its new deadline, and no timer outlives its deadline."""
+    md = make()
+    md.put_start(["a", "b"], B, 1, now=0.0)  # timers at 10.0
+    md.put_end(["a"], [True], now=1.0)
+    md.put_start(["c"], B, 1, now=4.0)  # 14.0
+    assert sorted(md.timers) == [(10.0, "a"), (10.0, "b"), (14.0, "c")]
+    md.heartbeat("n0", 9.9)
+    assert md.reap(now=9.9) == ([], 0) and len(md.timers) == 3
+    md.heartbeat("n0", 10.0)
+    assert md.reap(now=10.0) == ([], 1)  # b; a was committed
+    assert md.exists(["a", "b"]) == [True, False] and md.timers == [(14.0, "c")]
+    md.put_start(["b"], B, 1, now=12.0)  # b again, until 22.0
+    md.heartbeat("n0", 14.0)
+    assert md.reap(now=14.0) == ([], 1)  # c; the new b is not due
+    assert md.timers == [(22.0, "b")] and "b" in md.objects
+    md.check_integrity()
+
+
 def test_grants_count_their_bytes():
     """A put's deadline and a get's lease add the request's bytes at min_bytes_per_s: two
     blocks at one block per second are 2 s more; a get leases only what it found."""
