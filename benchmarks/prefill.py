@@ -40,6 +40,9 @@ stage, which shares core 1 with decode and the services (a 2-core host).
     tokens). Before P' the benchmark waits, untimed, until the conductor's global index
     holds P's blocks.
 
+``--kv-path transfer_engine`` moves every byte (KV to decode, to and from the store, hidden
+states between stages) through the transfer engine over loopback TCP, as across hosts.
+
 Prints a table per part, then one JSON line.
 """
 from __future__ import annotations
@@ -90,6 +93,7 @@ decode_blocks = {decode_blocks}
 heartbeat_interval_s = 0.5
 kv_wait_timeout_s = 300.0
 request_timeout_s = 600.0
+kv_path = "{kv_path}"
 {extra}
 [slo]
 ttft_s = 3600.0
@@ -98,6 +102,7 @@ tbt_s = 60.0
 [store]
 enabled = {store}
 segment_bytes = {segment}
+{store_shm}
 {cpu}"""
 # A 2-core host: prefill on core 0 (the pipeline's second stage shares core 1 with decode)
 CPU_PINS = """
@@ -150,7 +155,8 @@ class Run:
             model=args.model, dtype=args.dtype, device=args.device, http=http, base=base,
             block=BLOCK, extra=extra, store=str(store).lower(), segment=args.segment_mb << 20,
             budget=budget, prefill_blocks=prefill_blocks, decode_blocks=decode_blocks,
-            cpu=pins))
+            cpu=pins, kv_path=args.kv_path,
+            store_shm='shm_dir = ""' if args.kv_path == "transfer_engine" else ""))
         self.model = args.model
         self.name = name
         self.cluster = LocalCluster(str(cfg), out / f"logs-{name}")
@@ -314,6 +320,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="configs and logs (default: a temp dir)")
     p.add_argument("--model", default=MODEL)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--kv-path", choices=["auto", "transfer_engine"], default="auto",
+                   help="transfer_engine: KV to decode, to and from the store and between "
+                   "stages over the transfer engine's TCP loopback, as across hosts (auto: "
+                   "shared memory on one host)")
     p.add_argument("--device", default="cpu",
                    help="cuda: no core pins and no pipeline (its stages would share one GPU)")
     args = p.parse_args(argv)
@@ -370,7 +380,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     b = part_b(res, args.cpp_lengths)
     c = part_c(res, args.cache_lengths)
     about = describe(args)
-    print(f"{args.model}: {about}; "
+    print(f"{args.model}: {about}; KV path {args.kv_path}; "
           f"{args.reps} rep(s) per cell at 16k, 2x at 4k, 8x at 1k, medians; "
           f"{os.cpu_count()} CPUs, "
           f"load average {load0[0]:.2f} before, {os.getloadavg()[0]:.2f} after; logs in {out}")
@@ -404,7 +414,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"  {name}, {f['tokens']} tokens: {f['error']}")
     print(json.dumps({"bench": "prefill", "started": started.isoformat(timespec="seconds"),
                       "quick": args.quick, "reps": args.reps, "model": args.model,
-                      "device": args.device, "dtype": args.dtype,
+                      "device": args.device, "dtype": args.dtype, "kv_path": args.kv_path,
                       "load_average": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
                       "goals": goals(a, b, c), "a": a, "b": b, "c": c,
                       "failed": {k: v["failed"] for k, v in res.items()},

@@ -1,10 +1,10 @@
 """The only path for KV bytes: a thin wrapper over the Mooncake Transfer Engine.
 
 Both sides register memory; ``write``/``read`` move bytes between registered regions
-(no copy in Python). The engine's batch status call blocks (spinning) until the batch ends,
-so each call runs on a small thread pool, as one synchronous batch, or for large pieces as
-single-request batches polled with pauses (``TransferAgent._polled``), and every wait for
-one has a deadline. A deadline cannot stop the native work: the call is still
+(no copy in Python). Each call runs on a small thread pool; over TCP as single-request
+batches polled with pauses (``TransferAgent._polled``), never as the binding's synchronous
+batch, which spins a core until the batch ends; over other protocols (RDMA, not measured
+here) small pieces keep the one synchronous batch. Every wait for a call has a deadline. A deadline cannot stop the native work: the call is still
 ``in_flight`` until it returns (memory it writes must stay out of use until then), and its
 peer is marked bad meanwhile, so later calls to it fail at once instead of piling up
 behind it.
@@ -23,9 +23,13 @@ from typing import Optional, Sequence
 log = logging.getLogger(__name__)
 
 
-# Calls whose pieces average at least this go the polled way (``TransferAgent._polled``), cut
-# into requests of at most ``REQUEST_BYTES``; smaller pieces keep the one synchronous batch
-# (per-request overhead would outweigh the gain: 64 KiB pieces measured no faster polled).
+# Over TCP every call goes the polled way (``TransferAgent._polled``), cut into requests of at
+# most ``REQUEST_BYTES``. Small pieces once kept the binding's synchronous batch, no faster
+# polled but spinning a core meanwhile: 16 pieces of 16 KiB cost 1.3-1.5 ms of CPU against
+# 0.7, and a layer-wise prefill streaming its KV that way lost 11-17 % of its compute to it,
+# 4-5 % polled (BENCHMARKS.md, Prefill, run L). Over other protocols (RDMA: not measured)
+# calls whose pieces average less than ``POLLED_PIECE_BYTES`` keep the synchronous batch,
+# where per-request submission could cost more than the transfer.
 POLLED_PIECE_BYTES = 256 << 10
 REQUEST_BYTES = 1 << 20
 POLL_MIN_S, POLL_MAX_S = 50e-6, 1e-3  # the pause between polls doubles from min to max
@@ -136,7 +140,7 @@ class TransferAgent:
             return 0
         start = time.perf_counter()
         total = sum(len_c)
-        if total >= POLLED_PIECE_BYTES * len(len_c):
+        if self.config.protocol == "tcp" or total >= POLLED_PIECE_BYTES * len(len_c):
             self._polled(write, target, *split(local_c, remote_c, len_c, REQUEST_BYTES))
         else:
             sync = (self._engine.batch_transfer_sync_write if write
@@ -152,11 +156,13 @@ class TransferAgent:
 
     def _polled(self, write: bool, target: str, local: list[int], remote: list[int],
                 lengths: list[int]) -> None:
-        """One single-request batch per piece, all submitted, then polled with short pauses
-        until every one has ended. The binding's synchronous batch call spins a core until
-        its batch ends, which on a busy host starves the engine's own I/O threads (2 busy
-        cores, two network namespaces, 64 MiB in 1 MiB pieces: 1.3-1.4 GB/s polled, 0.8
-        spinning, at half the CPU). Raises ``TransferError`` once all submitted requests
+        """One single-request batch per piece (the engine's status call reads a batch's
+        first request only), all submitted, then polled with short pauses until every one
+        has ended. The binding's synchronous batch call spins a core until its batch ends,
+        which on a busy host starves the engine's own I/O threads and the process's compute
+        (2 busy cores, two network namespaces, 64 MiB in 1 MiB pieces: 1.3-1.4 GB/s polled,
+        0.8 spinning, at half the CPU; a matmul thread beside a writer of 16 KiB pieces,
+        two cores: 12.1 ms a matmul polled, 16.4 spinning, 12.1 alone). Raises ``TransferError`` once all submitted requests
         ended if any failed, or if some still run past ``call_timeout_s`` + 1 s per GiB."""
         submit = (self._engine.batch_transfer_async_write if write
                   else self._engine.batch_transfer_async_read)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+from dataclasses import replace
 from typing import Iterator
 
 import pytest
@@ -41,6 +42,8 @@ def agent() -> Iterator[tuple[TransferAgent, HangingEngine]]:
     a = TransferAgent(TransferConfig(call_timeout_s=0.2))
     real, fake = a._engine, HangingEngine()
     a._engine = fake
+    # one synchronous native call per write (the path off TCP), which the fake can hang
+    a.config = replace(a.config, protocol="rdma")
     yield a, fake
     fake.release.set()
     a._engine = real
