@@ -145,3 +145,18 @@ def test_the_default_model_has_the_narrow_ones_kv_and_its_shape_is_named():
     assert describe(parse_args(["--model", "dummy-bench-prefill"])).startswith(
         "4 layers, hidden 256, intermediate 512, 2 heads / 2 KV heads x 64")
     assert describe(parse_args(["--model", "/models/x.gguf"])) == "float32 on cpu"
+
+
+def test_kv_path_transfer_engine_takes_shared_memory_out_everywhere(tmp_path):
+    """``--kv-path transfer_engine``: the cluster config sends KV to decode over the engine
+    and gives the store no segment file, so store reads and writes take it too."""
+    from benchmarks.prefill import Run
+
+    run = Run("layerwise", 0, tmp_path, parse_args(["--kv-path", "transfer_engine"]))
+    run.http.close()
+    cfg = run.cluster.config
+    assert cfg.kv_path == "transfer_engine" and not cfg.store.shm_dir
+    other = Run("after", 1, tmp_path, parse_args([]))
+    other.http.close()
+    default = other.cluster.config
+    assert default.kv_path == "auto" and default.store.shm_dir == "/dev/shm"
