@@ -4,10 +4,10 @@ Both sides register memory; ``write``/``read`` move bytes between registered reg
 (no copy in Python). Each call runs on a small thread pool; over TCP as single-request
 batches polled with pauses (``TransferAgent._polled``), never as the binding's synchronous
 batch, which spins a core until the batch ends; over other protocols (RDMA, not measured
-here) small pieces keep the one synchronous batch. Every wait for a call has a deadline. A deadline cannot stop the native work: the call is still
-``in_flight`` until it returns (memory it writes must stay out of use until then), and its
-peer is marked bad meanwhile, so later calls to it fail at once instead of piling up
-behind it.
+here) small pieces keep the one synchronous batch. Every wait for a call has a deadline.
+A deadline cannot stop the native work: the call is still ``in_flight`` until it returns
+(memory it writes must stay out of use until then), and its peer is marked bad meanwhile,
+so later calls to it fail at once instead of piling up behind it.
 """
 from __future__ import annotations
 
@@ -27,9 +27,11 @@ log = logging.getLogger(__name__)
 # most ``REQUEST_BYTES``. Small pieces once kept the binding's synchronous batch, no faster
 # polled but spinning a core meanwhile: 16 pieces of 16 KiB cost 1.3-1.5 ms of CPU against
 # 0.7, and a layer-wise prefill streaming its KV that way lost 11-17 % of its compute to it,
-# 4-5 % polled (BENCHMARKS.md, Prefill, run L). Over other protocols (RDMA: not measured)
-# calls whose pieces average less than ``POLLED_PIECE_BYTES`` keep the synchronous batch,
-# where per-request submission could cost more than the transfer.
+# 4-5 % polled (BENCHMARKS.md, Prefill, run L). The price: a call of many small pieces with
+# nothing to overlap drains slower and less evenly (a store batch of 1,024 values of 64 KiB:
+# 1.1-1.4 GB/s polled vs 1.2-1.5 spinning; BENCHMARKS.md, Store). Over other protocols
+# (RDMA: not measured) calls whose pieces average less than ``POLLED_PIECE_BYTES`` keep the
+# synchronous batch, where per-request submission could cost more than the transfer.
 POLLED_PIECE_BYTES = 256 << 10
 REQUEST_BYTES = 1 << 20
 POLL_MIN_S, POLL_MAX_S = 50e-6, 1e-3  # the pause between polls doubles from min to max
@@ -162,8 +164,9 @@ class TransferAgent:
         which on a busy host starves the engine's own I/O threads and the process's compute
         (2 busy cores, two network namespaces, 64 MiB in 1 MiB pieces: 1.3-1.4 GB/s polled,
         0.8 spinning, at half the CPU; a matmul thread beside a writer of 16 KiB pieces,
-        two cores: 12.1 ms a matmul polled, 16.4 spinning, 12.1 alone). Raises ``TransferError`` once all submitted requests
-        ended if any failed, or if some still run past ``call_timeout_s`` + 1 s per GiB."""
+        two cores: 12.1 ms a matmul polled, 16.4 spinning, 12.1 alone). Raises
+        ``TransferError`` once all submitted requests ended if any failed, or if some still
+        run past ``call_timeout_s`` + 1 s per GiB."""
         submit = (self._engine.batch_transfer_async_write if write
                   else self._engine.batch_transfer_async_read)
         op = "write" if write else "read"
