@@ -128,14 +128,17 @@ class Placer:
         return state
 
     def place(self, req: SubmitRequest, registry: Registry, now: Optional[float] = None,
-              tracker: Optional[Tracker] = None) -> Union[Placement, Rejection]:
-        """Place ``req``; ``now`` is wall-clock seconds, ``tracker`` feeds the decode slots."""
+              tracker: Optional[Tracker] = None,
+              store_loads: bool = True) -> Union[Placement, Rejection]:
+        """Place ``req``; ``now`` is wall-clock seconds, ``tracker`` feeds the decode slots.
+        ``store_loads`` False: the prefill will read nothing from the store (a re-run after
+        a failed load), so only local hits are priced as cached."""
         now = time.time() if now is None else now
         prefill = [self._prefill_state(w, tracker, now) for w in registry.by_role("prefill")]
         decode = [self._decode_state(w, tracker, now) for w in registry.by_role("decode")]
         info = RequestInfo(req.request_id, req.block_keys, len(req.token_ids),
                            output_tokens(req), req.sampling.n)
-        global_len = self.global_index.prefix_len(req.block_keys)
+        global_len = self.global_index.prefix_len(req.block_keys) if store_loads else 0
         d = self.policy.schedule(info, prefill, decode, global_len, now)
         if d.rejection is not None:
             return d.rejection

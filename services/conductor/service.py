@@ -324,7 +324,9 @@ class Conductor:
         prefix."""
         self.tracker.pop(t.req.request_id)
         self._abort_workers(t, "prefill_lost")
-        decision = self.placer.place(t.req, self.registry, self.clock(), self.tracker)
+        store_loads = t.store_loads and kind != "kv_load_failed"
+        decision = self.placer.place(t.req, self.registry, self.clock(), self.tracker,
+                                     store_loads)
         if isinstance(decision, Rejection):
             self.metrics.failed.labels(reason=kind).inc()
             self.mail.send(self.router_inbox, RequestFailed(
@@ -334,7 +336,7 @@ class Conductor:
         log.info("%s: %s; re-run on %s", t.req.request_id, why, decision.prefill_id)
         self.metrics.reruns.inc()
         self._reserve(t.req, decision, attempt=t.attempt + 1, accepted_at=t.accepted_at,
-                      store_loads=t.store_loads and kind != "kv_load_failed")
+                      store_loads=store_loads)
 
     def sweep(self) -> None:
         """Expire silent workers and overdue requests; publish status."""

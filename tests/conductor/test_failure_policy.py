@@ -133,6 +133,23 @@ def test_a_failed_store_load_reruns_the_request_once(conductor) -> None:
     assert all(not w.assigned for w in c.registry.workers.values())
 
 
+def test_a_rerun_without_store_loads_is_priced_without_them(conductor) -> None:
+    """The store holds the prompt's two full blocks: the first placement counts them as
+    cached; the re-run after a failed load reads nothing from the store, and its placement
+    counts every token as work (no instance holds them locally)."""
+    c, mail = conductor
+    c.placer.global_index.on_stored(["k0", "k1"])
+    c.on_submit(submit("r", 40, ["k0", "k1"]))
+    mail.take()
+    assert c.tracker.get("r").prefill_tokens == 40 - 2 * 16
+    c.on_reserved(BlocksReserved("r", "decode-0", [1, 2, 3], F0))
+    mail.take()
+    c.on_failed(RequestFailed("r", 503, "kv_load_failed", "lease lapsed", fence=F0))
+    mail.take()
+    t = c.tracker.get("r")
+    assert (t.attempt, t.store_loads, t.prefill_tokens) == (1, False, 40)
+
+
 def test_no_other_prefill_worker_fails_the_request_with_a_clear_error(conductor) -> None:
     c, mail = conductor
     prefilling(c, mail)
