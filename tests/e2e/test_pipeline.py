@@ -132,6 +132,8 @@ def test_a_group_whose_store_load_failed_reruns_without_the_store(tmp_path_facto
                             extra="prefill_stages = 2\nkv_layerwise = true\ntoken_budget = 128\n"
                                   "[store.policy]\nlease_s = 0.0001\nmin_bytes_per_s = 1e15\n")
     try:
+        # every group placeable first: round robin over three gives the re-run the third
+        wait_for_instances(cluster, {"prefill-0", "prefill-1", "prefill-2"})
         got = {}
         for name, prompt in (("long", LONG), ("sibling", SIBLING)):
             r = httpx.post(cluster.url + "/v1/completions", timeout=120, json={
