@@ -257,7 +257,7 @@ class Conductor:
         if msg.error_type == "kv_load_failed" and t.attempt == 0:
             # a pipeline group's store load failed (a lone worker computes the prefix
             # itself): the cache cost the attempt, not the request; re-run it once
-            return self.rerun(t, msg.message, msg.error_type)
+            return self.rerun(t, msg.message, msg.error_type, store_loads=False)
         self.fail(t, msg.status, msg.error_type, msg.message, msg.retry_after_s)
 
     def on_abort(self, msg: AbortRequest) -> None:
@@ -315,16 +315,17 @@ class Conductor:
         for t in loss.rerun:
             self.rerun(t, f"prefill worker lost ({instance_id} {why})")
 
-    def rerun(self, t: Tracked, why: str, kind: str = "worker_lost") -> None:
+    def rerun(self, t: Tracked, why: str, kind: str = "worker_lost",
+              store_loads: bool = True) -> None:
         """Its prefill worker was lost (or its group's store load failed) before the first
         token: place the request again, once, unseen by the client. The old reservation is
         aborted: its blocks stay in the decode worker's quarantine until the old writer is
-        known to have stopped. After a failed store load the re-run loads nothing from the
-        store (what failed once over a path may fail again): it computes past the local
-        prefix."""
+        known to have stopped. ``store_loads`` False (after a failed store load): the re-run
+        loads nothing from the store (what failed once over a path may fail again) and
+        computes past the local prefix."""
         self.tracker.pop(t.req.request_id)
         self._abort_workers(t, "prefill_lost")
-        store_loads = t.store_loads and kind != "kv_load_failed"
+        store_loads = t.store_loads and store_loads
         decision = self.placer.place(t.req, self.registry, self.clock(), self.tracker,
                                      store_loads)
         if isinstance(decision, Rejection):
