@@ -6,9 +6,11 @@
 # and (c) on live clusters of 8B-shaped workers. Logs go to $OUT (or /tmp/gpu-out); each
 # step has its own deadline.
 #
-#   bash benchmarks/gpu_device.sh [quick | prefill | pieces | check | live [-k expr]]
+#   bash benchmarks/gpu_device.sh [quick | prefill | pieces | check | live | open | pipeline [-k expr]]
 #       (quick: no prefill benchmark; prefill: only it; pieces: only gpu.py's scattered
-#       pieces; check: the tests and the prefill benchmark, not gpu.py; live: the tests)
+#       pieces; check: the tests and the prefill benchmark, not gpu.py; live: the tests;
+#       open [-k expr]: the prefill benchmark, then the live tests; pipeline [-k expr]:
+#       the live tests alone)
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -47,7 +49,7 @@ cuda_tests() {
 
 live_pipeline() {  # [pytest -k expression]
   log "live clusters on the GPU: greedy outputs with 1-3 pipeline stages, layer-wise or not"
-  CRESCENT_TEST_DEVICE=cuda CRESCENT_TEST_MODEL=dummy-bench-prefill timeout 240 \
+  CRESCENT_TEST_DEVICE=cuda CRESCENT_TEST_MODEL=dummy-bench-prefill timeout 200 \
     python3 -m pytest -q -rs -p no:cacheprovider --basetemp=/tmp/pipeline tests/e2e/test_pipeline.py \
     ${1:+-k "$1"} 2>&1 | tee "$OUT/pipeline.log" | grep -v "^[IWE][0-9]" | tail -8
   tar czf "$OUT/pipeline-logs.tgz" -C /tmp pipeline 2>/dev/null
@@ -64,7 +66,7 @@ pieces() {  # only the transfer engine's cost per scattered piece
 
 prefill_bench() {
   log "prefill benchmark on the GPU (benchmarks/prefill.py)"
-  timeout 220 python3 benchmarks/prefill.py --device cuda --model dummy-llama3-8b --dtype bfloat16 \
+  timeout 250 python3 benchmarks/prefill.py --device cuda --model dummy-llama3-8b --dtype bfloat16 \
     --reps 2 --segment-mb 12288 --out /tmp/prefill-gpu > "$OUT/prefill.log" 2> "$OUT/prefill.err"
   echo "rc=$?"
   tail -32 "$OUT/prefill.log"
@@ -78,6 +80,8 @@ case "${1:-all}" in
   pieces) pieces ;;
   check) cuda_tests; prefill_bench; live_pipeline ;;
   live) cuda_tests; live_pipeline "${2:-}" ;;  # [pytest -k expression]
+  open) prefill_bench; live_pipeline "${2:-}" ;;  # [pytest -k expression]
+  pipeline) live_pipeline "${2:-}" ;;  # [pytest -k expression]
   *) cuda_tests; live_pipeline; engine_figures; prefill_bench ;;
 esac
 log "done"

@@ -75,6 +75,12 @@ class PagedKVMemory:
             self.segment = None
 
     @property
+    def in_host_memory(self) -> bool:
+        """False for GPU memory, which a ``memmove`` (a /dev/shm peer's path) cannot read:
+        its bytes go through the transfer engine."""
+        return not self.data.is_cuda
+
+    @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.data.shape)
 

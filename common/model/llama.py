@@ -179,7 +179,7 @@ class LlamaModel:
         """Hidden states [T, hidden] after this stage's last layer (before the final norm).
 
         The first stage embeds ``token_ids``; a later one continues from ``hidden``, its
-        predecessor's output. ``before_layer(i)`` runs before layer i reads the KV memory
+        predecessor's output, on any device (it is moved to ``token_ids``'s). ``before_layer(i)`` runs before layer i reads the KV memory
         (a layer-wise load waits there), ``layer_hook(i)`` after it wrote it."""
         cfg = self.config
         if self.first_stage:
@@ -187,8 +187,8 @@ class LlamaModel:
         elif hidden is None:
             raise ValueError(f"a stage starting at layer {self.layer_range.start} needs the "
                              "hidden states of the stage before it")
-        else:
-            h = hidden.to(self.dtype)
+        else:  # hidden states may arrive in host memory (a slot of common/kv/hidden.py)
+            h = hidden.to(token_ids.device, self.dtype)
         cos, sin = cos_sin(self.inv_freq, meta.positions, self.dtype)
         nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
         t = h.shape[0]

@@ -66,11 +66,9 @@ class PrefixLoader:
         if rt.config.store.enabled:
             from common.store.client import StoreClient
 
-            # a same-host node's /dev/shm file is reached by memmove: host memory only,
-            # so a GPU's KV goes through the transfer engine
             store = StoreClient(rt.config.inbox("store_master"), rt.transfer,
                                 timeout_s=STORE_TIMEOUT_S, shm_dir=rt.config.store.shm_dir,
-                                use_shm=not rt.engine.kv.data.is_cuda)
+                                use_shm=rt.engine.kv.in_host_memory)
             await store.start()
             store.register_local(rt.engine.kv.base_address, rt.engine.kv.nbytes)
         kv = rt.engine.kv

@@ -195,7 +195,7 @@ class KVPaths:
         self.host_id = host_id
         self.window = (first_layer, total_layers)  # a pipeline stage's layers of a block
         self.maps = PeerKVMaps(kv, shm_dir, first_layer, total_layers)
-        self.host_memory = not kv.data.is_cuda  # a memmove reads host memory only
+        self.host_memory = kv.in_host_memory
         self.bytes: dict[str, int] = {SHM: 0, TRANSFER_ENGINE: 0}
         self.streams: dict[str, int] = {SHM: 0, TRANSFER_ENGINE: 0}
 

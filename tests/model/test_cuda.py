@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from common.engine import DecodeInput, Engine, EngineConfig
+from common.engine.config import PrefillChunk
 from common.transfer import TransferAgent
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
@@ -45,6 +46,29 @@ def test_engine_on_cuda_equals_cpu() -> None:
     bf_first, bf_step, _ = _run("cuda", "bfloat16")  # the dtype a GPU serves in
     assert torch.isfinite(bf_first).all() and torch.isfinite(bf_step).all()
     assert torch.allclose(bf_first, cpu_first, atol=5e-2)
+
+
+def test_three_stages_on_cuda_fed_host_hidden_states_give_the_whole_models_logits() -> None:
+    """A pipeline's stages on the GPU, each fed its predecessor's hidden states from host
+    memory, as a stage's inbox slot delivers them: the last stage's logits are the whole
+    model's. (Before, a later stage kept them on the host and died on its first step.)"""
+    ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+
+    def engine(stage: tuple[int, int]) -> Engine:
+        torch.manual_seed(0)
+        return Engine(EngineConfig(model="dummy-bench-prefill", device="cuda", num_blocks=8,
+                                   block_size=16, prefill_chunk=64, stage=stage))
+
+    whole = engine((0, 1))
+    want = whole.prefill(ids, whole.pool.allocate(whole.blocks_needed(40))).float().cpu()
+    hidden = None
+    for k in range(3):
+        e = engine((k, 3))
+        chunk = PrefillChunk(ids, 0, 40, e.pool.allocate(e.blocks_needed(40)))
+        hidden, rows = e.stage_step([chunk], hidden)
+        hidden = hidden.cpu()
+    assert rows[0] is not None
+    assert torch.allclose(rows[0].float().cpu(), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("src_dev,dst_dev", [("cuda", "cpu"), ("cpu", "cuda"), ("cuda", "cuda")])
