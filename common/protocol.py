@@ -155,9 +155,13 @@ class WorkerLeaving:
     epoch: int = 0  # the leaving incarnation: a newer one is kept
 
 
+KV_FAILED = "kv_failed"  # RequestFinished.finish_reason: the prefill failed its KV
+
+
 @message
 class RequestFinished:
-    """Decode → conductor: the request left the system (any reason); blocks are free."""
+    """Decode → conductor: the request left the system (any reason); blocks are free.
+    ``KV_FAILED``: its prefill failed it (KVFailed), whose RequestFailed follows."""
 
     request_id: str
     instance_id: str

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 from common.config import ClusterConfig
 from common.mailbox import Mailbox, serve_inbox
 from common.protocol import (
-    AbortRequest, BlocksReserved, KVResync, KVSnapshot, KVTransferReport, PrefillDone,
+    KV_FAILED, AbortRequest, BlocksReserved, KVResync, KVSnapshot, KVTransferReport, PrefillDone,
     PrefillTask, ReRegister, RegisterWorker, RequestAccepted, RequestFailed,
     RequestFinished, RequestRejected, ReserveBlocks, ReserveFailed, SubmitRequest,
     WorkerGone, WorkerHeartbeat, WorkerLeaving,
@@ -238,6 +238,13 @@ class Conductor:
     def on_finished(self, msg: RequestFinished) -> None:
         t = self.tracker.get(msg.request_id)
         if t is None or msg.fence != t.fence:  # gone, or an older attempt's blocks freed
+            return
+        if msg.finish_reason == KV_FAILED:
+            # The decode worker freed a reservation its prefill failed (KVFailed). The
+            # prefill's own RequestFailed decides (fail or re-run): it was sent just after
+            # the KVFailed but on another connection, so it may come second. Ending the
+            # request here lost it (~1 run in 8 of a group's failed load). A prefill that
+            # dies in between is a lost worker; its silence ends the request at its deadline.
             return
         self.tracker.pop(msg.request_id)
         self._release_prefill(t)

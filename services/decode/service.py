@@ -19,7 +19,7 @@ from common.engine.sampling import make_generator, sample
 from common.idle_check import IdleCheck
 from common.security import clamp_deadline
 from common.protocol import (
-    AbortRequest, BlocksReserved, Fence, FenceQuery, KVFailed, KVReady, RequestFailed,
+    KV_FAILED, AbortRequest, BlocksReserved, Fence, FenceQuery, KVFailed, KVReady, RequestFailed,
     RequestFinished, ReserveBlocks, ReserveFailed, TokenDelta, WorkerGone, WorkerLoad,
 )
 from common.sampling_params import SampledToken, TopLogprobs
@@ -176,7 +176,7 @@ class DecodeWorker:
     def on_kv_failed(self, msg: KVFailed) -> None:
         r = self._settled("KVFailed", msg.request_id, msg.fence)
         if r is not None:
-            self._release(r, "kv_failed")
+            self._release(r, KV_FAILED)
 
     def on_abort(self, msg: AbortRequest) -> None:
         r = self.reserved.get(msg.request_id)

@@ -297,8 +297,15 @@ class PrefillWorker:
         task = asyncio.create_task(coro)
         self._finishing.add(task)
         self.settling.add(job.task.fence)
-        task.add_done_callback(self._finishing.discard)
-        task.add_done_callback(lambda _: self.settling.discard(job.task.fence))
+        task.add_done_callback(lambda done: self._ended(job, done))
+
+    def _ended(self, job: Job, task: asyncio.Task) -> None:
+        self._finishing.discard(task)
+        self.settling.discard(job.task.fence)
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:  # a bug: say so, and let nobody wait for this request
+            log.error("%s: ending the prefill failed", job.task.request_id, exc_info=exc)
+            self.fail(job.task, 500, "internal_error", f"prefill worker error: {exc!r}")
 
     def _drop_failed(self) -> None:
         """Aborted prompts and prompts past their deadline leave between steps."""

@@ -310,7 +310,15 @@ class StageWorker:
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        """A bug in an ending is logged; the head, missing this stage's report, fails the
+        request at its deadline and restarts the group."""
+        self.tasks.discard(task)
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:
+            log.error("%s: a request's ending failed", self.rt.instance_id, exc_info=exc)
 
     def close(self) -> None:
         for task in self.tasks:

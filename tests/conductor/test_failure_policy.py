@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from common.protocol import (
-    AbortRequest, BlocksReserved, Fence, KVTransferReport, PrefillDone, PrefillTask, RegisterWorker,
+    KV_FAILED, AbortRequest, BlocksReserved, Fence, KVTransferReport, PrefillDone, PrefillTask, RegisterWorker,
     RequestFailed, RequestFinished, ReserveBlocks, WorkerGone, WorkerHeartbeat,
 )
 from services.conductor.service import Conductor
@@ -131,6 +131,28 @@ def test_a_failed_store_load_reruns_the_request_once(conductor) -> None:
         (503, "kv_load_failed", "again")]
     assert c.tracker.requests == {}
     assert all(not w.assigned for w in c.registry.workers.values())
+
+
+@pytest.mark.parametrize("kind", ["kv_load_failed", "kv_transfer_failed"])
+def test_the_decode_workers_release_coming_before_the_prefills_failure_loses_nothing(
+        conductor, kind) -> None:
+    """A failing prefill sends KVFailed to the decode worker, then RequestFailed to the
+    conductor; the decode worker's RequestFinished(kv_failed) can overtake the latter (two
+    connections). It must not end the request: the failure still re-runs it or reaches the
+    client. (Before, the request was dropped without a word: the client timed out.)"""
+    c, mail = conductor
+    prefilling(c, mail)
+    c.on_finished(RequestFinished("r", "decode-0", KV_FAILED, F0))
+    assert mail.take() == [] and c.tracker.get("r").phase is Phase.PREFILLING
+    c.on_failed(RequestFailed("r", 503, kind, "it failed", fence=F0))
+    sent = [m for _, m in mail.take()]
+    if kind == "kv_load_failed":  # re-run once
+        assert isinstance(sent[-1], ReserveBlocks) and c.tracker.get("r").attempt == 1
+    else:
+        failed = [m for m in sent if isinstance(m, RequestFailed)]
+        assert [(m.status, m.error_type) for m in failed] == [(503, kind)]
+        assert c.tracker.requests == {}
+        assert all(not w.assigned for w in c.registry.workers.values())
 
 
 def test_a_rerun_without_store_loads_is_priced_without_them(conductor) -> None:

@@ -119,9 +119,6 @@ def test_a_failed_layer_wise_load_computes_the_prefix_instead(tmp_path_factory) 
     assert ref["loads_given_up"] == 0
 
 
-@pytest.mark.skip(reason="hangs intermittently (1 in ~8 runs, 2026-11-26): the head's give-up "
-                  "after the sibling's failed load never reports to the conductor, and the "
-                  "client times out; open bug, see the closing note of 2026-11-26")
 def test_a_group_whose_store_load_failed_reruns_without_the_store(tmp_path_factory) -> None:
     """Three groups of 2 stages, store leases that end before any read: the sibling's group
     fails its load (a group cannot compute the prefix in place), and the conductor re-runs

@@ -201,6 +201,23 @@ def test_an_engine_error_fails_the_step_prompts_and_keeps_serving(make: Make) ->
     clean(worker)
 
 
+def test_a_bug_in_a_prompts_ending_fails_it_instead_of_losing_it(make: Make) -> None:
+    """An exception in the task that ends a prompt (a bug) is logged and fails the
+    request with a 500; before, it vanished with the task and the client waited."""
+    rt, worker = make(budget=16)
+
+    def broken(stream) -> None:
+        raise RuntimeError("boom")
+
+    worker.kv_paths.done = broken
+    worker.on_task(prefill_task("a", list(range(1, 11))))
+    serve(worker, lambda: bool(rt.mail.of(RequestFailed)) and not worker._finishing)
+    [failed] = rt.mail.of(RequestFailed, to=CONDUCTOR)
+    assert (failed.status, failed.error_type) == (500, "internal_error")
+    assert "boom" in failed.message
+    assert rt.mail.of(KVFailed, to=DECODE_INBOX) and not rt.mail.of(KVReady)
+
+
 def test_idle_check_watches_only_while_idle(make: Make) -> None:
     rt, worker = make()
     worker.idle_check = check = IdleCheck(rt.engine.pool.check_idle, "KV block pool",
