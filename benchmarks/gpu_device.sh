@@ -6,7 +6,8 @@
 # and (c) on live clusters of 8B-shaped workers. Logs go to $OUT (or /tmp/gpu-out); each
 # step has its own deadline.
 #
-#   bash benchmarks/gpu_device.sh [quick | prefill | pieces | check | live | open | pipeline [-k expr]]
+#   bash benchmarks/gpu_device.sh [quick | prefill | pieces | check
+#                                  | live | open | pipeline [-k expr]]
 #       (quick: no prefill benchmark; prefill: only it; pieces: only gpu.py's scattered
 #       pieces; check: the tests and the prefill benchmark, not gpu.py; live: the tests;
 #       open [-k expr]: the prefill benchmark, then the live tests; pipeline [-k expr]:

@@ -179,8 +179,9 @@ class LlamaModel:
         """Hidden states [T, hidden] after this stage's last layer (before the final norm).
 
         The first stage embeds ``token_ids``; a later one continues from ``hidden``, its
-        predecessor's output, on any device (it is moved to ``token_ids``'s). ``before_layer(i)`` runs before layer i reads the KV memory
-        (a layer-wise load waits there), ``layer_hook(i)`` after it wrote it."""
+        predecessor's output, on any device (it is moved to ``token_ids``'s).
+        ``before_layer(i)`` runs before layer i reads the KV memory (a layer-wise load
+        waits there), ``layer_hook(i)`` after it wrote it."""
         cfg = self.config
         if self.first_stage:
             h = self.embed.index_select(0, token_ids)

@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 
 from common.protocol import (
-    KV_FAILED, AbortRequest, BlocksReserved, Fence, KVTransferReport, PrefillDone, PrefillTask, RegisterWorker,
-    RequestFailed, RequestFinished, ReserveBlocks, WorkerGone, WorkerHeartbeat,
+    KV_FAILED, AbortRequest, BlocksReserved, Fence, KVTransferReport, PrefillDone, PrefillTask,
+    RegisterWorker, RequestFailed, RequestFinished, ReserveBlocks, WorkerGone, WorkerHeartbeat,
 )
 from services.conductor.service import Conductor
 from services.conductor.tracker import Phase
