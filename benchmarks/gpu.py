@@ -7,7 +7,12 @@ H100/H200; ``--quick`` with ``--device cpu --model dummy-tiny`` checks the scrip
   after a warm-up), at the cluster's default chunk of 512 tokens and at 4096; the achieved
   TFLOP/s counts 2 x parameters x tokens plus the attention's 4 x layers x hidden x
   (causal pairs).
-- decode: one step of B sequences at 1k tokens of context each: ms per step, tokens/s.
+- decode: one step of B sequences at 1k tokens of context each: ms per step, tokens/s,
+  replayed as a CUDA graph (the decode worker's path) and eager (the same kernels, one
+  launch at a time), each also as a ratio to the floor: the step's matmuls alone (the
+  engine's own weights, same shapes, no attention) captured in one CUDA graph. Also the
+  paged attention kernel alone at the largest batch (GB/s of K/V read) and the time the
+  engine took to capture its graphs.
 - pieces: 2048 scattered pieces of one layer of one block (64 KiB for the 8B model), the
   unit of layer-wise streaming, in one transfer-engine write between host and GPU memory
   each way: µs per piece.
@@ -16,7 +21,9 @@ H100/H200; ``--quick`` with ``--device cpu --model dummy-tiny`` checks the scrip
   a 4k prompt's KV written by the transfer engine (TCP on loopback, as the cluster does on
   one host) from GPU memory to another engine's host memory and to its GPU memory: GB/s.
 
-Prints a table, then one line of JSON.
+Prints a table, then one line of JSON (with ``--out``, also written there, for
+``benchmarks/results/gpu-<date>.json``); its ``goals`` object holds the figures issue 25
+names.
 """
 from __future__ import annotations
 
@@ -76,10 +83,14 @@ def run(args: argparse.Namespace) -> dict:
     context = 256 if args.quick else 1024
     block = 16
     need = max(lengths) + 16 + max(batches) * (context + 8)
-    engines = {chunk: Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                          block_size=block, num_blocks=need // block + 8,
-                                          prefill_chunk=chunk, max_batch_size=max(batches)))
-               for chunk in args.chunks}
+    engines, capture_s = {}, 0.0
+    for chunk in args.chunks:  # graphs on the first engine only: the others prefill
+        t = time.perf_counter()
+        engines[chunk] = Engine(EngineConfig(
+            model=args.model, dtype=args.dtype, device=args.device, block_size=block,
+            num_blocks=need // block + 8, prefill_chunk=chunk, max_batch_size=max(batches),
+            cuda_graphs=not engines))
+        capture_s = capture_s or time.perf_counter() - t
     res: dict = {"model": args.model, "dtype": args.dtype, "device": str(device),
                  "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                  "prefill": {}, "decode": {}}
@@ -96,15 +107,26 @@ def run(args: argparse.Namespace) -> dict:
     # ---- decode (on the first engine): contexts of random KV, not prefilled
     for first in range(0, e.kv.num_blocks, 256):
         e.kv.data[first:first + 256].normal_()
+    res["engine_start_s"] = capture_s
+    res["graphs"] = e.graphs is not None
+    res["capture_s"] = e.graphs.capture_s if e.graphs is not None else 0.0
     for b in batches:
         seqs = []
         for i in range(b):
             blocks = e.pool.allocate(e.blocks_needed(context + 8))
             seqs.append(DecodeInput(5 + i, context, blocks))
         s = timed(device, lambda: e.decode_step(seqs), args.reps)
+        eager = timed(device, lambda: e.step(decodes=seqs), args.reps)
+        floor = matmul_floor(e, b, args.reps) if device.type == "cuda" else float("nan")
+        if b == max(batches):
+            res["attention"] = attention_alone(e, seqs, args.reps)
         for q in seqs:
             e.pool.free(q.block_table)
-        res["decode"][str(b)] = {"ms": s * 1e3, "tok_s": b / s}
+        res["decode"][str(b)] = {"ms": s * 1e3, "tok_s": b / s, "eager_ms": eager * 1e3,
+                                 "floor_ms": floor * 1e3, "over_floor": s / floor,
+                                 "eager_over_floor": eager / floor}
+    if args.no_kv:
+        return res
     # ---- KV
     n = lengths[1]
     blocks = e.pool.allocate(e.blocks_needed(n))
@@ -120,6 +142,57 @@ def run(args: argparse.Namespace) -> dict:
     e.pool.free(blocks)
     res["pieces"] = pieces(e.kv.layer_nbytes, 256 if args.quick else 2048, device, args.reps)
     return res
+
+
+def matmul_floor(e: Engine, b: int, reps: int) -> float:
+    """Seconds of a decode step's matmuls alone at batch ``b``: every layer's four linears
+    and the LM head over the engine's own weights, captured in one CUDA graph (no
+    attention, no norms): what the card's memory allows a step."""
+    m, c = e.model, e.model_config
+    x = torch.randn(b, c.hidden_size, dtype=e.dtype, device=e.device)
+    o = torch.randn(b, c.num_heads * c.head_dim, dtype=e.dtype, device=e.device)
+    act = torch.randn(b, c.intermediate_size, dtype=e.dtype, device=e.device)
+
+    def step() -> None:
+        for lw in m.layers:
+            lw.wqkv(x), lw.wo(o), lw.w_gate_up(x), lw.w_down(act)
+        m.lm_head(x)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return timed(e.device, graph.replay, reps)
+
+
+def attention_alone(e: Engine, seqs: list[DecodeInput], reps: int) -> dict:
+    """The paged decode kernel alone, one layer, the batch's sequences: GB/s of K/V."""
+    from common.model import triton_ops
+
+    if not triton_ops.usable_on(e.device):
+        return {}
+    c, page = e.model_config, e.kv.block_size
+    width = max(s.position // page + 1 for s in seqs)
+    tables = torch.tensor([s.block_table[:width] for s in seqs], device=e.device)
+    lens = torch.tensor([s.position + 1 for s in seqs], dtype=torch.int32, device=e.device)
+    q = torch.randn(len(seqs), c.num_heads, c.head_dim, dtype=e.dtype, device=e.device)
+    layer = e.kv.layer_view(0)
+    kv_bytes = int(lens.sum()) * e.kv.layer_nbytes // page
+    out: dict = {"batch": len(seqs), "kv_bytes": kv_bytes, "sweep": {}}
+    # the default launch first, then a few others (block_n, num_warps, num_stages)
+    for shape in ((triton_ops.BLOCK_N, 4, 2), (32, 4, 2), (64, 4, 3), (64, 8, 2),
+                  (128, 4, 2), (128, 8, 3)):
+        s = timed(e.device, lambda: triton_ops.paged_decode_attention(
+            q, layer, tables, lens, block_n=shape[0], num_warps=shape[1],
+            num_stages=shape[2]), reps * 5)
+        out["sweep"]["/".join(map(str, shape))] = kv_bytes / s / 1e9
+        out.setdefault("s", s)
+    out["gb_s"] = kv_bytes / out["s"] / 1e9
+    return out
 
 
 def pieces(size: int, n: int, device: torch.device, reps: int) -> dict:
@@ -178,14 +251,39 @@ def transfer(e: Engine, blocks: list[int], device: torch.device, reps: int) -> d
     return out
 
 
+def goals(res: dict) -> dict:
+    """Issue 25's figures: batch 1 over the floor, batches 128 and 32 in tokens/s, the 4k
+    prompt's TFLOP/s at the first chunk size (those measured; NaN where not)."""
+    d, nan = res["decode"], {"tok_s": float("nan"), "over_floor": float("nan")}
+    first = next((v for k, v in res["prefill"].items() if k.startswith("4096/")), None)
+    return {"decode_b1_over_floor": d.get("1", nan)["over_floor"],
+            "decode_b128_tok_s": d.get("128", nan)["tok_s"],
+            "decode_b32_tok_s": d.get("32", nan)["tok_s"],
+            "prefill_4k_tflops": first["tflops"] if first else float("nan")}
+
+
 def table(res: dict) -> str:
     rows = [f"{res['name']} ({res['device']}), {res['model']} {res['dtype']}", "",
             "| prefill | chunk | TTFT (s) | TFLOP/s |", "|---|---|---|---|"]
     for key, v in res["prefill"].items():
         n, chunk = key.split("/")
         rows.append(f"| {n} | {chunk} | {v['s']:.4f} | {v['tflops']:.1f} |")
-    rows += ["", "| decode batch | ms/step | tokens/s |", "|---|---|---|"]
-    rows += [f"| {b} | {v['ms']:.2f} | {v['tok_s']:.0f} |" for b, v in res["decode"].items()]
+    rows += ["", f"decode (CUDA graphs: {res['graphs']}, captured in {res['capture_s']:.1f} s; "
+             f"engine start {res['engine_start_s']:.1f} s)", "",
+             "| decode batch | ms/step | tokens/s | eager ms/step | floor ms | x floor "
+             "| eager x floor |", "|---|---|---|---|---|---|---|"]
+    rows += [f"| {b} | {v['ms']:.2f} | {v['tok_s']:.0f} | {v['eager_ms']:.2f} | "
+             f"{v['floor_ms']:.2f} | {v['over_floor']:.2f} | {v['eager_over_floor']:.2f} |"
+             for b, v in res["decode"].items()]
+    a = res.get("attention") or {}
+    if a:
+        rows += ["", f"paged decode attention alone, one layer, batch {a['batch']}: "
+                 f"{a['s'] * 1e6:.0f} us, {a['kv_bytes'] / 2**20:.0f} MiB of K/V, "
+                 f"{a['gb_s']:.0f} GB/s; other launches (block_n/warps/stages): "
+                 + ", ".join(f"{k} {v:.0f}" for k, v in a["sweep"].items())]
+    rows += ["", "goals: " + ", ".join(f"{k} {v:.2f}" for k, v in res["goals"].items())]
+    if "kv" not in res:
+        return "\n".join(rows)
     kv = res["kv"]
     rows += ["", f"KV {kv['bytes_per_token'] / 1024:.0f} KiB/token; one layer of the prompt "
              f"({kv['layer_bytes'] / 2**20:.1f} MiB) to pinned host {kv['layer_copy_to_host_s'] * 1e3:.2f} ms "
@@ -209,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="short prompts and batches")
     p.add_argument("--pieces-only", action="store_true", help="only the scattered pieces")
+    p.add_argument("--out", help="also write the JSON line to this file")
+    p.add_argument("--no-kv", action="store_true",
+                   help="the engine only: no KV copies, transfers or pieces")
     args = p.parse_args(argv)
     args.chunks = [int(c) for c in args.chunks.split(",")]
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -226,8 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         res = run(args)
     res["date"] = started
+    res["goals"] = goals(res)
     print(table(res))
     print(json.dumps(res))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(json.dumps(res, indent=1) + "\n")
     return 0
 
 

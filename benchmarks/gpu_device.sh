@@ -6,12 +6,14 @@
 # and (c) on live clusters of 8B-shaped workers. Logs go to $OUT (or /tmp/gpu-out); each
 # step has its own deadline.
 #
-#   bash benchmarks/gpu_device.sh [quick | prefill | pieces | check
+#   bash benchmarks/gpu_device.sh [quick | prefill | pieces | check | engine
 #                                  | live | open | pipeline [-k expr]]
 #       (quick: no prefill benchmark; prefill: only it; pieces: only gpu.py's scattered
 #       pieces; check: the tests and the prefill benchmark, not gpu.py; live: the tests;
 #       open [-k expr]: the prefill benchmark, then the live tests; pipeline [-k expr]:
-#       the live tests alone)
+#       the live tests alone; engine: issue 25's call: gpu.py's engine figures saved as
+#       $OUT/gpu.json, the CUDA tests, and the live tests, whose decode worker replays
+#       CUDA graphs)
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -44,8 +46,8 @@ python3 -c "from mooncake.engine import TransferEngine; print('transfer engine i
 
 cuda_tests() {
   log "CUDA tests"
-  timeout 120 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/model/test_cuda.py \
-    tests/model/test_flash_attention.py 2>&1 | tee "$OUT/pytest.log" | grep -v "^[IWE][0-9]" | tail -25
+  timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/model/test_cuda.py \
+    tests/model/test_cuda_graphs.py tests/model/test_flash_attention.py 2>&1 | tee "$OUT/pytest.log" | grep -v "^[IWE][0-9]" | tail -25
 }
 
 live_pipeline() {  # [pytest -k expression]
@@ -59,6 +61,18 @@ live_pipeline() {  # [pytest -k expression]
 engine_figures() {
   log "engine and KV path (benchmarks/gpu.py)"
   timeout 150 python3 benchmarks/gpu.py 2>&1 | tee "$OUT/gpu.log" | grep -v "^[IWE][0-9]" | tail -30
+}
+
+engine_only() {  # issue 25: decode graphs and kernels, prefill, the floor; JSON kept
+  log "engine figures (benchmarks/gpu.py --no-kv)"
+  timeout 220 python3 benchmarks/gpu.py --no-kv --out "$OUT/gpu.json" 2>&1 | tee "$OUT/gpu.log" \
+    | grep -v "^[IWE][0-9]" | tail -30
+}
+
+graphs_in_logs() {  # the live decode worker captured and so replays graphs
+  tar xzf "$OUT/pipeline-logs.tgz" -C /tmp 2>/dev/null
+  grep -rh "decode CUDA graphs captured" /tmp/pipeline 2>/dev/null | head -3 \
+    || echo "no decode worker log says it captured CUDA graphs"
 }
 
 pieces() {  # only the transfer engine's cost per scattered piece
@@ -80,6 +94,7 @@ case "${1:-all}" in
   prefill) prefill_bench ;;
   pieces) pieces ;;
   check) cuda_tests; prefill_bench; live_pipeline ;;
+  engine) engine_only; cuda_tests; live_pipeline "${2:-}"; graphs_in_logs ;;
   live) cuda_tests; live_pipeline "${2:-}" ;;  # [pytest -k expression]
   open) prefill_bench; live_pipeline "${2:-}" ;;  # [pytest -k expression]
   pipeline) live_pipeline "${2:-}" ;;  # [pytest -k expression]

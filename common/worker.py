@@ -38,6 +38,7 @@ def engine_config(config: ClusterConfig, role: str, index: int = 0) -> EngineCon
         num_blocks=config.prefill_blocks if role == "prefill" else config.decode_blocks,
         prefill_chunk=config.prefill_chunk, max_batch_size=config.max_batch_size,
         num_threads=config.cpu.threads(role),  # None: as pinned at start (common/cpu.py)
+        cuda_graphs=role == "decode",  # only its steps are pure decodes (on a GPU)
     )
 
 

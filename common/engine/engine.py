@@ -16,7 +16,8 @@ from common.engine.errors import EngineInputError, UnknownModelError
 from common.kv.block_keys import compute_block_keys, model_fingerprint
 from common.kv.block_pool import BlockPool
 from common.kv.memory import KV_DTYPES, PagedKVMemory, resolve_kv_dtype
-from common.model.attention import AttnMetadata, make_backend, splits_chunks
+from common.engine.cuda_graphs import DecodeGraphs
+from common.model.attention import AttnMetadata, TritonAttention, make_backend, splits_chunks
 from common.model.config import ModelConfig
 from common.model.llama import LlamaModel, random_weights
 from common.model.loader import ModelNotFoundError
@@ -63,6 +64,11 @@ class Engine:
                                 KV_DTYPES[self.kv_dtype], self.device, config.kv_shm_path)
         self.pool = BlockPool(config.num_blocks)
         self.attention = make_backend(config.attention_backend, self.kv)
+        self.graphs: Optional[DecodeGraphs] = None
+        if (config.cuda_graphs and self.device.type == "cuda" and len(self.layers)
+                == model_config.num_layers and isinstance(self.attention, TritonAttention)):
+            self.graphs = DecodeGraphs(self.model, self.attention, self.kv,
+                                       config.max_batch_size, self.max_context)
 
     # ---- text -----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -105,9 +111,10 @@ class Engine:
         if len(block_table) < need:
             raise EngineInputError(f"block table has {len(block_table)} blocks; "
                                    f"{num_tokens} tokens need {need}")
-        for b in block_table[:need]:
-            if not 0 <= b < self.config.num_blocks:
-                raise EngineInputError(f"block id {b} outside [0, {self.config.num_blocks})")
+        used = block_table[:need]
+        if used and not (0 <= min(used) and max(used) < self.config.num_blocks):
+            bad = next(b for b in used if not 0 <= b < self.config.num_blocks)
+            raise EngineInputError(f"block id {bad} outside [0, {self.config.num_blocks})")
 
     # ---- forward --------------------------------------------------------------------
     @torch.inference_mode()
@@ -257,9 +264,13 @@ class Engine:
         return mask.masked_fill_(~allowed, float("-inf"))
 
     def decode_step(self, batch: list[DecodeInput]) -> torch.Tensor:
-        """Feed one token per sequence at its position; logits [B, vocab] (float32)."""
+        """Feed one token per sequence at its position; logits [B, vocab] (float32). On a
+        GPU a captured CUDA graph replays the step (``self.graphs``)."""
         if not batch:
             raise EngineInputError("decode_step needs at least one sequence")
+        if self.graphs is not None and len(batch) <= self.graphs.max_batch:
+            self._check_decodes(batch)
+            return self.graphs.replay(batch)
         logits = self.step(decodes=batch)[1]
         assert logits is not None
         return logits
@@ -285,8 +296,10 @@ class Engine:
         positions = torch.tensor(pos_list, dtype=torch.long, device=self.device)
         slots = torch.tensor([b.block_table[b.position // bs] for b in batch],
                              dtype=torch.long, device=self.device)
-        keys = torch.arange(width * bs, device=self.device)
-        mask = self._additive_mask(keys[None, :] <= positions[:, None])[:, None, None, :]
+        mask = None
+        if self.attention.decode_mask:
+            keys = torch.arange(width * bs, device=self.device)
+            mask = self._additive_mask(keys[None, :] <= positions[:, None])[:, None, None, :]
         kv_lens = [p + 1 for p in pos_list]
         return AttnMetadata(
             batch=len(batch), q_len=1, positions=positions, slot_blocks=slots,

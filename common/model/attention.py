@@ -1,7 +1,8 @@
-"""Attention over the paged KV memory. Backends: torch SDPA (CPU default) and flash-attn.
+"""Attention over the paged KV memory. Backends: torch SDPA (the CPU's), Triton (the
+GPU's: decode reads the blocks in place) and flash-attn (where its wheel exists).
 
 Every backend first writes the new tokens' K/V into their slots, then attends over the
-sequence's blocks (gathered through its block table).
+sequence's blocks (SDPA gathers them through its block table).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from common.kv.memory import PagedKVMemory
+from common.model import triton_ops
 
 
 @dataclass
@@ -28,6 +30,9 @@ class AttnMetadata:
     #                               attend); None = fresh causal
     fresh: bool = False           # single sequence starting at 0: attend the new K/V directly
     slot_rows: Optional[torch.Tensor] = None  # [T] PagedKVMemory.token_rows (fast writes)
+    # A CUDA graph's block tables: one flat buffer, row b at ``table_stride`` (a device
+    # scalar) x b, so a step copies only the columns it uses (TritonAttention only).
+    table_stride: Optional[torch.Tensor] = None
     # A mixed step (Sarathi-style: prefill chunks of several prompts and a decode batch in
     # one forward): ``parts`` are (first token, end token, metadata of that part). The
     # linear layers run once over all T tokens; attention runs once per part.
@@ -35,12 +40,16 @@ class AttnMetadata:
 
 
 class AttentionBackend(Protocol):
+    decode_mask: bool  # whether a decode step's metadata must carry a mask
+
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttnMetadata) -> torch.Tensor: ...
 
 
 class SdpaAttention:
     """torch scaled_dot_product_attention over K/V gathered with index_select."""
+
+    decode_mask = True
 
     def __init__(self, kv: PagedKVMemory):
         self.kv = kv
@@ -59,11 +68,11 @@ class SdpaAttention:
         else:
             self.kv.write_tokens(layer, meta.slot_blocks, meta.positions, k, v)
         if meta.parts is None:
-            return self._attend(layer, q, k, v, meta)
-        return torch.cat([self._attend(layer, q[s:e], k[s:e], v[s:e], part)
+            return self.attend_written(layer, q, k, v, meta)
+        return torch.cat([self.attend_written(layer, q[s:e], k[s:e], v[s:e], part)
                           for s, e, part in meta.parts])
 
-    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def attend_written(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttnMetadata) -> torch.Tensor:
         """Attention of one uniform part whose new K/V are already in the paged memory."""
         t, heads, hd = q.shape
@@ -113,6 +122,38 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     return ((o1 * w1 + o2 * w2) / (w1 + w2)).to(q.dtype)
 
 
+class TritonAttention:
+    """The GPU's backend (common/model/triton_ops.py): one launch writes a step's K/V, and
+    a decode part (one new token per sequence) reads each sequence's blocks in place, with
+    no gather and no mask; its launches take a CUDA graph (common/engine/cuda_graphs.py).
+    Prompt chunks of several tokens attend through SDPA as before."""
+
+    decode_mask = False
+
+    def __init__(self, kv: PagedKVMemory):
+        self.kv = kv
+        self._sdpa = SdpaAttention(kv)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttnMetadata) -> torch.Tensor:
+        if meta.slot_rows is not None:
+            triton_ops.write_kv(self.kv.data, layer, meta.slot_rows, k, v)
+        else:
+            self.kv.write_tokens(layer, meta.slot_blocks, meta.positions, k, v)
+        if meta.parts is None:
+            return self._attend(layer, q, k, v, meta)
+        return torch.cat([self._attend(layer, q[s:e], k[s:e], v[s:e], part)
+                          for s, e, part in meta.parts])
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttnMetadata) -> torch.Tensor:
+        if meta.q_len == 1 and not meta.fresh:
+            return triton_ops.paged_decode_attention(
+                q, self.kv.layer_view(layer), meta.block_tables, meta.kv_lens,
+                table_stride=meta.table_stride)
+        return self._sdpa.attend_written(layer, q, k, v, meta)
+
+
 def flash_available() -> bool:
     if not torch.cuda.is_available():
         return False
@@ -131,6 +172,8 @@ class FlashAttention:
     long as the last dim is contiguous and block_size is a multiple of 256 for paged mode
     (older versions); otherwise we fall back to SDPA.
     """
+
+    decode_mask = True  # its SDPA fallback's
 
     def __init__(self, kv: PagedKVMemory):
         from flash_attn import flash_attn_with_kvcache
@@ -157,12 +200,22 @@ class FlashAttention:
 
 
 def make_backend(name: str, kv: PagedKVMemory) -> AttentionBackend:
+    """``auto``: on a GPU flash-attn where installed, else Triton where installed; SDPA on
+    the CPU. ``triton`` runs on the CPU only in Triton's interpreter (tests)."""
     if name == "auto":
-        name = "flash" if flash_available() and kv.data.is_cuda else "sdpa"
+        if kv.data.is_cuda and flash_available():
+            name = "flash"
+        else:
+            name = "triton" if kv.data.is_cuda and triton_ops.available() else "sdpa"
     if name == "sdpa":
         return SdpaAttention(kv)
+    if name == "triton":
+        if not triton_ops.usable_on(kv.data.device):
+            raise RuntimeError("attention_backend 'triton' needs the triton package and a "
+                               "CUDA device (or TRITON_INTERPRET=1)")
+        return TritonAttention(kv)
     if name == "flash":
         if not flash_available():
             raise RuntimeError("attention_backend 'flash' needs CUDA and the flash_attn package")
         return FlashAttention(kv)
-    raise ValueError(f"unknown attention_backend {name!r} (auto, sdpa, flash)")
+    raise ValueError(f"unknown attention_backend {name!r} (auto, sdpa, triton, flash)")

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from common.model import triton_ops
 from common.model.attention import AttentionBackend, AttnMetadata
 from common.model.config import ModelConfig
 from common.model.rope import apply_rope, cos_sin, inv_frequencies
@@ -76,6 +77,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+Rope = Callable[[torch.Tensor], torch.Tensor]
+
+
+class TorchOps:
+    """A layer's steps between the matmuls, in torch: the CPU path."""
+
+    @staticmethod
+    def rope(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        cos, sin = cos_sin(inv_freq, positions, dtype)  # once per forward
+        return lambda x: apply_rope(x, cos, sin)
+
+    rms_norm = staticmethod(rms_norm)
+
+    @staticmethod
+    def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        h = h + delta
+        return h, rms_norm(h, weight, eps)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class TritonOps:
+    """The same steps as fused Triton kernels (common/model/triton_ops.py), one launch
+    each: the GPU path, where a decode step is bound by its launches."""
+
+    @staticmethod
+    def rope(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        return lambda x: triton_ops.rope_(x, positions, inv_freq)
+
+    rms_norm = staticmethod(triton_ops.rms_norm)
+    add_rms_norm = staticmethod(triton_ops.add_rms_norm)
+    silu_mul = staticmethod(triton_ops.silu_mul)
+
+
 POOLED_PARAMS = 1 << 28  # a dummy model larger than this takes its linears from one pool
 POOL_SIZE, ROW_STEP = 1 << 26, 257
 
@@ -126,7 +165,10 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 pack_weights: bool = True, layers: Optional[range] = None):
+                 pack_weights: bool = True, layers: Optional[range] = None,
+                 fused: Optional[bool] = None):
+        """``fused``: the layer's elementwise steps as Triton kernels (``TritonOps``);
+        None: on a CUDA device where triton is installed."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -152,6 +194,9 @@ class LlamaModel:
         self.layers = [self._layer(get, l, pack_weights) for l in self.layer_range]
         factors = weights.get("model.rope_freqs")
         self.inv_freq = inv_frequencies(config, factors).to(self.device)
+        if fused is None:
+            fused = self.device.type == "cuda" and triton_ops.available()
+        self.ops = TritonOps if fused else TorchOps
 
     @staticmethod
     def _layer(get: Callable[[str], torch.Tensor], layer: int, pack: bool) -> LayerWeights:
@@ -190,21 +235,24 @@ class LlamaModel:
                              "hidden states of the stage before it")
         else:  # hidden states may arrive in host memory (a slot of common/kv/hidden.py)
             h = hidden.to(token_ids.device, self.dtype)
-        cos, sin = cos_sin(self.inv_freq, meta.positions, self.dtype)
+        ops, eps = self.ops, cfg.rms_norm_eps
+        rope = ops.rope(self.inv_freq, meta.positions, self.dtype)
         nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
         t = h.shape[0]
+        x = ops.rms_norm(h, self.layers[0].input_norm, eps)
         for index, lw in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(index)
-            x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
             q, k, v = lw.wqkv(x).split([nq, nkv, nkv], dim=-1)
-            q = apply_rope(q.view(t, cfg.num_heads, hd), cos, sin)
-            k = apply_rope(k.view(t, cfg.num_kv_heads, hd), cos, sin)
+            q = rope(q.view(t, cfg.num_heads, hd))
+            k = rope(k.view(t, cfg.num_kv_heads, hd))
             o = attention(index, q, k, v.reshape(t, cfg.num_kv_heads, hd), meta)
-            h = h + lw.wo(o)
-            x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
-            gate, up = lw.w_gate_up(x).chunk(2, dim=-1)
-            h = h + lw.w_down(F.silu(gate) * up)
+            h, x = ops.add_rms_norm(h, lw.wo(o), lw.post_norm, eps)
+            down = lw.w_down(ops.silu_mul(lw.w_gate_up(x)))
+            if index + 1 < len(self.layers):  # the residual add and the next layer's norm
+                h, x = ops.add_rms_norm(h, down, self.layers[index + 1].input_norm, eps)
+            else:
+                h = h + down
             if layer_hook is not None:
                 layer_hook(index)
         return h
@@ -213,4 +261,5 @@ class LlamaModel:
         """float32 logits [N, vocab] of hidden states [N, hidden] (the last stage only)."""
         if self.lm_head is None:
             raise ValueError("only the last pipeline stage has the LM head")
-        return self.lm_head(rms_norm(hidden, self.norm, self.config.rms_norm_eps)).float()
+        return self.lm_head(self.ops.rms_norm(hidden, self.norm,
+                                              self.config.rms_norm_eps)).float()
