@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> dict:
     block = 16
     need = max(lengths) + 16 + max(batches) * (context + 8)
     engines, capture_s = {}, 0.0
-    for chunk in args.chunks:  # graphs on the first engine only: the others prefill
+    for chunk in args.chunks[:1] if args.decode_only else args.chunks:  # graphs on the
+        # first engine only: the others prefill
         t = time.perf_counter()
         engines[chunk] = Engine(EngineConfig(
             model=args.model, dtype=args.dtype, device=args.device, block_size=block,
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
     e = engines[args.chunks[0]]
     vocab = e.model_config.vocab_size
     # ---- prefill
-    for n in lengths:
+    for n in ([] if args.decode_only else lengths):
         ids = prompt(n, vocab, n)
         for chunk, eng in engines.items():
             blocks = eng.pool.allocate(eng.blocks_needed(n))
@@ -118,14 +119,15 @@ def run(args: argparse.Namespace) -> dict:
         s = timed(device, lambda: e.decode_step(seqs), args.reps)
         eager = timed(device, lambda: e.step(decodes=seqs), args.reps)
         floor = matmul_floor(e, b, args.reps) if device.type == "cuda" else float("nan")
-        if b == max(batches):
-            res["attention"] = attention_alone(e, seqs, args.reps)
+        if b >= 32 or b == max(batches):
+            res.setdefault("attention", {})[str(b)] = attention_alone(
+                e, seqs, args.reps, args.sweep)
         for q in seqs:
             e.pool.free(q.block_table)
         res["decode"][str(b)] = {"ms": s * 1e3, "tok_s": b / s, "eager_ms": eager * 1e3,
                                  "floor_ms": floor * 1e3, "over_floor": s / floor,
                                  "eager_over_floor": eager / floor}
-    if args.no_kv:
+    if args.no_kv or args.decode_only:
         return res
     # ---- KV
     n = lengths[1]
@@ -169,8 +171,9 @@ def matmul_floor(e: Engine, b: int, reps: int) -> float:
     return timed(e.device, graph.replay, reps)
 
 
-def attention_alone(e: Engine, seqs: list[DecodeInput], reps: int) -> dict:
-    """The paged decode kernel alone, one layer, the batch's sequences: GB/s of K/V."""
+def attention_alone(e: Engine, seqs: list[DecodeInput], reps: int, sweep: bool) -> dict:
+    """The paged decode kernel alone, one layer, the batch's sequences: GB/s of K/V, at the
+    engine's launch and (``sweep``) at others."""
     from common.model import triton_ops
 
     if not triton_ops.usable_on(e.device):
@@ -183,14 +186,16 @@ def attention_alone(e: Engine, seqs: list[DecodeInput], reps: int) -> dict:
     layer = e.kv.layer_view(0)
     kv_bytes = int(lens.sum()) * e.kv.layer_nbytes // page
     out: dict = {"batch": len(seqs), "kv_bytes": kv_bytes, "sweep": {}}
-    # the default launch first, then a few others (block_n, num_warps, num_stages)
-    for shape in ((triton_ops.BLOCK_N, 4, 2), (32, 4, 2), (64, 4, 3), (64, 8, 2),
-                  (128, 4, 2), (128, 8, 3)):
-        s = timed(e.device, lambda: triton_ops.paged_decode_attention(
-            q, layer, tables, lens, block_n=shape[0], num_warps=shape[1],
-            num_stages=shape[2]), reps * 5)
-        out["sweep"]["/".join(map(str, shape))] = kv_bytes / s / 1e9
-        out.setdefault("s", s)
+    out["s"] = timed(e.device, lambda: triton_ops.paged_decode_attention(q, layer, tables, lens),
+                     reps * 5)  # the engine's launch
+    if sweep:  # others: context slices, keys a tile, warps, pipeline stages
+        for splits in (1, 2, 3, 4, 8):
+            for block_n, warps, stages in ((32, 4, 2), (64, 4, 2), (32, 4, 3), (32, 2, 2),
+                                           (16, 4, 2), (16, 2, 3)):
+                s = timed(e.device, lambda: triton_ops.paged_decode_attention(
+                    q, layer, tables, lens, splits, block_n=block_n, num_warps=warps,
+                    num_stages=stages), reps * 5)
+                out["sweep"][f"{splits}/{block_n}/{warps}/{stages}"] = kv_bytes / s / 1e9
     out["gb_s"] = kv_bytes / out["s"] / 1e9
     return out
 
@@ -275,12 +280,16 @@ def table(res: dict) -> str:
     rows += [f"| {b} | {v['ms']:.2f} | {v['tok_s']:.0f} | {v['eager_ms']:.2f} | "
              f"{v['floor_ms']:.2f} | {v['over_floor']:.2f} | {v['eager_over_floor']:.2f} |"
              for b, v in res["decode"].items()]
-    a = res.get("attention") or {}
-    if a:
+    for a in (res.get("attention") or {}).values():
+        if not a:
+            continue
         rows += ["", f"paged decode attention alone, one layer, batch {a['batch']}: "
                  f"{a['s'] * 1e6:.0f} us, {a['kv_bytes'] / 2**20:.0f} MiB of K/V, "
-                 f"{a['gb_s']:.0f} GB/s; other launches (block_n/warps/stages): "
-                 + ", ".join(f"{k} {v:.0f}" for k, v in a["sweep"].items())]
+                 f"{a['gb_s']:.0f} GB/s"]
+        if a["sweep"]:
+            best = sorted(a["sweep"].items(), key=lambda kv: -kv[1])
+            rows.append("  other launches (splits/block_n/warps/stages), GB/s: "
+                        + ", ".join(f"{k} {v:.0f}" for k, v in best))
     rows += ["", "goals: " + ", ".join(f"{k} {v:.2f}" for k, v in res["goals"].items())]
     if "kv" not in res:
         return "\n".join(rows)
@@ -308,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="short prompts and batches")
     p.add_argument("--pieces-only", action="store_true", help="only the scattered pieces")
     p.add_argument("--out", help="also write the JSON line to this file")
+    p.add_argument("--sweep", action="store_true",
+                   help="time the attention kernel at other launch shapes too")
+    p.add_argument("--decode-only", action="store_true", help="no prefill figures")
     p.add_argument("--no-kv", action="store_true",
                    help="the engine only: no KV copies, transfers or pieces")
     args = p.parse_args(argv)

@@ -65,7 +65,7 @@ engine_figures() {
 
 engine_only() {  # issue 25: decode graphs and kernels, prefill, the floor; JSON kept
   log "engine figures (benchmarks/gpu.py --no-kv)"
-  timeout 220 python3 benchmarks/gpu.py --no-kv --out "$OUT/gpu.json" 2>&1 | tee "$OUT/gpu.log" \
+  timeout 220 python3 benchmarks/gpu.py --no-kv --sweep --out "$OUT/gpu.json" 2>&1 | tee "$OUT/gpu.log" \
     | grep -v "^[IWE][0-9]" | tail -30
 }
 

@@ -130,11 +130,15 @@ if triton is not None:
                                              PAGE, BLOCK_N, PRECISION)
         some = hi > lo
         out = acc / tl.where(some, total, 1.0)[:, None]
-        lse = tl.where(some, m + tl.log(tl.where(some, total, 1.0)), float("-inf"))
         where = Out + b.to(tl.int64) * stride_ob + heads * stride_oh + split * stride_os
-        tl.store(where[:, None] + d[None, :], out, mask=head_ok[:, None] & d_ok[None, :])
-        tl.store(Lse + (b * GROUP * tl.num_programs(1) + heads) * SPLITS + split, lse,
-                 mask=head_ok)
+        ok = head_ok[:, None] & d_ok[None, :]
+        if SPLITS == 1:  # the whole context: the output itself, no merge
+            tl.store(where[:, None] + d[None, :], out.to(Out.dtype.element_ty), mask=ok)
+        else:
+            tl.store(where[:, None] + d[None, :], out, mask=ok)
+            lse = tl.where(some, m + tl.log(tl.where(some, total, 1.0)), float("-inf"))
+            tl.store(Lse + (b * GROUP * tl.num_programs(1) + heads) * SPLITS + split, lse,
+                     mask=head_ok)
 
     @triton.jit
     def _decode_merge_kernel(Out, Lse, O, stride_ob, stride_oh, stride_os, stride_o,
@@ -214,20 +218,21 @@ if triton is not None:
         tl.store(Y + r * N + c, out.to(Y.dtype.element_ty), mask=ok)
 
 
-BLOCK_N = 64  # keys per tile of the decode kernel
+BLOCK_N = 32  # keys per tile of the decode kernel
 MAX_SPLITS = 32
+PROGRAMS_PER_SM = 8  # split contexts until a step has about this many programs an SM
 
 
 def decode_splits(batch: int, kv_heads: int, programs: int) -> int:
-    """Slices of the context per (sequence, KV head): enough programs to fill the GPU
-    (``programs``, about two per multiprocessor) when the batch alone does not."""
+    """Slices of the context per (sequence, KV head): enough programs to keep the GPU's
+    memory busy (``programs``) when the batch alone does not."""
     return max(1, min(MAX_SPLITS, math.ceil(programs / max(1, batch * kv_heads))))
 
 
 @functools.lru_cache(maxsize=None)
 def target_programs(device: torch.device) -> int:
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     return 8
 
 
@@ -251,11 +256,14 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torc
     group = heads // kv_heads
     if splits is None:
         splits = decode_splits(batch, kv_heads, target_programs(q.device))
-    parts = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
+    if splits == 1:  # the split kernel writes ``out`` ([B, heads, 1 split, dim])
+        parts, lse = out.view(batch, heads, 1, dim), out
+    else:
+        parts = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     block_d = _pow2(dim)
     _decode_split_kernel[(batch, kv_heads, splits)](
         q, kv_layer, tables, lens, parts, lse,
@@ -267,6 +275,8 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torc
         BLOCK_N=block_n, SPLITS=splits, PRECISION=_precision(q.dtype),
         STRIDE_IN_MEMORY=table_stride is not None, INTERPRET=_INTERPRET, num_warps=num_warps,
         num_stages=num_stages)
+    if splits == 1:
+        return out
     _decode_merge_kernel[(batch, heads)](
         parts, lse, out, parts.stride(0), parts.stride(1), parts.stride(2), out.stride(0),
         D=dim, BLOCK_D=block_d, SPLITS=splits, BLOCK_S=max(2, _pow2(splits)), num_warps=1)
