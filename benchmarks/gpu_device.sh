@@ -12,7 +12,8 @@
 #       pieces; check: the tests and the prefill benchmark, not gpu.py; live: the tests;
 #       open [-k expr]: the prefill benchmark, then the live tests; pipeline [-k expr]:
 #       the live tests alone; engine: issue 25's call: gpu.py's engine figures saved as
-#       $OUT/gpu.json, the CUDA tests, and the live tests, whose decode worker replays
+#       $OUT/gpu.json (SWEEP=1: the attention kernel at other launch shapes too), the
+#       CUDA tests, and the live tests, whose decode worker replays
 #       CUDA graphs)
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -65,7 +66,7 @@ engine_figures() {
 
 engine_only() {  # issue 25: decode graphs and kernels, prefill, the floor; JSON kept
   log "engine figures (benchmarks/gpu.py --no-kv)"
-  timeout 220 python3 benchmarks/gpu.py --no-kv --sweep --out "$OUT/gpu.json" 2>&1 | tee "$OUT/gpu.log" \
+  timeout 220 python3 benchmarks/gpu.py --no-kv ${SWEEP:+--sweep} --out "$OUT/gpu.json" 2>&1 | tee "$OUT/gpu.log" \
     | grep -v "^[IWE][0-9]" | tail -30
 }
 

@@ -22,6 +22,7 @@ import math
 import time
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from common.engine.config import DecodeInput
@@ -70,6 +71,7 @@ class DecodeGraphs:
         size = self.tables_at + self.max_batch * width
         cuda = device.type == "cuda"
         self.host = torch.zeros(size, dtype=torch.long, pin_memory=cuda)
+        self.host_np = self.host.numpy()  # the same memory, filled with numpy
         self.static = torch.zeros(size, dtype=torch.long, device=device)
         # the host buffer is free again once the last step's copy has read it
         self.copied = torch.cuda.Event() if cuda else None
@@ -125,26 +127,22 @@ class DecodeGraphs:
         ``len(batch)`` rows of ``width`` table entries."""
         if self.copied is not None:
             self.copied.synchronize()
-        n, host, page = len(batch), self.host, self.page
-        positions = [d.position for d in batch]
-        blocks = [d.block_table[p // page] for d, p in zip(batch, positions)]
-        fields = {self.TOKENS: [d.token_id for d in batch], self.POSITIONS: positions,
-                  self.ROWS: [b * self.row_step + p % page for b, p in zip(blocks, positions)],
-                  self.LENS: [p + 1 for p in positions]}
-        pad = {self.TOKENS: 0, self.POSITIONS: 0, self.ROWS: -1, self.LENS: 0}
-        for which, values in fields.items():
-            field = self._field(host, which, self.max_batch)
-            if n:
-                field[:n] = torch.tensor(values, dtype=torch.long)
-            field[n:] = pad[which]
+        n, host, page, m = len(batch), self.host_np, self.page, self.max_batch
+        positions = np.fromiter((d.position for d in batch), np.int64, n)
+        blocks = np.fromiter((d.block_table[p // page] for d, p in zip(batch, positions.tolist())),
+                             np.int64, n)
+        host[:4 * m].reshape(4, m)[:, n:] = ((0,), (0,), (-1,), (0,))  # padding rows
+        host[self.TOKENS * m:][:n] = np.fromiter((d.token_id for d in batch), np.int64, n)
+        host[self.POSITIONS * m:][:n] = positions
+        host[self.ROWS * m:][:n] = blocks * self.row_step + positions % page
+        host[self.LENS * m:][:n] = positions + 1
         host[self.tables_at - 1] = width
-        if n:
-            tables = [d.block_table[:width] for d in batch]
-            tables = [t + [0] * (width - len(t)) for t in tables]
-            host[self.tables_at:self.tables_at + n * width] = torch.tensor(
-                tables, dtype=torch.long).view(-1)
+        tables = host[self.tables_at:self.tables_at + n * width].reshape(n, width)
+        for row, d in zip(tables, batch):
+            used = d.block_table[:width]
+            row[:len(used)] = used  # the rest is never read (past the length)
         end = self.tables_at + n * width
-        self.static[:end].copy_(host[:end], non_blocking=True)
+        self.static[:end].copy_(self.host[:end], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 

@@ -77,7 +77,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-Rope = Callable[[torch.Tensor], torch.Tensor]
+Rope = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # q, k
 
 
 class TorchOps:
@@ -86,7 +86,7 @@ class TorchOps:
     @staticmethod
     def rope(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         cos, sin = cos_sin(inv_freq, positions, dtype)  # once per forward
-        return lambda x: apply_rope(x, cos, sin)
+        return lambda q, k: (apply_rope(q, cos, sin), apply_rope(k, cos, sin))
 
     rms_norm = staticmethod(rms_norm)
 
@@ -108,7 +108,7 @@ class TritonOps:
 
     @staticmethod
     def rope(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        return lambda x: triton_ops.rope_(x, positions, inv_freq)
+        return lambda q, k: triton_ops.rope_qk_(q, k, positions, inv_freq)
 
     rms_norm = staticmethod(triton_ops.rms_norm)
     add_rms_norm = staticmethod(triton_ops.add_rms_norm)
@@ -244,8 +244,7 @@ class LlamaModel:
             if before_layer is not None:
                 before_layer(index)
             q, k, v = lw.wqkv(x).split([nq, nkv, nkv], dim=-1)
-            q = rope(q.view(t, cfg.num_heads, hd))
-            k = rope(k.view(t, cfg.num_kv_heads, hd))
+            q, k = rope(q.view(t, cfg.num_heads, hd), k.view(t, cfg.num_kv_heads, hd))
             o = attention(index, q, k, v.reshape(t, cfg.num_kv_heads, hd), meta)
             h, x = ops.add_rms_norm(h, lw.wo(o), lw.post_norm, eps)
             down = lw.w_down(ops.silu_mul(lw.w_gate_up(x)))

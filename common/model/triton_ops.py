@@ -218,9 +218,13 @@ if triton is not None:
         tl.store(Y + r * N + c, out.to(Y.dtype.element_ty), mask=ok)
 
 
-BLOCK_N = 32  # keys per tile of the decode kernel
+# The decode kernel's launch: keys a tile (one page of 16), warps, pipeline stages, and
+# contexts split until a step has about PROGRAMS_PER_SM programs an SM. On an H100 at 128
+# sequences of 1k tokens (benchmarks/gpu.py --sweep, BENCHMARKS.md) this read 2.43 TB/s,
+# one slice a context; 2.2 at 2 to 4 slices, 2.0-2.3 at tiles of 32 or 64 keys.
+BLOCK_N, NUM_WARPS, NUM_STAGES = 16, 2, 3
 MAX_SPLITS = 32
-PROGRAMS_PER_SM = 8  # split contexts until a step has about this many programs an SM
+PROGRAMS_PER_SM = 4
 
 
 def decode_splits(batch: int, kv_heads: int, programs: int) -> int:
@@ -239,7 +243,8 @@ def target_programs(device: torch.device) -> int:
 def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor,
                            lens: torch.Tensor, splits: Optional[int] = None,
                            table_stride: Optional[torch.Tensor] = None, block_n: int = BLOCK_N,
-                           num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                           num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
+                           ) -> torch.Tensor:
     """Attention of one new token per sequence: ``q`` [B, heads, head_dim] (rows may be
     strided) over the first ``lens[b]`` tokens of sequence b, whose blocks are
     ``tables[b]`` in ``kv_layer`` = PagedKVMemory.layer_view(layer) ([blocks, 2, page,
@@ -320,6 +325,21 @@ def _norm(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
             0 if delta is None else delta.stride(0), eps, N=n, BLOCK=_pow2(n),
             ADD=delta is not None, num_warps=8 if n >= 2048 else 4)
     return h, y
+
+
+def rope_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+             inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_`` of q and k, in one launch where k's heads follow q's in each row (as in
+    the QKV product)."""
+    t, heads, dim = q.shape
+    if (k.data_ptr() == q.data_ptr() + heads * dim * q.element_size()
+            and k.stride() == q.stride() and k.dtype == q.dtype):
+        both = q.as_strided((t, heads + k.shape[1], dim), q.stride())
+        rope_(both, positions, inv_freq)
+    else:
+        rope_(q, positions, inv_freq)
+        rope_(k, positions, inv_freq)
+    return q, k
 
 
 def rope_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

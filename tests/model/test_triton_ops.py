@@ -128,11 +128,16 @@ def test_fused_steps_equal_the_torch_path() -> None:
     inv_freq = inv_frequencies(DUMMY_CONFIGS["dummy-llama3-8b"])[:16]  # llama3 scaling
     positions = torch.tensor([0, 1, 77, 4000])
     qkv = torch.randn(4, 5 * 32)
-    q = qkv[:, :96].view(4, 3, 32)
-    want = TorchOps.rope(inv_freq, positions, torch.float32)(q.clone())
-    got = TritonOps.rope(inv_freq, positions, torch.float32)(q)
-    assert got.data_ptr() == qkv.data_ptr()  # in place, in the QKV product
-    assert torch.allclose(got, want, atol=2e-4)
+    q, k = qkv[:, :96].view(4, 3, 32), qkv[:, 96:128].view(4, 1, 32)
+    want = TorchOps.rope(inv_freq, positions, torch.float32)(q.clone(), k.clone())
+    got = TritonOps.rope(inv_freq, positions, torch.float32)(q, k)
+    assert got[0].data_ptr() == qkv.data_ptr()  # in place, in the QKV product
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=2e-4)
+    apart = torch.randn(4, 3, 32), torch.randn(4, 2, 32)  # not side by side: two launches
+    want = TorchOps.rope(inv_freq, positions, torch.float32)(*(x.clone() for x in apart))
+    for g, w in zip(TritonOps.rope(inv_freq, positions, torch.float32)(*apart), want):
+        assert torch.allclose(g, w, atol=2e-4)
 
 
 @in_interpreter
