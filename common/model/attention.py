@@ -64,7 +64,7 @@ class SdpaAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttnMetadata) -> torch.Tensor:
         if meta.slot_rows is not None:
-            self.kv.write_rows(layer, meta.slot_rows, k, v)
+            self.write_rows(layer, meta.slot_rows, k, v)
         else:
             self.kv.write_tokens(layer, meta.slot_blocks, meta.positions, k, v)
         if meta.parts is None:
@@ -72,8 +72,12 @@ class SdpaAttention:
         return torch.cat([self.attend_written(layer, q[s:e], k[s:e], v[s:e], part)
                           for s, e, part in meta.parts])
 
+    def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+        self.kv.write_rows(layer, rows, k, v)
+
     def attend_written(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttnMetadata) -> torch.Tensor:
+                       meta: AttnMetadata) -> torch.Tensor:
         """Attention of one uniform part whose new K/V are already in the paged memory."""
         t, heads, hd = q.shape
         b, ql = meta.batch, meta.q_len
@@ -122,7 +126,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     return ((o1 * w1 + o2 * w2) / (w1 + w2)).to(q.dtype)
 
 
-class TritonAttention:
+class TritonAttention(SdpaAttention):
     """The GPU's backend (common/model/triton_ops.py): one launch writes a step's K/V, and
     a decode part (one new token per sequence) reads each sequence's blocks in place, with
     no gather and no mask; its launches take a CUDA graph (common/engine/cuda_graphs.py).
@@ -130,28 +134,17 @@ class TritonAttention:
 
     decode_mask = False
 
-    def __init__(self, kv: PagedKVMemory):
-        self.kv = kv
-        self._sdpa = SdpaAttention(kv)
+    def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+        triton_ops.write_kv(self.kv.data, layer, rows, k, v)
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 meta: AttnMetadata) -> torch.Tensor:
-        if meta.slot_rows is not None:
-            triton_ops.write_kv(self.kv.data, layer, meta.slot_rows, k, v)
-        else:
-            self.kv.write_tokens(layer, meta.slot_blocks, meta.positions, k, v)
-        if meta.parts is None:
-            return self._attend(layer, q, k, v, meta)
-        return torch.cat([self._attend(layer, q[s:e], k[s:e], v[s:e], part)
-                          for s, e, part in meta.parts])
-
-    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttnMetadata) -> torch.Tensor:
+    def attend_written(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       meta: AttnMetadata) -> torch.Tensor:
         if meta.q_len == 1 and not meta.fresh:
             return triton_ops.paged_decode_attention(
                 q, self.kv.layer_view(layer), meta.block_tables, meta.kv_lens,
                 table_stride=meta.table_stride)
-        return self._sdpa.attend_written(layer, q, k, v, meta)
+        return super().attend_written(layer, q, k, v, meta)
 
 
 def flash_available() -> bool:
