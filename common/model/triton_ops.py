@@ -8,14 +8,15 @@ launches, and a CUDA graph (common/engine/cuda_graphs.py) replays them all at on
 - ``paged_decode_attention``: one query token per sequence over its K/V in the paged
   memory (common/kv/memory.py's layout), split-KV: a program takes one sequence, one KV
   head (its group of query heads together, so each K/V byte is read once) and one slice of
-  the context; a second kernel merges the slices by their log-sum-exps. The kernel reads
+  the context; where a context has several slices (small batches), a second kernel merges
+  them by their log-sum-exps. The kernel reads
   each sequence's length from device memory, so one launch (and one graph) serves any
   lengths; a length of 0 (a padded row) gives zeros.
 - ``write_kv``: the step's new K/V rows into the paged memory; a row of -1 (a padded
   batch row) is skipped.
 - ``rms_norm``, ``add_rms_norm`` (the residual add and the next norm in one pass),
-  ``rope_`` (rotary embedding of q and k in place, cos/sin from the positions),
-  ``silu_mul``.
+  ``rope_qk_`` (rotary embedding of q and k in place in the QKV product, cos/sin from the
+  positions), ``silu_mul``.
 
 Everything runs in Triton's interpreter on the CPU (``TRITON_INTERPRET=1``), which is how
 the tests compare it with the torch path without a GPU. ``available()`` is False where the
