@@ -78,31 +78,54 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     logits = logits.float()
     choose = _adjust(logits, params, outputs)
     choose = choose if bitmask is None else apply_bitmask(choose, bitmask)
-    tokens: list[int] = []
-    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-    greedy = choose[greedy_rows].argmax(-1).tolist() if greedy_rows else []
-    greedy_of = dict(zip(greedy_rows, greedy))
-    for i, p in enumerate(params):
-        if p.greedy:
-            tokens.append(greedy_of[i])
-            continue
-        row = _filter(choose[i] / p.temperature, p.top_k, p.top_p)
-        probs = row.softmax(-1)
-        gen = generators[i]
-        if gen is not None and gen.device != probs.device:  # seeded: the same draw on any device
-            probs = probs.to(gen.device)
-        tokens.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+    tokens = _choose(choose, params, generators)
     out = Sampled(tokens, [None] * len(params), [None] * len(params))
     want = [i for i, p in enumerate(params) if p.logprobs]
-    if want:
+    if want:  # one copy to the host for the chosen tokens' logprobs, one for the tops
         lp = torch.log_softmax(logits[want], dim=-1)
-        for j, i in enumerate(want):
-            out.logprobs[i] = float(lp[j, tokens[i]])
-            k = params[i].top_logprobs
-            if k:
-                best = torch.topk(lp[j], k)
-                out.top[i] = TopLogprobs(best.indices.tolist(), best.values.tolist())
+        picked = torch.tensor([tokens[i] for i in want], device=lp.device)
+        out.logprobs = [None] * len(params)
+        for i, v in zip(want, lp.gather(1, picked[:, None])[:, 0].tolist()):
+            out.logprobs[i] = v
+        k = max(params[i].top_logprobs or 0 for i in want)
+        if k:
+            best = torch.topk(lp, k)
+            for j, (ids, values) in enumerate(zip(best.indices.tolist(), best.values.tolist())):
+                n = params[want[j]].top_logprobs
+                if n:
+                    out.top[want[j]] = TopLogprobs(ids[:n], values[:n])
     return out
+
+
+def _choose(choose: torch.Tensor, params: Sequence[SamplingParams],
+            generators: Sequence[Optional[torch.Generator]]) -> list[int]:
+    """A token per row, all copied to the host at once (a GPU worker's step waits on one
+    copy, not one per row): greedy rows by argmax, unseeded rows in one draw together, a
+    seeded row with its own generator (where that generator lives: the same draw on any
+    device)."""
+    if all(p.greedy for p in params):
+        return choose.argmax(-1).tolist()
+    chosen = torch.empty(len(params), dtype=torch.long, device=choose.device)
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    if greedy_rows:
+        chosen[greedy_rows] = choose[greedy_rows].argmax(-1)
+    free_rows, free_probs = [], []
+    for i, p in enumerate(params):
+        if p.greedy:
+            continue
+        probs = _filter(choose[i] / p.temperature, p.top_k, p.top_p).softmax(-1)
+        gen = generators[i]
+        if gen is None:
+            free_rows.append(i)
+            free_probs.append(probs)
+            continue
+        if gen.device != probs.device:  # a CPU generator: the draw is on the CPU
+            chosen[i] = int(torch.multinomial(probs.to(gen.device), 1, generator=gen)[0])
+        else:
+            chosen[i] = torch.multinomial(probs, 1, generator=gen)[0]
+    if free_rows:
+        chosen[free_rows] = torch.multinomial(torch.stack(free_probs), 1)[:, 0]
+    return chosen.tolist()
 
 
 def make_generator(params: SamplingParams, stream: int) -> Optional[torch.Generator]:

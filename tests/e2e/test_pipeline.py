@@ -16,6 +16,8 @@ from launch.cluster import LocalCluster
 from tests.e2e.conftest import start_cluster, wait_no_leaks
 from tests.multihost.conftest import conductor_metrics, kv_bytes
 
+pytestmark = pytest.mark.e2e  # boots clusters: not in `make test-fast`
+
 WORDS = [f"w{i}" for i in range(50)]
 LONG = " ".join(WORDS[(i * 7) % 50] for i in range(260))  # ~530 tokens: several steps
 # 90 % of LONG, then another ending: served by the other prefill instance (round robin),

@@ -142,3 +142,26 @@ def test_logit_bias_and_penalties_move_the_choice_not_the_logprobs() -> None:
     both = SamplingParams(4, temperature=0, presence_penalty=0.5, frequency_penalty=0.5)
     assert pick(both, [0, 0, 1])[0] == 2  # 3.0 - 1.5 = 1.5, 2.9 - 1.0 = 1.9, 2.0
     assert torch.equal(logits, torch.tensor([[3.0, 2.9, 2.0, 0.0]]))  # left alone
+
+
+def test_a_mixed_batch_draws_each_row_as_it_would_alone() -> None:
+    """Greedy, seeded and unseeded rows in one batch (chosen together, copied to the host
+    at once): the greedy row is the argmax, the seeded row draws what its seed draws alone,
+    the unseeded rows stay within their top-k; each row's logprobs and its own number of
+    top alternatives."""
+    greedy = SamplingParams(1, temperature=0, logprobs=True, top_logprobs=1)
+    seeded = SamplingParams(1, temperature=1.0, top_k=2, seed=7, logprobs=True, top_logprobs=3)
+    free = SamplingParams(1, temperature=1.0, top_k=2, logprobs=True)
+    logits = _logits()[[0, 0, 1, 1]]
+    expected = torch.log_softmax(logits, -1)
+    drawn = set()
+    for seed in range(30):
+        out = sample(logits, [greedy, seeded, free, free], [None, _gen(seed), None, None])
+        alone = sample(logits[1:2], [seeded], [_gen(seed)]).tokens[0]
+        assert out.tokens[0] == 1 and out.tokens[1] == alone
+        assert set(out.tokens[2:]) <= {0, 4}
+        drawn.update(out.tokens[2:])
+        assert out.logprobs == [float(expected[r, t]) for r, t in enumerate(out.tokens)]
+        assert out.top[0].token_ids == [1] and out.top[1].token_ids == [1, 3, 2]
+        assert out.top[2] is None and out.top[3] is None
+    assert drawn == {0, 4}

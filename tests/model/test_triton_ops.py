@@ -1,13 +1,8 @@
-"""The GPU engine's Triton kernels (common/model/triton_ops.py) and its graphed decode step
-(common/engine/cuda_graphs.py), checked on the CPU in Triton's interpreter against the
-torch path: paged decode attention against SDPA over gathered K/V, the fused elementwise
-steps against TorchOps, and a padded decode batch fed from the graphs' static buffers
-against the eager SDPA engine.
-
-The interpreter is chosen when triton is imported (TRITON_INTERPRET=1), so in the main
-test process (where other tests imported it without) one test runs this file again in a
-child process with the variable set. tests/model/test_cuda.py runs the same kernels on a
-GPU.
+"""The GPU engine's Triton kernels and graphed decode step, checked on the CPU: the batch
+ladder here, and the kernels against the torch path in Triton's interpreter
+(tests/model/triton_interpreter_cases.py, run in a child process with TRITON_INTERPRET=1,
+since the interpreter is chosen when triton is imported and other tests import it
+without). tests/model/test_cuda_graphs.py runs the same kernels on a GPU.
 """
 from __future__ import annotations
 
@@ -16,16 +11,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from common.engine.cuda_graphs import batch_ladder, padded_size
 from common.model import triton_ops
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_triton = pytest.mark.skipif(not triton_ops.available(),
-                                  reason="the triton package is not installed")
-in_interpreter = pytest.mark.skipif(not INTERPRETED,
-                                    reason="runs in the child process (TRITON_INTERPRET=1)")
+CASES = os.path.join(os.path.dirname(__file__), "triton_interpreter_cases.py")
 
 
 def test_batch_ladder_and_padding() -> None:
@@ -43,136 +33,10 @@ def test_batch_ladder_and_padding() -> None:
         batch_ladder(0)
 
 
-@needs_triton
-@pytest.mark.skipif(INTERPRETED, reason="this is the child process")
+@pytest.mark.skipif(not triton_ops.available(), reason="the triton package is not installed")
 def test_kernels_in_the_interpreter() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          __file__], env=env, capture_output=True, text=True, timeout=240)
+                          "-rs", CASES], env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "failed" not in run.stdout
-
-
-def _reference(q: torch.Tensor, kv, layer: int, table: torch.Tensor, n: int) -> torch.Tensor:
-    """SDPA of one sequence's query [heads, dim] over its first n tokens."""
-    k, v = kv.gather(layer, table[None])
-    k, v = (x[0, :n].transpose(0, 1).to(q.dtype)[None] for x in (k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(q[None, :, None], k, v,
-                                                           enable_gqa=True)
-    return out.reshape(-1)
-
-
-@in_interpreter
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
-@pytest.mark.parametrize("splits", [1, 3, None])
-@pytest.mark.parametrize("stride_in_memory", [False, True])
-def test_paged_decode_attention_equals_sdpa(dtype: torch.dtype, tol: float, splits,
-                                            stride_in_memory: bool) -> None:
-    from common.kv.memory import PagedKVMemory
-
-    torch.manual_seed(0)
-    kv = PagedKVMemory(64, 3, 16, 2, 32, dtype)
-    kv.data.normal_()
-    lens = [1, 17, 100, 0, 64, 130]  # 0: a padded row
-    width = 9
-    tables = torch.randperm(64)[:len(lens) * width].view(len(lens), width)
-    q = torch.randn(len(lens), 6, 32).to(dtype)  # groups of 3 query heads per KV head
-    stride = None
-    if stride_in_memory:  # a CUDA graph's flat tables
-        stride = torch.tensor([width])
-        flat = torch.cat([tables.reshape(-1), torch.full((20,), -7)])  # junk past the rows
-        out = triton_ops.paged_decode_attention(q, kv.layer_view(1), flat[None],
-                                                torch.tensor(lens), splits, stride)
-    else:
-        out = triton_ops.paged_decode_attention(q, kv.layer_view(1), tables,
-                                                torch.tensor(lens, dtype=torch.int32), splits)
-    assert out.shape == (len(lens), 6 * 32) and out.dtype == dtype
-    for b, n in enumerate(lens):
-        if n == 0:
-            assert torch.count_nonzero(out[b]) == 0
-            continue
-        want = _reference(q[b], kv, 1, tables[b], n)
-        assert torch.allclose(out[b].float(), want.float(), atol=tol, rtol=tol), (b, n)
-
-
-@in_interpreter
-def test_write_kv_writes_rows_and_skips_padding() -> None:
-    from common.kv.memory import PagedKVMemory
-
-    kv, want = PagedKVMemory(6, 2, 4, 2, 8), PagedKVMemory(6, 2, 4, 2, 8)
-    qkv = torch.randn(3, 64)  # strided k and v, as split from the QKV product
-    k, v = qkv[:, 32:48].view(3, 2, 8), qkv[:, 48:].view(3, 2, 8)
-    blocks, positions = torch.tensor([4, 1, 4]), torch.tensor([2, 7, 3])
-    rows = kv.token_rows(blocks, positions)
-    want.write_rows(1, rows[[0, 2]], k[[0, 2]], v[[0, 2]])
-    rows[1] = -1  # a padded row: nothing written
-    triton_ops.write_kv(kv.data, 1, rows, k, v)
-    assert torch.equal(kv.data, want.data)
-
-
-@in_interpreter
-def test_fused_steps_equal_the_torch_path() -> None:
-    from common.model.llama import TorchOps, TritonOps
-    from common.model.rope import inv_frequencies
-    from common.model.config import DUMMY_CONFIGS
-
-    torch.manual_seed(1)
-    h, delta, w = torch.randn(5, 96), torch.randn(5, 96), torch.rand(96) + 0.5
-    assert torch.allclose(TritonOps.rms_norm(h, w, 1e-5), TorchOps.rms_norm(h, w, 1e-5),
-                          atol=1e-5)
-    for got, want in zip(TritonOps.add_rms_norm(h, delta, w, 1e-5),
-                         TorchOps.add_rms_norm(h, delta, w, 1e-5)):
-        assert torch.allclose(got, want, atol=1e-5)
-    gate_up = torch.randn(4, 2 * 1100)  # more than one program a row
-    assert torch.allclose(TritonOps.silu_mul(gate_up), TorchOps.silu_mul(gate_up), atol=1e-5)
-    inv_freq = inv_frequencies(DUMMY_CONFIGS["dummy-llama3-8b"])[:16]  # llama3 scaling
-    positions = torch.tensor([0, 1, 77, 4000])
-    qkv = torch.randn(4, 5 * 32)
-    q, k = qkv[:, :96].view(4, 3, 32), qkv[:, 96:128].view(4, 1, 32)
-    want = TorchOps.rope(inv_freq, positions, torch.float32)(q.clone(), k.clone())
-    got = TritonOps.rope(inv_freq, positions, torch.float32)(q, k)
-    assert got[0].data_ptr() == qkv.data_ptr()  # in place, in the QKV product
-    for g, w in zip(got, want):
-        assert torch.allclose(g, w, atol=2e-4)
-    apart = torch.randn(4, 3, 32), torch.randn(4, 2, 32)  # not side by side: two launches
-    want = TorchOps.rope(inv_freq, positions, torch.float32)(*(x.clone() for x in apart))
-    for g, w in zip(TritonOps.rope(inv_freq, positions, torch.float32)(*apart), want):
-        assert torch.allclose(g, w, atol=2e-4)
-
-
-@in_interpreter
-def test_padded_graph_batch_equals_the_eager_sdpa_engine() -> None:
-    """Three sequences padded to a captured size of 4, fed from the graphs' static buffers
-    (tables flat, their stride in memory), on the Triton path: the eager SDPA engine's
-    logits, and the padded row wrote nothing."""
-    from common.engine import DecodeInput, Engine, EngineConfig
-    from common.engine.cuda_graphs import DecodeGraphs
-    from common.model.llama import TritonOps
-
-    def engine(backend: str) -> Engine:
-        e = Engine(EngineConfig(model="dummy-tiny", num_blocks=64, block_size=16,
-                                attention_backend=backend))
-        if backend == "triton":
-            e.model.ops = TritonOps  # chosen on CUDA only
-        return e
-
-    ids = torch.randint(3, 500, (150,), generator=torch.Generator().manual_seed(1)).tolist()
-    results = []
-    for e in (engine("sdpa"), engine("triton")):
-        a, b = e.pool.allocate(e.blocks_needed(170)), e.pool.allocate(e.blocks_needed(170))
-        first = e.prefill(ids, a)
-        e.prefill(ids[:100], b)
-        before = e.kv.data.clone()
-        batch = [DecodeInput(5, 150, a), DecodeInput(9, 100, b), DecodeInput(3, 101, b)]
-        if e.config.attention_backend == "triton":
-            graphs = DecodeGraphs(e.model, e.attention, e.kv, 8, e.max_context, capture=False)
-            logits = graphs.replay(batch)
-            assert graphs.host[graphs.ROWS * 8 + 3] == -1  # the padded row's KV row
-        else:
-            logits = e.decode_step(batch)
-        changed = (e.kv.data != before).flatten(1).any(1).nonzero().flatten().tolist()
-        results.append((first, logits, changed))
-    (first, want, changed_ref), (got_first, got, changed) = results
-    assert torch.allclose(got_first, first, atol=1e-4)
-    assert torch.allclose(got, want, atol=1e-4)
-    assert changed == changed_ref  # the blocks of positions 150, 100, 101 only
+    assert "15 passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]

@@ -1,0 +1,142 @@
+"""Cases of tests/model/test_triton_ops.py that run in Triton's interpreter: that test
+runs this file in a child process with TRITON_INTERPRET=1 (the interpreter is chosen when
+triton is imported). Not collected by the suite itself (not a test_*.py file).
+
+The GPU engine's kernels (common/model/triton_ops.py) and its graphed decode step
+(common/engine/cuda_graphs.py) against the torch path: paged decode attention against
+SDPA over gathered K/V, the fused elementwise steps against TorchOps, and a padded decode
+batch fed from the graphs' static buffers against the eager SDPA engine.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from common.model import triton_ops
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="run by tests/model/test_triton_ops.py with "
+                                "TRITON_INTERPRET=1")
+
+
+def _reference(q: torch.Tensor, kv, layer: int, table: torch.Tensor, n: int) -> torch.Tensor:
+    """SDPA of one sequence's query [heads, dim] over its first n tokens."""
+    k, v = kv.gather(layer, table[None])
+    k, v = (x[0, :n].transpose(0, 1).to(q.dtype)[None] for x in (k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q[None, :, None], k, v,
+                                                           enable_gqa=True)
+    return out.reshape(-1)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("stride_in_memory", [False, True])
+def test_paged_decode_attention_equals_sdpa(dtype: torch.dtype, tol: float, splits,
+                                            stride_in_memory: bool) -> None:
+    from common.kv.memory import PagedKVMemory
+
+    torch.manual_seed(0)
+    kv = PagedKVMemory(64, 3, 16, 2, 32, dtype)
+    kv.data.normal_()
+    lens = [1, 17, 100, 0, 64, 130]  # 0: a padded row
+    width = 9
+    tables = torch.randperm(64)[:len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), 6, 32).to(dtype)  # groups of 3 query heads per KV head
+    stride = None
+    if stride_in_memory:  # a CUDA graph's flat tables
+        stride = torch.tensor([width])
+        flat = torch.cat([tables.reshape(-1), torch.full((20,), -7)])  # junk past the rows
+        out = triton_ops.paged_decode_attention(q, kv.layer_view(1), flat[None],
+                                                torch.tensor(lens), splits, stride)
+    else:
+        out = triton_ops.paged_decode_attention(q, kv.layer_view(1), tables,
+                                                torch.tensor(lens, dtype=torch.int32), splits)
+    assert out.shape == (len(lens), 6 * 32) and out.dtype == dtype
+    for b, n in enumerate(lens):
+        if n == 0:
+            assert torch.count_nonzero(out[b]) == 0
+            continue
+        want = _reference(q[b], kv, 1, tables[b], n)
+        assert torch.allclose(out[b].float(), want.float(), atol=tol, rtol=tol), (b, n)
+
+
+def test_write_kv_writes_rows_and_skips_padding() -> None:
+    from common.kv.memory import PagedKVMemory
+
+    kv, want = PagedKVMemory(6, 2, 4, 2, 8), PagedKVMemory(6, 2, 4, 2, 8)
+    qkv = torch.randn(3, 64)  # strided k and v, as split from the QKV product
+    k, v = qkv[:, 32:48].view(3, 2, 8), qkv[:, 48:].view(3, 2, 8)
+    blocks, positions = torch.tensor([4, 1, 4]), torch.tensor([2, 7, 3])
+    rows = kv.token_rows(blocks, positions)
+    want.write_rows(1, rows[[0, 2]], k[[0, 2]], v[[0, 2]])
+    rows[1] = -1  # a padded row: nothing written
+    triton_ops.write_kv(kv.data, 1, rows, k, v)
+    assert torch.equal(kv.data, want.data)
+
+
+def test_fused_steps_equal_the_torch_path() -> None:
+    from common.model.llama import TorchOps, TritonOps
+    from common.model.rope import inv_frequencies
+    from common.model.config import DUMMY_CONFIGS
+
+    torch.manual_seed(1)
+    h, delta, w = torch.randn(5, 96), torch.randn(5, 96), torch.rand(96) + 0.5
+    assert torch.allclose(TritonOps.rms_norm(h, w, 1e-5), TorchOps.rms_norm(h, w, 1e-5),
+                          atol=1e-5)
+    for got, want in zip(TritonOps.add_rms_norm(h, delta, w, 1e-5),
+                         TorchOps.add_rms_norm(h, delta, w, 1e-5)):
+        assert torch.allclose(got, want, atol=1e-5)
+    gate_up = torch.randn(4, 2 * 1100)  # more than one program a row
+    assert torch.allclose(TritonOps.silu_mul(gate_up), TorchOps.silu_mul(gate_up), atol=1e-5)
+    inv_freq = inv_frequencies(DUMMY_CONFIGS["dummy-llama3-8b"])[:16]  # llama3 scaling
+    positions = torch.tensor([0, 1, 77, 4000])
+    qkv = torch.randn(4, 5 * 32)
+    q, k = qkv[:, :96].view(4, 3, 32), qkv[:, 96:128].view(4, 1, 32)
+    want = TorchOps.rope(inv_freq, positions, torch.float32)(q.clone(), k.clone())
+    got = TritonOps.rope(inv_freq, positions, torch.float32)(q, k)
+    assert got[0].data_ptr() == qkv.data_ptr()  # in place, in the QKV product
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=2e-4)
+    apart = torch.randn(4, 3, 32), torch.randn(4, 2, 32)  # not side by side: two launches
+    want = TorchOps.rope(inv_freq, positions, torch.float32)(*(x.clone() for x in apart))
+    for g, w in zip(TritonOps.rope(inv_freq, positions, torch.float32)(*apart), want):
+        assert torch.allclose(g, w, atol=2e-4)
+
+
+def test_padded_graph_batch_equals_the_eager_sdpa_engine() -> None:
+    """Three sequences padded to a captured size of 4, fed from the graphs' static buffers
+    (tables flat, their stride in memory), on the Triton path: the eager SDPA engine's
+    logits, and the padded row wrote nothing."""
+    from common.engine import DecodeInput, Engine, EngineConfig
+    from common.engine.cuda_graphs import DecodeGraphs
+    from common.model.llama import TritonOps
+
+    def engine(backend: str) -> Engine:
+        e = Engine(EngineConfig(model="dummy-tiny", num_blocks=64, block_size=16,
+                                attention_backend=backend))
+        if backend == "triton":
+            e.model.ops = TritonOps  # chosen on CUDA only
+        return e
+
+    ids = torch.randint(3, 500, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    results = []
+    for e in (engine("sdpa"), engine("triton")):
+        a, b = e.pool.allocate(e.blocks_needed(170)), e.pool.allocate(e.blocks_needed(170))
+        first = e.prefill(ids, a)
+        e.prefill(ids[:100], b)
+        before = e.kv.data.clone()
+        batch = [DecodeInput(5, 150, a), DecodeInput(9, 100, b), DecodeInput(3, 101, b)]
+        if e.config.attention_backend == "triton":
+            graphs = DecodeGraphs(e.model, e.attention, e.kv, 8, e.max_context, capture=False)
+            logits = graphs.replay(batch)
+            assert graphs.host[graphs.ROWS * 8 + 3] == -1  # the padded row's KV row
+        else:
+            logits = e.decode_step(batch)
+        changed = (e.kv.data != before).flatten(1).any(1).nonzero().flatten().tolist()
+        results.append((first, logits, changed))
+    (first, want, changed_ref), (got_first, got, changed) = results
+    assert torch.allclose(got_first, first, atol=1e-4)
+    assert torch.allclose(got, want, atol=1e-4)
+    assert changed == changed_ref  # the blocks of positions 150, 100, 101 only
