@@ -48,7 +48,8 @@ python3 -c "from mooncake.engine import TransferEngine; print('transfer engine i
 cuda_tests() {
   log "CUDA tests"
   timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/model/test_cuda.py \
-    tests/model/test_cuda_graphs.py tests/model/test_flash_attention.py 2>&1 | tee "$OUT/pytest.log" | grep -v "^[IWE][0-9]" | tail -25
+    tests/model/test_cuda_graphs.py tests/model/test_flash_attention.py 2>&1 \
+    | tee "$OUT/pytest.log" | grep -v "^[IWE][0-9]" | tail -25
 }
 
 live_pipeline() {  # [pytest -k expression]
@@ -61,12 +62,13 @@ live_pipeline() {  # [pytest -k expression]
 
 engine_figures() {
   log "engine and KV path (benchmarks/gpu.py)"
-  timeout 150 python3 benchmarks/gpu.py 2>&1 | tee "$OUT/gpu.log" | grep -v "^[IWE][0-9]" | tail -30
+  timeout 240 python3 benchmarks/gpu.py 2>&1 | tee "$OUT/gpu.log" | grep -v "^[IWE][0-9]" | tail -30
 }
 
 engine_only() {  # issue 25: decode graphs and kernels, prefill, the floor; JSON kept
   log "engine figures (benchmarks/gpu.py --no-kv)"
-  timeout 220 python3 benchmarks/gpu.py --no-kv ${SWEEP:+--sweep} --out "$OUT/gpu.json" 2>&1 | tee "$OUT/gpu.log" \
+  timeout 220 python3 benchmarks/gpu.py --no-kv ${SWEEP:+--sweep} --out "$OUT/gpu.json" 2>&1 \
+    | tee "$OUT/gpu.log" \
     | grep -v "^[IWE][0-9]" | tail -30
 }
 
