@@ -75,15 +75,42 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     c.stop()
 
 
-def shaped_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-                   shapes: dict[str, tuple[int, str]]) -> Iterator[LocalCluster]:
-    """The body of a module's cluster fixture parametrized over ``shapes`` (name → (HTTP
-    port, extra config lines); ``yield from``): one cluster of the shape, no store."""
-    port, extra = shapes[request.param]
-    c = start_cluster(tmp_path_factory.mktemp(request.param), http=port, base=port + 5,
-                      store=False, extra=extra)
-    yield c
-    c.stop()
+# Clusters the modules share, by shape (name → (HTTP port, store on, extra config lines)):
+# request tests (API fields, tools, choices, logprobs, structured outputs, colocated
+# serving) need a shape, not a cluster of their own; each leaves no block held
+# (``wait_no_leaks``).
+SHAPES = {
+    "disaggregated": (22000, False, ""),
+    "pipeline": (22020, False, "prefill_stages = 2\n"),
+    "colocated": (22040, True, 'mode = "colocated"\ntoken_budget = 48\n'),
+}
+
+
+class SharedClusters:
+    """One cluster a shape, booted when a test first asks for it and stopped when the e2e
+    package ends."""
+
+    def __init__(self, tmp: pytest.TempPathFactory) -> None:
+        self._tmp = tmp
+        self._up: dict[str, LocalCluster] = {}
+
+    def get(self, shape: str) -> LocalCluster:
+        if shape not in self._up:
+            port, store, extra = SHAPES[shape]
+            self._up[shape] = start_cluster(self._tmp.mktemp(shape), http=port,
+                                            base=port + 5, store=store, extra=extra)
+        return self._up[shape]
+
+    def stop(self) -> None:
+        for cluster in self._up.values():
+            cluster.stop()
+
+
+@pytest.fixture(scope="package")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedClusters]:
+    clusters = SharedClusters(tmp_path_factory)
+    yield clusters
+    clusters.stop()
 
 
 def wait_no_leaks(cluster: LocalCluster, timeout_s: float = 10.0) -> list[dict]:

@@ -5,13 +5,13 @@ usage.prompt_tokens_details.cached_tokens, vLLM extensions in ``extra_body``); /
 counts exactly the prompt tokens a generation request is billed for."""
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 
 from launch.cluster import LocalCluster
-from tests.e2e.conftest import start_cluster, wait_no_leaks
+from tests.e2e.conftest import SharedClusters, wait_no_leaks
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.e2e
@@ -22,11 +22,8 @@ SYSTEM = "You are a terse geography assistant. Answer in one short sentence. " *
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = start_cluster(tmp_path_factory.mktemp("api_fields"), http=21700, base=21720,
-                      store=False)
-    yield c
-    c.stop()
+def cluster(shared: SharedClusters) -> LocalCluster:
+    return shared.get("disaggregated")
 
 
 @pytest.fixture(scope="module")

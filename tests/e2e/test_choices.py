@@ -5,30 +5,24 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 from openai import OpenAI
 
 from launch.cluster import LocalCluster
-from tests.e2e.conftest import shaped_cluster, wait_no_leaks
+from tests.e2e.conftest import SHAPES, SharedClusters, wait_no_leaks
 
 pytestmark = pytest.mark.e2e
 
-SHAPES = {  # name → (ports, extra config)
-    "disaggregated": (22000, ""),
-    "pipeline": (22020, "prefill_stages = 2\n"),
-    "colocated": (22040, 'mode = "colocated"\n'),
-}
 MESSAGES = [{"role": "user", "content": "Write a short poem about the sea."}]
 PROMPT = "Once upon a time, in a small village by the mountains,"
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
-def cluster(request: pytest.FixtureRequest,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    yield from shaped_cluster(request, tmp_path_factory, SHAPES)
+def cluster(request: pytest.FixtureRequest, shared: SharedClusters) -> LocalCluster:
+    return shared.get(request.param)
 
 
 @pytest.fixture(scope="module")

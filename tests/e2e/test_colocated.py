@@ -3,13 +3,12 @@ router and conductor. Its greedy outputs equal the engine run alone and the
 disaggregated cluster's; aborts and bad input leave no block behind."""
 from __future__ import annotations
 
-from typing import Iterator
 
 import httpx
 import pytest
 
 from launch.cluster import LocalCluster
-from tests.e2e.conftest import start_cluster, wait_no_leaks
+from tests.e2e.conftest import SharedClusters, wait_no_leaks
 from tests.e2e.test_serving import PARIS, all_at_once, chunk_text, engine_alone, stream_chat
 
 pytestmark = pytest.mark.e2e
@@ -20,11 +19,8 @@ PROMPTS = ["What is the capital of France?", "Name three primary colours.",
 
 
 @pytest.fixture(scope="module")
-def colocated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = start_cluster(tmp_path_factory.mktemp("colocated"), http=19450, base=20000,
-                      extra='mode = "colocated"\ntoken_budget = 48')
-    yield c
-    c.stop()
+def colocated(shared: SharedClusters) -> LocalCluster:
+    return shared.get("colocated")
 
 
 def test_only_a_colocated_worker_runs(colocated: LocalCluster) -> None:

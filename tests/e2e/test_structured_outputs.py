@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import jsonschema
 import pytest
 
 from launch.cluster import LocalCluster
-from tests.e2e.conftest import start_cluster, wait_no_leaks
+from tests.e2e.conftest import SharedClusters, wait_no_leaks
 
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
@@ -38,21 +38,9 @@ CITIES = ["Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Rome", "Delhi", "Sydney", 
           "Toronto", "Berlin", "Seoul", "Madrid", "Lagos", "Hanoi", "Quito", "Dublin",
           "Vienna", "Manila", "Santiago"]
 MAX_TOKENS = 200  # a CITY document is at most ~150 tokens (its strings are bounded)
-SHAPES = {"disaggregated": (21900, ""), "pipeline": (21930, "prefill_stages = 2\n"),
-          "colocated": (21960, 'mode = "colocated"\n')}
-
-
-def _cluster(tmp: pytest.TempPathFactory, shape: str) -> LocalCluster:
-    port, extra = SHAPES[shape]
-    return start_cluster(tmp.mktemp(shape), http=port, base=port + 5, store=False,
-                         extra=extra)
-
-
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = _cluster(tmp_path_factory, "disaggregated")
-    yield c
-    c.stop()
+def cluster(shared: SharedClusters) -> LocalCluster:
+    return shared.get("disaggregated")
 
 
 def _ask(city: str) -> list[dict]:
@@ -158,16 +146,12 @@ def test_named_tool_call(cluster: LocalCluster) -> None:
 
 
 @pytest.mark.parametrize("shape", ["pipeline", "colocated"])
-def test_first_token_on_every_sampler(tmp_path_factory: pytest.TempPathFactory,
-                                      shape: str) -> None:
+def test_first_token_on_every_sampler(shared: SharedClusters, shape: str) -> None:
     """The first token is sampled under the grammar on a group's last stage and on a
     colocated worker too, and the decode side continues from the same state."""
-    c = _cluster(tmp_path_factory, shape)
-    try:
-        bodies = [{"messages": _ask(city), "response_format": FORMAT,
-                   "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": i}
-                  for i, city in enumerate(CITIES[:4])]
-        _documents(asyncio.run(_batch(c.url, bodies)), CITY)
-        wait_no_leaks(c)
-    finally:
-        c.stop()
+    c = shared.get(shape)
+    bodies = [{"messages": _ask(city), "response_format": FORMAT,
+               "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": i}
+              for i, city in enumerate(CITIES[:4])]
+    _documents(asyncio.run(_batch(c.url, bodies)), CITY)
+    wait_no_leaks(c)

@@ -8,14 +8,14 @@ and add up to the whole answer; no KV block is left behind."""
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import jsonschema
 import pytest
 
 from launch.cluster import LocalCluster
-from tests.e2e.conftest import start_cluster, wait_no_leaks
+from tests.e2e.conftest import SharedClusters, wait_no_leaks
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.e2e
@@ -37,10 +37,8 @@ PARAMS = {"get_weather": CITY, "get_forecast": DAYS,
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = start_cluster(tmp_path_factory.mktemp("tools"), http=22100, base=22105, store=False)
-    yield c
-    c.stop()
+def cluster(shared: SharedClusters) -> LocalCluster:
+    return shared.get("disaggregated")
 
 
 @pytest.fixture(scope="module")

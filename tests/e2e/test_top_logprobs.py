@@ -12,17 +12,12 @@ import torch
 
 from common.engine import Engine, EngineConfig
 from launch.cluster import LocalCluster
-from tests.e2e.conftest import shaped_cluster, wait_no_leaks
+from tests.e2e.conftest import SHAPES, SharedClusters, wait_no_leaks
 
 pytestmark = pytest.mark.e2e
 
 K, TOKENS, ATOL = 5, 6, 2e-3
 MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
-SHAPES = {  # name → (ports, extra config)
-    "disaggregated": (21620, ""),
-    "pipeline": (21640, "prefill_stages = 2\n"),
-    "colocated": (21660, 'mode = "colocated"\n'),
-}
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +26,8 @@ def engine() -> Iterator[Engine]:
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))
-def cluster(request: pytest.FixtureRequest,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    yield from shaped_cluster(request, tmp_path_factory, SHAPES)
+def cluster(request: pytest.FixtureRequest, shared: SharedClusters) -> LocalCluster:
+    return shared.get(request.param)
 
 
 def reference(engine: Engine, ids: list[int]) -> tuple[list[int], list[float]]:
