@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from common.cpu import CpuConfig
+from common.kv.dtypes import resolve_kv_dtype
 from common.security import SecurityConfig
 from common.store.metadata import MetadataConfig
 
@@ -216,6 +217,13 @@ class ClusterConfig:
                 raise ValueError(f"[hosts] {role} lists {listed} addresses but the cluster "
                                  f"has {count} {role} process(es): index {count} and up "
                                  f"do not exist")
+        self.kv_storage_dtype  # an unknown kv_dtype fails the config, not a worker's start
+
+    @property
+    def kv_storage_dtype(self) -> str:
+        """The dtype every worker's paged KV is stored in (``kv_dtype``; ``auto``: the
+        decode dtype), and the one the router's block keys name: resolved here only."""
+        return resolve_kv_dtype(self.dtype, self.kv_dtype)
 
     def step_budget(self, role: str) -> int:
         if self.token_budget is not None:

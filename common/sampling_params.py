@@ -32,7 +32,7 @@ class SamplingParams:
     top_logprobs: int = 0  # and the k most likely tokens at each position, with theirs
     # OpenAI's response_format as canonical JSON text (json_object, json_schema or an
     # xgrammar structural_tag: tool calls), or
-    # None: free text. Text keeps the type frozen and hashable; common/engine/grammar.py
+    # None: free text. Text keeps the type frozen and hashable; common/grammar.py
     # compiles it (once per distinct value) into the grammar that masks each token.
     response_format: Optional[str] = None
     # Sequences to sample from the one prompt (OpenAI's ``n``, or ``best_of``): one
@@ -99,7 +99,7 @@ class SamplingParams:
 
 
 def _check_response_format(text: str) -> None:
-    """The shape common/engine/grammar.py relies on (the router built it; a malformed
+    """The shape common/grammar.py relies on (the router built it; a malformed
     frame is refused here rather than on the worker's sampling path)."""
     try:
         fmt = json.loads(text)

@@ -13,7 +13,6 @@ from common.drain import current as current_drain
 from common.engine import Engine, EngineConfig
 from common.host import host_id
 from common.kv.events import BlockEventMsg
-from common.kv.memory import resolve_kv_dtype
 from common.kv.shm_kv import close_at_exit, worker_segment
 from common.mailbox import Mailbox
 from common.protocol import (KVResync, KVSnapshot, ReRegister, RegisterWorker, RequestFailed,
@@ -32,7 +31,7 @@ def engine_config(config: ClusterConfig, role: str, index: int = 0) -> EngineCon
         stage=stage,
         model=config.model,
         dtype=(config.prefill_dtype or config.dtype) if role == "prefill" else config.dtype,
-        kv_dtype=resolve_kv_dtype(config.dtype, config.kv_dtype),  # one KV dtype for all
+        kv_dtype=config.kv_storage_dtype,  # one KV dtype for all
         device=config.device,
         block_size=config.block_size,
         num_blocks=config.prefill_blocks if role == "prefill" else config.decode_blocks,

@@ -21,7 +21,7 @@ import torch
 from common.config import ClusterConfig
 from common.engine.config import DecodeInput, EngineConfig, PrefillChunk
 from common.engine.errors import EngineInputError
-from common.engine.grammar import GrammarError
+from common.grammar import GrammarError
 from common.idle_check import IdleCheck
 from common.kv.block_keys import compute_block_keys
 from common.kv.block_pool import BlockPool
@@ -321,7 +321,7 @@ async def run_until(loop: Awaitable[None], done: Callable[[], bool], timeout_s: 
 
 
 class BrokenGrammars:
-    """A worker's grammars (common/engine/grammar.py) that cannot compile any schema:
+    """A worker's grammars (common/grammar.py) that cannot compile any schema:
     what a worker does when the router accepted one it cannot."""
 
     def prefetch(self, params: SamplingParams) -> None:

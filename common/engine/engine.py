@@ -15,7 +15,8 @@ from common.engine.config import DecodeInput, EngineConfig, PrefillChunk, stage_
 from common.engine.errors import EngineInputError, UnknownModelError
 from common.kv.block_keys import compute_block_keys, model_fingerprint
 from common.kv.block_pool import BlockPool
-from common.kv.memory import KV_DTYPES, PagedKVMemory, resolve_kv_dtype
+from common.kv.dtypes import resolve_kv_dtype
+from common.kv.memory import KV_DTYPES, PagedKVMemory
 from common.engine.cuda_graphs import DecodeGraphs
 from common.model.attention import AttnMetadata, TritonAttention, make_backend, splits_chunks
 from common.model.config import ModelConfig

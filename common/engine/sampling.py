@@ -1,5 +1,5 @@
 """Sampling: greedy, temperature, top-k, top-p, per-request seeded generators, logprobs
-and top alternatives, and a grammar's token bitmask (common/engine/grammar.py).
+and top alternatives, and a grammar's token bitmask (common/grammar.py).
 
 The parameters are common/sampling_params.py's ``SamplingParams``, the very object the
 router validated and the wire carried."""
@@ -10,7 +10,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from common.engine.grammar import Grammars, apply_bitmask
+from common.grammar import Grammars, apply_bitmask
 from common.sampling_params import SampledToken, SamplingParams, TopLogprobs
 
 
@@ -142,7 +142,7 @@ def sample_first(logits: torch.Tensor, params: SamplingParams,
     """A request's first tokens, one per choice (``params.n``), from its prompt's last
     logits row [V] (the prefill side): choice i is sampled with ``params.choice(i)`` under
     a fresh matcher of the grammar if there is one (the decode worker advances its own
-    matcher with the token: common/engine/grammar.py)."""
+    matcher with the token: common/grammar.py)."""
     choices = [params.choice(i) for i in range(params.n)]
     bitmask = grammars.bitmask([grammars.matcher(p) for p in choices])
     sampled = sample(logits.unsqueeze(0).expand(len(choices), -1), choices,

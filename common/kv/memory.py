@@ -17,19 +17,12 @@ from typing import Optional, Sequence
 
 import torch
 
+from common.kv.dtypes import KV_DTYPE_NAMES
 from common.store.shm import Segment
 
 log = logging.getLogger(__name__)
 
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_kv_dtype(compute_dtype: str, kv_dtype: str) -> str:
-    """The KV dtype's name: ``"auto"`` means the compute dtype. Raises on unknown names."""
-    name = compute_dtype if kv_dtype == "auto" else kv_dtype
-    if name not in KV_DTYPES:
-        raise ValueError(f"unknown KV dtype {kv_dtype!r} (auto or one of {sorted(KV_DTYPES)})")
-    return name
+KV_DTYPES = {name: getattr(torch, name) for name in KV_DTYPE_NAMES}
 
 
 class PagedKVMemory:

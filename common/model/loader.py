@@ -11,16 +11,18 @@ import glob
 import importlib.util
 import json
 import os
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
 import xxhash
 
 from common.model.config import DUMMY_CONFIGS, ModelConfig, config_from_hf
 
 DEFAULT_MODEL = "smollm2-135m"
 _CACHE_VERSION = "v1"
-ModelSource = tuple[ModelConfig, dict[str, torch.Tensor], Optional[dict[str, Any]]]
+if TYPE_CHECKING:  # the router reads configs and tokenizers here and never imports torch
+    import torch
+
+ModelSource = tuple[ModelConfig, "dict[str, torch.Tensor]", Optional[dict[str, Any]]]
 
 
 class ModelNotFoundError(ValueError):

@@ -25,7 +25,7 @@ from common.engine import DecodeInput
 from common.engine.batching import plan_chunks
 from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
-from common.engine.grammar import GrammarError
+from common.grammar import GrammarError
 from common.engine.sampling import sample_first
 from common.protocol import AbortRequest, PrefillDone, PrefillTask, RequestFailed, WorkerLoad
 from common.security import clamp_deadline

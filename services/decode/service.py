@@ -14,7 +14,7 @@ import torch
 from common.config import ClusterConfig
 from common.mailbox import serve_inbox
 from common.engine import DecodeInput
-from common.engine.grammar import GrammarError, Grammars
+from common.grammar import GrammarError, Grammars
 from common.engine.sampling import make_generator, sample
 from common.idle_check import IdleCheck
 from common.security import clamp_deadline

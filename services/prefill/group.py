@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from common.engine.grammar import GrammarError
+from common.grammar import GrammarError
 from common.host import host_id
 from common.kv.hidden import HiddenRoute, HiddenSender
 from common.mailbox import Mailbox

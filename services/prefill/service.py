@@ -25,7 +25,7 @@ from common.config import ClusterConfig
 from common.engine.batching import plan_chunks
 from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
-from common.engine.grammar import GrammarError
+from common.grammar import GrammarError
 from common.engine.sampling import Grammars, sample_first
 from common.host import host_id
 from common.idle_check import IdleCheck

@@ -25,7 +25,7 @@ import torch
 
 from common.config import ClusterConfig
 from common.engine.config import PrefillChunk
-from common.engine.grammar import GrammarError
+from common.grammar import GrammarError
 from common.engine.sampling import Grammars, sample_first
 from common.host import host_id
 from common.kv.hidden import HiddenInbox

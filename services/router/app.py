@@ -9,7 +9,6 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from common.config import ClusterConfig
-from common.kv.memory import resolve_kv_dtype
 from common.mailbox import Mailbox, serve_inbox
 from services.router.auth import api_key_middleware, load_api_keys
 from services.router.block_hashing import make_block_hasher
@@ -71,7 +70,7 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
     """Serve until cancelled: load the tokenizer, bind the inbox, listen on HTTP."""
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
     hasher = make_block_hasher(config.block_size, tokenizer.model_config,
-                               resolve_kv_dtype(config.dtype, config.kv_dtype))
+                               config.kv_storage_dtype)
     mailbox = Mailbox(config.inbox("router", bind=True), "router")
     state = RouterState(config, mailbox, tokenizer, hasher)
     state.drain.until(lambda: not state.streams)  # SIGTERM: finish the streams in flight

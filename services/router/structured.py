@@ -1,5 +1,5 @@
 """Structured outputs: ``response_format`` and ``tool_choice`` become the one grammar
-the workers sample under (SamplingParams.response_format; common/engine/grammar.py
+the workers sample under (SamplingParams.response_format; common/grammar.py
 compiles it). A schema xgrammar cannot compile is refused here, before any work, with a
 400 naming the field that carried it.
 
@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from common.engine.grammar import check_response_format
+from common.grammar import check_response_format
 from services.router.errors import ApiError, invalid
 from services.router.tool_calls import CALL_BEGIN, CALL_END, call_begin
 

@@ -1,4 +1,4 @@
-"""Grammar-constrained sampling (common/engine/grammar.py) with smollm2's real tokenizer:
+"""Grammar-constrained sampling (common/grammar.py) with smollm2's real tokenizer:
 one compile per response format, masks that change the choice, and whole JSON documents
 sampled from random logits under the mask that parse and validate."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import torch
 
-from common.engine.grammar import Grammars, check_response_format, tokenizer_info
+from common.grammar import Grammars, check_response_format, tokenizer_info
 from common.engine.sampling import sample, sample_first
 from common.model.loader import load_model_source
 from common.model.tokenizer import ByteTokenizer, Tokenizer

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.config import ClusterConfig
 from common.engine import DecodeInput, Engine, EngineConfig, SamplingParams, generate
 from common.engine.errors import EngineInputError
 from common.kv.block_keys import model_fingerprint
-from common.kv.memory import resolve_kv_dtype
+from common.kv.dtypes import resolve_kv_dtype
 from services.router.block_hashing import make_block_hasher
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -37,6 +38,12 @@ def test_resolution_and_errors() -> None:
         resolve_kv_dtype("float32", "int8")
     with pytest.raises(EngineInputError, match="unknown KV dtype"):
         Engine(EngineConfig(model="dummy-tiny", num_blocks=4, kv_dtype="fp8"))
+    # a cluster resolves it once, when its config is read: the router's block keys and
+    # every worker's KV use that one value
+    assert ClusterConfig(dtype="bfloat16").kv_storage_dtype == "bfloat16"
+    assert ClusterConfig(kv_dtype="float16").kv_storage_dtype == "float16"
+    with pytest.raises(ValueError, match="unknown KV dtype 'fp8'"):
+        ClusterConfig(kv_dtype="fp8")
 
 
 def test_float32_kv_is_exactly_as_before(smol: Engine) -> None:

@@ -102,7 +102,7 @@ def test_out_of_blocks_frees_everything(tiny: Engine) -> None:
 def test_first_tokens_of_n_choices() -> None:
     """Greedy choices agree; seeded ones are reproducible, each choice has its own seed
     (choice 0 samples what n = 1 does), and the logprobs are the same distribution's."""
-    from common.engine.grammar import Grammars
+    from common.grammar import Grammars
     from common.engine.sampling import sample_first
 
     grammars = Grammars(lambda: None)  # no response_format: never asked for a grammar

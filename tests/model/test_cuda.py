@@ -123,7 +123,7 @@ def test_a_json_schema_document_sampled_on_cuda_parses() -> None:
     and names the required key, and each token is what the CPU draws from the same row."""
     import json
 
-    from common.engine.grammar import Grammars, tokenizer_info
+    from common.grammar import Grammars, tokenizer_info
     from common.engine.sampling import make_generator, sample
     from common.model.tokenizer import ByteTokenizer
     from common.sampling_params import SamplingParams

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.engine.grammar import GrammarError
+from common.grammar import GrammarError
 from common.protocol import Fence
 from common.sampling_params import SampledToken
 from common.stage_protocol import StageReport

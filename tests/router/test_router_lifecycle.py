@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import time
 
 import openai
@@ -136,3 +138,14 @@ def test_concurrent_requests_do_not_mix(router: str, fake: FakeCluster) -> None:
     assert all(rid == text for rid, text in results)
     assert len({rid for rid, _ in results}) == 48
     assert 'crescent_router_requests_in_flight 0.0' in get(router, "/metrics").body.decode()
+
+
+def test_the_router_starts_without_torch_or_xgrammar() -> None:
+    """The router tokenizes and validates; it never runs a model. Importing it must not
+    pull torch, transformers or xgrammar (about 4 s of CPU at every cluster's start);
+    xgrammar comes with the first response_format it checks."""
+    code = ("import sys, services.router.app; "
+            "print(sorted(m for m in ('torch', 'transformers', 'xgrammar') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    assert out.strip() == "[]"

@@ -28,14 +28,25 @@ import json
 import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional, Sequence
-
-import torch
-import xgrammar as xgr
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from common.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    import torch
+    import xgrammar as xgr
+
 MAX_COMPILED = 64  # distinct response formats a worker keeps compiled
+
+
+@functools.cache
+def _xgr() -> ModuleType:
+    """xgrammar, imported at a process's first grammar: it imports transformers and torch,
+    about a second of CPU that a router or worker serving free text never spends."""
+    import xgrammar
+
+    return xgrammar
 
 
 def _schema_of(response_format: str) -> tuple[str, bool]:
@@ -58,7 +69,7 @@ def _compact(node: Any) -> Any:
         return node
     if node.get("type") == "json_schema" and "json_schema" in node:
         schema = json.dumps(node["json_schema"])
-        ebnf = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
+        ebnf = _xgr().Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)
         return {"type": "grammar", "grammar": str(ebnf)}
     return {k: _compact(v) for k, v in node.items()}
 
@@ -80,10 +91,10 @@ def check_response_format(response_format: str) -> None:
         tag = _structural_tag(response_format)
         if tag is not None:
             what = "the structural tag (or a JSON schema in it)"
-            xgr.Grammar.from_structural_tag(tag)
+            _xgr().Grammar.from_structural_tag(tag)
             return
         schema, strict = _schema_of(response_format)
-        xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+        _xgr().Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
     except Exception as exc:  # xgrammar raises RuntimeError/ValueError/InvalidJSONError
         why = re.sub(r"^\[[^\]]*\] \S+: ", "", str(exc)).strip()  # xgrammar's log prefix
         raise ValueError(f"{what} cannot be compiled to a grammar: {why}") from exc
@@ -96,12 +107,12 @@ def tokenizer_info(tokenizer: Any, vocab_size: int,
     if hasattr(tokenizer, "_tk"):
         from transformers import PreTrainedTokenizerFast
         hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer._tk)
-        return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size,
+        return _xgr().TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_token_ids))
     off = tokenizer.OFFSET
     vocab = [b""] * off + [bytes([b]) for b in range(256)]
     vocab += [b""] * (vocab_size - len(vocab))
-    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
+    return _xgr().TokenizerInfo(vocab, _xgr().VocabType.RAW, vocab_size=vocab_size,
                              stop_token_ids=list(stop_token_ids))
 
 
@@ -163,7 +174,7 @@ class Grammars:
     def _compile(self, response_format: str) -> xgr.CompiledGrammar:
         if self._compiler is None:
             info = self._info()
-            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+            self._compiler = _xgr().GrammarCompiler(info, cache_enabled=False)
             self._vocab = info.vocab_size
         self.compiles += 1
         tag = _structural_tag(response_format)
@@ -177,7 +188,7 @@ class Grammars:
         """A fresh matcher for a constrained request, None for a free one."""
         if params.response_format is None:
             return None
-        return xgr.GrammarMatcher(self.compiled(params.response_format))
+        return _xgr().GrammarMatcher(self.compiled(params.response_format))
 
     def bitmask(self, matchers: Sequence[Optional[xgr.GrammarMatcher]]
                 ) -> Optional[torch.Tensor]:
@@ -186,7 +197,7 @@ class Grammars:
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return None
-        mask = xgr.allocate_token_bitmask(len(matchers), self._vocab)
+        mask = _xgr().allocate_token_bitmask(len(matchers), self._vocab)
         for i in rows:
             matchers[i].fill_next_token_bitmask(mask, i)
         return mask
@@ -195,5 +206,5 @@ class Grammars:
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """A copy of ``logits`` [B, V] with the tokens ``bitmask`` forbids set to -inf."""
     masked = logits.clone()
-    xgr.apply_token_bitmask_inplace(masked, bitmask.to(masked.device))
+    _xgr().apply_token_bitmask_inplace(masked, bitmask.to(masked.device))
     return masked
