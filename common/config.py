@@ -29,6 +29,9 @@ FIRST_INSTANCE_PORT = 10
 MOVED_KEYS = {"use_store": "store.enabled", "store_nodes": "store.nodes",
               "store_segment_bytes": "store.segment_bytes", "store_ssd_bytes": "store.ssd_bytes",
               "store_ssd_dir": "store.ssd_dir"}
+# Keys that did nothing and are gone, so an old config fails saying why.
+REMOVED_KEYS = {"prefill_chunk": "a cluster's workers chunk prompts by token_budget "
+                                 "(tokens per engine step); delete the line"}
 
 
 SINGLE_ROLES = ("router", "conductor", "store_master")
@@ -121,15 +124,14 @@ class PrefillPlace:
     head: int
 
 
-def default_layerwise(data: dict[str, Any]) -> bool:
+def default_layerwise(device: str, transfer_protocol: str, prefill_stages: int) -> bool:
     """``kv_layerwise`` when a config leaves it out: true, except for KV in GPU memory over
     TCP, where whole blocks after the prefill reached the first token 2.5-2.8x sooner than
     layer-wise on an H200 (BENCHMARKS.md, "GPU": layer-wise moves each layer of a block as
     its own piece, 32x the pieces of whole blocks, from GPU memory at half the host rate).
     RDMA is not measured; it keeps layer-wise. A pipeline is always layer-wise."""
-    gpu_tcp = (str(data.get("device", "cpu")).startswith("cuda")
-               and data.get("transfer_protocol", "tcp") == "tcp")
-    return not gpu_tcp or data.get("prefill_stages", 1) > 1
+    gpu_tcp = str(device).startswith("cuda") and transfer_protocol == "tcp"
+    return not gpu_tcp or prefill_stages > 1
 
 
 @dataclass
@@ -165,13 +167,13 @@ class ClusterConfig:
     # computed, a cached prefix loads from it layer by layer while the rest computes, and
     # KV streams to the decode worker per layer. False: whole blocks after the prefill (to
     # the decode worker and the store) and before it (from the store): the baseline.
-    # Left out of the TOML: ``default_layerwise`` (true, except GPU KV over TCP).
-    kv_layerwise: bool = True
+    # None (left out): ``default_layerwise`` (true, except GPU KV over TCP), resolved when
+    # the config is made: every reader sees a bool.
+    kv_layerwise: Optional[bool] = None
     decode_workers: int = 1
     block_size: int = 16
     prefill_blocks: int = 1024
     decode_blocks: int = 2048
-    prefill_chunk: int = 512
     # "disaggregated": prefill and decode pools; "colocated": colocated_workers workers that
     # each prefill and decode in the same steps (the in-project baseline; one small box).
     mode: str = "disaggregated"
@@ -207,6 +209,29 @@ class ClusterConfig:
     supervise: SuperviseConfig = field(default_factory=SuperviseConfig)  # [supervise]
 
     def __post_init__(self) -> None:
+        """Every check and derived default, however the config is made (``from_dict``, a
+        TOML file, or ``ClusterConfig(...)`` in code)."""
+        if self.prefill_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"prefill_dtype must be float32, bfloat16 or float16, not "
+                             f"{self.prefill_dtype!r}")
+        if not isinstance(self.prefill_stages, int) or self.prefill_stages < 1:
+            raise ValueError(f"prefill_stages must be a positive integer, not "
+                             f"{self.prefill_stages!r}")
+        groups = self.prefill_groups
+        if groups is not None and (not isinstance(groups, int) or not
+                                   0 <= groups <= self.prefill_workers):
+            raise ValueError(f"prefill_groups must be an integer from 0 to prefill_workers "
+                             f"({self.prefill_workers}), not {groups!r}")
+        if groups and self.prefill_stages == 1:
+            raise ValueError("prefill_groups needs prefill_stages > 1 (the processes per group)")
+        if self.prefill_stages > 1 and groups != 0 and self.kv_layerwise is False:
+            raise ValueError("prefill_stages > 1 needs kv_layerwise = true: each stage moves "
+                             "its own layers of a block, so store I/O is layer-wise")
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ValueError(f"mode must be 'disaggregated' or 'colocated', not {self.mode!r}")
+        if self.kv_layerwise is None:
+            self.kv_layerwise = default_layerwise(self.device, self.transfer_protocol,
+                                                  self.prefill_stages)
         if not _is_address(self.host):
             raise ValueError(f"host must be an address (a non-empty string), not {self.host!r}")
         if not isinstance(self.bind_host, str) or self.bind_host != self.bind_host.strip():
@@ -324,27 +349,10 @@ class ClusterConfig:
         if moved:
             raise ValueError("config keys moved: " + ", ".join(
                 f"{k} is now {MOVED_KEYS[k]} ([store] table)" for k in moved))
-        if data.get("prefill_dtype") not in (None, "float32", "bfloat16", "float16"):
-            raise ValueError(f"prefill_dtype must be float32, bfloat16 or float16, not "
-                             f"{data['prefill_dtype']!r}")
-        if not isinstance(data.get("prefill_stages", 1), int) or data.get("prefill_stages", 1) < 1:
-            raise ValueError(f"prefill_stages must be a positive integer, not "
-                             f"{data['prefill_stages']!r}")
-        groups = data.get("prefill_groups")
-        if groups is not None and (not isinstance(groups, int) or not
-                                   0 <= groups <= data.get("prefill_workers", 1)):
-            raise ValueError(f"prefill_groups must be an integer from 0 to prefill_workers "
-                             f"({data.get('prefill_workers', 1)}), not {groups!r}")
-        if groups and data.get("prefill_stages", 1) == 1:
-            raise ValueError("prefill_groups needs prefill_stages > 1 (the processes per group)")
-        if (data.get("prefill_stages", 1) > 1 and groups != 0
-                and data.get("kv_layerwise") is False):
-            raise ValueError("prefill_stages > 1 needs kv_layerwise = true: each stage moves "
-                             "its own layers of a block, so store I/O is layer-wise")
-        if data.get("mode", "disaggregated") not in ("disaggregated", "colocated"):
-            raise ValueError(f"mode must be 'disaggregated' or 'colocated', not {data['mode']!r}")
-        if "kv_layerwise" not in data:
-            data = dict(data, kv_layerwise=default_layerwise(data))
+        removed = sorted(set(data) & set(REMOVED_KEYS))
+        if removed:
+            raise ValueError("config keys removed: " + "; ".join(
+                f"{k}: {REMOVED_KEYS[k]}" for k in removed))
         return _build(cls, data, "")
 
     @classmethod

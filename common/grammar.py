@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
@@ -40,12 +41,17 @@ if TYPE_CHECKING:
 MAX_COMPILED = 64  # distinct response formats a worker keeps compiled
 
 
-@functools.cache
+_IMPORT = threading.Lock()
+
+
 def _xgr() -> ModuleType:
     """xgrammar, imported at a process's first grammar: it imports transformers and torch,
-    about a second of CPU that a router or worker serving free text never spends."""
-    import xgrammar
-
+    about a second of CPU that a router or worker serving free text never spends. One
+    thread imports it (a worker compiles on its own thread while its loop may check or
+    match): transformers' lazy module fails names asked for while another thread imports
+    it ("cannot import name 'PreTrainedTokenizerBase'")."""
+    with _IMPORT:
+        import xgrammar
     return xgrammar
 
 
@@ -104,15 +110,16 @@ def tokenizer_info(tokenizer: Any, vocab_size: int,
                    stop_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
     """xgrammar's view of Crescent's tokenizer (common/model/tokenizer.py): a HF fast
     tokenizer through transformers, or the byte tokenizer's raw bytes."""
+    xgr = _xgr()  # transformers with it, whole
     if hasattr(tokenizer, "_tk"):
         from transformers import PreTrainedTokenizerFast
         hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer._tk)
-        return _xgr().TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size,
+        return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_token_ids))
     off = tokenizer.OFFSET
     vocab = [b""] * off + [bytes([b]) for b in range(256)]
     vocab += [b""] * (vocab_size - len(vocab))
-    return _xgr().TokenizerInfo(vocab, _xgr().VocabType.RAW, vocab_size=vocab_size,
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
                              stop_token_ids=list(stop_token_ids))
 
 

@@ -35,7 +35,7 @@ def engine_config(config: ClusterConfig, role: str, index: int = 0) -> EngineCon
         device=config.device,
         block_size=config.block_size,
         num_blocks=config.prefill_blocks if role == "prefill" else config.decode_blocks,
-        prefill_chunk=config.prefill_chunk, max_batch_size=config.max_batch_size,
+        max_batch_size=config.max_batch_size,
         num_threads=config.cpu.threads(role),  # None: as pinned at start (common/cpu.py)
         cuda_graphs=role == "decode",  # only its steps are pure decodes (on a GPU)
     )

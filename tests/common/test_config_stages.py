@@ -56,6 +56,26 @@ def test_stage_layers_split_contiguously_and_evenly() -> None:
 def test_bad_group_configs_are_refused(data, match) -> None:
     with pytest.raises(ValueError, match=match):
         ClusterConfig.from_dict(data)
+    with pytest.raises(ValueError, match=match):  # the same checks when built in code
+        ClusterConfig(**data)
+
+
+@pytest.mark.parametrize("data,layerwise", [
+    ({}, True),
+    ({"device": "cuda"}, False),  # GPU KV over TCP: whole blocks
+    ({"device": "cuda", "transfer_protocol": "rdma"}, True),
+    ({"device": "cuda", "prefill_stages": 2}, True),  # a pipeline is always layer-wise
+    ({"device": "cuda", "kv_layerwise": True}, True),  # said outright: kept
+])
+def test_defaults_are_the_same_however_the_config_is_built(data, layerwise) -> None:
+    assert ClusterConfig(**data).kv_layerwise is layerwise
+    assert ClusterConfig.from_dict(data) == ClusterConfig(**data)
+
+
+def test_a_removed_key_is_refused_with_what_to_do() -> None:
+    with pytest.raises(ValueError, match="prefill_chunk: a cluster's workers chunk prompts "
+                                         "by token_budget"):
+        ClusterConfig.from_dict({"prefill_chunk": 64})
 
 
 def test_kv_layerwise_defaults_off_for_gpu_kv_over_tcp() -> None:

@@ -25,7 +25,6 @@ prefill_workers = {prefill}
 decode_workers = 1
 prefill_blocks = 512
 decode_blocks = 1024
-prefill_chunk = 64
 scheduler = "{scheduler}"
 heartbeat_interval_s = 0.2
 {extra}

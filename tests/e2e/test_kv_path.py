@@ -22,7 +22,6 @@ prefill_workers = 1
 decode_workers = 1
 prefill_blocks = 256
 decode_blocks = 512
-prefill_chunk = 64
 heartbeat_interval_s = 0.2
 kv_path = "{kv_path}"
 kv_dtype = "{kv_dtype}"
