@@ -16,11 +16,16 @@ setup-bench: setup
 	@$(PY) -c "import sys; from benchmarks.live_replay import find_aiperf; sys.exit(find_aiperf(install=True) is None)" \
 		|| echo "setup: aiperf unavailable; tests/e2e/test_live_replay.py will skip"
 
+# Two xdist workers (a module, or a set of modules sharing a cluster, runs whole on one:
+# tests/conftest.py); TEST_WORKERS=0 runs the suite in this process.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --durations=20
+
 test: setup setup-bench  ## set up, then run the whole test suite
-	$(PY) -m pytest -q -ra
+	$(PYTEST)
 
 test-fast: setup
-	$(PY) -m pytest -q -ra -m "not e2e"
+	$(PYTEST) -m "not e2e"
 
 bench: setup
 	$(PY) benchmarks/engine.py

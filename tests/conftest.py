@@ -1,6 +1,7 @@
 """Fixtures shared by several test packages."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import pytest
@@ -9,6 +10,28 @@ from common.transfer import TransferAgent
 
 if TYPE_CHECKING:
     from common.engine import Engine
+
+
+TESTS = Path(__file__).parent
+# Packages whose modules share one set-up (tests/multihost: the network namespaces and
+# the package's clusters on fixed addresses).
+ONE_GROUP_PACKAGES = {"multihost"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`make test` runs the suite on two xdist workers (``--dist loadgroup``), and a group
+    runs whole on one worker: each module is a group (its module-scoped clusters and its
+    fixed ports are its own), the request tests that share the e2e package's clusters
+    (``shared``) are one, and so is each package of ``ONE_GROUP_PACKAGES``."""
+    for item in items:
+        path = Path(str(item.fspath)).relative_to(TESTS)
+        if path.parts[0] in ONE_GROUP_PACKAGES:
+            group = path.parts[0]
+        elif "shared" in getattr(item, "fixturenames", ()):
+            group = "e2e-shared-clusters"
+        else:
+            group = str(path)
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from launch.cluster import LocalCluster
 
 pytestmark = pytest.mark.e2e
-HTTP, BASE = 19600, 19610
+HTTP, BASE = 24000, 24010
 
 CONFIG = """
 model = "smollm2-135m"

@@ -15,7 +15,7 @@ from launch.cluster import LocalCluster
 from traces.loader import default_trace_path
 
 pytestmark = pytest.mark.e2e
-HTTP_PORT = 19700  # the cluster's inboxes take 19710 and up
+HTTP_PORT = 24100  # the cluster's inboxes take 24110 and up
 REQUESTS = 8
 RATE = 2.0
 
@@ -35,7 +35,7 @@ def test_short_live_replay_has_no_failed_requests(tmp_path: Path) -> None:
     trace_path.write_text("".join(json.dumps(r) + "\n" for r in trace))
 
     data = cluster_config_data("disagg-store", HTTP_PORT)
-    assert (data["http_port"], data["base_port"]) == (19700, 19710)
+    assert (data["http_port"], data["base_port"]) == (24100, 24110)
     cfg = tmp_path / "cluster.toml"
     cfg.write_text(to_toml(data))
     cluster = LocalCluster(str(cfg), tmp_path / "logs")

@@ -12,7 +12,7 @@ import pytest
 from benchmarks.faults import STAGE_FAULT, Timing, run, table
 
 pytestmark = pytest.mark.e2e
-HTTP_PORT = 20900  # this file's ports: 20900-20929
+HTTP_PORT = 24400  # this file's ports: 24400-24429
 
 
 def test_a_dead_stage_loses_nothing_and_leaks_nothing(tmp_path_factory) -> None:

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
 
 CONFIG = """
-http_port = 19440
-base_port = 19900
+http_port = 24200
+base_port = 24210
 decode_blocks = 256
 prefill_blocks = 256
 
@@ -50,8 +50,8 @@ def test_up_serves_then_ctrl_c_stops_every_child(tmp_path: Path) -> None:
             lines.append(line)
             if "ready" in line or not line:
                 break
-        assert "OpenAI API at http://127.0.0.1:19440/v1" in "".join(lines), lines
-        r = httpx.get("http://127.0.0.1:19440/v1/models", timeout=10)
+        assert "OpenAI API at http://127.0.0.1:24200/v1" in "".join(lines), lines
+        r = httpx.get("http://127.0.0.1:24200/v1/models", timeout=10)
         assert r.json()["data"][0]["id"] == "smollm2-135m"
         logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
         assert logs == ["conductor-0.log", "decode-0.log", "prefill-0.log", "router-0.log"]
@@ -84,7 +84,7 @@ def test_up_refuses_a_config_that_puts_processes_on_other_hosts(tmp_path: Path) 
     from common.config import ClusterConfig
     from launch.cli import remote_processes
 
-    assert remote_processes(ClusterConfig.from_dict({"http_port": 19440})) == []
+    assert remote_processes(ClusterConfig.from_dict({"http_port": 24200})) == []
     cfg = tmp_path / "c.toml"
     cfg.write_text(CONFIG + '\n[hosts]\ndecode = ["192.0.2.7"]\n')  # TEST-NET-1: not here
     done = subprocess.run([sys.executable, "-m", "launch.cli", "up", "--config", str(cfg),

@@ -20,8 +20,8 @@ from tests.e2e.conftest import assert_one_bootstrap
 pytestmark = pytest.mark.e2e
 
 CONFIG = """
-http_port = 20320
-base_port = 20330
+http_port = 24300
+base_port = 24310
 decode_blocks = 256
 prefill_blocks = 256
 heartbeat_interval_s = 0.2
@@ -34,7 +34,7 @@ enabled = false
 backoff_s = 0.2
 drain_timeout_s = 30.0
 """
-URL = "http://127.0.0.1:20320"
+URL = "http://127.0.0.1:24300"
 
 
 def body(max_tokens: int, stream: bool = False) -> dict:
