@@ -44,6 +44,11 @@ MAX_COMPILED = 64  # distinct response formats a worker keeps compiled
 _IMPORT = threading.Lock()
 
 
+def load_xgrammar() -> None:
+    """Import xgrammar now (a router, on a thread, once it serves)."""
+    _xgr()
+
+
 def _xgr() -> ModuleType:
     """xgrammar, imported at a process's first grammar: it imports transformers and torch,
     about a second of CPU that a router or worker serving free text never spends. One

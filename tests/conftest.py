@@ -18,6 +18,7 @@ TESTS = Path(__file__).parent
 ONE_GROUP_PACKAGES = {"multihost"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """`make test` runs the suite on two xdist workers (``--dist loadgroup``), and a group
     runs whole on one worker: each module is a group (its module-scoped clusters and its

@@ -35,10 +35,13 @@ def _free(port: int) -> bool:
 
 
 def _pick_ports() -> tuple[int, int]:
-    """(http_port, base_port): the HTTP port and the router/conductor inbox ports free."""
+    """(http_port, base_port): the HTTP port and the router/conductor inbox ports free.
+    Drawn above the other modules' fixed ports (19400-25000), which a module running at
+    the same time on another xdist worker binds later, and below the kernel's ephemeral
+    range (32768 and up)."""
     rng = random.Random(os.getpid() ^ time.time_ns())
     for _ in range(200):
-        base = rng.randrange(18500, 28000, 10)
+        base = rng.randrange(28000, 32000, 10)
         http = base - 100
         if all(_free(p) for p in (http, base, base + 1, base + 2)):
             return http, base
