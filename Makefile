@@ -19,7 +19,7 @@ setup-bench: setup
 # Two xdist workers (a module, or a set of modules sharing a cluster, runs whole on one:
 # tests/conftest.py); TEST_WORKERS=0 runs the suite in this process.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --durations=20
+PYTEST := $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --durations=20
 
 test: setup setup-bench  ## set up, then run the whole test suite
 	$(PYTEST)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import pytest
 
@@ -15,24 +15,41 @@ if TYPE_CHECKING:
 TESTS = Path(__file__).parent
 # Packages whose modules share one set-up (tests/multihost: the network namespaces and
 # the package's clusters on fixed addresses).
-ONE_GROUP_PACKAGES = {"multihost"}
+ONE_GROUP_PACKAGES = ("multihost",)
+# The e2e modules whose tests share the package's clusters (tests/e2e/conftest.py
+# ``shared``); ``pytest_collection_modifyitems`` refuses a module that uses them unlisted.
+SHARED_CLUSTER_MODULES = ("e2e/test_api_fields.py", "e2e/test_choices.py",
+                          "e2e/test_colocated.py", "e2e/test_structured_outputs.py",
+                          "e2e/test_tools.py", "e2e/test_top_logprobs.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
+def xdist_group(nodeid: str) -> str:
+    """The tests that run whole on one xdist worker (``make test`` runs two): a module
+    (its module-scoped clusters and its fixed ports are its own), the modules sharing the
+    e2e package's clusters, a package of ``ONE_GROUP_PACKAGES``."""
+    path = nodeid.split("::", 1)[0].removeprefix("tests/")
+    if path.split("/", 1)[0] in ONE_GROUP_PACKAGES:
+        return path.split("/", 1)[0]
+    return "e2e-shared-clusters" if path in SHARED_CLUSTER_MODULES else path
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid)
+
+    return ByGroup(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """`make test` runs the suite on two xdist workers (``--dist loadgroup``), and a group
-    runs whole on one worker: each module is a group (its module-scoped clusters and its
-    fixed ports are its own), the request tests that share the e2e package's clusters
-    (``shared``) are one, and so is each package of ``ONE_GROUP_PACKAGES``."""
     for item in items:
-        path = Path(str(item.fspath)).relative_to(TESTS)
-        if path.parts[0] in ONE_GROUP_PACKAGES:
-            group = path.parts[0]
-        elif "shared" in getattr(item, "fixturenames", ()):
-            group = "e2e-shared-clusters"
-        else:
-            group = str(path)
-        item.add_marker(pytest.mark.xdist_group(group))
+        path = Path(str(item.fspath)).relative_to(TESTS).as_posix()
+        if "shared" in getattr(item, "fixturenames", ()) and path not in \
+                SHARED_CLUSTER_MODULES:
+            raise pytest.UsageError(f"{path} uses the e2e package's shared clusters: list "
+                                    f"it in tests/conftest.py SHARED_CLUSTER_MODULES")
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,6 @@ class StoreClient:
         self.stats = ClientStats()
         self._copy_threads = copy_threads
         self._pool: Optional[ThreadPoolExecutor] = None
-        self._ctx: Optional[zmq.asyncio.Context] = None
         self._sock: Optional[zmq.asyncio.Socket] = None
         self._reader: Optional[asyncio.Task[None]] = None
         self._pending: dict[int, asyncio.Future[Any]] = {}
@@ -70,9 +69,11 @@ class StoreClient:
 
     # ------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        self._ctx = zmq.asyncio.Context()
-        self._sock = make_socket(self._ctx, zmq.DEALER, self.master_address, bind=False,
-                                 hwm=OUTBOX_HWM)
+        # the process's shared context, as every mailbox's: a context of its own that is
+        # never closed (a client left in a reference cycle) blocks the garbage collector in
+        # its finalizer, whose term() waits for the sockets the same cycle holds
+        self._sock = make_socket(zmq.asyncio.Context.instance(), zmq.DEALER,
+                                 self.master_address, bind=False, hwm=OUTBOX_HWM)
         self._pool = ThreadPoolExecutor(self._copy_threads, thread_name_prefix="store-call")
         self._reader = asyncio.create_task(self._read_replies())
 
@@ -84,8 +85,6 @@ class StoreClient:
             fut.cancel()
         if self._sock is not None:
             self._sock.close(0)
-        if self._ctx is not None:
-            self._ctx.term()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
         self.mover.close()

@@ -138,7 +138,12 @@ class Inboxes:
         self.ctx = zmq.Context()
         self.master = self.ctx.socket(zmq.ROUTER)  # the DealerLink's peer
         self.master.setsockopt(zmq.LINGER, 0)
-        self.master.bind(f"tcp://127.0.0.1:{PORT + 2}")
+        try:
+            self.master.bind(f"tcp://127.0.0.1:{PORT + 2}")
+        except zmq.ZMQError:  # not left to the garbage collector: its term() would block
+            self.master.close(0)
+            self.ctx.term()
+            raise
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
