@@ -31,6 +31,7 @@ from common.mailbox import DealerLink, Mailbox, RouterInbox, serve_inbox
 from common.protocol import (AbortRequest, RegisterWorker, RequestFailed, RequestRejected,
                              SubmitRequest, TokenDelta)
 from common.sampling_params import SamplingParams
+import common.status_protocol  # noqa: F401 - registers ClusterStatus, which the conductor sends
 from common.store import protocol as sp
 
 REPO = Path(__file__).resolve().parents[2]
