@@ -16,9 +16,10 @@ setup-bench: setup
 	@$(PY) -c "import sys; from benchmarks.live_replay import find_aiperf; sys.exit(find_aiperf(install=True) is None)" \
 		|| echo "setup: aiperf unavailable; tests/e2e/test_live_replay.py will skip"
 
-# Two xdist workers (a module, or a set of modules sharing a cluster, runs whole on one:
-# tests/conftest.py); TEST_WORKERS=0 runs the suite in this process.
-TEST_WORKERS ?= 2
+# TEST_WORKERS=N runs the suite on N pytest-xdist workers (a module, or a set of modules
+# sharing a cluster, whole on one: tests/conftest.py). Each worker keeps its own clusters
+# alive: 2 workers ran out of memory on the 24 GiB CI box, so the default is one process.
+TEST_WORKERS ?= 0
 PYTEST := $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --durations=20
 
 test: setup setup-bench  ## set up, then run the whole test suite
