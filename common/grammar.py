@@ -42,6 +42,7 @@ MAX_COMPILED = 64  # distinct response formats a worker keeps compiled
 
 
 _IMPORT = threading.Lock()
+_XGRAMMAR: Optional[ModuleType] = None  # set once imported; a step's calls skip the lock
 
 
 def load_xgrammar() -> None:
@@ -55,9 +56,12 @@ def _xgr() -> ModuleType:
     thread imports it (a worker compiles on its own thread while its loop may check or
     match): transformers' lazy module fails names asked for while another thread imports
     it ("cannot import name 'PreTrainedTokenizerBase'")."""
-    with _IMPORT:
-        import xgrammar
-    return xgrammar
+    global _XGRAMMAR
+    if _XGRAMMAR is None:
+        with _IMPORT:
+            import xgrammar
+            _XGRAMMAR = xgrammar
+    return _XGRAMMAR
 
 
 def _schema_of(response_format: str) -> tuple[str, bool]:

@@ -24,7 +24,7 @@ SHARED_CLUSTER_MODULES = ("e2e/test_api_fields.py", "e2e/test_choices.py",
 
 
 def xdist_group(nodeid: str) -> str:
-    """The tests that run whole on one xdist worker (``make test`` runs two): a module
+    """The tests that run whole on one xdist worker (``make test TEST_WORKERS=N``): a module
     (its module-scoped clusters and its fixed ports are its own), the modules sharing the
     e2e package's clusters, a package of ``ONE_GROUP_PACKAGES``."""
     path = nodeid.split("::", 1)[0].removeprefix("tests/")
