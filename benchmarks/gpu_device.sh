@@ -6,7 +6,7 @@
 # and (c) on live clusters of 8B-shaped workers. Logs go to $OUT (or /tmp/gpu-out); each
 # step has its own deadline.
 #
-#   bash benchmarks/gpu_device.sh [quick | prefill | pieces | check | engine
+#   bash benchmarks/gpu_device.sh [quick | prefill | pieces | check | engine | kv
 #                                  | live | open | pipeline [-k expr]]
 #       (quick: no prefill benchmark; prefill: only it; pieces: only gpu.py's scattered
 #       pieces; check: the tests and the prefill benchmark, not gpu.py; live: the tests;
@@ -14,7 +14,9 @@
 #       the live tests alone; engine: issue 25's call: gpu.py's engine figures saved as
 #       $OUT/gpu.json (SWEEP=1: the attention kernel at other launch shapes too), the
 #       CUDA tests, and the live tests, whose decode worker replays
-#       CUDA graphs)
+#       CUDA graphs; kv: issue 26's call: the CUDA IPC and pinned-memory tests,
+#       benchmarks/kv_gpu.py, live clusters over each KV path, the prefill benchmark, and
+#       the goals merged into $OUT/gpu-kv.json)
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -92,6 +94,23 @@ prefill_bench() {
   tar czf "$OUT/prefill-logs.tgz" -C /tmp prefill-gpu 2>/dev/null
 }
 
+kv_issue() {  # issue 26: GPU KV on one host; the figures saved as $OUT/gpu-kv.json
+  log "CUDA IPC and pinned-memory tests"
+  timeout 60 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/kv/test_cuda_kv_paths.py \
+    2>&1 | grep -v "^[IWE][0-9]" | tail -12
+  log "KV paths side by side (benchmarks/kv_gpu.py)"
+  timeout 120 python3 benchmarks/kv_gpu.py --out "$OUT/kv.json" 2>&1 \
+    | grep -v "^[IWE][0-9]" | grep -v "^{" | tail -20
+  log "live clusters: greedy outputs over TCP, CUDA IPC and pinned memory"
+  CRESCENT_TEST_DEVICE=cuda CRESCENT_TEST_MODEL=dummy-bench-prefill timeout 120 \
+    python3 -m pytest -q -rs -p no:cacheprovider --basetemp=/tmp/kvpaths \
+    tests/e2e/test_gpu_kv_paths.py 2>&1 | tee "$OUT/kv-e2e.log" | grep -v "^[IWE][0-9]" | tail -12
+  tar czf "$OUT/kv-e2e-logs.tgz" -C /tmp kvpaths 2>/dev/null
+  prefill_bench
+  python3 benchmarks/kv_gpu.py --merge "$OUT/kv.json" --prefill "$OUT/prefill.log" \
+    --out "$OUT/gpu-kv.json" | grep -v "^{"
+}
+
 case "${1:-all}" in
   quick) cuda_tests; live_pipeline; engine_figures ;;
   prefill) prefill_bench ;;
@@ -100,6 +119,7 @@ case "${1:-all}" in
   engine) engine_only; cuda_tests; live_pipeline "${2:-}"; graphs_in_logs ;;
   live) cuda_tests; live_pipeline "${2:-}" ;;  # [pytest -k expression]
   open) prefill_bench; live_pipeline "${2:-}" ;;  # [pytest -k expression]
+  kv) kv_issue ;;
   pipeline) live_pipeline "${2:-}" ;;  # [pytest -k expression]
   *) cuda_tests; live_pipeline; engine_figures; prefill_bench ;;
 esac

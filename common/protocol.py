@@ -49,6 +49,7 @@ class RegisterWorker:
     kv_shm_path: Optional[str] = None  # the KV memory as a /dev/shm file same-host peers map
     host_id: Optional[str] = None  # boot id + netns (common/host.py): who can map kv_shm_path
     epoch: int = 0  # this incarnation (start time, ns): a higher one replaces it
+    kv_ipc: Optional[str] = None  # GPU KV memory: its CUDA IPC handle (common/kv/cuda_ipc.py)
     stages: int = 1  # a prefill pipeline group's processes (its head registers the group)
 
 
@@ -225,6 +226,7 @@ class StreamTarget:
     block_ids: list[int]
     shm_path: Optional[str] = None
     host_id: Optional[str] = None
+    ipc: Optional[str] = None  # its GPU KV memory's CUDA IPC handle
 
 
 @message
@@ -243,11 +245,13 @@ class PrefillTask:
     fence: Fence = Fence()  # the reservation written into; every answer carries it
     prefill_epoch: int = 0  # the incarnation it is for: another one drops it
     store_loads: bool = True  # False: compute past the local prefix (a failed load's re-run)
+    decode_kv_ipc: Optional[str] = None  # set: a same-host prefill on the GPU may write there
 
     @property
     def target(self) -> StreamTarget:
         return StreamTarget(self.decode_id, self.decode_session, self.decode_kv_base,
-                            self.decode_block_ids, self.decode_shm_path, self.decode_host_id)
+                            self.decode_block_ids, self.decode_shm_path, self.decode_host_id,
+                            self.decode_kv_ipc)
 
 
 # ---------------------------------------------------------------- to a decode worker

@@ -12,6 +12,7 @@ from common.config import ClusterConfig
 from common.drain import current as current_drain
 from common.engine import Engine, EngineConfig
 from common.host import host_id
+from common.kv.cuda_ipc import export as export_ipc
 from common.kv.events import BlockEventMsg
 from common.kv.shm_kv import close_at_exit, worker_segment
 from common.mailbox import Mailbox
@@ -60,6 +61,9 @@ class WorkerRuntime:
                                                      protocol=config.transfer_protocol))
         kv = self.engine.kv
         self.transfer.register(kv.base_address, kv.nbytes)
+        # GPU KV a same-host prefill worker writes through CUDA IPC (exported once)
+        self.kv_ipc = (export_ipc(kv) if role == "decode" and config.kv_path != "transfer_engine"
+                       else None)
         self.epoch = time.time_ns()  # this incarnation: fences its messages (protocol.Fence)
         self.left = False  # a drain ended (``leave``): no more beats or registrations
         # False: no new work now (a prefill group missing a stage); beats say draining
@@ -75,7 +79,8 @@ class WorkerRuntime:
             block_nbytes=kv.layer_nbytes * self.engine.model_config.num_layers,
             layer_nbytes=kv.layer_nbytes,
             num_blocks=kv.num_blocks, block_size=self.engine.config.block_size,
-            kv_shm_path=kv.shm_path, host_id=host_id(), epoch=self.epoch, stages=self.stages)
+            kv_shm_path=kv.shm_path, host_id=host_id(), epoch=self.epoch, stages=self.stages,
+            kv_ipc=self.kv_ipc)
 
     def heartbeat(self, load: WorkerLoad) -> WorkerHeartbeat:
         """Load and the pool's KV events since the last beat, in order, numbered."""

@@ -74,6 +74,12 @@ class PagedKVMemory:
         return not self.data.is_cuda
 
     @property
+    def device_bytes(self) -> Optional[torch.Tensor]:
+        """The KV memory as flat bytes when it is on a GPU (what its same-host copies
+        index: common/kv/rows.py); None in host memory."""
+        return None if self.in_host_memory else self.data.view(-1).view(torch.uint8)
+
+    @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.data.shape)
 

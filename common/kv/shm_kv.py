@@ -16,10 +16,11 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from common.kv.cuda_ipc import PeerKVCuda
 from common.kv.memory import PagedKVMemory
 from common.security import KV_SEGMENT, checked_shm_path
 from common.store.shm import Segment, copy_many, owned_path, sweep_dead
@@ -74,6 +75,8 @@ class PeerKV:
     the mapping (for checks and tests).
     """
 
+    via = "shm"  # the path name in metrics
+
     def __init__(self, path: str, local: PagedKVMemory, first_layer: int = 0,
                  total_layers: Optional[int] = None) -> None:
         # A pipeline stage holds layers [first_layer, first_layer + local.num_layers) of a
@@ -124,6 +127,9 @@ class PeerKV:
             return copy_many(list(zip(dst, src, lengths)))
         return copy_many([(d, s, n) for s, d in zip(src, dst)])
 
+    def describe(self) -> str:
+        return f"shared memory ({self.path}, {self.num_blocks} blocks)"
+
     def write_layer(self, local: Sequence[int], remote: Sequence[int], layer: int) -> int:
         """Layer ``layer`` of local blocks → the same layer of the peer's blocks. Bytes."""
         if not 0 <= layer < self.local.num_layers:
@@ -142,35 +148,47 @@ class PeerKV:
         self.segment.close()
 
 
+Peer = Union["PeerKV", PeerKVCuda]
+
+
 class PeerKVMaps:
     """One mapping per peer instance, opened on first use and kept; reopened when the
-    peer advertises another file (it restarted); a file that cannot be mapped is
-    remembered as such (the caller uses the transfer engine) until the path changes."""
+    peer advertises another file or CUDA IPC handle (it restarted); one that cannot be
+    opened is remembered as such (the caller uses the transfer engine) until it changes."""
 
     def __init__(self, local: PagedKVMemory, directory: str = SHM_DIR, first_layer: int = 0,
                  total_layers: Optional[int] = None) -> None:
         self.local = local
         self.window = (first_layer, total_layers)  # a pipeline stage's layers (PeerKV)
         self.directory = directory  # only KV segment files in it are mapped
-        self._maps: dict[str, tuple[str, Optional[PeerKV]]] = {}
+        self._maps: dict[str, tuple[str, Optional[Peer]]] = {}
 
     def get(self, instance_id: str, path: str) -> Optional[PeerKV]:
+        """The peer's /dev/shm KV file, mapped (host memory)."""
+        # a peer-named path: only a worker's KV file (never /etc/passwd, a symlink)
+        return self._get(instance_id, path, f"KV segment {path}", lambda: PeerKV(
+            checked_shm_path(path, self.directory, KV_SEGMENT), self.local, *self.window))
+
+    def get_cuda(self, instance_id: str, handle: str) -> Optional[PeerKVCuda]:
+        """The peer's GPU KV memory, opened through its CUDA IPC handle."""
+        return self._get(instance_id, handle, "GPU KV memory (CUDA IPC)",
+                         lambda: PeerKVCuda(handle, self.local, *self.window))
+
+    def _get(self, instance_id: str, key: str, what: str,
+             open_peer: Callable[[], Peer]) -> Optional[Peer]:
         cached = self._maps.get(instance_id)
-        if cached is not None and cached[0] == path:
+        if cached is not None and cached[0] == key:
             return cached[1]
         if cached is not None and cached[1] is not None:
             cached[1].close()
-        peer: Optional[PeerKV] = None
+        peer: Optional[Peer] = None
         try:
-            # a peer-named path: only a worker's KV file (never /etc/passwd, a symlink)
-            peer = PeerKV(checked_shm_path(path, self.directory, KV_SEGMENT), self.local,
-                          *self.window)
-            log.info("KV to %s over shared memory (%s, %d blocks)", instance_id, path,
-                     peer.num_blocks)
-        except (OSError, ValueError) as exc:
-            log.warning("cannot map %s's KV segment %s (%s): using the transfer engine",
-                        instance_id, path, exc)
-        self._maps[instance_id] = (path, peer)
+            peer = open_peer()
+            log.info("KV to %s over %s", instance_id, peer.describe())
+        except (OSError, ValueError, RuntimeError) as exc:
+            log.warning("cannot open %s's %s (%s): using the transfer engine", instance_id,
+                        what, exc)
+        self._maps[instance_id] = (key, peer)
         return peer
 
     def close(self) -> None:

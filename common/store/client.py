@@ -23,7 +23,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import zmq
 import zmq.asyncio
@@ -33,6 +33,9 @@ from common.mailbox import OUTBOX_HWM
 from common.store import protocol as p
 from common.store.ranges import GetPlan, Location, PutPlan, RangeMover, Replicas, node_refs
 from common.transfer import BYTES_PER_S_FLOOR, TransferAgent
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,8 @@ class ClientStats:
 class StoreClient:
     def __init__(self, master_address: str, transfer: Optional[TransferAgent],
                  timeout_s: float = 5.0, *, use_shm: bool = True,
-                 copy_threads: int = 2, shm_dir: Optional[str] = "/dev/shm") -> None:
+                 copy_threads: int = 2, shm_dir: Optional[str] = "/dev/shm",
+                 device_memory: Optional["torch.Tensor"] = None) -> None:
         self.master_address = master_address
         self.transfer = transfer
         self.timeout_s = timeout_s
@@ -64,7 +68,8 @@ class StoreClient:
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._ids = itertools.count(1)
         # same-host node segments in [store] shm_dir, remapped on a new epoch
-        self.mover = RangeMover(transfer, shm_dir, use_shm=use_shm, threads=copy_threads)
+        self.mover = RangeMover(transfer, shm_dir, use_shm=use_shm, threads=copy_threads,
+                                device_memory=device_memory)
         self._registered: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------- lifecycle

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from common.host import same_host
 from common.security import STORE_SEGMENT, checked_shm_path
@@ -30,9 +30,11 @@ log = logging.getLogger(__name__)
 class SegmentMaps:
     """node_id + node info (``shm_path``, ``segment_bytes``, ``epoch``) → a mapping here."""
 
-    def __init__(self, shm_dir: Optional[str], own_path: Optional[str] = None) -> None:
+    def __init__(self, shm_dir: Optional[str], own_path: Optional[str] = None,
+                 on_close: Optional[Callable[[Segment], None]] = None) -> None:
         self.shm_dir = shm_dir  # [store] shm_dir: only segment files in it are mapped
         self.own_path = own_path  # never map our own segment a second time
+        self.on_close = on_close  # called with a mapping just before it closes
         # node_id → (path, epoch, mapping or None: not mappable here)
         self._maps: dict[str, tuple[str, int, Optional[Segment]]] = {}
 
@@ -75,6 +77,8 @@ class SegmentMaps:
     def _drop(self, node_id: str) -> None:
         cached = self._maps.pop(node_id, None)
         if cached is not None and cached[2] is not None:
+            if self.on_close is not None:
+                self.on_close(cached[2])
             cached[2].close()
 
     def close(self) -> None:

@@ -12,6 +12,9 @@ So the verbs here move byte ranges *within* objects, from several processes:
   pipeline, which have no master connection, move bytes under the very same plan.
 - Each process copies its pieces with its own ``RangeMover``: one ``memmove`` where the
   node's segment file is mappable here (same host), else one transfer-engine call per node.
+  A mover of KV in GPU memory (``device_memory``) registers a same-host segment as pinned
+  memory instead and copies by DMA or by a gather and a scatter kernel
+  (``common/store/pinned.py``, ``common/kv/rows.py``).
 - The asker commits (``StoreClient.end_put``) only what every writer reported written:
   a reader never sees a half-written object.
 
@@ -28,11 +31,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 from common.store.peers import SegmentMaps
 from common.store.shm import copy_many
 from common.transfer import TransferAgent, TransferError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -147,12 +153,18 @@ class RangeMover:
     transfer engine even where a segment file could be mapped."""
 
     def __init__(self, transfer: Optional[TransferAgent], shm_dir: Optional[str], *,
-                 use_shm: bool = True, threads: int = 2) -> None:
+                 use_shm: bool = True, threads: int = 2,
+                 device_memory: Optional["torch.Tensor"] = None) -> None:
         self.transfer = transfer
         self.use_shm = use_shm
         self.errors = 0  # failed node batches (transfer errors, deadlines, unknown nodes)
         self._moved: dict[str, int] = {}  # bytes copied, by verb and path (``moved``)
-        self._maps = SegmentMaps(shm_dir)
+        # KV on a GPU (flat uint8): same-host segments pinned, copied by the GPU
+        self.device_memory = device_memory
+        self._pinned: dict[int, Any] = {}  # id(segment) → its PinnedSegment
+        self.pin_segment: Optional[Callable[[Any, Any], Any]] = None  # tests: host views
+        self._streams: dict[bool, Any] = {}  # write? → the direction's CUDA stream
+        self._maps = SegmentMaps(shm_dir, on_close=self._unpin)
         self._lock = threading.Lock()  # the maps and the counter
         self._threads = max(1, threads)
         self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="store-range")
@@ -249,12 +261,19 @@ class RangeMover:
     def _tasks(self, node: Optional[NodeRef], node_id: str, pieces: list[_Piece],
                write: bool, deadline: float) -> list[Callable[[], bool]]:
         """The calls that move ``pieces`` to or from the node (none: it cannot be reached):
-        memmoves through its segment mapped here (split over the threads when large), or
-        one transfer-engine call."""
+        memmoves through its segment mapped here (split over the threads when large), for
+        GPU memory one GPU copy through it registered as pinned memory, or one
+        transfer-engine call."""
         if node is None:
             self._failed(node_id, "node not in the plan")
             return []
-        pinned = self._pin(node)
+        if self.device_memory is not None and self._on_device(pieces):
+            seg = self._pinned_segment(node)
+            if seg is not None:
+                return [lambda: self._device_copy(node_id, seg, pieces, write)]
+            pinned = None
+        else:
+            pinned = self._pin(node)
         if pinned is not None:
             base, pin = pinned
             if any(off + n > len(pin) for _, _, off, n in pieces):
@@ -296,6 +315,67 @@ class RangeMover:
             seg = self._maps.get(node.node_id, node.info())
             return (seg.base, seg.view(0, seg.nbytes)) if seg is not None else None
 
+    def _on_device(self, pieces: list[_Piece]) -> bool:
+        """Every piece's local bytes are in ``device_memory``."""
+        assert self.device_memory is not None
+        lo = self.device_memory.data_ptr()
+        hi = lo + self.device_memory.numel()
+        return all(lo <= addr and addr + n <= hi for _, addr, _, n in pieces)
+
+    def _pinned_segment(self, node: NodeRef) -> Any:
+        """The node's segment mapped here and registered as pinned memory; None: use the
+        transfer engine (another host, or CUDA would not register it)."""
+        if not self.use_shm:
+            return None
+        with self._lock:
+            seg = self._maps.get(node.node_id, node.info())
+            if seg is None:
+                return None
+            pinned = self._pinned.get(id(seg))
+            if pinned is None:
+                from common.store.pinned import PinnedSegment
+
+                try:
+                    pinned = (self.pin_segment or PinnedSegment)(seg, self.device_memory.device)
+                except RuntimeError as exc:
+                    log.warning("node %s: segment not pinned (%s): using the transfer engine",
+                                node.node_id, exc)
+                    pinned = False
+                self._pinned[id(seg)] = pinned
+            return pinned or None
+
+    def _unpin(self, seg: Any) -> None:
+        """A mapping closes (under ``_lock``): unregister it first."""
+        pinned = self._pinned.pop(id(seg), None)
+        if pinned:
+            pinned.close()
+
+    def _device_copy(self, node_id: str, seg: Any, pieces: list[_Piece], write: bool) -> bool:
+        """GPU KV ↔ a pinned same-host segment, on the direction's stream; a write waits for
+        the compute launched before it (the KV it sends)."""
+        import torch
+
+        from common.kv.rows import copy_pieces, on_stream
+
+        local = self.device_memory
+        assert local is not None
+        base = local.data_ptr()
+        if write:
+            ps = [(addr - base, off, n) for _, addr, off, n in pieces]
+            copy = lambda: copy_pieces(local, seg.device, ps, dst_dma=seg.host)  # noqa: E731
+        else:
+            ps = [(off, addr - base, n) for _, addr, off, n in pieces]
+            copy = lambda: copy_pieces(seg.device, local, ps, src_dma=seg.host)  # noqa: E731
+        if write not in self._streams:  # none for host memory (tests): copies are synchronous
+            self._streams[write] = torch.cuda.Stream(local.device) if local.is_cuda else None
+        try:
+            nbytes = on_stream(self._streams[write], copy, after_compute=write)
+        except (IndexError, ValueError, RuntimeError) as exc:
+            self._failed(node_id, f"pinned copy: {exc}")
+            return False
+        self._count(write, "pinned", nbytes)
+        return True
+
     def _memmove(self, pairs: list[tuple[int, int, int]], pin: memoryview,
                  write: bool) -> bool:
         copy_many(pairs, pin)
@@ -308,8 +388,8 @@ class RangeMover:
             self._moved[key] = self._moved.get(key, 0) + nbytes
 
     def moved(self) -> dict[str, int]:
-        """Bytes copied so far by ``store_read/PATH`` and ``store_write/PATH``, PATH "shm"
-        or "transfer_engine": which path the store's bytes took (worker heartbeats)."""
+        """Bytes copied so far by ``store_read/PATH`` and ``store_write/PATH``, PATH "shm",
+        "pinned" or "transfer_engine": which path the store's bytes took (worker heartbeats)."""
         with self._lock:
             return dict(self._moved)
 

@@ -193,7 +193,7 @@ class Conductor:
             decode_block_ids=msg.block_ids,
             deadline=time.time() + self.config.kv_wait_timeout_s,
             decode_shm_path=d.kv_shm_path, decode_host_id=d.host_id, fence=msg.fence,
-            prefill_epoch=p.epoch, store_loads=t.store_loads))
+            prefill_epoch=p.epoch, store_loads=t.store_loads, decode_kv_ipc=d.kv_ipc))
 
     def on_reserve_failed(self, msg: ReserveFailed) -> None:
         t = self.tracker.get(msg.request_id)

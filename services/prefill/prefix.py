@@ -68,7 +68,7 @@ class PrefixLoader:
 
             store = StoreClient(rt.config.inbox("store_master"), rt.transfer,
                                 timeout_s=STORE_TIMEOUT_S, shm_dir=rt.config.store.shm_dir,
-                                use_shm=rt.engine.kv.in_host_memory)
+                                device_memory=rt.engine.kv.device_bytes)
             await store.start()
             store.register_local(rt.engine.kv.base_address, rt.engine.kv.nbytes)
         kv = rt.engine.kv

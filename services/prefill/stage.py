@@ -88,8 +88,9 @@ class StageWorker:
         self.kv_paths = KVPaths(cfg.kv_path, self.kv, host_id(), first_layer=self.first_layer,
                                 total_layers=rt.engine.model_config.num_layers)
         self.lanes = Lanes()
-        self.mover = (RangeMover(rt.transfer, cfg.store.shm_dir, use_shm=self.kv.in_host_memory)
-                      if cfg.store.enabled else None)  # a GPU's KV: the transfer engine
+        self.mover = (RangeMover(rt.transfer, cfg.store.shm_dir,
+                                 device_memory=self.kv.device_bytes)
+                      if cfg.store.enabled else None)
         self.load_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
         self.store_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="prefill")

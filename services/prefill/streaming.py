@@ -4,9 +4,11 @@ The engine calls ``on_layer`` after each layer of each chunk (in the compute thr
 the writes for that layer are queued on one FIFO thread so they overlap with the next
 layer's compute and land in order. ``wait`` collects them under a deadline.
 
-Two paths, same semantics: the transfer engine (any host: one batch write of the layer's
-pieces) and shared memory (same host: one tensor copy per layer into the decode worker's
-mapped segment, see common/kv/shm_kv.py). ``KVPaths`` picks one per request.
+Three paths, same semantics: the transfer engine (any host: one batch write of the layer's
+pieces); on the same host, shared memory (KV in host memory: one memmove per piece into the
+decode worker's mapped segment, common/kv/shm_kv.py) or CUDA IPC (KV on a GPU: one gather
+and one scatter kernel per layer into the decode worker's GPU memory, common/kv/cuda_ipc.py).
+``KVPaths`` picks one per request.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
 from common.kv.memory import PagedKVMemory
-from common.kv.shm_kv import KV_PATHS, SHM_DIR, PeerKV, PeerKVMaps
+from common.kv.cuda_ipc import CUDA_IPC
+from common.kv.shm_kv import KV_PATHS, SHM_DIR, Peer, PeerKVMaps
 from common.protocol import StreamTarget
 from common.store.ranges import RangeMover
 from common.transfer import TransferAgent, TransferError, watched
@@ -34,7 +37,7 @@ class RequestAborted(Exception):
 class KVStream:
     def __init__(self, transfer: TransferAgent, executor: ThreadPoolExecutor,
                  kv: PagedKVMemory, local_blocks: list[int], remote_blocks: list[int],
-                 remote_session: str, remote_base: int, shm: Optional[PeerKV] = None,
+                 remote_session: str, remote_base: int, peer: Optional[Peer] = None,
                  first_layer: int = 0, total_layers: Optional[int] = None) -> None:
         if len(remote_blocks) < len(local_blocks):
             raise ValueError("decode reserved fewer blocks than the prompt needs")
@@ -48,8 +51,8 @@ class KVStream:
         self.remote = remote_blocks
         self.session = remote_session
         self.base = remote_base
-        self.shm = shm
-        self.path = SHM if shm is not None else TRANSFER_ENGINE
+        self.peer = peer  # same host: its memory mapped or opened here
+        self.path = peer.via if peer is not None else TRANSFER_ENGINE
         self.futures: list[Future] = []
         self.bytes = 0
         self.seconds = 0.0  # first write queued → last write done
@@ -89,9 +92,9 @@ class KVStream:
             return
         n = self.kv.block_nbytes
         local, remote = self.local[start:end], self.remote[start:end]
-        if self.shm is not None:
-            shm = self.shm
-            self._queue(n * count, lambda: shm.write_blocks(local, remote))
+        if self.peer is not None:
+            peer = self.peer
+            self._queue(n * count, lambda: peer.write_blocks(local, remote))
             return
         self._submit([self.kv.block_address(b) for b in local],
                      [self._remote_layer(b, 0) for b in remote], [n] * count)
@@ -102,12 +105,12 @@ class KVStream:
             raise RequestAborted()
         bs = self.kv.block_size
         blocks = range(start // bs, (end - 1) // bs + 1)
-        if self.shm is not None:
-            shm = self.shm
+        if self.peer is not None:
+            peer = self.peer
             local = [self.local[i] for i in blocks]
             remote = [self.remote[i] for i in blocks]
             self._queue(self.kv.layer_nbytes * len(blocks),
-                        lambda: shm.write_layer(local, remote, layer))
+                        lambda: peer.write_layer(local, remote, layer))
             return
         self._submit([self.kv.layer_address(self.local[i], layer) for i in blocks],
                      [self._remote_layer(self.remote[i], layer) for i in blocks],
@@ -149,7 +152,7 @@ class KVStream:
         """Writes of this stream that may still land: queued or running, and any native
         transfer call to its peer that outlived its caller's deadline."""
         pending = [f for f in self.futures if not f.done()]
-        if self.shm is None:
+        if self.peer is None:
             pending += self.transfer.in_flight(self.session)
         return pending
 
@@ -179,11 +182,11 @@ def _as_transfer_error(job: Callable[[], int]) -> int:
 class KVPaths:
     """Which path a request's KV takes to its decode worker.
 
-    ``mode``: "transfer_engine" always; "auto" shared memory when the decode worker
-    advertised a segment and runs on this host (same ``host_id``); "shm" shared memory
-    whenever a segment is advertised (the host check skipped). Either falls back to the
-    transfer engine, with a warning, when the segment cannot be mapped. KV in GPU memory
-    always takes the transfer engine (a memmove reads host memory only).
+    ``mode``: "transfer_engine" always; "auto" the same-host path when the decode worker
+    advertised one and runs on this host (same ``host_id``); "shm" the same-host path
+    whenever one is advertised (the host check skipped). The same-host path is the decode
+    worker's /dev/shm file for KV in host memory, its CUDA IPC handle for KV on a GPU.
+    Either falls back to the transfer engine, with a warning, when it cannot be opened.
     """
 
     def __init__(self, mode: str, kv: PagedKVMemory, host_id: str,
@@ -196,15 +199,17 @@ class KVPaths:
         self.window = (first_layer, total_layers)  # a pipeline stage's layers of a block
         self.maps = PeerKVMaps(kv, shm_dir, first_layer, total_layers)
         self.host_memory = kv.in_host_memory
-        self.bytes: dict[str, int] = {SHM: 0, TRANSFER_ENGINE: 0}
-        self.streams: dict[str, int] = {SHM: 0, TRANSFER_ENGINE: 0}
+        self.bytes: dict[str, int] = {SHM: 0, CUDA_IPC: 0, TRANSFER_ENGINE: 0}
+        self.streams: dict[str, int] = {SHM: 0, CUDA_IPC: 0, TRANSFER_ENGINE: 0}
 
-    def peer(self, target: StreamTarget) -> Optional[PeerKV]:
-        if self.mode == TRANSFER_ENGINE or not target.shm_path or not self.host_memory:
+    def peer(self, target: StreamTarget) -> Optional[Peer]:
+        if self.mode == TRANSFER_ENGINE:
             return None
         if self.mode == "auto" and target.host_id != self.host_id:
             return None
-        return self.maps.get(target.decode_id, target.shm_path)
+        if self.host_memory:
+            return self.maps.get(target.decode_id, target.shm_path) if target.shm_path else None
+        return self.maps.get_cuda(target.decode_id, target.ipc) if target.ipc else None
 
     def open(self, transfer: TransferAgent, executor: ThreadPoolExecutor, kv: PagedKVMemory,
              table: list[int], target: StreamTarget) -> KVStream:

@@ -49,6 +49,9 @@ def serve(tmp: Path, port: int, stages: int, layerwise: bool,
         out["metrics"] = metrics
         wait_no_leaks(cluster)
         out["kv_bytes"] = kv_moved(cluster, metrics)
+        out["paths"] = {}  # "flow/path" → bytes, every worker's
+        for (_, flow, path), n in kv_bytes(conductor_metrics(cluster)).items():
+            out["paths"][f"{flow}/{path}"] = out["paths"].get(f"{flow}/{path}", 0) + n
         out["loads_given_up"] = sum(
             s.value for family in text_string_to_metric_families(conductor_metrics(cluster))
             if family.name == "crescent_worker_dropped" for s in family.samples

@@ -71,7 +71,7 @@ def test_shm_path_writes_exactly_the_bytes_the_transfer_engine_writes(agents, sh
     try:
         te = KVStream(a, pool, src, local, remote, b.session_id, d_te.base_address)
         peer = PeerKV(d_shm.shm_path, src)
-        shm = KVStream(a, pool, src, local, remote, "", 0, shm=peer)
+        shm = KVStream(a, pool, src, local, remote, "", 0, peer=peer)
         assert (te.path, shm.path) == ("transfer_engine", "shm")
         # 2 cached blocks, then 90 tokens in chunks of 20 (chunks straddle blocks).
         n_te = stream_prompt(te, 2, 90, 20)
@@ -100,7 +100,7 @@ def test_bfloat16_kv_streams_half_the_bytes_identically(shm_dir) -> None:
     pool = ThreadPoolExecutor(1)
     try:
         stream = KVStream(None, pool, src, [3, 1], [5, 2], "", 0,  # type: ignore[arg-type]
-                          shm=PeerKV(dst.shm_path, src))
+                          peer=PeerKV(dst.shm_path, src))
         assert stream_prompt(stream, 0, 32, 32) == 2 * src.block_nbytes
         assert torch.equal(dst.data[[5, 2]], src.data[[3, 1]])
     finally:
@@ -114,7 +114,7 @@ def test_bad_remote_block_fails_the_stream_like_a_transfer(shm_dir) -> None:
     pool = ThreadPoolExecutor(1)
     try:
         stream = KVStream(None, pool, src, [0], [4], "", 0,  # type: ignore[arg-type]
-                          shm=PeerKV(dst.shm_path, src))
+                          peer=PeerKV(dst.shm_path, src))
         stream.on_layer(0, 0, 16)
         with pytest.raises(TransferError, match=r"remote block 4 outside \[0, 4\)"):
             asyncio.run(stream.wait(5.0))
@@ -170,6 +170,8 @@ def test_path_choice_and_fallback(shm_dir, caplog) -> None:
 class SlowPeer:
     """A peer whose writes take longer than the stream's deadline."""
 
+    via = "shm"
+
     def write_layer(self, local: list[int], remote: list[int], layer: int) -> int:
         import time
         time.sleep(0.5)
@@ -184,7 +186,7 @@ def test_wait_has_a_deadline_on_the_shm_path_too() -> None:
     pool = ThreadPoolExecutor(1)
     try:
         stream = KVStream(None, pool, src, [0], [0], "", 0,  # type: ignore[arg-type]
-                          shm=SlowPeer())  # type: ignore[arg-type]
+                          peer=SlowPeer())  # type: ignore[arg-type]
         stream.on_layer(0, 0, 16)
         stream.on_layer(1, 0, 16)
         with pytest.raises(TransferError, match=r"KV stream \(shm\) missed its 0.3s deadline"):

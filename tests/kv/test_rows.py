@@ -1,0 +1,75 @@
+"""common/kv/rows.py: pieces copied by a few runs or by row gathers land byte for byte where
+a copy per piece puts them, and no piece outside either tensor is ever launched."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from common.kv.rows import MAX_RUNS, check, copy_pieces, on_stream, row_bytes, row_indices
+
+
+def reference(src: torch.Tensor, dst: torch.Tensor, pieces) -> torch.Tensor:
+    out = dst.clone()
+    for s, d, n in pieces:
+        out[d:d + n] = src[s:s + n]
+    return out
+
+
+def scattered(count: int, size: int, slots_src: int, slots_dst: int, seed: int):
+    rng = random.Random(seed)
+    src = rng.sample(range(slots_src), count)
+    dst = rng.sample(range(slots_dst), count)
+    return [(a * size, b * size, size) for a, b in zip(src, dst)]
+
+
+@pytest.mark.parametrize("count", [1, MAX_RUNS, MAX_RUNS + 1, 200])
+def test_scattered_pieces_land_where_a_copy_per_piece_puts_them(count) -> None:
+    src = torch.randint(0, 256, (256 * 64,), dtype=torch.uint8)
+    dst = torch.randint(0, 256, (300 * 64,), dtype=torch.uint8)
+    pieces = scattered(count, 64, 256, 300, count)
+    want = reference(src, dst, pieces)
+    assert copy_pieces(src, dst, pieces) == 64 * count
+    assert torch.equal(dst, want)
+
+
+def test_unaligned_pieces_of_different_sizes_use_the_common_row() -> None:
+    src = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+    dst = torch.zeros(8192, dtype=torch.uint8)
+    pieces = [(i * 100 + 12, 8000 - (i + 1) * 120, 36 + 4 * (i % 3)) for i in range(40)]
+    assert row_bytes(pieces, src.numel(), dst.numel()) == 4
+    want = reference(src, dst, pieces)
+    copy_pieces(src, dst, pieces)
+    assert torch.equal(dst, want)
+
+
+def test_adjacent_pieces_become_one_run() -> None:
+    """Whole blocks of consecutive layers, consecutive blocks: one copy, any count."""
+    src = torch.randint(0, 256, (64 * 1000,), dtype=torch.uint8)
+    dst = torch.zeros(64 * 1200, dtype=torch.uint8)
+    pieces = [(i * 64, 6400 + i * 64, 64) for i in range(1000)]
+    want = reference(src, dst, pieces)
+    copy_pieces(src, dst, pieces, dst_dma=dst)  # the run path copies through dst_dma
+    assert torch.equal(dst, want)
+
+
+def test_row_indices_list_each_piece_s_rows_in_order() -> None:
+    s, d = row_indices([(8, 40, 8), (0, 0, 12)], 4)
+    assert s.tolist() == [2, 3, 0, 1, 2]
+    assert d.tolist() == [10, 11, 0, 1, 2]
+
+
+@pytest.mark.parametrize("piece", [(-4, 0, 4), (0, -4, 4), (0, 0, 0), (60, 0, 8), (0, 124, 8)])
+def test_a_piece_outside_either_tensor_is_refused_before_any_copy(piece) -> None:
+    src = torch.ones(64, dtype=torch.uint8)
+    dst = torch.zeros(128, dtype=torch.uint8)
+    with pytest.raises(IndexError):
+        copy_pieces(src, dst, [(0, 0, 4)] * (MAX_RUNS + 1) + [piece])
+    assert not dst.any()  # nothing launched
+    with pytest.raises(IndexError):
+        check([piece], 64, 128)
+
+
+def test_host_memory_copies_need_no_stream() -> None:
+    assert on_stream(None, lambda: 7, after_compute=True) == 7
