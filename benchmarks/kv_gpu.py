@@ -142,9 +142,13 @@ def measure(args: argparse.Namespace, info: dict, conn) -> dict:
     if info["ipc"]:
         try:
             peer = PeerKVCuda(info["ipc"], kv)
-            paths["cuda_ipc"] = (lambda: peer.write_blocks(local, remote),
-                                 lambda: [peer.write_layer(local, remote, layer)
-                                          for layer in range(kv.num_layers)])
+
+            def ipc_layers() -> None:  # as a layer-wise stream: rows once, a launch a layer
+                src, dst = peer.rows(local, remote)
+                for layer in range(kv.num_layers):
+                    done = peer.launch(src, dst, range(layer, layer + 1))
+                done.synchronize()
+            paths["cuda_ipc"] = (lambda: peer.write_blocks(local, remote), ipc_layers)
         except (RuntimeError, ValueError) as exc:
             res["p2d"]["cuda_ipc"] = {"error": repr(exc)}
     rb = kv.block_nbytes

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from common.kv.memory import PagedKVMemory
-from common.kv.rows import copy_pieces, on_stream
+from common.kv.rows import copy_rows
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +98,15 @@ def open_peer(text: str, device: torch.device) -> torch.Tensor:
 
 
 class PeerKVCuda:
-    """A same-host decode worker's GPU KV memory opened here, written like ``PeerKV``
-    (``write_layer`` / ``write_blocks``, from a lane thread): a block of the peer holds
-    every layer of the model; a pipeline stage writes its window of layers."""
+    """A same-host decode worker's GPU KV memory opened here. A block of the peer holds every
+    layer of the model; a pipeline stage writes its window of layers. Copies move rows of
+    one layer of one block (``copy_rows``) on a stream of their own.
+
+    ``rows`` (once per request) checks its block pairs and puts their first rows on the
+    GPU; ``launch`` (in the compute thread, right after the layer's kernels) queues the
+    copy of some of those blocks' layers behind the compute launched so far and returns an
+    event that fires when it is done: the compute never waits, and no lane runs Python per
+    layer. ``write_layer`` / ``write_blocks`` do both and wait (``PeerKV``'s interface)."""
 
     via = CUDA_IPC  # the path name in metrics
 
@@ -114,37 +120,61 @@ class PeerKVCuda:
         self.total = total
         self.first = first_layer
         self.memory = open_peer(handle, local.data.device)
-        block_nbytes = total * local.layer_nbytes
-        if self.memory.numel() % block_nbytes:
+        ln = local.layer_nbytes
+        if self.memory.numel() % (total * ln):
             raise ValueError(f"{self.memory.numel()} bytes is not a whole number of "
-                             f"{block_nbytes}-byte blocks (KV layouts differ)")
-        self.num_blocks = self.memory.numel() // block_nbytes
-        self._src = local.data.view(-1).view(torch.uint8)  # local.device_bytes
+                             f"{total * ln}-byte blocks (KV layouts differ)")
+        self.num_blocks = self.memory.numel() // (total * ln)
+        self._src = local.data.view(-1).view(torch.uint8).view(-1, ln)  # rows: block, layer
+        self._dst = self.memory.view(-1, ln)
+        self._layers = torch.arange(local.num_layers, device=local.data.device)
         self._stream = torch.cuda.Stream(local.data.device)
 
     def describe(self) -> str:
         return f"CUDA IPC ({self.memory.device}, {self.num_blocks} blocks)"
 
-    def _check(self, local: Sequence[int], remote: Sequence[int]) -> None:
+    def rows(self, local: Sequence[int], remote: Sequence[int]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer 0's row of each local block and of its peer block, on the GPU. Raises
+        IndexError for a block outside either memory."""
         if len(local) != len(remote):
             raise ValueError(f"{len(local)} local blocks for {len(remote)} remote ones")
-        if remote and (min(remote) < 0 or max(remote) >= self.num_blocks):
-            bad = next(b for b in remote if not 0 <= b < self.num_blocks)
-            raise IndexError(f"remote block {bad} outside [0, {self.num_blocks})")
+        for blocks, count, whose in ((local, self.local.num_blocks, "local"),
+                                     (remote, self.num_blocks, "remote")):
+            bad = [b for b in blocks if not 0 <= b < count]
+            if bad:
+                raise IndexError(f"{whose} block {bad[0]} outside [0, {count})")
+        device = self.local.data.device
+        src = torch.tensor(local, dtype=torch.long) * self.local.num_layers
+        dst = torch.tensor(remote, dtype=torch.long) * self.total + self.first
+        return src.to(device, non_blocking=True), dst.to(device, non_blocking=True)
+
+    def launch(self, src: torch.Tensor, dst: torch.Tensor, layers: range) -> "torch.cuda.Event":
+        """Queue the copy of ``layers`` of the blocks whose first rows are ``src`` → ``dst``
+        (slices of ``rows``) after the work launched so far on this thread's stream."""
+        if not (0 <= layers.start and layers.stop <= self.local.num_layers):
+            raise IndexError(f"layers {layers} outside [0, {self.local.num_layers})")
+        ready = torch.cuda.Event()
+        ready.record()
+        self._stream.wait_event(ready)
+        with torch.cuda.stream(self._stream):
+            if len(layers) == 1:
+                s, d = src + layers.start, dst + layers.start
+            else:
+                offsets = self._layers[layers.start:layers.stop]
+                s = (src[:, None] + offsets).reshape(-1)
+                d = (dst[:, None] + offsets).reshape(-1)
+            copy_rows(self._src, self._dst, s, d)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        return done
 
     def _write(self, local: Sequence[int], remote: Sequence[int], layers: range) -> int:
-        self._check(local, remote)
-        ln, lb = self.local.layer_nbytes, self.local.block_nbytes
-        rb = self.total * ln
-        pieces = [(b * lb + layer * ln, r * rb + (self.first + layer) * ln, ln)
-                  for b, r in zip(local, remote) for layer in layers]
-        return on_stream(self._stream, lambda: copy_pieces(self._src, self.memory, pieces),
-                         after_compute=True)
+        self.launch(*self.rows(local, remote), layers).synchronize()
+        return len(local) * len(layers) * self.local.layer_nbytes
 
     def write_layer(self, local: Sequence[int], remote: Sequence[int], layer: int) -> int:
         """Layer ``layer`` of local blocks → the same layer of the peer's blocks. Bytes."""
-        if not 0 <= layer < self.local.num_layers:
-            raise IndexError(f"layer {layer} outside [0, {self.local.num_layers})")
         return self._write(local, remote, range(layer, layer + 1))
 
     def write_blocks(self, local: Sequence[int], remote: Sequence[int]) -> int:
@@ -153,4 +183,4 @@ class PeerKVCuda:
 
     def close(self) -> None:
         """Drop our reference (the IPC mapping closes with the last tensor using it)."""
-        self.memory = torch.empty(0, dtype=torch.uint8)
+        self.memory = self._dst = torch.empty(0, dtype=torch.uint8)

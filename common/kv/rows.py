@@ -5,25 +5,25 @@ or a whole block, each from one tensor (a worker's KV memory) to another (a same
 worker's KV memory opened through CUDA IPC, or a store node's segment registered as pinned
 memory: ``common/kv/cuda_ipc.py``, ``common/store/pinned.py``). A copy per piece costs a
 launch each (a transfer-engine request: 6 us, issue 26), 8,192 of them for a 4k prompt of an
-8B model sent layer by layer. Here both tensors are seen as rows of ``g`` bytes, ``g`` the
-largest size dividing every offset, length and tensor size; a piece is a run of rows, and
-one gather (``index_select``) and one scatter (``index_copy_``) move any number of pieces.
-When the pieces coalesce into a few runs, a ``copy_`` per run moves them instead (on a GPU
-host, the copy engine's DMA: 55 GB/s each way to pinned memory, issue 26).
+8B model sent layer by layer. Here both tensors are seen as rows of ``g`` bytes; a piece is a
+run of rows, and one gather (``index_select``) and one scatter (``index_copy_``) move any
+number of pieces (``copy_rows``). When the pieces coalesce into a few runs, a ``copy_`` per
+run moves them instead (on a GPU host, the copy engine's DMA to and from pinned memory).
 
-Every piece is checked against both tensors on the host before anything is launched: an
-index out of range inside a CUDA kernel would end the process's CUDA context, not raise.
-The code is the same on any device (the CPU tests run it); on a GPU the caller picks the
-stream and orders it against the compute (``side_stream_copy``).
+Everything per piece is vectorized (numpy on the host, index tensors on the device): on a GPU
+the Python around a layer's copy, not the copy, is what a layer-wise prefill pays (its first
+version, a loop per piece, kept the lanes ~0.4 ms a layer behind the compute). Every piece
+is checked against both tensors on the host before anything is launched: an index out of
+range inside a CUDA kernel would end the process's CUDA context, not raise. The code is the
+same on any device (the CPU tests run it); on a GPU the caller picks the stream and orders it
+against the compute (``on_stream``).
 """
 from __future__ import annotations
 
-import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
-
-from common.transfer import coalesce
 
 # (source offset, destination offset, bytes), offsets from each tensor's first byte
 Piece = tuple[int, int, int]
@@ -32,30 +32,54 @@ MAX_RUNS = 16  # at most this many runs after coalescing: a copy_ per run (DMA),
 MAX_TEMP_BYTES = 256 << 20  # the gather's temporary per launch pair
 
 
-def check(pieces: Sequence[Piece], src_nbytes: int, dst_nbytes: int) -> None:
+def as_arrays(pieces: Sequence[Piece]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    a = np.asarray(pieces, dtype=np.int64).reshape(-1, 3)
+    return a[:, 0], a[:, 1], a[:, 2]
+
+
+def check(s: np.ndarray, d: np.ndarray, n: np.ndarray, src_nbytes: int,
+          dst_nbytes: int) -> None:
     """Every piece inside both tensors, or ``IndexError`` naming the first that is not."""
-    for s, d, n in pieces:
-        if n <= 0 or s < 0 or d < 0 or s + n > src_nbytes or d + n > dst_nbytes:
-            raise IndexError(f"piece ({s}, {d}, {n}) is outside a {src_nbytes}-byte source "
-                             f"or a {dst_nbytes}-byte destination")
+    bad = (n <= 0) | (s < 0) | (d < 0) | (s + n > src_nbytes) | (d + n > dst_nbytes)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise IndexError(f"piece ({s[i]}, {d[i]}, {n[i]}) is outside a {src_nbytes}-byte "
+                         f"source or a {dst_nbytes}-byte destination")
 
 
-def row_bytes(pieces: Sequence[Piece], src_nbytes: int, dst_nbytes: int) -> int:
+def coalesce(s: np.ndarray, d: np.ndarray, n: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge each piece that continues the previous one on both sides."""
+    if len(n) < 2:
+        return s, d, n
+    joins = (s[:-1] + n[:-1] == s[1:]) & (d[:-1] + n[:-1] == d[1:])
+    first = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return s[first], d[first], np.add.reduceat(n, first)
+
+
+def row_bytes(s: np.ndarray, d: np.ndarray, n: np.ndarray, src_nbytes: int,
+              dst_nbytes: int) -> int:
     """The largest row size dividing every offset, length and both tensor sizes."""
-    g = math.gcd(src_nbytes, dst_nbytes)
-    for s, d, n in pieces:
-        g = math.gcd(g, s, d, n)
-    return g
+    return int(np.gcd.reduce(np.concatenate((s, d, n, [src_nbytes, dst_nbytes]))))
 
 
-def row_indices(pieces: Sequence[Piece], g: int) -> tuple[torch.Tensor, torch.Tensor]:
+def row_indices(s: np.ndarray, d: np.ndarray, n: np.ndarray, g: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Source and destination row numbers (of ``g`` bytes) of every piece, in order."""
-    starts = torch.tensor([(s // g, d // g, n // g) for s, d, n in pieces], dtype=torch.long)
-    counts = starts[:, 2]
-    first = torch.cumsum(counts, 0) - counts  # each piece's first position in the output
-    within = torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)
-    return (torch.repeat_interleave(starts[:, 0], counts) + within,
-            torch.repeat_interleave(starts[:, 1], counts) + within)
+    counts = n // g
+    first = np.cumsum(counts) - counts  # each piece's first position in the output
+    within = np.arange(int(counts.sum())) - np.repeat(first, counts)
+    return (torch.from_numpy(np.repeat(s // g, counts) + within),
+            torch.from_numpy(np.repeat(d // g, counts) + within))
+
+
+def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor,
+              dst_idx: torch.Tensor) -> None:
+    """``dst[dst_idx[i]] = src[src_idx[i]]`` for 2-D row views on one device, indices on it
+    too (checked by the caller): a gather and a scatter per ``MAX_TEMP_BYTES`` of rows."""
+    step = max(1, MAX_TEMP_BYTES // (src.shape[1] * src.element_size()))
+    for i in range(0, src_idx.numel(), step):
+        dst.index_copy_(0, dst_idx[i:i + step], src.index_select(0, src_idx[i:i + step]))
 
 
 def copy_pieces(src: torch.Tensor, dst: torch.Tensor, pieces: Sequence[Piece],
@@ -65,31 +89,28 @@ def copy_pieces(src: torch.Tensor, dst: torch.Tensor, pieces: Sequence[Piece],
     (asynchronous on a GPU: the caller synchronizes). ``src_dma``/``dst_dma``: the same
     bytes as a host tensor, for a per-run ``copy_`` (a pinned segment's CPU view, which the
     copy engine reads; its CUDA view is what kernels read). Returns the bytes copied."""
-    check(pieces, src.numel(), dst.numel())
     if src.device != dst.device:
         raise ValueError(f"pieces from {src.device} to {dst.device}: one device only")
     if not pieces:
         return 0
-    s0, d0, n0 = coalesce(*zip(*pieces))
-    if len(n0) <= MAX_RUNS:
+    s, d, n = as_arrays(pieces)
+    check(s, d, n, src.numel(), dst.numel())
+    s, d, n = coalesce(s, d, n)
+    if len(n) <= MAX_RUNS:
         a = src if src_dma is None else src_dma
         b = dst if dst_dma is None else dst_dma
-        for s, d, n in zip(s0, d0, n0):
-            b[d:d + n].copy_(a[s:s + n], non_blocking=True)
-        return sum(n0)
-    runs = list(zip(s0, d0, n0))
-    g = row_bytes(runs, src.numel(), dst.numel())
-    src_idx, dst_idx = row_indices(runs, g)
-    rows_s, rows_d = src.view(-1, g), dst.view(-1, g)
-    src_idx = src_idx.to(src.device, non_blocking=True)
-    dst_idx = dst_idx.to(dst.device, non_blocking=True)
-    step = max(1, MAX_TEMP_BYTES // g)
-    for i in range(0, src_idx.numel(), step):
-        rows_d.index_copy_(0, dst_idx[i:i + step], rows_s.index_select(0, src_idx[i:i + step]))
-    return sum(n0)
+        for x, y, k in zip(s.tolist(), d.tolist(), n.tolist()):
+            b[y:y + k].copy_(a[x:x + k], non_blocking=True)
+        return int(n.sum())
+    g = row_bytes(s, d, n, src.numel(), dst.numel())
+    src_idx, dst_idx = row_indices(s, d, n, g)
+    copy_rows(src.view(-1, g), dst.view(-1, g), src_idx.to(src.device, non_blocking=True),
+              dst_idx.to(dst.device, non_blocking=True))
+    return int(n.sum())
 
 
-def on_stream(stream: Optional["torch.cuda.Stream"], copy, after_compute: bool) -> int:
+def on_stream(stream: Optional["torch.cuda.Stream"], copy: Callable[[], int],
+              after_compute: bool) -> int:
     """Run ``copy()`` (launches ``copy_pieces``) on ``stream`` and return once its copies are
     done, blocking this thread only (a lane's, never the compute thread). ``after_compute``:
     first wait for everything launched on the device's default stream so far (the compute

@@ -16,14 +16,17 @@ import asyncio
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from common.kv.memory import PagedKVMemory
-from common.kv.cuda_ipc import CUDA_IPC
+from common.kv.cuda_ipc import CUDA_IPC, PeerKVCuda
 from common.kv.shm_kv import KV_PATHS, SHM_DIR, Peer, PeerKVMaps
 from common.protocol import StreamTarget
 from common.store.ranges import RangeMover
 from common.transfer import TransferAgent, TransferError, watched
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,8 @@ class KVStream:
         self.peer = peer  # same host: its memory mapped or opened here
         self.path = peer.via if peer is not None else TRANSFER_ENGINE
         self.futures: list[Future] = []
+        self._launched: set[Future] = set()  # waits for GPU copies already queued
+        self._rows: Optional[tuple] = None  # a CUDA peer's block rows (``_gpu``)
         self.bytes = 0
         self.seconds = 0.0  # first write queued → last write done
         self._started: Optional[float] = None
@@ -69,6 +74,28 @@ class KVStream:
         if self._started is None:
             self._started = time.perf_counter()
         self.futures.append(self.executor.submit(_as_transfer_error, job))
+
+    def _launch(self, nbytes: int, blocks: range, layers: range) -> None:
+        """A CUDA peer: queue the copy now, behind the compute (in the compute thread: no
+        lane runs Python per layer); the lane only waits for its event."""
+        assert isinstance(self.peer, PeerKVCuda)
+        self.bytes += nbytes
+        if self._started is None:
+            self._started = time.perf_counter()
+        try:
+            if self._rows is None:
+                self._rows = self.peer.rows(self.local, self.remote[:len(self.local)])
+            src, dst = self._rows
+            done = self.peer.launch(src[blocks.start:blocks.stop],
+                                    dst[blocks.start:blocks.stop], layers)
+        except (IndexError, ValueError, RuntimeError) as exc:
+            failed: Future = Future()
+            failed.set_exception(TransferError(f"KV write failed: {exc}"))
+            self.futures.append(failed)
+            return
+        waited = self.executor.submit(_waited, done, nbytes)
+        self._launched.add(waited)
+        self.futures.append(waited)
 
     def _submit(self, src: list[int], dst: list[int], lengths: list[int]) -> None:
         self._queue(sum(lengths), lambda: self.transfer.write(self.session, src, dst, lengths))
@@ -92,6 +119,9 @@ class KVStream:
             return
         n = self.kv.block_nbytes
         local, remote = self.local[start:end], self.remote[start:end]
+        if isinstance(self.peer, PeerKVCuda):
+            self._launch(n * count, range(start, end), range(self.kv.num_layers))
+            return
         if self.peer is not None:
             peer = self.peer
             self._queue(n * count, lambda: peer.write_blocks(local, remote))
@@ -105,6 +135,9 @@ class KVStream:
             raise RequestAborted()
         bs = self.kv.block_size
         blocks = range(start // bs, (end - 1) // bs + 1)
+        if isinstance(self.peer, PeerKVCuda):
+            self._launch(self.kv.layer_nbytes * len(blocks), blocks, range(layer, layer + 1))
+            return
         if self.peer is not None:
             peer = self.peer
             local = [self.local[i] for i in blocks]
@@ -146,7 +179,8 @@ class KVStream:
         stopped; ``settle`` waits for it)."""
         self.aborted = True
         for f in self.futures:
-            f.cancel()
+            if f not in self._launched:  # a queued GPU copy runs anyway: wait for it
+                f.cancel()
 
     def unsettled(self) -> list[Future]:
         """Writes of this stream that may still land: queued or running, and any native
@@ -166,6 +200,12 @@ class KVStream:
             if not done:
                 log.warning("KV stream to %s: %d writes still running after %.0fs", self.session,
                             len(pending), report_s)
+
+
+def _waited(done: "torch.cuda.Event", nbytes: int) -> int:
+    """On the lane: until a queued GPU copy is done (the GIL released meanwhile)."""
+    done.synchronize()
+    return nbytes
 
 
 def _as_transfer_error(job: Callable[[], int]) -> int:

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from common.kv.rows import MAX_RUNS, check, copy_pieces, on_stream, row_bytes, row_indices
+from common.kv.rows import (MAX_RUNS, as_arrays, check, coalesce, copy_pieces, copy_rows,
+                            on_stream, row_bytes, row_indices)
 
 
 def reference(src: torch.Tensor, dst: torch.Tensor, pieces) -> torch.Tensor:
@@ -38,7 +39,7 @@ def test_unaligned_pieces_of_different_sizes_use_the_common_row() -> None:
     src = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
     dst = torch.zeros(8192, dtype=torch.uint8)
     pieces = [(i * 100 + 12, 8000 - (i + 1) * 120, 36 + 4 * (i % 3)) for i in range(40)]
-    assert row_bytes(pieces, src.numel(), dst.numel()) == 4
+    assert row_bytes(*as_arrays(pieces), src.numel(), dst.numel()) == 4
     want = reference(src, dst, pieces)
     copy_pieces(src, dst, pieces)
     assert torch.equal(dst, want)
@@ -55,7 +56,7 @@ def test_adjacent_pieces_become_one_run() -> None:
 
 
 def test_row_indices_list_each_piece_s_rows_in_order() -> None:
-    s, d = row_indices([(8, 40, 8), (0, 0, 12)], 4)
+    s, d = row_indices(*as_arrays([(8, 40, 8), (0, 0, 12)]), 4)
     assert s.tolist() == [2, 3, 0, 1, 2]
     assert d.tolist() == [10, 11, 0, 1, 2]
 
@@ -68,8 +69,24 @@ def test_a_piece_outside_either_tensor_is_refused_before_any_copy(piece) -> None
         copy_pieces(src, dst, [(0, 0, 4)] * (MAX_RUNS + 1) + [piece])
     assert not dst.any()  # nothing launched
     with pytest.raises(IndexError):
-        check([piece], 64, 128)
+        check(*as_arrays([piece]), 64, 128)
 
 
 def test_host_memory_copies_need_no_stream() -> None:
     assert on_stream(None, lambda: 7, after_compute=True) == 7
+
+
+def test_coalescing_merges_only_pieces_adjacent_on_both_sides() -> None:
+    s, d, n = coalesce(*as_arrays([(0, 100, 8), (8, 108, 8), (16, 200, 8), (24, 208, 4)]))
+    assert (s.tolist(), d.tolist(), n.tolist()) == ([0, 16], [100, 200], [16, 12])
+
+
+def test_rows_copy_in_bounded_gathers(monkeypatch) -> None:
+    import common.kv.rows as rows
+
+    monkeypatch.setattr(rows, "MAX_TEMP_BYTES", 3 * 16)  # three rows of 16 bytes a launch
+    src = torch.arange(20 * 16, dtype=torch.int64).view(torch.uint8).view(-1, 16 * 8)
+    dst = torch.zeros_like(src)
+    order = torch.tensor([4, 0, 9, 2, 7, 1, 3])
+    copy_rows(src, dst, order, torch.arange(7))
+    assert torch.equal(dst[:7], src[order]) and not dst[7:].any()
