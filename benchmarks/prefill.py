@@ -291,6 +291,10 @@ def run_all(args: argparse.Namespace, rng: random.Random,
                 run.send(unique_prompt(rng, 300))
         res: dict[str, dict[str, list]] = {r.name: {"cold": [], "warm": [], "failed": []}
                                            for r in runs}
+        if args.device != "cpu":  # Triton compiles for each new shape at its first use
+            for n in args.lengths:
+                for run in runs:
+                    step(run, n, args, rng, {"cold": [], "warm": [], "failed": []})
         for n in args.lengths:
             for rep in range(reps_for(n, args.reps)):
                 for run in runs[rep % len(runs):] + runs[:rep % len(runs)]:
@@ -344,7 +348,8 @@ def store_mb_needed(args: argparse.Namespace) -> int:
     """The store's DRAM a run fills: every cold prompt, its sibling's new tenth and the
     warm-up prompts, in whole blocks of the model's KV."""
     per_token = kv_bytes_per_token(args)
-    tokens = 4 * 300 + sum(reps_for(n, args.reps) * n * (1 + (1 - CACHED_SHARE))
+    warmups = 1 if args.device != "cpu" else 0  # run_all: a step per length first on a GPU
+    tokens = 4 * 300 + sum((reps_for(n, args.reps) + warmups) * n * (1 + (1 - CACHED_SHARE))
                            for n in args.lengths)
     return int(tokens * per_token) // (1 << 20) + 1
 

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from common.kv.memory import PagedKVMemory
-from common.kv.rows import copy_rows
+from common.kv.rows import copy_rows, rows_view
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +125,8 @@ class PeerKVCuda:
             raise ValueError(f"{self.memory.numel()} bytes is not a whole number of "
                              f"{total * ln}-byte blocks (KV layouts differ)")
         self.num_blocks = self.memory.numel() // (total * ln)
-        self._src = local.data.view(-1).view(torch.uint8).view(-1, ln)  # rows: block, layer
-        self._dst = self.memory.view(-1, ln)
+        self._src = rows_view(local.data.view(-1).view(torch.uint8), ln)  # rows: block, layer
+        self._dst = rows_view(self.memory, ln)
         self._layers = torch.arange(local.num_layers, device=local.data.device)
         self._stream = torch.cuda.Stream(local.data.device)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
@@ -314,6 +314,87 @@ class RangeMover:
         with self._lock:
             seg = self._maps.get(node.node_id, node.info())
             return (seg.base, seg.view(0, seg.nbytes)) if seg is not None else None
+
+    # ------------------------------------------- GPU rows launched from the compute thread
+    def device_rows(self, plan: PutPlan, local_rows: Sequence[int], first_row: int,
+                    row_nbytes: int, layers: int) -> Optional[tuple[Any, list, int]]:
+        """A GPU mover writing ``plan`` one row (a layer of every object) at a time,
+        launched by ``launch_write``: per replica node, its segment's rows, and on the GPU
+        each key's local row (``local_rows[i]``, rows of ``row_nbytes`` in
+        ``device_memory``) and its object's row there (offset / row_nbytes + ``first_row``),
+        checked once for ``layers`` rows on; with the local rows and the bytes a row of
+        every object makes. None where the plan cannot go this way (host memory, a node not
+        pinnable here, an object not aligned to rows): ``write`` then."""
+        if self.device_memory is None or time.time() >= plan.deadline:
+            return None
+        import torch
+
+        from common.kv.rows import rows_view
+
+        self.retain(plan.live)
+        refs = {n.node_id: n for n in plan.nodes}
+        by_node: dict[str, tuple[list[int], list[int]]] = {}
+        for i, replicas in enumerate(plan.replicas):
+            for loc in replicas.locations:
+                if loc.offset % row_nbytes:
+                    return None
+                src, dst = by_node.setdefault(loc.node_id, ([], []))
+                src.append(local_rows[i])
+                dst.append(loc.offset // row_nbytes + first_row)
+        local_total = self.device_memory.numel() // row_nbytes
+        device = self.device_memory.device
+        out = []
+        for node_id, (src, dst) in by_node.items():
+            node = refs.get(node_id)
+            seg = self._pinned_segment(node) if node is not None else None
+            if seg is None:
+                return None
+            total = seg.device.numel() // row_nbytes
+            if min(src + dst) < 0 or max(src) + layers > local_total or max(dst) + layers > total:
+                return None
+            out.append((rows_view(seg.device[:total * row_nbytes], row_nbytes),
+                        torch.tensor(src).to(device, non_blocking=True),
+                        torch.tensor(dst).to(device, non_blocking=True)))
+        local = rows_view(self.device_memory[:local_total * row_nbytes], row_nbytes)
+        return local, out, sum(len(src) for src, _ in by_node.values()) * row_nbytes
+
+    def launch_write(self, rows: tuple[Any, list, int], row: int, deadline: float,
+                     waiter: ThreadPoolExecutor) -> Future:
+        """Queue row ``row`` on (a layer) of every object of ``device_rows``, behind the work
+        launched so far on this thread's stream (the compute that wrote it); ``waiter``
+        waits for it. The future fails once done past ``deadline``."""
+        import torch
+
+        from common.kv.rows import copy_rows
+
+        assert self.device_memory is not None
+        local, parts, nbytes = rows
+        done = None
+        if self.device_memory.is_cuda:
+            if True not in self._streams:
+                self._streams[True] = torch.cuda.Stream(self.device_memory.device)
+            stream = self._streams[True]
+            ready = torch.cuda.Event()
+            ready.record()
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                for seg_rows, src, dst in parts:
+                    copy_rows(local, seg_rows, src + row, dst + row)
+                done = torch.cuda.Event()
+                done.record(stream)
+        else:  # host memory (tests): the copies are done now
+            for seg_rows, src, dst in parts:
+                copy_rows(local, seg_rows, src + row, dst + row)
+        return waiter.submit(self._written, done, nbytes, deadline)
+
+    def _written(self, done: Any, nbytes: int, deadline: float) -> int:
+        if done is not None:
+            done.synchronize()
+        if time.time() > deadline:
+            self._failed("pinned", "a layer's store write ended past its deadline")
+            raise TransferError("store write: past the deadline")
+        self._count(True, "pinned", nbytes)
+        return nbytes
 
     def _on_device(self, pieces: list[_Piece]) -> bool:
         """Every piece's local bytes are in ``device_memory``."""

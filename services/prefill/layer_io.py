@@ -21,7 +21,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from common.kv.memory import PagedKVMemory
 from common.store.ranges import GetPlan, PutPlan, RangeMover
@@ -99,6 +99,7 @@ class PartIO:
     put_local: list[int] = field(default_factory=list)  # local block of each put key
     put_blocks: list[int] = field(default_factory=list)  # its block index in the prompt
     put_futures: list[Future] = field(default_factory=list)
+    put_rows: Any = None  # GPU KV: RangeMover.device_rows of ``put`` (False: none)
     poisoned: bool = False  # computed from a failed load: streams and stores nothing
 
     def written(self) -> list[bool]:
@@ -132,16 +133,30 @@ class StepIO:
             self._stream(part, layer, *part.load_tokens)
 
     def after(self, layer: int) -> None:
-        ln = self.kv.layer_nbytes
         for part in self.parts:
             if part.poisoned:
                 continue
             if self.layerwise:
                 self._stream(part, layer, part.start, part.end)
             if part.put is not None and self.mover is not None and self.store_lane is not None:
-                items = [(i, self.kv.layer_address(b, layer), (self.first_layer + layer) * ln, ln)
-                         for i, b in enumerate(part.put_local)]
-                part.put_futures.append(self.store_lane.submit(self.mover.write, part.put, items))
+                part.put_futures.append(self._store(part, layer))
+
+    def _store(self, part: PartIO, layer: int) -> Future:
+        """Layer ``layer`` of the part's new objects to the store: on a GPU with the store
+        on this host, launched here behind the compute (the lane only waits); else the
+        store lane copies it."""
+        assert part.put is not None and self.mover is not None and self.store_lane is not None
+        ln, layers = self.kv.layer_nbytes, self.kv.num_layers
+        if part.put_rows is None:
+            part.put_rows = self.mover.device_rows(
+                part.put, [b * layers for b in part.put_local], self.first_layer, ln,
+                layers) or False
+        if part.put_rows:
+            return self.mover.launch_write(part.put_rows, layer, part.put.deadline,
+                                           self.store_lane)
+        items = [(i, self.kv.layer_address(b, layer), (self.first_layer + layer) * ln, ln)
+                 for i, b in enumerate(part.put_local)]
+        return self.store_lane.submit(self.mover.write, part.put, items)
 
     @staticmethod
     def _stream(part: PartIO, layer: int, start: int, end: int) -> None:

@@ -45,6 +45,8 @@ def serve(tmp: Path, port: int, stages: int, layerwise: bool,
             out[name] = body["choices"][0]["text"]
             out[name + "_cached"] = body["usage"]["prompt_tokens_details"]["cached_tokens"]
             out[name + "_prompt"] = body["usage"]["prompt_tokens"]
+            if name == "long":  # the sibling's prefix is in the store before it comes
+                wait_index(cluster, out["long_prompt"] // cluster.config.block_size)
         metrics = httpx.get(cluster.url + "/metrics", timeout=5).text
         out["metrics"] = metrics
         wait_no_leaks(cluster)
@@ -59,6 +61,20 @@ def serve(tmp: Path, port: int, stages: int, layerwise: bool,
         return out
     finally:
         cluster.stop()
+
+
+def wait_index(cluster: LocalCluster, keys: int, timeout_s: float = 30.0) -> None:
+    """Until the conductor's global index holds ``keys`` blocks: the store committed them
+    and its events came (after the response: a store write may end after the stream)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = sum(s.value for family in text_string_to_metric_families(conductor_metrics(cluster))
+                   if family.name == "crescent_conductor_global_index_keys"
+                   for s in family.samples)
+        if held >= keys:
+            return
+        assert time.monotonic() < deadline, f"the store holds {held} blocks, not {keys}"
+        time.sleep(0.05)
 
 
 def kv_moved(cluster: LocalCluster, router_metrics: str) -> float:

@@ -73,11 +73,16 @@ def test_a_prefill_writes_another_process_s_gpu_kv_layer_by_layer_and_whole() ->
 
 @pytest.mark.gpu
 @gpu
-def test_a_gpu_worker_s_store_bytes_go_through_the_pinned_segment(tmp_path) -> None:
+def test_a_gpu_worker_s_store_bytes_go_through_the_pinned_segment() -> None:
+    import shutil
+    import tempfile
+
     from common.host import host_id
     from common.store.ranges import GetPlan, Location, NodeRef, PutPlan, RangeMover, Replicas
     from common.store.shm import Segment, owned_path
 
+    # a store node's segment lives in /dev/shm: a disk file's pages do not pin
+    tmp_path = tempfile.mkdtemp(prefix="crescent-test-", dir="/dev/shm")
     kv = PagedKVMemory(16, 4, 16, 2, 64, torch.bfloat16, "cuda")
     kv.data.normal_()
     obj = kv.block_nbytes
@@ -102,3 +107,4 @@ def test_a_gpu_worker_s_store_bytes_go_through_the_pinned_segment(tmp_path) -> N
     mover.retain([])  # unpinned before unmapped
     mover.close()
     seg.close()
+    shutil.rmtree(tmp_path)

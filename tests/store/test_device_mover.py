@@ -85,3 +85,34 @@ def test_host_bytes_of_a_gpu_worker_take_the_host_path(tmp_path) -> None:
     assert not HostViews.opened and mover.moved() == {"store_write/shm": OBJ}
     mover.close()
     seg.close()
+
+
+def test_rows_launched_layer_by_layer_land_in_each_object(tmp_path) -> None:
+    """``device_rows`` once per put, ``launch_write`` per layer (what a GPU prefill does
+    from its compute thread): each object gets its block's layers, bytes counted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    HostViews.opened.clear()
+    seg, node, memory, mover = setup(tmp_path)
+    keys = [f"{i:064x}" for i in range(3)]
+    slots = [50, 7, 33]
+    reps = [Replicas([Location("n0", s * OBJ)]) for s in slots]
+    put = PutPlan(OBJ, keys, [0, 1, 2], reps, [node], time.time() + 60)
+    blocks = [9, 2, 30]
+    rows = mover.device_rows(put, [b * 4 for b in blocks], 0, 64, 4)  # 4 rows of 64 a block
+    assert rows is not None
+    lane = ThreadPoolExecutor(1)
+    futures = [mover.launch_write(rows, layer, put.deadline, lane) for layer in range(4)]
+    assert [f.result() for f in futures] == [3 * 64] * 4
+    stored = torch.frombuffer(seg.view(0, seg.nbytes), dtype=torch.uint8)
+    for s, b in zip(slots, blocks):
+        assert torch.equal(stored[s * OBJ:(s + 1) * OBJ], memory[b * OBJ:(b + 1) * OBJ])
+    assert mover.moved() == {"store_write/pinned": 3 * OBJ}
+    # an object not aligned to rows, or rows past either memory: the lane's way instead
+    odd = PutPlan(OBJ, keys[:1], [0], [Replicas([Location("n0", 32)])], [node], put.deadline)
+    assert mover.device_rows(odd, [0], 0, 64, 4) is None
+    assert mover.device_rows(put, [b * 4 for b in blocks], 0, 64, 5) is not None
+    assert mover.device_rows(put, [31 * 4 + 1, 0, 0], 0, 64, 4) is None
+    lane.shutdown()
+    mover.close()
+    seg.close()
