@@ -87,7 +87,7 @@ pieces() {  # only the transfer engine's cost per scattered piece
 prefill_bench() {
   log "prefill benchmark on the GPU (benchmarks/prefill.py)"
   timeout 250 python3 benchmarks/prefill.py --device cuda --model dummy-llama3-8b --dtype bfloat16 \
-    --reps 2 --segment-mb 12288 --out /tmp/prefill-gpu > "$OUT/prefill.log" 2> "$OUT/prefill.err"
+    --reps 2 --segment-mb 14336 --out /tmp/prefill-gpu > "$OUT/prefill.log" 2> "$OUT/prefill.err"
   echo "rc=$?"
   tail -32 "$OUT/prefill.log"
   grep -v "^[IWE][0-9]" "$OUT/prefill.err" | tail -8

@@ -70,6 +70,7 @@ from benchmarks.prefill_report import (  # noqa: E402
 )
 from common.kv.memory import KV_DTYPES  # noqa: E402
 from common.model.config import DUMMY_CONFIGS  # noqa: E402
+from common.store.metadata import MetadataConfig  # noqa: E402
 from launch.cluster import LocalCluster  # noqa: E402
 
 MODEL = "dummy-bench-prefill-wide"
@@ -345,13 +346,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def store_mb_needed(args: argparse.Namespace) -> int:
-    """The store's DRAM a run fills: every cold prompt, its sibling's new tenth and the
-    warm-up prompts, in whole blocks of the model's KV."""
+    """The store's DRAM a run needs: every cold prompt, its sibling's new tenth and the
+    warm-up prompts, in whole blocks of the model's KV, below the eviction watermark."""
     per_token = kv_bytes_per_token(args)
     warmups = 1 if args.device != "cpu" else 0  # run_all: a step per length first on a GPU
     tokens = 4 * 300 + sum((reps_for(n, args.reps) + warmups) * n * (1 + (1 - CACHED_SHARE))
                            for n in args.lengths)
-    return int(tokens * per_token) // (1 << 20) + 1
+    # the store evicts past its high watermark (common/store/metadata.py), not when full
+    return int(tokens * per_token / MetadataConfig().high_watermark) // (1 << 20) + 1
 
 
 def kv_bytes_per_token(args: argparse.Namespace) -> int:
