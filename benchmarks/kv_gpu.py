@@ -192,23 +192,13 @@ def measure(args: argparse.Namespace, info: dict, conn) -> dict:
 
         def put(per_layer: bool) -> None:
             plan = PutPlan(rb, keys, list(range(n_blocks)), replicas, [node], far)
-            if not per_layer:
-                mover.write(plan, [(i, kv.block_address(b), 0, rb) for i, b in enumerate(local)])
-                return
-            ln = kv.layer_nbytes
-            for layer in range(kv.num_layers):
-                mover.write(plan, [(i, kv.layer_address(b, layer), layer * ln, ln)
-                                   for i, b in enumerate(local)])
+            for items in store_calls(kv, local, per_layer):
+                mover.write(plan, items)
 
         def get(per_layer: bool) -> None:
             plan = GetPlan(rb, keys, replicas, [node], far)
-            if not per_layer:
-                mover.read(plan, [(i, kv.block_address(b), 0, rb) for i, b in enumerate(back)])
-                return
-            ln = kv.layer_nbytes
-            for layer in range(kv.num_layers):
-                mover.read(plan, [(i, kv.layer_address(b, layer), layer * ln, ln)
-                                  for i, b in enumerate(back)])
+            for items in store_calls(kv, back, per_layer):
+                mover.read(plan, items)
 
         row = {}
         for mode, per_layer in (("blocks", False), ("layers", True)):
@@ -226,6 +216,16 @@ def measure(args: argparse.Namespace, info: dict, conn) -> dict:
         res["store"][name] = row
         mover.close()
     return res
+
+
+def store_calls(kv: PagedKVMemory, blocks: list[int], per_layer: bool) -> list[list]:
+    """The items of each store call moving ``blocks`` (object i ↔ block i): whole blocks in
+    one call, or one call per layer as a layer-wise prefill makes them."""
+    if not per_layer:
+        return [[(i, kv.block_address(b), 0, kv.block_nbytes) for i, b in enumerate(blocks)]]
+    ln = kv.layer_nbytes
+    return [[(i, kv.layer_address(b, layer), layer * ln, ln) for i, b in enumerate(blocks)]
+            for layer in range(kv.num_layers)]
 
 
 def prefill_goals(path: Optional[str]) -> dict:

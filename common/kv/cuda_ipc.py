@@ -112,10 +112,7 @@ class PeerKVCuda:
 
     def __init__(self, handle: str, local: PagedKVMemory, first_layer: int = 0,
                  total_layers: Optional[int] = None) -> None:
-        total = local.num_layers if total_layers is None else total_layers
-        if not 0 <= first_layer <= total - local.num_layers:
-            raise ValueError(f"layers from {first_layer} of {local.num_layers} do not fit a "
-                             f"model of {total}")
+        total = local.window(first_layer, total_layers)
         self.local = local
         self.total = total
         self.first = first_layer

@@ -73,6 +73,16 @@ class PagedKVMemory:
         its bytes go through the transfer engine."""
         return not self.data.is_cuda
 
+    def window(self, first_layer: int, total_layers: Optional[int]) -> int:
+        """A pipeline stage holds layers [first_layer, first_layer + num_layers) of a model
+        of ``total_layers`` (None: these are all of them): that model's layer count, or
+        ValueError where the window does not fit it."""
+        total = self.num_layers if total_layers is None else total_layers
+        if not 0 <= first_layer <= total - self.num_layers:
+            raise ValueError(f"layers from {first_layer} of {self.num_layers} do not fit a "
+                             f"model of {total}")
+        return total
+
     @property
     def device_bytes(self) -> Optional[torch.Tensor]:
         """The KV memory as flat bytes when it is on a GPU (what its same-host copies

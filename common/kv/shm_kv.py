@@ -79,12 +79,8 @@ class PeerKV:
 
     def __init__(self, path: str, local: PagedKVMemory, first_layer: int = 0,
                  total_layers: Optional[int] = None) -> None:
-        # A pipeline stage holds layers [first_layer, first_layer + local.num_layers) of a
-        # model of ``total_layers``: its blocks are that window of the peer's blocks.
-        total = local.num_layers if total_layers is None else total_layers
-        if not 0 <= first_layer <= total - local.num_layers:
-            raise ValueError(f"layers from {first_layer} of {local.num_layers} do not fit a "
-                             f"model of {total}")
+        # a pipeline stage's blocks are its window of the peer's blocks
+        total = local.window(first_layer, total_layers)
         self.block_nbytes = total * local.layer_nbytes  # a peer block: every layer
         self.first_offset = first_layer * local.layer_nbytes
         size = os.stat(path).st_size
