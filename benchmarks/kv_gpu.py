@@ -141,7 +141,7 @@ def measure(args: argparse.Namespace, info: dict, conn) -> dict:
     paths: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {}
     if info["ipc"]:
         try:
-            peer = PeerKVCuda(info["ipc"], kv)
+            peer = PeerKVCuda.open(info["ipc"], kv)
 
             def ipc_layers() -> None:  # as a layer-wise stream: rows once, a launch a layer
                 src, dst = peer.rows(local, remote)

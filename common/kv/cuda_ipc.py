@@ -106,17 +106,25 @@ class PeerKVCuda:
     GPU; ``launch`` (in the compute thread, right after the layer's kernels) queues the
     copy of some of those blocks' layers behind the compute launched so far and returns an
     event that fires when it is done: the compute never waits, and no lane runs Python per
-    layer. ``write_layer`` / ``write_blocks`` do both and wait (``PeerKV``'s interface)."""
+    layer. ``write_layer`` / ``write_blocks`` do both and wait (``PeerKV``'s interface).
+
+    ``open`` opens a peer's handle; the constructor takes any flat uint8 ``memory`` on the
+    local KV's device: host tensors run the same code synchronously (the CPU tests)."""
 
     via = CUDA_IPC  # the path name in metrics
 
-    def __init__(self, handle: str, local: PagedKVMemory, first_layer: int = 0,
+    @classmethod
+    def open(cls, handle: str, local: PagedKVMemory, first_layer: int = 0,
+             total_layers: Optional[int] = None) -> "PeerKVCuda":
+        return cls(open_peer(handle, local.data.device), local, first_layer, total_layers)
+
+    def __init__(self, memory: torch.Tensor, local: PagedKVMemory, first_layer: int = 0,
                  total_layers: Optional[int] = None) -> None:
         total = local.window(first_layer, total_layers)
         self.local = local
         self.total = total
         self.first = first_layer
-        self.memory = open_peer(handle, local.data.device)
+        self.memory = memory
         ln = local.layer_nbytes
         if self.memory.numel() % (total * ln):
             raise ValueError(f"{self.memory.numel()} bytes is not a whole number of "
@@ -125,7 +133,7 @@ class PeerKVCuda:
         self._src = rows_view(local.data.view(-1).view(torch.uint8), ln)  # rows: block, layer
         self._dst = rows_view(self.memory, ln)
         self._layers = torch.arange(local.num_layers, device=local.data.device)
-        self._stream = torch.cuda.Stream(local.data.device)
+        self._stream = torch.cuda.Stream(local.data.device) if local.data.is_cuda else None
 
     def describe(self) -> str:
         return f"CUDA IPC ({self.memory.device}, {self.num_blocks} blocks)"
@@ -146,28 +154,38 @@ class PeerKVCuda:
         dst = torch.tensor(remote, dtype=torch.long) * self.total + self.first
         return src.to(device, non_blocking=True), dst.to(device, non_blocking=True)
 
-    def launch(self, src: torch.Tensor, dst: torch.Tensor, layers: range) -> "torch.cuda.Event":
+    def launch(self, src: torch.Tensor, dst: torch.Tensor, layers: range
+               ) -> Optional["torch.cuda.Event"]:
         """Queue the copy of ``layers`` of the blocks whose first rows are ``src`` → ``dst``
-        (slices of ``rows``) after the work launched so far on this thread's stream."""
+        (slices of ``rows``) after the work launched so far on this thread's stream; the
+        event that fires once it is done (None: host memory, done already)."""
         if not (0 <= layers.start and layers.stop <= self.local.num_layers):
             raise IndexError(f"layers {layers} outside [0, {self.local.num_layers})")
+        if self._stream is None:
+            self._copy(src, dst, layers)
+            return None
         ready = torch.cuda.Event()
         ready.record()
         self._stream.wait_event(ready)
         with torch.cuda.stream(self._stream):
-            if len(layers) == 1:
-                s, d = src + layers.start, dst + layers.start
-            else:
-                offsets = self._layers[layers.start:layers.stop]
-                s = (src[:, None] + offsets).reshape(-1)
-                d = (dst[:, None] + offsets).reshape(-1)
-            copy_rows(self._src, self._dst, s, d)
+            self._copy(src, dst, layers)
             done = torch.cuda.Event()
             done.record(self._stream)
         return done
 
+    def _copy(self, src: torch.Tensor, dst: torch.Tensor, layers: range) -> None:
+        if len(layers) == 1:
+            s, d = src + layers.start, dst + layers.start
+        else:
+            offsets = self._layers[layers.start:layers.stop]
+            s = (src[:, None] + offsets).reshape(-1)
+            d = (dst[:, None] + offsets).reshape(-1)
+        copy_rows(self._src, self._dst, s, d)
+
     def _write(self, local: Sequence[int], remote: Sequence[int], layers: range) -> int:
-        self.launch(*self.rows(local, remote), layers).synchronize()
+        done = self.launch(*self.rows(local, remote), layers)
+        if done is not None:
+            done.synchronize()
         return len(local) * len(layers) * self.local.layer_nbytes
 
     def write_layer(self, local: Sequence[int], remote: Sequence[int], layer: int) -> int:

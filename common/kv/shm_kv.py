@@ -168,7 +168,7 @@ class PeerKVMaps:
     def get_cuda(self, instance_id: str, handle: str) -> Optional[PeerKVCuda]:
         """The peer's GPU KV memory, opened through its CUDA IPC handle."""
         return self._get(instance_id, handle, "GPU KV memory (CUDA IPC)",
-                         lambda: PeerKVCuda(handle, self.local, *self.window))
+                         lambda: PeerKVCuda.open(handle, self.local, *self.window))
 
     def _get(self, instance_id: str, key: str, what: str,
              open_peer: Callable[[], Peer]) -> Optional[Peer]:

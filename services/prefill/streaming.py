@@ -202,9 +202,10 @@ class KVStream:
                             len(pending), report_s)
 
 
-def _waited(done: "torch.cuda.Event", nbytes: int) -> int:
+def _waited(done: Optional["torch.cuda.Event"], nbytes: int) -> int:
     """On the lane: until a queued GPU copy is done (the GIL released meanwhile)."""
-    done.synchronize()
+    if done is not None:
+        done.synchronize()
     return nbytes
 
 

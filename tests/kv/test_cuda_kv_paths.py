@@ -53,7 +53,7 @@ def test_a_prefill_writes_another_process_s_gpu_kv_layer_by_layer_and_whole() ->
         local = PagedKVMemory(6, 2, 16, 2, 64, torch.bfloat16, "cuda")
         local.data.normal_()
         # a stage holding layers 1-2 of a 3-layer model writes its window of the blocks
-        peer = PeerKVCuda(here.recv(), local, first_layer=1, total_layers=3)
+        peer = PeerKVCuda.open(here.recv(), local, first_layer=1, total_layers=3)
         assert peer.num_blocks == 8
         peer.write_layer([4, 0], [7, 2], 1)
         peer.write_blocks([3], [5])

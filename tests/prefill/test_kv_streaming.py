@@ -108,6 +108,45 @@ def test_bfloat16_kv_streams_half_the_bytes_identically(shm_dir) -> None:
         dst.close()
 
 
+def test_the_launched_path_of_a_gpu_peer_writes_what_shm_writes(shm_dir) -> None:
+    """``PeerKVCuda``'s path (block rows once, copies launched from the compute thread, the
+    lane only waiting) over host memory, where it runs synchronously: the same bytes as
+    the shared-memory path, a pipeline stage's window included, and a bad remote block
+    fails the stream as a transfer failure."""
+    from common.kv.cuda_ipc import PeerKVCuda
+
+    src = prefill_memory()
+    d_shm = decode_memory(f"{shm_dir}/crescent-kv-test-ipcref-{os.getpid()}")
+    target = PagedKVMemory(12, **DIMS)
+    local, remote = [9, 2, 5, 0, 7, 3], [11, 4, 0, 6, 1, 8]
+    pool = ThreadPoolExecutor(1)
+    try:
+        peer = PeerKVCuda(target.data.view(-1).view(torch.uint8), src)
+        launched = KVStream(None, pool, src, local, remote, "", 0,  # type: ignore[arg-type]
+                            peer=peer)
+        shm = KVStream(None, pool, src, local, remote, "", 0,  # type: ignore[arg-type]
+                       peer=PeerKV(d_shm.shm_path, src))
+        assert launched.path == "cuda_ipc"
+        assert stream_prompt(launched, 2, 90, 20) == stream_prompt(shm, 2, 90, 20)
+        assert torch.equal(target.data, d_shm.data)
+        # a stage holding layers 1-2 of a 4-layer model: its window of the blocks only
+        stage = PagedKVMemory(10, **{**DIMS, "num_layers": 2})
+        stage.data.normal_()
+        whole = PagedKVMemory(12, **DIMS)
+        windowed = PeerKVCuda(whole.data.view(-1).view(torch.uint8), stage, 1, 4)
+        windowed.write_blocks([4], [7])
+        windowed.write_layer([1], [2], 1)
+        assert torch.equal(whole.data[7, 1:3], stage.data[4]) and not whole.data[7, 0].any()
+        assert torch.equal(whole.data[2, 2], stage.data[1, 1]) and not whole.data[2, 1].any()
+        bad = KVStream(None, pool, src, [0], [12], "", 0, peer=peer)  # type: ignore[arg-type]
+        bad.on_layer(0, 0, 16)
+        with pytest.raises(TransferError, match=r"remote block 12 outside \[0, 12\)"):
+            asyncio.run(bad.wait(5.0))
+    finally:
+        pool.shutdown()
+        d_shm.close()
+
+
 def test_bad_remote_block_fails_the_stream_like_a_transfer(shm_dir) -> None:
     src = prefill_memory()
     dst = decode_memory(f"{shm_dir}/crescent-kv-test-bad-{os.getpid()}", num_blocks=4)
