@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
@@ -159,12 +159,12 @@ class RangeMover:
         self.use_shm = use_shm
         self.errors = 0  # failed node batches (transfer errors, deadlines, unknown nodes)
         self._moved: dict[str, int] = {}  # bytes copied, by verb and path (``moved``)
-        # KV on a GPU (flat uint8): same-host segments pinned, copied by the GPU
-        self.device_memory = device_memory
-        self._pinned: dict[int, Any] = {}  # id(segment) → its PinnedSegment
-        self.pin_segment: Optional[Callable[[Any, Any], Any]] = None  # tests: host views
-        self._streams: dict[bool, Any] = {}  # write? → the direction's CUDA stream
-        self._maps = SegmentMaps(shm_dir, on_close=self._unpin)
+        self.device: Any = None  # KV on a GPU: same-host segments pinned, copied by the GPU
+        if device_memory is not None:
+            from common.store.pinned import DeviceCopies  # torch: only a GPU worker's mover
+
+            self.device = DeviceCopies(device_memory, self._count, self._failed)
+        self._maps = SegmentMaps(shm_dir, on_close=self.device.unpin if self.device else None)
         self._lock = threading.Lock()  # the maps and the counter
         self._threads = max(1, threads)
         self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="store-range")
@@ -267,10 +267,10 @@ class RangeMover:
         if node is None:
             self._failed(node_id, "node not in the plan")
             return []
-        if self.device_memory is not None and self._on_device(pieces):
+        if self.device is not None and self.device.covers(pieces):
             seg = self._pinned_segment(node)
             if seg is not None:
-                return [lambda: self._device_copy(node_id, seg, pieces, write)]
+                return [lambda: self.device.copy(node_id, seg, pieces, write)]
             pinned = None
         else:
             pinned = self._pin(node)
@@ -315,147 +315,29 @@ class RangeMover:
             seg = self._maps.get(node.node_id, node.info())
             return (seg.base, seg.view(0, seg.nbytes)) if seg is not None else None
 
-    # ------------------------------------------- GPU rows launched from the compute thread
+    # ------------------------------------------------------ GPU KV (common/store/pinned.py)
     def device_rows(self, plan: PutPlan, local_rows: Sequence[int], first_row: int,
                     row_nbytes: int, layers: int) -> Optional[tuple[Any, list, int]]:
-        """A GPU mover writing ``plan`` one row (a layer of every object) at a time,
-        launched by ``launch_write``: per replica node, its segment's rows, and on the GPU
-        each key's local row (``local_rows[i]``, rows of ``row_nbytes`` in
-        ``device_memory``) and its object's row there (offset / row_nbytes + ``first_row``),
-        checked once for ``layers`` rows on; with the local rows and the bytes a row of
-        every object makes. None where the plan cannot go this way (host memory, a node not
-        pinnable here, an object not aligned to rows): ``write`` then."""
-        if self.device_memory is None or time.time() >= plan.deadline:
+        """A GPU mover's plan for writing ``plan`` one row (a layer of every object) at a
+        time from the compute thread (``DeviceCopies.rows``, ``device.launch_write``); None
+        where it cannot go that way: ``write`` then."""
+        if self.device is None or time.time() >= plan.deadline:
             return None
-        import torch
-
-        from common.kv.rows import rows_view
-
         self.retain(plan.live)
         refs = {n.node_id: n for n in plan.nodes}
-        by_node: dict[str, tuple[list[int], list[int]]] = {}
-        for i, replicas in enumerate(plan.replicas):
-            for loc in replicas.locations:
-                if loc.offset % row_nbytes:
-                    return None
-                src, dst = by_node.setdefault(loc.node_id, ([], []))
-                src.append(local_rows[i])
-                dst.append(loc.offset // row_nbytes + first_row)
-        local_total = self.device_memory.numel() // row_nbytes
-        device = self.device_memory.device
-        out = []
-        for node_id, (src, dst) in by_node.items():
-            node = refs.get(node_id)
-            seg = self._pinned_segment(node) if node is not None else None
-            if seg is None:
-                return None
-            total = seg.device.numel() // row_nbytes
-            if min(src + dst) < 0 or max(src) + layers > local_total or max(dst) + layers > total:
-                return None
-            out.append((rows_view(seg.device[:total * row_nbytes], row_nbytes),
-                        torch.tensor(src).to(device, non_blocking=True),
-                        torch.tensor(dst).to(device, non_blocking=True)))
-        local = rows_view(self.device_memory[:local_total * row_nbytes], row_nbytes)
-        return local, out, sum(len(src) for src, _ in by_node.values()) * row_nbytes
-
-    def launch_write(self, rows: tuple[Any, list, int], row: int, deadline: float,
-                     waiter: ThreadPoolExecutor) -> Future:
-        """Queue row ``row`` on (a layer) of every object of ``device_rows``, behind the work
-        launched so far on this thread's stream (the compute that wrote it); ``waiter``
-        waits for it. The future fails once done past ``deadline``."""
-        import torch
-
-        from common.kv.rows import copy_rows
-
-        assert self.device_memory is not None
-        local, parts, nbytes = rows
-        done = None
-        if self.device_memory.is_cuda:
-            if True not in self._streams:
-                self._streams[True] = torch.cuda.Stream(self.device_memory.device)
-            stream = self._streams[True]
-            ready = torch.cuda.Event()
-            ready.record()
-            stream.wait_event(ready)
-            with torch.cuda.stream(stream):
-                for seg_rows, src, dst in parts:
-                    copy_rows(local, seg_rows, src + row, dst + row)
-                done = torch.cuda.Event()
-                done.record(stream)
-        else:  # host memory (tests): the copies are done now
-            for seg_rows, src, dst in parts:
-                copy_rows(local, seg_rows, src + row, dst + row)
-        return waiter.submit(self._written, done, nbytes, deadline)
-
-    def _written(self, done: Any, nbytes: int, deadline: float) -> int:
-        if done is not None:
-            done.synchronize()
-        if time.time() > deadline:
-            self._failed("pinned", "a layer's store write ended past its deadline")
-            raise TransferError("store write: past the deadline")
-        self._count(True, "pinned", nbytes)
-        return nbytes
-
-    def _on_device(self, pieces: list[_Piece]) -> bool:
-        """Every piece's local bytes are in ``device_memory``."""
-        assert self.device_memory is not None
-        lo = self.device_memory.data_ptr()
-        hi = lo + self.device_memory.numel()
-        return all(lo <= addr and addr + n <= hi for _, addr, _, n in pieces)
+        return self.device.rows(
+            plan, lambda node_id: self._pinned_segment(refs[node_id]) if node_id in refs
+            else None, local_rows, first_row, row_nbytes, layers)
 
     def _pinned_segment(self, node: NodeRef) -> Any:
         """The node's segment mapped here and registered as pinned memory; None: use the
         transfer engine (another host, or CUDA would not register it)."""
+        assert self.device is not None
         if not self.use_shm:
             return None
         with self._lock:
             seg = self._maps.get(node.node_id, node.info())
-            if seg is None:
-                return None
-            pinned = self._pinned.get(id(seg))
-            if pinned is None:
-                from common.store.pinned import PinnedSegment
-
-                try:
-                    pinned = (self.pin_segment or PinnedSegment)(seg, self.device_memory.device)
-                except RuntimeError as exc:
-                    log.warning("node %s: segment not pinned (%s): using the transfer engine",
-                                node.node_id, exc)
-                    pinned = False
-                self._pinned[id(seg)] = pinned
-            return pinned or None
-
-    def _unpin(self, seg: Any) -> None:
-        """A mapping closes (under ``_lock``): unregister it first."""
-        pinned = self._pinned.pop(id(seg), None)
-        if pinned:
-            pinned.close()
-
-    def _device_copy(self, node_id: str, seg: Any, pieces: list[_Piece], write: bool) -> bool:
-        """GPU KV ↔ a pinned same-host segment, on the direction's stream; a write waits for
-        the compute launched before it (the KV it sends)."""
-        import torch
-
-        from common.kv.rows import copy_pieces, on_stream
-
-        local = self.device_memory
-        assert local is not None
-        base = local.data_ptr()
-        if write:
-            ps = [(addr - base, off, n) for _, addr, off, n in pieces]
-            copy = lambda: copy_pieces(local, seg.device, ps, dst_dma=seg.host)  # noqa: E731
-        else:
-            ps = [(off, addr - base, n) for _, addr, off, n in pieces]
-            copy = lambda: copy_pieces(seg.device, local, ps, src_dma=seg.host)  # noqa: E731
-        if write not in self._streams:  # none for host memory (tests): copies are synchronous
-            self._streams[write] = torch.cuda.Stream(local.device) if local.is_cuda else None
-        try:
-            nbytes = on_stream(self._streams[write], copy, after_compute=write)
-        except (IndexError, ValueError, RuntimeError) as exc:
-            self._failed(node_id, f"pinned copy: {exc}")
-            return False
-        self._count(write, "pinned", nbytes)
-        return True
+            return self.device.pinned(seg, node.node_id) if seg is not None else None
 
     def _memmove(self, pairs: list[tuple[int, int, int]], pin: memoryview,
                  write: bool) -> bool:

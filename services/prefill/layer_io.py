@@ -152,8 +152,8 @@ class StepIO:
                 part.put, [b * layers for b in part.put_local], self.first_layer, ln,
                 layers) or False
         if part.put_rows:
-            return self.mover.launch_write(part.put_rows, layer, part.put.deadline,
-                                           self.store_lane)
+            return self.mover.device.launch_write(part.put_rows, layer, part.put.deadline,
+                                                  self.store_lane)
         items = [(i, self.kv.layer_address(b, layer), (self.first_layer + layer) * ln, ln)
                  for i, b in enumerate(part.put_local)]
         return self.store_lane.submit(self.mover.write, part.put, items)

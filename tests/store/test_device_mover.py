@@ -35,7 +35,7 @@ def setup(tmp_path):
     node = NodeRef("n0", "nowhere:1", seg.base, seg.nbytes, seg.path, 1, "h", host_id())
     memory = torch.randint(0, 256, (32 * OBJ,), dtype=torch.uint8)
     mover = RangeMover(None, str(tmp_path), device_memory=memory)
-    mover.pin_segment = HostViews
+    mover.device.pin_segment = HostViews
     return seg, node, memory, mover
 
 
@@ -102,7 +102,7 @@ def test_rows_launched_layer_by_layer_land_in_each_object(tmp_path) -> None:
     rows = mover.device_rows(put, [b * 4 for b in blocks], 0, 64, 4)  # 4 rows of 64 a block
     assert rows is not None
     lane = ThreadPoolExecutor(1)
-    futures = [mover.launch_write(rows, layer, put.deadline, lane) for layer in range(4)]
+    futures = [mover.device.launch_write(rows, layer, put.deadline, lane) for layer in range(4)]
     assert [f.result() for f in futures] == [3 * 64] * 4
     stored = torch.frombuffer(seg.view(0, seg.nbytes), dtype=torch.uint8)
     for s, b in zip(slots, blocks):
