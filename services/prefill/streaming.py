@@ -58,7 +58,7 @@ class KVStream:
         self.path = peer.via if peer is not None else TRANSFER_ENGINE
         self.futures: list[Future] = []
         self._launched: set[Future] = set()  # waits for GPU copies already queued
-        self._rows: Optional[tuple] = None  # a CUDA peer's block rows (``_gpu``)
+        self._rows: Optional[tuple] = None  # a CUDA peer's block rows on the GPU (``_launch``)
         self.bytes = 0
         self.seconds = 0.0  # first write queued → last write done
         self._started: Optional[float] = None
