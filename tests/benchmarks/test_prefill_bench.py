@@ -152,7 +152,7 @@ def test_the_default_model_has_the_narrow_ones_kv_and_its_shape_is_named():
 def test_kv_path_transfer_engine_takes_shared_memory_out_everywhere(tmp_path):
     """``--kv-path transfer_engine``: the cluster config sends KV to decode over the engine
     and gives the store no segment file, so store reads and writes take it too."""
-    from benchmarks.prefill import Run
+    from benchmarks.prefill_clusters import Run
 
     run = Run("layerwise", 0, tmp_path, parse_args(["--kv-path", "transfer_engine"]))
     run.http.close()
