@@ -27,7 +27,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.gpu import timed  # noqa: E402
 from common.host import host_id  # noqa: E402
 from common.kv.cuda_ipc import PeerKVCuda, export  # noqa: E402
 from common.kv.memory import KV_DTYPES, PagedKVMemory  # noqa: E402
@@ -86,20 +86,6 @@ def checksum(rows: torch.Tensor, blocks: list[int]) -> list[int]:
     words = rows.view(torch.int32)
     w = torch.arange(words.shape[1], device=rows.device) % 251 + 1
     return [int((words[b].to(torch.int64) * w).sum()) for b in blocks]
-
-
-def timed(fn: Callable[[], object], reps: int, device: str) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -168,7 +154,7 @@ def measure(args: argparse.Namespace, info: dict, conn) -> dict:
         row: dict = {}
         for mode, fn in (("blocks", blocks_fn), ("layers", layers_fn)):
             try:
-                s = timed(fn, reps, args.device)
+                s = timed(torch.device(args.device), fn, reps)
                 row[mode] = {"s": s, "gbps": nbytes / s / 1e9, "equal": check_peer()}
             except Exception as exc:  # one path's failure must not hide the others
                 row[mode] = {"error": repr(exc), "gbps": 0.0, "equal": False}
@@ -203,9 +189,9 @@ def measure(args: argparse.Namespace, info: dict, conn) -> dict:
         row = {}
         for mode, per_layer in (("blocks", False), ("layers", True)):
             try:
-                w = timed(lambda: put(per_layer), reps, args.device)
+                w = timed(torch.device(args.device), lambda: put(per_layer), reps)
                 kv.data[torch.tensor(back, device=kv.data.device)] = 0
-                r = timed(lambda: get(per_layer), reps, args.device)
+                r = timed(torch.device(args.device), lambda: get(per_layer), reps)
                 got = checksum(flat.view(kv.num_blocks, -1), back)
                 row[mode] = {"write_s": w, "write_gbps": nbytes / w / 1e9, "read_s": r,
                              "read_gbps": nbytes / r / 1e9, "equal": got == want,

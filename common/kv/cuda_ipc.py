@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from common.kv.memory import PagedKVMemory
-from common.kv.rows import copy_rows, rows_view
+from common.kv.rows import copy_rows, launch, rows_view
 
 log = logging.getLogger(__name__)
 
@@ -161,17 +161,7 @@ class PeerKVCuda:
         event that fires once it is done (None: host memory, done already)."""
         if not (0 <= layers.start and layers.stop <= self.local.num_layers):
             raise IndexError(f"layers {layers} outside [0, {self.local.num_layers})")
-        if self._stream is None:
-            self._copy(src, dst, layers)
-            return None
-        ready = torch.cuda.Event()
-        ready.record()
-        self._stream.wait_event(ready)
-        with torch.cuda.stream(self._stream):
-            self._copy(src, dst, layers)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        return done
+        return launch(self._stream, lambda: self._copy(src, dst, layers))[1]
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, layers: range) -> None:
         if len(layers) == 1:

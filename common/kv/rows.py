@@ -20,13 +20,15 @@ against the compute (``on_stream``).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
 
 import numpy as np
 import torch
 
 # (source offset, destination offset, bytes), offsets from each tensor's first byte
 Piece = tuple[int, int, int]
+
+T = TypeVar("T")
 
 MAX_RUNS = 16  # at most this many runs after coalescing: a copy_ per run (DMA), no indices
 MAX_TEMP_BYTES = 256 << 20  # the gather's temporary per launch pair
@@ -118,19 +120,31 @@ def copy_pieces(src: torch.Tensor, dst: torch.Tensor, pieces: Sequence[Piece],
     return int(n.sum())
 
 
-def on_stream(stream: Optional["torch.cuda.Stream"], copy: Callable[[], int],
-              after_compute: bool) -> int:
-    """Run ``copy()`` (launches ``copy_pieces``) on ``stream`` and return once its copies are
-    done, blocking this thread only (a lane's, never the compute thread). ``after_compute``:
-    first wait for everything launched on the device's default stream so far (the compute
-    that wrote the KV being sent). None: host memory, ``copy()`` is already synchronous."""
+def launch(stream: Optional["torch.cuda.Stream"], copy: Callable[[], T],
+           after: bool = True) -> tuple[T, Optional["torch.cuda.Event"]]:
+    """Run ``copy()`` (it launches copies) on ``stream``, behind the work launched so far on
+    this thread's current stream when ``after`` (in the compute thread: the compute that
+    wrote the KV being sent; in a lane: the default stream, the same compute). Returns what
+    ``copy()`` returned and the event that fires once its copies are done; no event for
+    host memory (``stream`` None), whose ``copy()`` is synchronous."""
     if stream is None:
-        return copy()
+        return copy(), None
+    if after:
+        ready = torch.cuda.Event()
+        ready.record()
+        stream.wait_event(ready)
     with torch.cuda.stream(stream):
-        if after_compute:
-            stream.wait_stream(torch.cuda.default_stream(stream.device))
-        nbytes = copy()
+        out = copy()
         done = torch.cuda.Event()
         done.record(stream)
-    done.synchronize()
+    return out, done
+
+
+def on_stream(stream: Optional["torch.cuda.Stream"], copy: Callable[[], int],
+              after_compute: bool) -> int:
+    """``launch``, then wait until its copies are done, blocking this thread only (a lane's,
+    never the compute thread)."""
+    nbytes, done = launch(stream, copy, after_compute)
+    if done is not None:
+        done.synchronize()
     return nbytes

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from common.kv.rows import copy_pieces, copy_rows, on_stream, rows_view
+from common.kv.rows import copy_pieces, copy_rows, launch, on_stream, rows_view
 from common.store.shm import Segment
 from common.transfer import TransferError
 
@@ -166,20 +166,11 @@ class DeviceCopies:
         launched so far on this thread's stream (the compute that wrote it); ``waiter``
         waits for it. The future fails once done past ``deadline``."""
         local, parts, nbytes = rows
-        stream = self._stream(True)
-        done = None
-        if stream is None:  # host memory (tests): the copies are done now
+
+        def copy() -> None:
             for seg_rows, src, dst in parts:
                 copy_rows(local, seg_rows, src + row, dst + row)
-        else:
-            ready = torch.cuda.Event()
-            ready.record()
-            stream.wait_event(ready)
-            with torch.cuda.stream(stream):
-                for seg_rows, src, dst in parts:
-                    copy_rows(local, seg_rows, src + row, dst + row)
-                done = torch.cuda.Event()
-                done.record(stream)
+        _, done = launch(self._stream(True), copy)
         return waiter.submit(self._written, done, nbytes, deadline)
 
     def _written(self, done: Optional[torch.cuda.Event], nbytes: int, deadline: float) -> int:

@@ -69,19 +69,20 @@ class KVStream:
         return (self.base + block * self.remote_block_nbytes
                 + (self.first_layer + layer) * self.kv.layer_nbytes)
 
-    def _queue(self, nbytes: int, job: Callable[[], int]) -> None:
+    def _account(self, nbytes: int) -> None:
         self.bytes += nbytes
         if self._started is None:
             self._started = time.perf_counter()
+
+    def _queue(self, nbytes: int, job: Callable[[], int]) -> None:
+        self._account(nbytes)
         self.futures.append(self.executor.submit(_as_transfer_error, job))
 
     def _launch(self, nbytes: int, blocks: range, layers: range) -> None:
         """A CUDA peer: queue the copy now, behind the compute (in the compute thread: no
         lane runs Python per layer); the lane only waits for its event."""
         assert isinstance(self.peer, PeerKVCuda)
-        self.bytes += nbytes
-        if self._started is None:
-            self._started = time.perf_counter()
+        self._account(nbytes)
         try:
             if self._rows is None:
                 self._rows = self.peer.rows(self.local, self.remote[:len(self.local)])
