@@ -23,6 +23,7 @@ grammar (xgrammar's own would allow free whitespace): each is replaced by the EB
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import re
@@ -45,9 +46,12 @@ _IMPORT = threading.Lock()
 _XGRAMMAR: Optional[ModuleType] = None  # set once imported; a step's calls skip the lock
 
 
-def load_xgrammar() -> None:
-    """Import xgrammar now (a router, on a thread, once it serves)."""
-    _xgr()
+async def xgrammar_loaded() -> None:
+    """Until xgrammar is imported, importing it on a thread the first time (a router's
+    first request that may carry a grammar): its loop keeps serving meanwhile, and a
+    router that only ever sees free text never spends that CPU."""
+    if _XGRAMMAR is None:
+        await asyncio.to_thread(_xgr)
 
 
 def _xgr() -> ModuleType:

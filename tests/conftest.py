@@ -1,6 +1,7 @@
 """Fixtures shared by several test packages."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -13,14 +14,21 @@ if TYPE_CHECKING:
 
 
 TESTS = Path(__file__).parent
+# On N xdist workers (``make test TEST_WORKERS=N``) each worker's torch gets its share of
+# the cores: two OpenMP teams spinning on the same two cores (and the clusters' workers
+# beside them) made in-process model tests 4-5x slower. Set before torch is imported.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _share)))
 # Packages whose modules share one set-up (tests/multihost: the network namespaces and
 # the package's clusters on fixed addresses).
 ONE_GROUP_PACKAGES = ("multihost",)
 # The e2e modules whose tests share the package's clusters (tests/e2e/conftest.py
 # ``shared``); ``pytest_collection_modifyitems`` refuses a module that uses them unlisted.
 SHARED_CLUSTER_MODULES = ("e2e/test_api_fields.py", "e2e/test_choices.py",
-                          "e2e/test_colocated.py", "e2e/test_structured_outputs.py",
-                          "e2e/test_tools.py", "e2e/test_top_logprobs.py")
+                          "e2e/test_colocated.py", "e2e/test_serving.py",
+                          "e2e/test_structured_outputs.py", "e2e/test_tools.py",
+                          "e2e/test_top_logprobs.py")
 
 
 def xdist_group(nodeid: str) -> str:
@@ -44,12 +52,19 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Refuse a module that uses the shared clusters unlisted; then run each group's tests
+    as one block (in collection order otherwise), so a group's clusters are booted once
+    and stopped when it ends (tests/e2e/conftest.py ``SharedClusters``)."""
     for item in items:
         path = Path(str(item.fspath)).relative_to(TESTS).as_posix()
         if "shared" in getattr(item, "fixturenames", ()) and path not in \
                 SHARED_CLUSTER_MODULES:
             raise pytest.UsageError(f"{path} uses the e2e package's shared clusters: list "
                                     f"it in tests/conftest.py SHARED_CLUSTER_MODULES")
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(xdist_group(item.nodeid), i)
+    items.sort(key=lambda item: first[xdist_group(item.nodeid)])  # stable: order kept within
 
 
 @pytest.fixture(scope="module")

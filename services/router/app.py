@@ -9,7 +9,6 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from common.config import ClusterConfig
-from common.grammar import load_xgrammar
 from common.mailbox import Mailbox, serve_inbox
 from services.router.auth import api_key_middleware, load_api_keys
 from services.router.block_hashing import make_block_hasher
@@ -82,11 +81,7 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
         keyed = config.security.api_keys or config.security.api_key_file
         log.info("router ready on http://%s:%d%s", config.address("router"), config.http_port,
                  " (API keys required)" if keyed else "")
-        # xgrammar (with transformers and torch, ~1 s of CPU) loads on a thread once the
-        # router serves, so neither its start nor, later, a request's check waits for it
-        loading = asyncio.create_task(asyncio.to_thread(load_xgrammar))  # held while serving
         await serve_inbox(mailbox, state.handlers())
-        await loading
     finally:
         await runner.cleanup()
         mailbox.close()

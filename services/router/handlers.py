@@ -12,6 +12,7 @@ from dataclasses import asdict, replace
 import orjson
 from aiohttp import web
 
+from common.grammar import xgrammar_loaded
 from common.protocol import SubmitRequest
 from common.sampling_params import SamplingParams
 from services.router.errors import ApiError, invalid
@@ -154,7 +155,10 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE]
     endpoint = request.path
     try:
-        req = parse_request(await _read_json(request), kind, state.config.model_name,
+        body = await _read_json(request)
+        if isinstance(body, dict) and (body.get("response_format") or body.get("tools")):
+            await xgrammar_loaded()  # the check below compiles its grammar
+        req = parse_request(body, kind, state.config.model_name,
                             state.config.default_max_tokens)
         ids, sampling = await _prompt(state, req)
     except ApiError as err:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import httpx
 import pytest
@@ -23,8 +23,8 @@ http_port = {http}
 base_port = {base}
 prefill_workers = {prefill}
 decode_workers = 1
-prefill_blocks = 512
-decode_blocks = 1024
+prefill_blocks = 256
+decode_blocks = 384
 scheduler = "{scheduler}"
 heartbeat_interval_s = 0.2
 {extra}
@@ -67,13 +67,6 @@ def assert_one_bootstrap(cluster: LocalCluster) -> None:
         assert f"bootstrap: {child.name} (pid {child.proc.pid}," in text, child.name
 
 
-@pytest.fixture(scope="package")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = start_cluster(tmp_path_factory.mktemp("cluster"), http=19400, base=19500)
-    yield c
-    c.stop()
-
-
 # Clusters the modules share, by shape (name → (HTTP port, store on, extra config lines)):
 # request tests (API fields, tools, choices, logprobs, structured outputs, colocated
 # serving) need a shape, not a cluster of their own; each leaves no block held
@@ -86,8 +79,11 @@ SHAPES = {
 
 
 class SharedClusters:
-    """One cluster a shape, booted when a test first asks for it and stopped when the e2e
-    package ends."""
+    """One cluster a shape, booted when a test first asks for it and stopped once no
+    later test of this process uses them (``pytest_runtest_teardown``: the modules sharing
+    them run as one block, tests/conftest.py), so their memory is not held meanwhile."""
+
+    live: Optional["SharedClusters"] = None  # this process's, while the package runs
 
     def __init__(self, tmp: pytest.TempPathFactory) -> None:
         self._tmp = tmp
@@ -101,15 +97,22 @@ class SharedClusters:
         return self._up[shape]
 
     def stop(self) -> None:
-        for cluster in self._up.values():
-            cluster.stop()
+        while self._up:
+            self._up.popitem()[1].stop()
 
 
 @pytest.fixture(scope="package")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedClusters]:
-    clusters = SharedClusters(tmp_path_factory)
+    clusters = SharedClusters.live = SharedClusters(tmp_path_factory)
     yield clusters
     clusters.stop()
+    SharedClusters.live = None
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]) -> None:
+    if SharedClusters.live is not None and (
+            nextitem is None or "shared" not in nextitem.fixturenames):
+        SharedClusters.live.stop()
 
 
 def wait_no_leaks(cluster: LocalCluster, timeout_s: float = 10.0) -> list[dict]:
@@ -124,7 +127,3 @@ def wait_no_leaks(cluster: LocalCluster, timeout_s: float = 10.0) -> list[dict]:
     raise AssertionError(f"KV blocks leaked: {pools}")
 
 
-@pytest.fixture
-def no_leaks(cluster: LocalCluster) -> Iterator[None]:
-    yield
-    wait_no_leaks(cluster)

@@ -1,18 +1,33 @@
-"""The whole system, started by the launcher, serving the real model."""
+"""The whole system, started by the launcher, serving the real model (the e2e package's
+shared disaggregated cluster)."""
 from __future__ import annotations
 
 import asyncio
 import json
 from functools import lru_cache
+from typing import Iterator
 
 import httpx
 import pytest
 
 from common.engine import Engine, EngineConfig, generate
 from common.engine.sampling import SamplingParams
+from launch.cluster import LocalCluster
+from tests.e2e.conftest import SharedClusters, wait_no_leaks
 
 pytestmark = pytest.mark.e2e
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def cluster(shared: SharedClusters) -> LocalCluster:
+    return shared.get("disaggregated")
+
+
+@pytest.fixture
+def no_leaks(cluster: LocalCluster) -> Iterator[None]:
+    yield
+    wait_no_leaks(cluster)
 
 
 @lru_cache(maxsize=1)
@@ -138,8 +153,6 @@ def test_prompt_longer_than_context_is_400(cluster, no_leaks) -> None:
 
 
 def test_client_disconnect_aborts_and_frees_blocks(cluster) -> None:
-    from tests.e2e.conftest import wait_no_leaks
-
     body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Tell a long story."}],
             "max_tokens": 400, "temperature": 0, "stream": True, "stream_options": {}}
     with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=60) as r:

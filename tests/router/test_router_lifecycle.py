@@ -149,3 +149,34 @@ def test_the_router_starts_without_torch_or_xgrammar() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60).stdout
     assert out.strip() == "[]"
+
+
+def test_xgrammar_loads_on_a_thread_while_the_loop_serves() -> None:
+    """A router's first request that may carry a grammar awaits xgrammar's import
+    (``xgrammar_loaded``) on a thread: the loop keeps ticking meanwhile (a stalled router
+    loop misses heartbeats and answers 503s). Torch's C extension holds the GIL for about
+    0.5 s of the ~2 s import, once; an import on the loop would stall it for all of it."""
+    code = """
+import asyncio, sys, time
+from common.grammar import xgrammar_loaded
+
+async def main():
+    ticks = [time.monotonic()]
+    async def tick():
+        while True:
+            await asyncio.sleep(0.01)
+            ticks.append(time.monotonic())
+    ticking = asyncio.create_task(tick())
+    before = 'xgrammar' in sys.modules
+    await xgrammar_loaded()
+    ticking.cancel()
+    print(before, 'xgrammar' in sys.modules, round(time.monotonic() - ticks[0], 2),
+          round(max(b - a for a, b in zip(ticks, ticks[1:])), 3))
+
+asyncio.run(main())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout.split()
+    assert out[:2] == ["False", "True"], out
+    assert float(out[2]) > 0.5, out  # the import took a while ...
+    assert float(out[3]) < float(out[2]) / 2, out  # ... and the loop ticked through it
