@@ -110,7 +110,9 @@ def one_stage_layerwise(tmp_path_factory: pytest.TempPathFactory) -> dict[str, o
     return ONE_STAGE_LAYERWISE
 
 
-@pytest.mark.parametrize("stages", [1, 2, 3])
+# 3 stages has every role 2 has (a head, a follower that samples) and a middle one; groups
+# of 2 give the reference's texts in the tests below and in the shared pipeline cluster's
+@pytest.mark.parametrize("stages", [1, 3])
 def test_same_greedy_outputs_with_any_group_size(tmp_path_factory, stages):
     ref = reference(tmp_path_factory)
     single = one_stage_layerwise(tmp_path_factory)

@@ -8,7 +8,8 @@ and add up to the whole answer; no KV block is left behind."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable, TypeVar
 
 import httpx
 import jsonschema
@@ -21,6 +22,7 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.e2e
 
 MODEL = "smollm2-135m"
+T = TypeVar("T")
 CITY = {"type": "object", "additionalProperties": False, "required": ["city"],
         "properties": {"city": {"type": "string", "maxLength": 20}}}
 DAYS = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
@@ -62,6 +64,13 @@ def _valid_calls(message: Any) -> list[tuple[str, dict]]:
     return out
 
 
+def _at_once(ask: Callable[[Any], T], items: Iterable[Any]) -> list[T]:
+    """``ask(item)`` for every item, all in flight together (one decode batch), in order."""
+    items = list(items)
+    with ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(ask, items))
+
+
 def _history() -> list[dict]:
     """Two earlier turns where the assistant called get_weather, then a new question:
     the model (greedy) calls again."""
@@ -92,8 +101,8 @@ def test_required_answers_with_one_valid_call(cluster: LocalCluster, client: Any
         final = stream.get_final_completion()
     assert final.choices[0].finish_reason == "tool_calls"
     assert _valid_calls(final.choices[0].message) == [(name, args)]  # greedy: the same
-    sampled = [client.chat.completions.create(**{**kwargs, "temperature": 1.0, "seed": s})
-               for s in range(4)]
+    sampled = _at_once(lambda s: client.chat.completions.create(
+        **{**kwargs, "temperature": 1.0, "seed": s}), range(4))
     for reply in sampled:  # sampled too, every call validates
         assert len(_valid_calls(reply.choices[0].message)) == 1
     wait_no_leaks(cluster)
@@ -136,10 +145,10 @@ def test_required_parallel_calls(cluster: LocalCluster, client: Any) -> None:
 def test_auto_answers_text_or_valid_calls(cluster: LocalCluster, client: Any) -> None:
     questions = ["What is the weather in Oslo?", "Tell me a joke.", "What time is it?",
                  "Forecast for Lima, 3 days"]
-    for i, question in enumerate(questions):
-        out = client.chat.completions.create(model=MODEL, messages=_ask(question),
-                                             tools=TOOLS, max_completion_tokens=60,
-                                             temperature=1.0, seed=i)
+    answers = _at_once(lambda i: client.chat.completions.create(
+        model=MODEL, messages=_ask(questions[i]), tools=TOOLS, max_completion_tokens=60,
+        temperature=1.0, seed=i), range(len(questions)))
+    for out in answers:
         choice = out.choices[0]
         calls = _valid_calls(choice.message)
         if calls:

@@ -20,7 +20,7 @@ HTTP_PORT = 20600  # this file's ports: 20600-20629
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory: pytest.TempPathFactory) -> Run:
     workdir: Path = tmp_path_factory.mktemp("faults")
-    done = run(workdir, HTTP_PORT, FAULTS, Timing(warm=1.5, phase=2.0), concurrency=3,
+    done = run(workdir, HTTP_PORT, FAULTS, Timing(warm=1.0, phase=1.0), concurrency=3,
                max_tokens=12, n_prompts=12, prefill=2)
     print("\n" + table(done.results))
     return done
