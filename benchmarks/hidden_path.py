@@ -6,7 +6,7 @@ tensor (hidden 2048, float32 by default) to the next on the same host; sizes 64 
 receiver holding its own tensor:
 
 - ``shm``: ``HiddenSender`` (mode "shm") memmoves into the receiver's ``HiddenInbox``
-  file; ``HiddenInbox.read`` copies it out (common/kv/hidden.py, what a stage runs);
+  file; ``HiddenInbox.read`` copies it out (services/prefill/hidden.py, what a stage runs);
 - ``transfer_engine``: the same inbox, mode "transfer_engine": a copy into the sender's
   registered staging buffer, the Mooncake transfer engine over TCP loopback, the same read;
 - ``shm_out``: the shm path reading into a tensor the receiver reuses (``read(out=)``),
@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from common.host import host_id  # noqa: E402
-from common.kv.hidden import HiddenInbox, HiddenSender  # noqa: E402
+from services.prefill.hidden import HiddenInbox, HiddenSender  # noqa: E402
 from common.transfer import TransferAgent  # noqa: E402
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "4MiB": 4 << 20, "16MiB": 16 << 20,

@@ -70,7 +70,7 @@ from benchmarks.prefill_report import (  # noqa: E402
 )
 from common.kv.memory import KV_DTYPES  # noqa: E402
 from common.model.config import DUMMY_CONFIGS  # noqa: E402
-from common.store.metadata import MetadataConfig  # noqa: E402
+from common.store.policy import MetadataConfig  # noqa: E402
 
 MODEL = "dummy-bench-prefill-wide"
 def step(run: Run, n: int, args: argparse.Namespace, rng: random.Random,
@@ -177,7 +177,7 @@ def store_mb_needed(args: argparse.Namespace) -> int:
     warmups = 1 if args.device != "cpu" else 0  # run_all: a step per length first on a GPU
     tokens = 4 * 300 + sum((reps_for(n, args.reps) + warmups) * n * (1 + (1 - CACHED_SHARE))
                            for n in args.lengths)
-    # the store evicts past its high watermark (common/store/metadata.py), not when full
+    # the store evicts past its high watermark (services/store_master/metadata.py), not when full
     return int(tokens * per_token / MetadataConfig().high_watermark) // (1 << 20) + 1
 
 

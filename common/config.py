@@ -19,7 +19,7 @@ from typing import Any, Optional
 from common.cpu import CpuConfig
 from common.kv.dtypes import resolve_kv_dtype
 from common.security import SecurityConfig
-from common.store.metadata import MetadataConfig
+from common.store.policy import MetadataConfig
 
 # Ports at fixed offsets from ``base_port``; the per-instance inboxes start at +10.
 FIXED_PORTS = {"router": 0, "conductor": 1, "store_master": 2, "conductor_http": 3,

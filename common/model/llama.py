@@ -233,7 +233,7 @@ class LlamaModel:
         elif hidden is None:
             raise ValueError(f"a stage starting at layer {self.layer_range.start} needs the "
                              "hidden states of the stage before it")
-        else:  # hidden states may arrive in host memory (a slot of common/kv/hidden.py)
+        else:  # hidden states may arrive in host memory (a slot of services/prefill/hidden.py)
             h = hidden.to(token_ids.device, self.dtype)
         ops, eps = self.ops, cfg.rms_norm_eps
         rope = ops.rope(self.inv_freq, meta.positions, self.dtype)

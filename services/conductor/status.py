@@ -42,7 +42,7 @@ def conductor_totals(m: ConductorMetrics) -> ConductorTotals:
 
 
 def store_usage(stats: dict[str, Any]) -> StoreUsage:
-    """One ``StoreStats`` answer (common/store/metadata.py ``stats()``), summed over nodes;
+    """One ``StoreStats`` answer (services/store_master/metadata.py ``stats()``), summed over nodes;
     ValueError if it is not shaped like one."""
     try:
         nodes = list(stats["nodes"].values())

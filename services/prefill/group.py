@@ -1,5 +1,5 @@
 """A prefill group's plumbing: the hidden-state handoff to the next stage, and the head's
-view of its followers (chunked pipeline parallelism, common/stage_protocol.py).
+view of its followers (chunked pipeline parallelism, services/prefill/stage_protocol.py).
 
 ``NextStage``: where a stage ships each step's hidden states: the next stage's slots
 (learned from its ``StageHello``), which of them are free (a slot is taken per step and
@@ -26,11 +26,11 @@ import torch
 
 from common.grammar import GrammarError
 from common.host import host_id
-from common.kv.hidden import HiddenRoute, HiddenSender
+from services.prefill.hidden import HiddenRoute, HiddenSender
 from common.mailbox import Mailbox
 from common.protocol import Fence
 from common.sampling_params import SampledToken
-from common.stage_protocol import (
+from services.prefill.stage_protocol import (
     PartOpen, StageAbort, StageAck, StageBeat, StageHello, StagePart, StageReport, StageStep,
 )
 from common.transfer import TransferAgent, TransferError

@@ -36,7 +36,7 @@ from common.protocol import (
     WorkerLoad,
 )
 from common.security import clamp_deadline
-from common.stage_protocol import StageStored
+from services.prefill.stage_protocol import StageStored
 from common.transfer import TransferError
 from common.worker import WorkerRuntime, fail_step
 from services.prefill.group import HeadGroup

@@ -28,12 +28,12 @@ from common.engine.config import PrefillChunk
 from common.grammar import GrammarError
 from common.engine.sampling import Grammars, sample_first
 from common.host import host_id
-from common.kv.hidden import HiddenInbox
+from services.prefill.hidden import HiddenInbox
 from common.mailbox import serve_inbox
 from common.recent import Recent
 from common.protocol import Fence
 from common.sampling_params import SampledToken
-from common.stage_protocol import (
+from services.prefill.stage_protocol import (
     StageAbort, StageAck, StageBeat, StageHello, StagePart, StageReport, StageStep, StageStored,
 )
 from common.store.ranges import RangeMover

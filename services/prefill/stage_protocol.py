@@ -6,7 +6,7 @@ takes tasks, owns the block pool (a block id names the same block on every stage
 holding its own layers of it), plans each step and computes its layers. Every later stage
 gets the step from the one before it: the parts (which tokens of which prompt, into which
 blocks, where their KV goes) in a ``StageStep``, the hidden states in a slot of its
-``HiddenRoute`` (shared memory or the transfer engine, common/kv/hidden.py). Each stage
+``HiddenRoute`` (shared memory or the transfer engine, services/prefill/hidden.py). Each stage
 streams its own layers' KV to the decode worker and the store, and reports to the head.
 
 Liveness: the head beats (``StageBeat``) and every follower says hello (``StageHello``,
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from common.ipc import message
-from common.kv.hidden import HiddenRoute
 from common.protocol import Fence, StreamTarget
 from common.sampling_params import SampledToken, SamplingParams
 from common.store.ranges import GetPlan, PutPlan
+from services.prefill.hidden import HiddenRoute
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Coroutine, Hashable, Optional, Sequence
 
 from common.engine.batching import plan_chunks
-from common.stage_protocol import StageStored
+from services.prefill.stage_protocol import StageStored
 from common.transfer import watched
 from services.prefill.job import Job
 from services.prefill.layer_io import PartIO

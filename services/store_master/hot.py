@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from common.store.objects import NodeCommand, StoreObject
-from common.store.replica import DRAM, Replica, ReplicaState
+from services.store_master.objects import NodeCommand, StoreObject
+from services.store_master.replica import DRAM, Replica, ReplicaState
 
 if TYPE_CHECKING:
-    from common.store.metadata import StoreMetadata
+    from services.store_master.metadata import StoreMetadata
 
 
 def count_read(md: StoreMetadata, obj: StoreObject, now: float) -> None:

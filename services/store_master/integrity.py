@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from common.store.replica import DRAM, SSD, ReplicaState as S
+from services.store_master.replica import DRAM, SSD, ReplicaState as S
 
 if TYPE_CHECKING:
-    from common.store.metadata import StoreMetadata
-    from common.store.objects import StoreObject
+    from services.store_master.metadata import StoreMetadata
+    from services.store_master.objects import StoreObject
 
 
 def check_metadata(md: "StoreMetadata") -> None:

@@ -42,29 +42,16 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from common.store import hot, tiers
-from common.store.allocator import OffsetAllocator
-from common.store.integrity import check_metadata
-from common.store.objects import EventLog, NodeCommand, NodeState, StoreObject
-from common.store.replica import DRAM, SSD, Replica, ReplicaState as S
+from common.store.policy import MetadataConfig
+from services.store_master import hot, tiers
+from services.store_master.allocator import OffsetAllocator
+from services.store_master.integrity import check_metadata
+from services.store_master.objects import EventLog, NodeCommand, NodeState, StoreObject
+from services.store_master.replica import DRAM, SSD, Replica, ReplicaState as S
 
 Location = tuple[str, int]  # (node_id, offset in its segment)
 
 
-@dataclass(frozen=True)
-class MetadataConfig:
-    put_timeout_s: float = 10.0
-    lease_s: float = 5.0
-    high_watermark: float = 0.9
-    evict_fraction: float = 0.1
-    heartbeat_timeout_s: float = 5.0
-    alignment: int = 64
-    hot_read_threshold: int = 4  # reads per DRAM replica within hot_window_s; 0: off
-    hot_window_s: float = 10.0
-    max_replicas: int = 2  # hot replication stops here (puts may ask for more)
-    # the slowest rate a healthy path moves bytes (TCP from GPU memory: ~1.5 GB/s seen on
-    # an H200): a grant lasts its base time plus its bytes at this rate (``grant_s``)
-    min_bytes_per_s: float = float(1 << 30)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from common.store.metadata import StoreMetadata
+from services.store_master.metadata import StoreMetadata
 
 
 class MasterMetrics:

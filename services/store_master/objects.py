@@ -8,8 +8,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from common.store.allocator import OffsetAllocator
-from common.store.replica import DRAM, Replica, ReplicaState
+from services.store_master.allocator import OffsetAllocator
+from services.store_master.replica import DRAM, Replica, ReplicaState
 
 
 @dataclass

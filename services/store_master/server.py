@@ -19,7 +19,7 @@ from common.idle_check import IdleCheck
 from common.ipc import encode, make_socket
 from common.mailbox import OUTBOX_HWM, RouterInbox, serve_inbox
 from common.store import protocol as p
-from common.store.metadata import StoreMetadata
+from services.store_master.metadata import StoreMetadata
 from services.store_master.metrics import MasterMetrics
 
 log = logging.getLogger("store_master")

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from common.store.objects import NodeCommand, NodeState, StoreObject
-from common.store.replica import DRAM, SSD, Replica, ReplicaState as S
+from services.store_master.objects import NodeCommand, NodeState, StoreObject
+from services.store_master.replica import DRAM, SSD, Replica, ReplicaState as S
 
 if TYPE_CHECKING:
-    from common.store.metadata import StoreMetadata
+    from services.store_master.metadata import StoreMetadata
 
 
 def evict(md: StoreMetadata, node: NodeState, now: float,

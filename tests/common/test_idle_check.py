@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from common.kv.block_pool import BlockPool
-from common.store.metadata import StoreMetadata
+from services.store_master.metadata import StoreMetadata
 from common.idle_check import IdleCheck
 
 

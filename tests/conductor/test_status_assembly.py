@@ -14,7 +14,7 @@ from common.kv.events import BlockEventMsg
 from common.protocol import RegisterWorker, WorkerHeartbeat, WorkerLoad
 from common.status_protocol import ClusterStatus, ConductorTotals, InstanceStatus
 from common.scheduling import PrefixIndex
-from common.store.metadata import MetadataConfig, StoreMetadata
+from services.store_master.metadata import MetadataConfig, StoreMetadata
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.registry import Registry
 from services.conductor.status import StoreView, conductor_totals, store_usage

@@ -7,7 +7,7 @@ import pytest
 from common.grammar import GrammarError
 from common.protocol import Fence
 from common.sampling_params import SampledToken
-from common.stage_protocol import StageReport
+from services.prefill.stage_protocol import StageReport
 from common.transfer import TransferError
 from services.prefill.group import Outcome
 

@@ -1,4 +1,4 @@
-"""Hidden states between pipeline stages (common/kv/hidden.py): exact bytes over shared
+"""Hidden states between pipeline stages (services/prefill/hidden.py): exact bytes over shared
 memory and over the real transfer engine, bounds, deadlines, files, the route on the wire."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 
 from common.host import host_id
 from common.ipc import ProtocolError, decode, encode, message
-from common.kv.hidden import HiddenInbox, HiddenRoute, HiddenSender
+from services.prefill.hidden import HiddenInbox, HiddenRoute, HiddenSender
 from common.transfer import TransferError
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")

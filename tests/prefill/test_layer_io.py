@@ -16,7 +16,7 @@ import torch
 
 from common.kv.memory import PagedKVMemory
 from common.kv.shm_kv import PeerKV
-from common.stage_protocol import StageStored
+from services.prefill.stage_protocol import StageStored
 from common.store.ranges import RangeMover
 from services.prefill.layer_io import LayerLoads, PartIO, StepIO, settle
 from services.prefill.store_writes import StoreWrites, blocks_completed

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from common.store.allocator import AllocatorError, OffsetAllocator
+from services.store_master.allocator import AllocatorError, OffsetAllocator
 
 
 def test_first_fit_exact_offsets_and_alignment():

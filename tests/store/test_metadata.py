@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from common.store.metadata import MetadataConfig, PutSlot, StoreMetadata
+from services.store_master.metadata import MetadataConfig, PutSlot, StoreMetadata
 
 B = 1024  # one block
 

@@ -6,7 +6,7 @@ from typing import Optional
 
 import pytest
 
-from common.store.replica import (DRAM, SSD, IllegalTransition, Replica,
+from services.store_master.replica import (DRAM, SSD, IllegalTransition, Replica,
                                   ReplicaState as S)
 
 W, R, O, P, C, X = (S.WRITING, S.READY, S.OFFLOADING, S.PROMOTING, S.REPLICATING,
