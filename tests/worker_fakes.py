@@ -240,9 +240,10 @@ class Workers:
 
     def close(self) -> None:
         for worker in self.made:
-            worker.compute.shutdown()
-            if hasattr(worker, "lanes"):
-                worker.lanes.close()
+            if hasattr(worker, "threads"):  # a prefill worker's
+                worker.threads.close()
+            else:
+                worker.compute.shutdown()
 
 
 def workers_of(cls: Callable[..., W], role: str

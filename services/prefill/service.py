@@ -15,7 +15,6 @@ import asyncio
 import logging
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Callable, Coroutine, Optional
 
@@ -40,7 +39,7 @@ from services.prefill.stage_protocol import StageStored
 from common.transfer import TransferError
 from common.worker import WorkerRuntime, fail_step
 from services.prefill.group import HeadGroup
-from services.prefill.lanes import Lanes
+from services.prefill.lanes import PrefillThreads
 from services.prefill.layer_io import LayerLoads, PartIO, StepIO, settle
 from services.prefill.job import Job, PrefillFailure
 from services.prefill.prefix import PrefixLoader
@@ -72,9 +71,8 @@ class PrefillWorker:
         self.served: Recent[Fence] = Recent(SERVED_MEMORY)  # the latest tasks taken
         self.wake = asyncio.Event()
         self.idle_check = IdleCheck(self.pool.check_idle, "KV block pool")
-        self.compute = ThreadPoolExecutor(1, thread_name_prefix="prefill")
         self.grammars = Grammars.for_engine(self.engine)  # response_format: first tokens
-        self.lanes = Lanes()  # one write thread per decode peer (lanes.py)
+        self.threads = PrefillThreads()  # compute, store lanes, decode peers
         self.kv_paths = KVPaths(rt.config.kv_path, self.engine.kv, host_id(),
                                 total_layers=self.engine.model_config.num_layers)
         self._finishing: set[asyncio.Task] = set()
@@ -83,8 +81,6 @@ class PrefillWorker:
         self.mover = prefix.store.mover if prefix.store is not None else None
         rt.kv_bytes = lambda: (self.group.moved(self.kv_paths, self.mover) if self.group
                                else self.kv_paths.moved(self.mover))
-        self.load_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
-        self.store_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
         stages = rt.config.prefill_place(index).stages
         self.group = HeadGroup(rt, index) if stages > 1 else None
         self.store_writes = (StoreWrites(prefix.store, stages - 1,
@@ -201,8 +197,9 @@ class PrefillWorker:
                 return None
             raise PrefillFailure(503, "prefill_kv_full", "prefill KV memory is full")
         try:
-            stream = self.kv_paths.open(self.rt.transfer, self.lanes.get(task.decode_id),
-                                        self.engine.kv, plan.block_table, task.target)
+            lane = self.threads.peers.get(task.decode_id)
+            stream = self.kv_paths.open(self.rt.transfer, lane, self.engine.kv,
+                                        plan.block_table, task.target)
         except ValueError as exc:  # the decode side reserved too few blocks
             self.pool.free(plan.block_table)
             raise PrefillFailure(500, "internal_error", str(exc)) from exc
@@ -210,7 +207,7 @@ class PrefillWorker:
         if plan.load is not None and self.mover is not None:  # reads start now
             loads = LayerLoads(self.mover, plan.load, self.engine.kv,
                                plan.block_table[plan.load_from:plan.cached_blocks], 0,
-                               self.load_lane)
+                               self.threads.load)
         # whole blocks present already; loaded ones stream per layer as they land
         stream.send_prefix(plan.load_from if loads is not None else plan.cached_blocks,
                            plan.cached_blocks)
@@ -242,11 +239,12 @@ class PrefillWorker:
             self.store_writes.ask_ahead(self.jobs, self.budget, planned)
         chunks = [PrefillChunk(j.task.token_ids, j.done, j.done + n, j.plan.block_table)
                   for j, n in planned]
-        io = StepIO(parts, self.engine.kv, 0, self.mover, self.store_lane, self.layerwise)
+        io = StepIO(parts, self.engine.kv, 0, self.mover, self.threads.store, self.layerwise)
         started = time.perf_counter()
         try:
             hidden, rows = await asyncio.get_running_loop().run_in_executor(
-                self.compute, lambda: self.engine.stage_step(chunks, None, io.after, io.before))
+                self.threads.compute,
+                lambda: self.engine.stage_step(chunks, None, io.after, io.before))
         except EngineInputError as exc:
             fail_step(self.rt, planned, exc)
             return
@@ -426,7 +424,7 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
         if worker.store_writes is not None:
             await worker.store_writes.close()
         await prefix.close()
-        worker.lanes.close()
+        worker.threads.close()
         if worker.group is not None:
             worker.group.close()
         rt.close()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -39,7 +39,7 @@ from services.prefill.stage_protocol import (
 from common.store.ranges import RangeMover
 from common.worker import WorkerRuntime
 from services.prefill.group import NextStage, StageLost
-from services.prefill.lanes import Lanes
+from services.prefill.lanes import PrefillThreads
 from services.prefill.layer_io import LayerLoads, PartIO, StepIO, settle
 from services.prefill.streaming import KVPaths, KVStream
 
@@ -87,13 +87,10 @@ class StageWorker:
                                                      cfg.inbox("prefill", index + 1))
         self.kv_paths = KVPaths(cfg.kv_path, self.kv, host_id(), first_layer=self.first_layer,
                                 total_layers=rt.engine.model_config.num_layers)
-        self.lanes = Lanes()
+        self.threads = PrefillThreads()  # compute, store lanes, decode peers
         self.mover = (RangeMover(rt.transfer, cfg.store.shm_dir,
                                  device_memory=self.kv.device_bytes)
                       if cfg.store.enabled else None)
-        self.load_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-load")
-        self.store_lane = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
-        self.compute = ThreadPoolExecutor(1, thread_name_prefix="prefill")
         self.grammars = Grammars.for_engine(rt.engine)  # the last stage's first tokens
         self.timeout_s = cfg.heartbeat_timeout_s
         self.head_epoch: Optional[int] = None  # the head we follow
@@ -168,13 +165,14 @@ class StageWorker:
         keys = [(p.request_id, p.fence) for p in msg.parts]
         chunks = [PrefillChunk(self._zeros(k, p), p.start, p.end, p.block_table)
                   for k, p in zip(keys, msg.parts)]
-        io = StepIO(ios, self.kv, self.first_layer, self.mover, self.store_lane,
+        io = StepIO(ios, self.kv, self.first_layer, self.mover, self.threads.store,
                     self.rt.config.kv_layerwise)
         self.current = set(keys)
         started = time.perf_counter()
         try:
             hidden, rows = await asyncio.get_running_loop().run_in_executor(
-                self.compute, lambda: self.engine.stage_step(chunks, hidden, io.after, io.before))
+                self.threads.compute,
+                lambda: self.engine.stage_step(chunks, hidden, io.after, io.before))
         finally:
             self.current = set()
         step_s = time.perf_counter() - started
@@ -232,8 +230,8 @@ class StageWorker:
         assert opening is not None
         target = opening.target
         try:
-            stream = self.kv_paths.open(self.rt.transfer, self.lanes.get(target.decode_id),
-                                        self.kv, part.block_table, target)
+            lane = self.threads.peers.get(target.decode_id)
+            stream = self.kv_paths.open(self.rt.transfer, lane, self.kv, part.block_table, target)
         except ValueError as exc:
             log.warning("%s: cannot stream %s: %s", self.rt.instance_id, part.request_id, exc)
             return
@@ -241,7 +239,7 @@ class StageWorker:
         if opening.load is not None and self.mover is not None:
             loads = LayerLoads(self.mover, opening.load, self.kv,
                                part.block_table[opening.load_from:opening.cached_blocks],
-                               self.first_layer, self.load_lane)
+                               self.first_layer, self.threads.load)
         stream.send_prefix(opening.load_from if loads is not None else opening.cached_blocks,
                            opening.cached_blocks)
         self.held[key] = Held(stream, loads, [0] * part.prompt_len)
@@ -324,9 +322,7 @@ class StageWorker:
     def close(self) -> None:
         for task in self.tasks:
             task.cancel()
-        for lane in (self.load_lane, self.store_lane):
-            lane.shutdown(wait=False)
-        self.lanes.close()
+        self.threads.close()
         self.kv_paths.close()
         if self.next is not None:
             self.next.close()

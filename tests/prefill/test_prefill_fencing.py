@@ -131,7 +131,7 @@ def test_one_hung_decode_peer_does_not_stall_another(make: Make) -> None:
         serve = asyncio.ensure_future(worker.serve())
         await until(lambda: bool(rt.mail.of(KVReady)))
         assert [m.request_id for m in rt.mail.of(KVReady)] == ["b"]  # a is still stuck
-        assert len(worker.lanes) == 2
+        assert len(worker.threads.peers) == 2
         gate.set()
         await until(lambda: len(rt.mail.of(KVReady)) == 2 and worker.idle())
         serve.cancel()
