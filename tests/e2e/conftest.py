@@ -109,6 +109,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedClusters]
     SharedClusters.live = None
 
 
+@pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down
 def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]) -> None:
     if SharedClusters.live is not None and (
             nextitem is None or "shared" not in nextitem.fixturenames):

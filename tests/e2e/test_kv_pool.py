@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from launch.cluster import LocalCluster
-from tests.e2e.conftest import start_cluster, wait_no_leaks
+from tests.e2e.conftest import SharedClusters, start_cluster, wait_no_leaks
 
 pytestmark = pytest.mark.e2e
 
@@ -45,10 +45,9 @@ def two_prefill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClust
 
 
 @pytest.fixture(scope="module")
-def cold(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = start_cluster(tmp_path_factory.mktemp("cold"), http=19420, base=19700, store=False)
-    yield c
-    c.stop()
+def cold(shared: SharedClusters) -> LocalCluster:
+    """The reference answers: a cluster without the store (the e2e package's shared one)."""
+    return shared.get("disaggregated")
 
 
 def test_second_worker_loads_prefix_from_pool(two_prefill: LocalCluster,
