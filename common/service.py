@@ -144,14 +144,15 @@ def bootstrap(role: str, argv: Optional[list[str]] = None) -> int:
         async with health.serve(config, role, args.index):
             await run(config, args.index)
 
+    code = 0
     try:
         asyncio.run(main())
     except (asyncio.CancelledError, KeyboardInterrupt):
-        leave(0)  # SIGINT / SIGTERM: a clean stop
+        pass  # SIGINT / SIGTERM: a clean stop
     except (StartupError, OSError) as exc:
         log.error("%s-%d could not start: %s", role, args.index, exc)
-        leave(1)
-    leave(0)
+        code = 1
+    leave(code)
 
 
 def leave(code: int) -> NoReturn:

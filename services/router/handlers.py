@@ -20,6 +20,7 @@ from services.router.flow import RequestRun
 from services.router.choices import Choices
 from services.router.openai_format import DONE, ResponseBuilder, sse
 from services.router.state import RouterState
+from services.router.structured import may_carry_grammar
 from services.router.tokenize import (check_token_ids, encode_chat, parse_detokenize,
                                       parse_tokenize)
 from services.router.tokenize import tokenize as tokenize_ids
@@ -156,8 +157,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     endpoint = request.path
     try:
         body = await _read_json(request)
-        if isinstance(body, dict) and (body.get("response_format") or body.get("tools")):
-            await xgrammar_loaded()  # the check below compiles its grammar
+        if may_carry_grammar(body):
+            await xgrammar_loaded()
         req = parse_request(body, kind, state.config.model_name,
                             state.config.default_max_tokens)
         ids, sampling = await _prompt(state, req)

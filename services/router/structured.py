@@ -50,6 +50,12 @@ def schema_format(schema: Any, param: str) -> str:
     return text
 
 
+def may_carry_grammar(body: Any) -> bool:
+    """The body asks for a ``response_format`` or offers ``tools``: parsing it checks a
+    grammar, so xgrammar must be loaded first (``common.grammar.xgrammar_loaded``)."""
+    return isinstance(body, dict) and bool(body.get("response_format") or body.get("tools"))
+
+
 def response_format(body: dict) -> Optional[str]:
     """OpenAI's ``response_format`` (None for ``text``)."""
     fmt = body.get("response_format")

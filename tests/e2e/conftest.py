@@ -126,5 +126,3 @@ def wait_no_leaks(cluster: LocalCluster, timeout_s: float = 10.0) -> list[dict]:
             return pools
         time.sleep(0.2)
     raise AssertionError(f"KV blocks leaked: {pools}")
-
-
