@@ -16,8 +16,9 @@ Every process of a cluster starts the same way, in this order:
 
 Every address, port and setting a service uses comes from that one config (common/config.py).
 Exit codes: 0 a clean stop; 1 the service could not start (a port taken, the store master
-unreachable: ``StartupError`` or ``OSError``, one line on stderr) or a CPU plan that cannot
-be applied; 2 a bad config or argument. Anything else is a crash with its traceback.
+unreachable, a model it cannot serve: ``StartupError`` or ``OSError``, one line on stderr)
+or a CPU plan that cannot be applied; 2 a bad config or argument. Anything else is a crash
+with its traceback.
 """
 from __future__ import annotations
 

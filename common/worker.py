@@ -10,12 +10,13 @@ from typing import Any, Callable, Optional
 
 from common.config import ClusterConfig
 from common.drain import current as current_drain
-from common.engine import Engine, EngineConfig
+from common.engine import Engine, EngineConfig, UnknownModelError
 from common.host import host_id
 from common.kv.cuda_ipc import export as export_ipc
 from common.kv.events import BlockEventMsg
 from common.kv.shm_kv import close_at_exit, worker_segment
 from common.mailbox import Mailbox
+from common.service import StartupError
 from common.protocol import (KVResync, KVSnapshot, ReRegister, RegisterWorker, RequestFailed,
                              WorkerHeartbeat, WorkerLeaving, WorkerLoad)
 from common.transfer import TransferAgent, TransferConfig
@@ -54,7 +55,10 @@ class WorkerRuntime:
         self.conductor = config.inbox("conductor")
         self.dropped: Counter[str] = Counter()  # the worker's drops, reported in heartbeats
         shm = worker_segment(self.instance_id, config.kv_path, config.device)
-        self.engine = Engine(replace(engine_config(config, role, index), kv_shm_path=shm))
+        try:
+            self.engine = Engine(replace(engine_config(config, role, index), kv_shm_path=shm))
+        except UnknownModelError as exc:  # a model this engine cannot serve: refuse to start
+            raise StartupError(f"model {config.model}: {exc}") from None
         close_at_exit(self.engine.kv)
         self.mail = Mailbox(config.inbox(role, index, bind=True), self.instance_id)
         self.transfer = TransferAgent(TransferConfig(hostname=config.address(role, index),

@@ -19,8 +19,9 @@ from common.kv.dtypes import resolve_kv_dtype
 from common.kv.memory import KV_DTYPES, PagedKVMemory
 from common.engine.cuda_graphs import DecodeGraphs
 from common.model.attention import AttnMetadata, TritonAttention, make_backend, splits_chunks
+from common.model.arch import UnsupportedModelError
 from common.model.config import ModelConfig
-from common.model.llama import LlamaModel, random_weights
+from common.model.decoder import DecoderModel, random_weights
 from common.model.loader import ModelNotFoundError
 from common.model.loader import load_model_source
 from common.model.tokenizer import ByteTokenizer, Tokenizer
@@ -44,7 +45,7 @@ class Engine:
         self.device = torch.device(config.device)
         try:
             model_config, weights, tok_spec = load_model_source(config.model, config.num_layers)
-        except ModelNotFoundError as e:
+        except (ModelNotFoundError, UnsupportedModelError) as e:
             raise UnknownModelError(str(e)) from e
         if not weights:
             weights = random_weights(model_config, seed=0)
@@ -52,7 +53,7 @@ class Engine:
         # a pipeline stage's layers [a, b) of the model (None: every layer)
         try:
             self.layers = stage_layers(model_config.num_layers, config.stage[1], config.stage[0])
-            self.model = LlamaModel(model_config, weights, self.dtype, self.device,
+            self.model = DecoderModel(model_config, weights, self.dtype, self.device,
                                     layers=self.layers)
         except ValueError as exc:
             raise EngineInputError(str(exc)) from exc
@@ -66,8 +67,9 @@ class Engine:
         self.pool = BlockPool(config.num_blocks)
         self.attention = make_backend(config.attention_backend, self.kv)
         self.graphs: Optional[DecodeGraphs] = None
-        if (config.cuda_graphs and self.device.type == "cuda" and len(self.layers)
-                == model_config.num_layers and isinstance(self.attention, TritonAttention)):
+        if (config.cuda_graphs and self.device.type == "cuda" and self.model.plain_attention
+                and len(self.layers) == model_config.num_layers
+                and isinstance(self.attention, TritonAttention)):
             self.graphs = DecodeGraphs(self.model, self.attention, self.kv,
                                        config.max_batch_size, self.max_context)
 

@@ -6,6 +6,7 @@ sequence's blocks (SDPA gathers them through its block table).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -38,12 +39,33 @@ class AttnMetadata:
     # linear layers run once over all T tokens; attention runs once per part.
     parts: Optional[list[tuple[int, int, "AttnMetadata"]]] = None
 
+    @property
+    def longest(self) -> int:
+        """The longest context after this step (0 in a CUDA graph's metadata, which keeps
+        its lengths on the device: graphs serve only models whose attention is plain)."""
+        return max(self.kv_lens_list, default=0)
+
+
+@dataclass(frozen=True)
+class AttnSpec:
+    """How one layer attends (common/model/arch.py): softmax(q k^T * ``scale``) over the
+    earlier keys, with the scores soft-capped (``softcap`` * tanh(s / ``softcap``)) and
+    only the last ``window`` keys seen (the query's own included) where set."""
+    scale: float
+    softcap: Optional[float] = None
+    window: Optional[int] = None
+
+    def plain_for(self, longest: int) -> bool:
+        """Whether a step whose longest context is ``longest`` keys needs neither the
+        soft-cap nor the window (a window at least that long changes nothing)."""
+        return self.softcap is None and (self.window is None or longest <= self.window)
+
 
 class AttentionBackend(Protocol):
     decode_mask: bool  # whether a decode step's metadata must carry a mask
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 meta: AttnMetadata) -> torch.Tensor: ...
+                 meta: AttnMetadata, spec: AttnSpec) -> torch.Tensor: ...
 
 
 class SdpaAttention:
@@ -62,14 +84,14 @@ class SdpaAttention:
         return self._bufs
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 meta: AttnMetadata) -> torch.Tensor:
+                 meta: AttnMetadata, spec: AttnSpec) -> torch.Tensor:
         if meta.slot_rows is not None:
             self.write_rows(layer, meta.slot_rows, k, v)
         else:
             self.kv.write_tokens(layer, meta.slot_blocks, meta.positions, k, v)
         if meta.parts is None:
-            return self.attend_written(layer, q, k, v, meta)
-        return torch.cat([self.attend_written(layer, q[s:e], k[s:e], v[s:e], part)
+            return self.attend_written(layer, q, k, v, meta, spec)
+        return torch.cat([self.attend_written(layer, q[s:e], k[s:e], v[s:e], part, spec)
                           for s, e, part in meta.parts])
 
     def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor,
@@ -77,26 +99,60 @@ class SdpaAttention:
         self.kv.write_rows(layer, rows, k, v)
 
     def attend_written(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       meta: AttnMetadata) -> torch.Tensor:
+                       meta: AttnMetadata, spec: AttnSpec) -> torch.Tensor:
         """Attention of one uniform part whose new K/V are already in the paged memory."""
         t, heads, hd = q.shape
         b, ql = meta.batch, meta.q_len
         qb = q.view(b, ql, heads, hd).transpose(1, 2)
         if meta.fresh:
             kk, vv = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)
-            out = F.scaled_dot_product_attention(qb, kk, vv, is_causal=True, enable_gqa=True)
         else:
             kv = self.kv
             numel = meta.block_tables.numel() * kv.block_size * kv.num_kv_heads * kv.head_dim
             kk, vv = kv.gather(layer, meta.block_tables, self._gather_buffers(numel))
             kk, vv = kk.to(q.dtype).transpose(1, 2), vv.to(q.dtype).transpose(1, 2)
-            end = meta.kv_lens_list[0]
-            if b == 1 and 1 < ql < end and splits_chunks(q.device):
-                out = chunk_attention(qb, kk, vv, end - ql, end)  # a chunk after a prefix
-            else:
-                out = F.scaled_dot_product_attention(qb, kk, vv, attn_mask=meta.mask,
-                                                     enable_gqa=True)
+        end = meta.longest
+        if not spec.plain_for(end):
+            out = masked_attention(qb, kk, vv, meta.positions.view(b, ql), spec)
+        elif meta.fresh:
+            out = F.scaled_dot_product_attention(qb, kk, vv, is_causal=True, scale=spec.scale,
+                                                 enable_gqa=True)
+        elif b == 1 and 1 < ql < end and splits_chunks(q.device):
+            out = chunk_attention(qb, kk, vv, end - ql, end, spec.scale)  # after a prefix
+        else:
+            out = F.scaled_dot_product_attention(qb, kk, vv, attn_mask=meta.mask,
+                                                 scale=spec.scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(t, heads * hd)
+
+
+QUERY_TILE = 512  # masked_attention's queries per pass: bounds its [heads, tile, keys] scores
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     positions: torch.Tensor, spec: AttnSpec) -> torch.Tensor:
+    """Attention with ``spec``'s soft-cap and window: ``q`` [B, heads, q_len, hd] at
+    ``positions`` [B, q_len] over ``k``/``v`` [B, kv heads, S, hd], key j being position j
+    of its sequence (what the paged memory gathers, and a fresh prompt's own K/V). Query
+    tiles of ``QUERY_TILE`` bound the score matrix a long prompt needs."""
+    keys = torch.arange(k.shape[2], device=q.device)
+    group = q.shape[1] // k.shape[1]
+    if spec.softcap is not None and group > 1:
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    out = []
+    for s in range(0, q.shape[2], QUERY_TILE):
+        qt = q[:, :, s:s + QUERY_TILE]
+        behind = positions[:, None, s:s + QUERY_TILE, None] - keys  # [B, 1, tile, S]
+        seen = behind >= 0
+        if spec.window is not None:
+            seen &= behind < spec.window
+        if spec.softcap is None:
+            out.append(F.scaled_dot_product_attention(qt, k, v, attn_mask=seen,
+                                                      scale=spec.scale, enable_gqa=True))
+            continue
+        scores = torch.matmul(qt, k.transpose(-1, -2)) * spec.scale
+        scores = (torch.tanh(scores / spec.softcap) * spec.softcap).masked_fill(~seen, -math.inf)
+        out.append(torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), v))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=2)
 
 
 # torch's CPU flash attention, which also returns the softmax's log-sum-exp per query
@@ -111,7 +167,7 @@ def splits_chunks(device: torch.device) -> bool:
 
 
 def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-                    end: int) -> torch.Tensor:
+                    end: int, scale: Optional[float] = None) -> torch.Tensor:
     """A prompt chunk's attention ([1, heads, end - start, hd] queries at positions
     [start, end)) over its sequence's keys [0, end) of ``k``/``v`` ([1, kv heads, >= end,
     hd]): the prefix [0, start), which every query sees, and the chunk's own keys,
@@ -119,8 +175,9 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     masked softmax (equal up to float rounding) without applying a [q_len, keys] mask,
     30.2 ms instead of 34.5 for 256 queries over 16k keys on one core. ``start`` > 0."""
     assert _FLASH_CPU is not None
-    o1, l1 = _FLASH_CPU(q, k[:, :, :start], v[:, :, :start])[:2]
-    o2, l2 = _FLASH_CPU(q, k[:, :, start:end], v[:, :, start:end], is_causal=True)[:2]
+    o1, l1 = _FLASH_CPU(q, k[:, :, :start], v[:, :, :start], scale=scale)[:2]
+    o2, l2 = _FLASH_CPU(q, k[:, :, start:end], v[:, :, start:end], is_causal=True,
+                        scale=scale)[:2]
     top = torch.maximum(l1, l2)
     w1, w2 = torch.exp(l1 - top).unsqueeze(-1), torch.exp(l2 - top).unsqueeze(-1)
     return ((o1 * w1 + o2 * w2) / (w1 + w2)).to(q.dtype)
@@ -139,12 +196,12 @@ class TritonAttention(SdpaAttention):
         triton_ops.write_kv(self.kv.data, layer, rows, k, v)
 
     def attend_written(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       meta: AttnMetadata) -> torch.Tensor:
-        if meta.q_len == 1 and not meta.fresh:
+                       meta: AttnMetadata, spec: AttnSpec) -> torch.Tensor:
+        if meta.q_len == 1 and not meta.fresh and spec.plain_for(meta.longest):
             return triton_ops.paged_decode_attention(
                 q, self.kv.layer_view(layer), meta.block_tables, meta.kv_lens,
-                table_stride=meta.table_stride)
-        return super().attend_written(layer, q, k, v, meta)
+                table_stride=meta.table_stride, scale=spec.scale)
+        return super().attend_written(layer, q, k, v, meta, spec)
 
 
 def flash_available() -> bool:
@@ -176,19 +233,20 @@ class FlashAttention:
         self._fallback = SdpaAttention(kv)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 meta: AttnMetadata) -> torch.Tensor:
+                 meta: AttnMetadata, spec: AttnSpec) -> torch.Tensor:
         t, heads, hd = q.shape
-        if q.dtype not in (torch.float16, torch.bfloat16) or self.kv.block_size % 256:
-            return self._fallback(layer, q, k, v, meta)
+        if (q.dtype not in (torch.float16, torch.bfloat16) or self.kv.block_size % 256
+                or not spec.plain_for(meta.longest)):
+            return self._fallback(layer, q, k, v, meta, spec)
         if meta.parts is not None:
-            return torch.cat([self(layer, q[s:e], k[s:e], v[s:e], part)
+            return torch.cat([self(layer, q[s:e], k[s:e], v[s:e], part, spec)
                               for s, e, part in meta.parts])
         self.kv.write_tokens(layer, meta.slot_blocks, meta.positions, k, v)
         layer_kv = self.kv.layer_view(layer)
         out = self._fn(
             q.view(meta.batch, meta.q_len, heads, hd), layer_kv[:, 0], layer_kv[:, 1],
             cache_seqlens=meta.kv_lens, block_table=meta.block_tables.to(torch.int32),
-            causal=True)
+            softmax_scale=spec.scale, causal=True)
         return out.reshape(t, heads * hd)
 
 

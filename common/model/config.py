@@ -1,4 +1,5 @@
-"""Model configuration of a LLaMA-family decoder, and the named dummy configs."""
+"""Model configuration of a decoder (LLaMA and the families in common/model/arch.py), and
+the named dummy configs."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,28 +24,56 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_token_id: Optional[int]
     eos_token_ids: tuple[int, ...]
+    # What sets a family apart (common/model/arch.py reads these; LLaMA needs none of them)
+    architecture: str = "LlamaForCausalLM"  # HF's ``architectures[0]``: the family
+    qkv_bias: bool = False       # q/k/v projections have biases (Qwen2; ``attention_bias``)
+    o_bias: bool = False         # the output projection has one (``attention_bias``)
+    mlp_bias: bool = False
+    activation: str = "silu"     # of the gated MLP: "silu" or "gelu_tanh" (Gemma)
+    sliding_window: Optional[int] = None  # keys a sliding layer's query sees, itself included
+    sliding_layers: tuple[int, ...] = ()  # the layers that slide (the others see everything)
+    query_scale: Optional[float] = None   # attention's scale; None: head_dim ** -0.5
+    attn_softcap: Optional[float] = None  # cap * tanh(score / cap) (Gemma2)
+    final_softcap: Optional[float] = None  # the same on the logits (Gemma2)
+    local_rope_theta: Optional[float] = None  # the sliding layers' own RoPE base (Gemma3)
+    local_rope_scaling: Optional[dict] = None
+    # A sample of the weight files (common/model/loader.py weights_id): two checkpoints of
+    # one config (fine-tunes of one base) get different block keys; "" for dummies
+    weights_id: str = ""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} not a multiple of "
                              f"num_kv_heads {self.num_kv_heads}")
 
+    @property
+    def attention_scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
+
+    def window(self, layer: int) -> Optional[int]:
+        """The sliding window of ``layer`` (an index of the whole model), None if it sees
+        every earlier key."""
+        return self.sliding_window if layer in self.sliding_layers else None
+
     def with_layers(self, num_layers: int) -> ModelConfig:
         """The same model cut to its first `num_layers` layers (profiling huge models)."""
         if not 0 < num_layers <= self.num_layers:
             raise ValueError(f"num_layers must be in [1, {self.num_layers}], got {num_layers}")
         name = self.name if num_layers == self.num_layers else f"{self.name}@{num_layers}L"
-        return dataclasses.replace(self, num_layers=num_layers, name=name)
+        return dataclasses.replace(self, num_layers=num_layers, name=name, sliding_layers=tuple(
+            layer for layer in self.sliding_layers if layer < num_layers))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["sliding_layers"] = list(self.sliding_layers)
         return d
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
         return ModelConfig(**d)
 
 
@@ -86,27 +115,3 @@ DUMMY_CONFIGS: dict[str, ModelConfig] = {
         max_position_embeddings=32768, tie_word_embeddings=False, bos_token_id=1,
         eos_token_ids=(2,)),
 }
-
-
-def config_from_hf(d: dict[str, Any], name: str) -> ModelConfig:
-    """ModelConfig from a HF config.json dict (LlamaConfig fields)."""
-    heads = d["num_attention_heads"]
-    rope_scaling = d.get("rope_scaling")
-    theta = d.get("rope_theta")
-    params = d.get("rope_parameters")
-    if params:
-        theta = params.get("rope_theta", theta)
-        if params.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    eos = d.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    return ModelConfig(
-        name=name, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-        intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
-        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-        rope_theta=float(theta if theta is not None else 10000.0), rope_scaling=rope_scaling,
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=d.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids)

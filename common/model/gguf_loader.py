@@ -68,7 +68,9 @@ def _rope_scaling(reader: Any, arch: str) -> Optional[dict]:
     return scaling
 
 
-def read_config(reader: Any, name: str) -> ModelConfig:
+def read_config(reader: Any, name: str, path: str) -> ModelConfig:
+    from common.model.loader import weights_id
+
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (want {SUPPORTED_ARCHS})")
@@ -92,7 +94,8 @@ def read_config(reader: Any, name: str) -> ModelConfig:
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_ids)
+        bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_ids,
+        weights_id=weights_id([path]))
 
 
 def read_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -134,5 +137,5 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str
 
     reader = GGUFReader(path)
     name = os.path.basename(path).removesuffix(".gguf")
-    config = read_config(reader, name)
+    config = read_config(reader, name, path)
     return config, read_weights(reader, config), read_tokenizer(path, reader)

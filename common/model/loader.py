@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import xxhash
 
-from common.model.config import DUMMY_CONFIGS, ModelConfig, config_from_hf
+from common.model.arch import check_weights, config_from_hf
+from common.model.config import DUMMY_CONFIGS, ModelConfig
 
 DEFAULT_MODEL = "smollm2-135m"
-_CACHE_VERSION = "v1"
+_CACHE_VERSION = "v2"  # v2: ModelConfig names its architecture and weights
 if TYPE_CHECKING:  # the router reads configs and tokenizers here and never imports torch
     import torch
 
@@ -96,18 +97,61 @@ def _load_gguf_cached(path: str) -> ModelSource:
 
 
 def load_hf_dir(path: str) -> ModelSource:
-    """An HF checkpoint directory: config.json, *.safetensors, tokenizer.json(+config)."""
+    """An HF checkpoint directory: config.json, *.safetensors, tokenizer.json(+config).
+    Refuses (``UnsupportedModelError``) an architecture common/model/arch.py does not
+    describe, and any weight its family would not read."""
     from safetensors.torch import load_file
 
+    config = hf_dir_config(path)
+    weights: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(path):
+        weights.update(load_file(file))
+    check_weights(config, weights)
+    return config, weights, _hf_tokenizer_spec(path)
+
+
+def hf_dir_config(path: str) -> ModelConfig:
+    """The ModelConfig of an HF directory, as every process (router, workers) reads it:
+    config.json, the end-of-sequence ids of generation_config.json beside it, and the
+    identity of its weight files."""
     with open(os.path.join(path, "config.json")) as f:
-        config = config_from_hf(json.load(f), os.path.basename(os.path.normpath(path)))
+        d = json.load(f)
+    gen = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen):  # chat models often list their turn end only here
+        with open(gen) as f:
+            extra = json.load(f).get("eos_token_id")
+        eos = d.get("eos_token_id")
+        ids = [*(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+               *(extra if isinstance(extra, list) else [extra] if extra is not None else [])]
+        d["eos_token_id"] = list(dict.fromkeys(ids))
+    return config_from_hf(d, os.path.basename(os.path.normpath(path)),
+                          weights_id(_safetensors_files(path)))
+
+
+def _safetensors_files(path: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors files in {path}")
-    weights: dict[str, torch.Tensor] = {}
+    return files
+
+
+SAMPLE_BYTES = 1 << 16
+
+
+def weights_id(files: list[str]) -> str:
+    """A cheap identity of weight files, the same on every host: each file's size and
+    four 64 KiB windows of it (its start, which holds a safetensors header, two inner
+    points and its end). Fine-tunes of one base differ there; reading every byte of an 8B
+    checkpoint would cost each process seconds."""
+    h = xxhash.xxh3_64()
     for file in files:
-        weights.update(load_file(file))
-    return config, weights, _hf_tokenizer_spec(path)
+        size = os.path.getsize(file)
+        h.update(f"{os.path.basename(file)}|{size}|".encode())
+        with open(file, "rb") as f:
+            for at in (0, size // 3, 2 * size // 3, max(0, size - SAMPLE_BYTES)):
+                f.seek(at)
+                h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
 
 
 def _hf_tokenizer_spec(path: str) -> Optional[dict[str, Any]]:

@@ -6,8 +6,6 @@ from typing import Optional
 
 import torch
 
-from common.model.config import ModelConfig
-
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -24,11 +22,12 @@ def _llama3(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def inv_frequencies(config: ModelConfig, freq_factors: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """float32 [head_dim // 2] inverse frequencies after scaling."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    s = config.rope_scaling or {}
+def inv_frequencies(dim: int, theta: float, scaling: Optional[dict] = None,
+                    freq_factors: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """float32 [dim // 2] inverse frequencies of a RoPE of base ``theta`` after
+    ``scaling`` (ModelConfig.rope_scaling's form)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = scaling or {}
     kind = s.get("rope_type", s.get("type", "default"))
     if kind not in SUPPORTED_ROPE_TYPES:
         raise NotImplementedError(f"rope scaling {kind!r} not supported ({SUPPORTED_ROPE_TYPES})")

@@ -245,7 +245,7 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torc
                            lens: torch.Tensor, splits: Optional[int] = None,
                            table_stride: Optional[torch.Tensor] = None, block_n: int = BLOCK_N,
                            num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-                           ) -> torch.Tensor:
+                           scale: Optional[float] = None) -> torch.Tensor:
     """Attention of one new token per sequence: ``q`` [B, heads, head_dim] (rows may be
     strided) over the first ``lens[b]`` tokens of sequence b, whose blocks are
     ``tables[b]`` in ``kv_layer`` = PagedKVMemory.layer_view(layer) ([blocks, 2, page,
@@ -254,7 +254,8 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torc
     GPU at this batch size). ``table_stride``: a device scalar giving the distance between
     rows of ``tables`` (then flat), read by the kernel: a CUDA graph's tables change width
     from step to step. ``block_n``, ``num_warps``, ``num_stages``: the split kernel's
-    tile of keys and launch shape (benchmarks/gpu.py compares a few)."""
+    tile of keys and launch shape (benchmarks/gpu.py compares a few). ``scale``: of the
+    scores (None: head_dim ** -0.5)."""
     batch, heads, dim = q.shape
     _, two, page, kv_heads, kd = kv_layer.shape
     assert two == 2 and kd == dim and heads % kv_heads == 0 and q.stride(2) == 1
@@ -276,7 +277,7 @@ def paged_decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, tables: torc
         q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(2), kv_layer.stride(3),
         kv_layer.stride(1), tables.stride(0) if table_stride is None else table_stride,
         parts.stride(0), parts.stride(1),
-        parts.stride(2), 1.0 / math.sqrt(dim),
+        parts.stride(2), 1.0 / math.sqrt(dim) if scale is None else scale,
         GROUP=group, BLOCK_H=max(16, _pow2(group)), D=dim, BLOCK_D=block_d, PAGE=page,
         BLOCK_N=block_n, SPLITS=splits, PRECISION=_precision(q.dtype),
         STRIDE_IN_MEMORY=table_stride is not None, INTERPRET=_INTERPRET, num_warps=num_warps,
@@ -304,7 +305,7 @@ def write_kv(data: torch.Tensor, layer: int, rows: torch.Tensor, k: torch.Tensor
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """common/model/llama.py's rms_norm in one launch."""
+    """common/model/decoder.py's rms_norm in one launch."""
     return _norm(x, None, weight, eps)[1]
 
 

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 from common.model import loader
-from common.model.config import DUMMY_CONFIGS, ModelConfig, config_from_hf
+from common.model.arch import UnsupportedModelError
+from common.model.config import DUMMY_CONFIGS, ModelConfig
 from common.model.tokenizer import ByteTokenizer, Tokenizer
+from common.service import StartupError
 from services.router.tool_calls import tools_prompt
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -62,7 +64,7 @@ def _gguf_meta(path: str) -> tuple[ModelConfig, TokenizerSpec]:
 
     log.info("reading model metadata from %s (one time, ~30 s)", os.path.basename(path))
     reader = GGUFReader(path)
-    config = read_config(reader, os.path.basename(path).removesuffix(".gguf"))
+    config = read_config(reader, os.path.basename(path).removesuffix(".gguf"), path)
     spec = read_tokenizer(path, reader)
     _write_json(os.path.join(loader.cache_dir(), f"router-{key}.json"),
                 {"config": config.to_dict(), "tokenizer": spec, "source": path})
@@ -70,9 +72,7 @@ def _gguf_meta(path: str) -> tuple[ModelConfig, TokenizerSpec]:
 
 
 def _hf_meta(path: str) -> tuple[ModelConfig, TokenizerSpec]:
-    with open(os.path.join(path, "config.json")) as fh:
-        config = config_from_hf(json.load(fh), os.path.basename(os.path.normpath(path)))
-    return config, loader._hf_tokenizer_spec(path)  # noqa: SLF001
+    return loader.hf_dir_config(path), loader._hf_tokenizer_spec(path)  # noqa: SLF001
 
 
 def load_model_meta(model: str) -> tuple[ModelConfig, TokenizerSpec]:
@@ -151,7 +151,11 @@ def with_tools_prompt(messages: list[dict[str, str]],
 
 
 def load_tokenizer(model: str) -> PromptTokenizer:
-    """The tokenizer and limits of ``model`` (names as in ``ClusterConfig.model``)."""
-    config, spec = load_model_meta(model)
+    """The tokenizer and limits of ``model`` (names as in ``ClusterConfig.model``); a model
+    that cannot be served stops the start (``StartupError``, one line)."""
+    try:
+        config, spec = load_model_meta(model)
+    except (loader.ModelNotFoundError, UnsupportedModelError) as exc:
+        raise StartupError(f"model {model}: {exc}") from None
     tok = Tokenizer(spec) if spec is not None else ByteTokenizer(config.vocab_size)
     return PromptTokenizer(tokenizer=tok, model_config=config)

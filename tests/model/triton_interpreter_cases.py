@@ -77,7 +77,7 @@ def test_write_kv_writes_rows_and_skips_padding() -> None:
 
 
 def test_fused_steps_equal_the_torch_path() -> None:
-    from common.model.llama import TorchOps, TritonOps
+    from common.model.decoder import TorchOps, TritonOps
     from common.model.rope import inv_frequencies
     from common.model.config import DUMMY_CONFIGS
 
@@ -90,7 +90,8 @@ def test_fused_steps_equal_the_torch_path() -> None:
         assert torch.allclose(got, want, atol=1e-5)
     gate_up = torch.randn(4, 2 * 1100)  # more than one program a row
     assert torch.allclose(TritonOps.silu_mul(gate_up), TorchOps.silu_mul(gate_up), atol=1e-5)
-    inv_freq = inv_frequencies(DUMMY_CONFIGS["dummy-llama3-8b"])[:16]  # llama3 scaling
+    llama3 = DUMMY_CONFIGS["dummy-llama3-8b"]  # its scaled frequencies
+    inv_freq = inv_frequencies(llama3.head_dim, llama3.rope_theta, llama3.rope_scaling)[:16]
     positions = torch.tensor([0, 1, 77, 4000])
     qkv = torch.randn(4, 5 * 32)
     q, k = qkv[:, :96].view(4, 3, 32), qkv[:, 96:128].view(4, 1, 32)
@@ -111,7 +112,7 @@ def test_padded_graph_batch_equals_the_eager_sdpa_engine() -> None:
     logits, and the padded row wrote nothing."""
     from common.engine import DecodeInput, Engine, EngineConfig
     from common.engine.cuda_graphs import DecodeGraphs
-    from common.model.llama import TritonOps
+    from common.model.decoder import TritonOps
 
     def engine(backend: str) -> Engine:
         e = Engine(EngineConfig(model="dummy-tiny", num_blocks=64, block_size=16,

@@ -1,4 +1,7 @@
-"""LLaMA-family decoder (RMSNorm, RoPE, GQA, SwiGLU) over a paged KV cache.
+"""The decoder every family shares (common/model/arch.py): RMSNorm, RoPE, grouped-query
+attention and a gated MLP over a paged KV cache, with each family's differences read from
+its ``Family`` and ``ModelConfig`` (biases, per-head q/k norms, norms around the attention
+and MLP outputs, the activation, the embedding scale, soft-capping, sliding windows).
 
 Weights arrive as a dict in HF names; Q/K/V and gate/up are fused into one matmul each.
 Attention is delegated to a backend that writes/reads the paged KV memory.
@@ -17,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from common.model import triton_ops
-from common.model.attention import AttentionBackend, AttnMetadata
+from common.model.arch import family, weight_shapes
+from common.model.attention import AttentionBackend, AttnMetadata, AttnSpec
 from common.model.config import ModelConfig
 from common.model.rope import apply_rope, cos_sin, inv_frequencies
 
@@ -34,25 +38,27 @@ class Linear:
 
     BATCH_HINT = 32  # oneDNN picks its blocking for this M; any M works
 
-    def __init__(self, weight: torch.Tensor, pack: bool = True):
+    def __init__(self, weight: torch.Tensor, pack: bool = True,
+                 bias: Optional[torch.Tensor] = None):
         self.out_features, self.in_features = weight.shape
         self.weight: Optional[torch.Tensor] = weight
+        self.bias = bias
         self.packed: Optional[torch.Tensor] = None
         if pack and _can_pack(weight):
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)
                 probe = torch.randn(3, self.in_features, generator=torch.Generator().manual_seed(0))
-                got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
-                if torch.allclose(got, F.linear(probe, weight), rtol=1e-4, atol=1e-4):
+                got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
+                if torch.allclose(got, F.linear(probe, weight, bias), rtol=1e-4, atol=1e-4):
                     self.packed, self.weight = packed, None
             except (RuntimeError, AttributeError):  # op missing in this torch build
                 pass
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None,
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
                                                       "none", [], "")
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -66,9 +72,15 @@ class LayerWeights:
     input_norm: torch.Tensor
     wqkv: Linear
     wo: Linear
-    post_norm: torch.Tensor
+    mlp_norm: torch.Tensor  # before the MLP (LLaMA's post_attention_layernorm)
     w_gate_up: Linear
     w_down: Linear
+    attn: AttnSpec
+    rope: str  # "global", or "local": a sliding layer's own RoPE base (Gemma3)
+    q_norm: Optional[torch.Tensor] = None  # per head, before RoPE (Qwen3, Gemma3)
+    k_norm: Optional[torch.Tensor] = None
+    attn_out_norm: Optional[torch.Tensor] = None  # of the attention's output (Gemma)
+    mlp_out_norm: Optional[torch.Tensor] = None   # of the MLP's output (Gemma)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -96,10 +108,17 @@ class TorchOps:
         h = h + delta
         return h, rms_norm(h, weight, eps)
 
+    head_norm = staticmethod(rms_norm)  # of each head: x [T, heads, head_dim]
+
     @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    @staticmethod
+    def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 class TritonOps:
@@ -113,6 +132,11 @@ class TritonOps:
     rms_norm = staticmethod(triton_ops.rms_norm)
     add_rms_norm = staticmethod(triton_ops.add_rms_norm)
     silu_mul = staticmethod(triton_ops.silu_mul)
+    gelu_tanh_mul = TorchOps.gelu_tanh_mul  # Gemma's: no kernel of its own yet
+
+    @staticmethod
+    def head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return triton_ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
 
 POOLED_PARAMS = 1 << 28  # a dummy model larger than this takes its linears from one pool
@@ -120,7 +144,7 @@ POOL_SIZE, ROW_STEP = 1 << 26, 257
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Seeded random weights in HF names (std 0.02 linears, unit norms).
+    """Seeded random weights in HF names (std 0.02 linears and biases, norms of scale 1).
 
     A model of more than ``POOLED_PARAMS`` parameters (the LLaMA-sized dummies) draws one
     pool of ``POOL_SIZE`` values, and each linear is a read-only window of it at a seeded
@@ -128,21 +152,10 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
     distinct): it starts in a second with 256 MB, where drawing every value would take
     ~50 s and 32 GB of float32 for 8B parameters. Smaller models draw every value.
     """
-    d, i, hd = config.hidden_size, config.intermediate_size, config.head_dim
-    shapes = {"model.embed_tokens.weight": (config.vocab_size, d)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, d)
-    for layer in range(config.num_layers):
-        p = f"model.layers.{layer}."
-        shapes[p + "self_attn.q_proj.weight"] = (config.num_heads * hd, d)
-        shapes[p + "self_attn.k_proj.weight"] = (config.num_kv_heads * hd, d)
-        shapes[p + "self_attn.v_proj.weight"] = (config.num_kv_heads * hd, d)
-        shapes[p + "self_attn.o_proj.weight"] = (d, config.num_heads * hd)
-        shapes[p + "mlp.gate_proj.weight"] = (i, d)
-        shapes[p + "mlp.up_proj.weight"] = (i, d)
-        shapes[p + "mlp.down_proj.weight"] = (d, i)
+    shapes = weight_shapes(config)
+    matrices = {name: shape for name, shape in shapes.items() if len(shape) == 2}
     gen = torch.Generator().manual_seed(seed)
-    if sum(r * c for r, c in shapes.values()) > POOLED_PARAMS:
+    if sum(r * c for r, c in matrices.values()) > POOLED_PARAMS:
         pool = torch.randn(POOL_SIZE, generator=gen) * 0.02
 
         def rnd(r: int, c: int) -> torch.Tensor:
@@ -153,16 +166,15 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
         def rnd(r: int, c: int) -> torch.Tensor:
             return torch.randn(r, c, generator=gen) * 0.02
 
-    w = {name: rnd(*shape) for name, shape in shapes.items()}
-    w["model.norm.weight"] = torch.ones(d)
-    for layer in range(config.num_layers):
-        p = f"model.layers.{layer}."
-        w[p + "input_layernorm.weight"] = torch.ones(d)
-        w[p + "post_attention_layernorm.weight"] = torch.ones(d)
+    w = {name: rnd(*shape) for name, shape in matrices.items()}
+    unit = 1.0 - family(config).norm_offset  # a norm's stored weight for scale 1
+    for name, (n,) in ((n, s) for n, s in shapes.items() if len(s) == 1):
+        w[name] = (torch.full((n,), unit) if name.endswith("norm.weight")
+                   else torch.randn(n, generator=gen) * 0.02)
     return w
 
 
-class LlamaModel:
+class DecoderModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  pack_weights: bool = True, layers: Optional[range] = None,
@@ -170,6 +182,7 @@ class LlamaModel:
         """``fused``: the layer's elementwise steps as Triton kernels (``TritonOps``);
         None: on a CUDA device where triton is installed."""
         self.config = config
+        self.family = family(config)
         self.dtype = dtype
         self.device = torch.device(device)
         self.layer_range = range(config.num_layers) if layers is None else layers
@@ -177,38 +190,66 @@ class LlamaModel:
                 and self.layer_range.step == 1):
             raise ValueError(f"layers {self.layer_range} is not a contiguous, non-empty range "
                              f"of the model's {config.num_layers} layers")
-
-        def get(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise KeyError(f"checkpoint is missing weight {name!r}")
-            return weights[name].to(device=self.device, dtype=dtype)
+        self.weights = weights
 
         self.embed: Optional[torch.Tensor] = None
         self.lm_head: Optional[Linear] = None
         if self.first_stage or (self.last_stage and config.tie_word_embeddings):
-            self.embed = get("model.embed_tokens.weight")
+            self.embed = self._get("model.embed_tokens.weight")
         if self.last_stage:
-            self.norm = get("model.norm.weight")
+            self.norm = self._norm("model.norm.weight")
             self.lm_head = Linear(self.embed if config.tie_word_embeddings
-                                  else get("lm_head.weight"), pack_weights)
-        self.layers = [self._layer(get, l, pack_weights) for l in self.layer_range]
-        factors = weights.get("model.rope_freqs")
-        self.inv_freq = inv_frequencies(config, factors).to(self.device)
+                                  else self._get("lm_head.weight"), pack_weights)
+        # Gemma: embeddings times sqrt(hidden_size), rounded to the model's dtype as in HF
+        self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype)
+                            if self.family.embed_scale else None)
+        factors = weights.get("model.rope_freqs")  # llama.cpp's (llama3 GGUFs)
+        self.inv_freqs = {"global": inv_frequencies(config.head_dim, config.rope_theta,
+                                                    config.rope_scaling, factors)}
+        if config.local_rope_theta is not None:
+            self.inv_freqs["local"] = inv_frequencies(config.head_dim, config.local_rope_theta,
+                                                      config.local_rope_scaling)
+        self.inv_freqs = {kind: f.to(self.device) for kind, f in self.inv_freqs.items()}
+        self.layers = [self._layer(l, pack_weights) for l in self.layer_range]
+        del self.weights
         if fused is None:
             fused = self.device.type == "cuda" and triton_ops.available()
         self.ops = TritonOps if fused else TorchOps
+        self.gated = {"silu": self.ops.silu_mul, "gelu_tanh": self.ops.gelu_tanh_mul}[
+            config.activation]
 
-    @staticmethod
-    def _layer(get: Callable[[str], torch.Tensor], layer: int, pack: bool) -> LayerWeights:
+    def _get(self, name: str) -> torch.Tensor:
+        if name not in self.weights:
+            raise KeyError(f"checkpoint is missing weight {name!r}")
+        return self.weights[name].to(device=self.device, dtype=self.dtype)
+
+    def _norm(self, name: str) -> torch.Tensor:
+        """A norm's scale: Gemma stores it less 1 (added here in float32)."""
+        return (self._get(name).float() + self.family.norm_offset).to(self.dtype)
+
+    def _linear(self, names: list[str], bias: bool, pack: bool) -> Linear:
+        """One matmul for the linears ``names`` of a layer (q/k/v, gate/up)."""
+        weight = torch.cat([self._get(n + ".weight") for n in names])
+        return Linear(weight, pack, torch.cat([self._get(n + ".bias") for n in names])
+                      if bias else None)
+
+    def _layer(self, layer: int, pack: bool) -> LayerWeights:
+        cfg = self.config
         p = f"model.layers.{layer}."
+        norms = {role: self._norm(f"{p}{name}.weight") for role, name in self.family.norms.items()}
+        qk_norm = self.family.qk_norm
         return LayerWeights(
-            input_norm=get(p + "input_layernorm.weight"),
-            wqkv=Linear(torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), pack),
-            wo=Linear(get(p + "self_attn.o_proj.weight"), pack),
-            post_norm=get(p + "post_attention_layernorm.weight"),
-            w_gate_up=Linear(torch.cat([get(p + "mlp.gate_proj.weight"),
-                                        get(p + "mlp.up_proj.weight")]), pack),
-            w_down=Linear(get(p + "mlp.down_proj.weight"), pack))
+            input_norm=self._norm(p + "input_layernorm.weight"),
+            wqkv=self._linear([f"{p}self_attn.{n}_proj" for n in "qkv"], cfg.qkv_bias, pack),
+            wo=self._linear([p + "self_attn.o_proj"], cfg.o_bias, pack),
+            mlp_norm=norms["mlp_norm"],
+            w_gate_up=self._linear([p + "mlp.gate_proj", p + "mlp.up_proj"], cfg.mlp_bias, pack),
+            w_down=self._linear([p + "mlp.down_proj"], cfg.mlp_bias, pack),
+            attn=AttnSpec(cfg.attention_scale, cfg.attn_softcap, cfg.window(layer)),
+            rope="local" if "local" in self.inv_freqs and cfg.window(layer) else "global",
+            q_norm=self._norm(p + "self_attn.q_norm.weight") if qk_norm else None,
+            k_norm=self._norm(p + "self_attn.k_norm.weight") if qk_norm else None,
+            attn_out_norm=norms.get("attn_out_norm"), mlp_out_norm=norms.get("mlp_out_norm"))
 
     @property
     def first_stage(self) -> bool:
@@ -217,6 +258,12 @@ class LlamaModel:
     @property
     def last_stage(self) -> bool:
         return self.layer_range.stop == self.config.num_layers
+
+    @property
+    def plain_attention(self) -> bool:
+        """Whether every layer attends plainly: no soft-cap, no sliding window (what a
+        CUDA graph's decode kernel serves)."""
+        return all(lw.attn.softcap is None and lw.attn.window is None for lw in self.layers)
 
     def forward(self, token_ids: torch.Tensor, meta: AttnMetadata, attention: AttentionBackend,
                 layer_hook: Optional[LayerHook] = None, hidden: Optional[torch.Tensor] = None,
@@ -230,13 +277,16 @@ class LlamaModel:
         cfg = self.config
         if self.first_stage:
             h = self.embed.index_select(0, token_ids)
+            if self.embed_scale is not None:
+                h = h * self.embed_scale
         elif hidden is None:
             raise ValueError(f"a stage starting at layer {self.layer_range.start} needs the "
                              "hidden states of the stage before it")
         else:  # hidden states may arrive in host memory (a slot of services/prefill/hidden.py)
             h = hidden.to(token_ids.device, self.dtype)
         ops, eps = self.ops, cfg.rms_norm_eps
-        rope = ops.rope(self.inv_freq, meta.positions, self.dtype)
+        ropes = {kind: ops.rope(inv_freq, meta.positions, self.dtype)
+                 for kind, inv_freq in self.inv_freqs.items()}
         nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
         t = h.shape[0]
         x = ops.rms_norm(h, self.layers[0].input_norm, eps)
@@ -244,10 +294,17 @@ class LlamaModel:
             if before_layer is not None:
                 before_layer(index)
             q, k, v = lw.wqkv(x).split([nq, nkv, nkv], dim=-1)
-            q, k = rope(q.view(t, cfg.num_heads, hd), k.view(t, cfg.num_kv_heads, hd))
-            o = attention(index, q, k, v.reshape(t, cfg.num_kv_heads, hd), meta)
-            h, x = ops.add_rms_norm(h, lw.wo(o), lw.post_norm, eps)
-            down = lw.w_down(ops.silu_mul(lw.w_gate_up(x)))
+            q, k = q.view(t, cfg.num_heads, hd), k.view(t, cfg.num_kv_heads, hd)
+            if lw.q_norm is not None:
+                q, k = ops.head_norm(q, lw.q_norm, eps), ops.head_norm(k, lw.k_norm, eps)
+            q, k = ropes[lw.rope](q, k)
+            o = lw.wo(attention(index, q, k, v.reshape(t, cfg.num_kv_heads, hd), meta, lw.attn))
+            if lw.attn_out_norm is not None:
+                o = ops.rms_norm(o, lw.attn_out_norm, eps)
+            h, x = ops.add_rms_norm(h, o, lw.mlp_norm, eps)
+            down = lw.w_down(self.gated(lw.w_gate_up(x)))
+            if lw.mlp_out_norm is not None:
+                down = ops.rms_norm(down, lw.mlp_out_norm, eps)
             if index + 1 < len(self.layers):  # the residual add and the next layer's norm
                 h, x = ops.add_rms_norm(h, down, self.layers[index + 1].input_norm, eps)
             else:
@@ -260,5 +317,7 @@ class LlamaModel:
         """float32 logits [N, vocab] of hidden states [N, hidden] (the last stage only)."""
         if self.lm_head is None:
             raise ValueError("only the last pipeline stage has the LM head")
-        return self.lm_head(self.ops.rms_norm(hidden, self.norm,
-                                              self.config.rms_norm_eps)).float()
+        logits = self.lm_head(self.ops.rms_norm(hidden, self.norm,
+                                                self.config.rms_norm_eps)).float()
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

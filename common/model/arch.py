@@ -1,0 +1,231 @@
+"""The decoder families Crescent serves, and how each differs from LLaMA: one description
+per HF ``architectures`` value, which the model (common/model/decoder.py) reads.
+
+Every family here is LLaMA's layer (a pre-norm, RoPE, grouped-query attention, a gated
+MLP) with a few changes, so each is a ``Family`` of switches, and the numbers (biases, the
+sliding window and which layers slide, the attention scale, soft-capping, a second RoPE
+base) are read from config.json into ``ModelConfig`` by ``config_from_hf``:
+
+| architecture | differs from LLaMA by |
+|---|---|
+| LlamaForCausalLM, MistralForCausalLM | nothing (Mistral: a sliding window on every layer) |
+| Qwen2ForCausalLM | biases on q/k/v; a window on the layers from ``max_window_layers`` |
+| Qwen3ForCausalLM | an RMSNorm of each head's q and k before RoPE |
+| Gemma2ForCausalLM | norms scale by 1 + weight; the attention and MLP outputs are normed before the residual add; GELU (tanh); embeddings times sqrt(hidden); the query scale; soft-capped scores and logits; every other layer slides |
+| Gemma3ForCausalLM | Gemma2's, less the soft-capping, plus Qwen3's q/k norms; 5 layers of 6 slide, with their own RoPE base |
+
+Anything else is refused by name (``UnsupportedModelError``), and so is a checkpoint with
+a weight the family does not read (``check_weights``): no weight is silently ignored.
+The KV layout is every family's: [layers, K/V, heads, head_dim] per token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from common.model.config import ModelConfig
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint Crescent cannot serve correctly: an unknown architecture, setting or
+    weight. Raised at start, with one line naming what."""
+
+
+@dataclass(frozen=True)
+class Family:
+    # The weight names of a layer's norms (under ``model.layers.N.``):
+    # ``mlp_norm`` before the MLP (LLaMA's post_attention_layernorm); Gemma's
+    # ``attn_out_norm``/``mlp_out_norm`` norm the attention's and the MLP's outputs.
+    norms: Mapping[str, str] = field(default_factory=lambda: {
+        "mlp_norm": "post_attention_layernorm"})
+    norm_offset: float = 0.0     # Gemma stores weight - 1: its norms scale by 1 + weight
+    qk_norm: bool = False        # q_norm / k_norm over each head's q and k, before RoPE
+    embed_scale: bool = False    # embeddings times sqrt(hidden_size)
+    default_activation: str = "silu"
+    activation_key: str = "hidden_act"
+    default_tied: bool = False
+
+
+_GEMMA_NORMS = {"attn_out_norm": "post_attention_layernorm",
+                "mlp_norm": "pre_feedforward_layernorm",
+                "mlp_out_norm": "post_feedforward_layernorm"}
+_GEMMA = dict(norms=_GEMMA_NORMS, norm_offset=1.0, embed_scale=True,
+              default_activation="gelu_pytorch_tanh", activation_key="hidden_activation",
+              default_tied=True)
+
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(),
+    "MistralForCausalLM": Family(),
+    "Qwen2ForCausalLM": Family(),
+    "Qwen3ForCausalLM": Family(qk_norm=True),
+    "Gemma2ForCausalLM": Family(**_GEMMA),
+    "Gemma3ForCausalLM": Family(qk_norm=True, **_GEMMA),
+}
+# config.json's model_type, for checkpoints that do not name their architecture
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# Names a checkpoint may hold that are not weights: recomputed buffers
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def family(config: ModelConfig) -> Family:
+    return FAMILIES[config.architecture]
+
+
+def architecture_of(d: Mapping[str, Any]) -> str:
+    names = d.get("architectures") or []
+    if len(names) > 1:
+        raise UnsupportedModelError(f"config.json names several architectures {names}")
+    name = names[0] if names else _BY_MODEL_TYPE.get(d.get("model_type", ""))
+    if name not in FAMILIES:
+        shown = name or f"model_type {d.get('model_type')!r}"
+        raise UnsupportedModelError(f"architecture {shown} is not supported (supported: "
+                                    f"{', '.join(FAMILIES)})")
+    return name
+
+
+def config_from_hf(d: Mapping[str, Any], name: str, weights_id: str = "") -> ModelConfig:
+    """ModelConfig from a HF config.json dict (transformers 4 or 5 field names)."""
+    arch = architecture_of(d)
+    fam = FAMILIES[arch]
+    if d.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(f"{arch} with use_bidirectional_attention (an encoder) "
+                                    "is not supported")
+    act = d.get(fam.activation_key) or fam.default_activation
+    if act not in ACTIVATIONS:
+        raise UnsupportedModelError(f"{arch} with activation {act!r} is not supported "
+                                    f"({', '.join(ACTIVATIONS)})")
+    layers = d["num_hidden_layers"]
+    heads = d["num_attention_heads"]
+    global_rope, local_rope = _rope(d, arch)
+    eos = d.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    attention_bias = bool(d.get("attention_bias", False))
+    window = d.get("sliding_window")
+    sliding = tuple(i for i in range(layers) if _slides(d, arch, i)) if window else ()
+    gemma = fam.norm_offset != 0.0
+    return ModelConfig(
+        name=name, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"], num_layers=layers,
+        num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
+        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+        rope_theta=global_rope[0], rope_scaling=global_rope[1],
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=d.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", fam.default_tied)),
+        bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids,
+        architecture=arch,
+        qkv_bias=attention_bias or arch == "Qwen2ForCausalLM", o_bias=attention_bias,
+        mlp_bias=bool(d.get("mlp_bias", False)), activation=ACTIVATIONS[act],
+        sliding_window=int(window) if sliding else None, sliding_layers=sliding,
+        query_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+        attn_softcap=d.get("attn_logit_softcapping") if gemma else None,
+        final_softcap=d.get("final_logit_softcapping") if gemma else None,
+        local_rope_theta=local_rope[0] if local_rope else None,
+        local_rope_scaling=local_rope[1] if local_rope else None,
+        weights_id=weights_id)
+
+
+def _slides(d: Mapping[str, Any], arch: str, layer: int) -> bool:
+    """Whether ``layer`` attends through the sliding window (given that there is one)."""
+    types = d.get("layer_types")
+    if types:
+        return types[layer] == "sliding_attention"
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        return bool(d.get("use_sliding_window")) and layer >= d.get("max_window_layers", 28)
+    if arch == "Gemma2ForCausalLM":
+        return layer % 2 == 0
+    if arch == "Gemma3ForCausalLM":
+        return bool((layer + 1) % d.get("sliding_window_pattern", 6))
+    return True  # Mistral: every layer
+
+
+Rope = tuple[float, Optional[dict]]  # (base, scaling: rope_type and its parameters)
+_LOCAL_THETA_DEFAULT, _GEMMA3_THETA_DEFAULT = 10_000.0, 1_000_000.0
+
+
+def _rope(d: Mapping[str, Any], arch: str) -> tuple[Rope, Optional[Rope]]:
+    """(the RoPE of full-attention layers, that of sliding layers where it differs)."""
+    params = d.get("rope_parameters")
+    gemma3 = arch == "Gemma3ForCausalLM"
+    if params and "full_attention" in params:  # transformers 5: per layer type
+        full = _rope_of(params["full_attention"], d.get("rope_theta"))
+        local = _rope_of(params.get("sliding_attention") or {}, _LOCAL_THETA_DEFAULT)
+        return full, local
+    default_theta = _GEMMA3_THETA_DEFAULT if gemma3 else 10000.0
+    if params:
+        full = _rope_of(params, d.get("rope_theta", default_theta))
+    else:
+        full = _rope_of(d.get("rope_scaling") or {}, d.get("rope_theta", default_theta))
+    if gemma3:  # transformers 4: the local base beside the global one
+        return full, (float(d.get("rope_local_base_freq", _LOCAL_THETA_DEFAULT)), None)
+    return full, None
+
+
+def _rope_of(p: Mapping[str, Any], theta: Optional[float]) -> Rope:
+    from common.model.rope import SUPPORTED_ROPE_TYPES
+
+    theta = p.get("rope_theta", theta)
+    kind = p.get("rope_type", p.get("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(f"rope scaling {kind!r} is not supported "
+                                    f"({', '.join(SUPPORTED_ROPE_TYPES)})")
+    scaling = None if kind == "default" else {k: v for k, v in p.items() if k != "rope_theta"}
+    return float(theta if theta is not None else 10000.0), scaling
+
+
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight the family reads, in HF names, with its shape."""
+    fam = family(config)
+    d, i, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, d),
+                                          "model.norm.weight": (d,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, d)
+    linears = {"self_attn.q_proj": (q, d, config.qkv_bias),
+               "self_attn.k_proj": (kv, d, config.qkv_bias),
+               "self_attn.v_proj": (kv, d, config.qkv_bias),
+               "self_attn.o_proj": (d, q, config.o_bias),
+               "mlp.gate_proj": (i, d, config.mlp_bias), "mlp.up_proj": (i, d, config.mlp_bias),
+               "mlp.down_proj": (d, i, config.mlp_bias)}
+    for layer in range(config.num_layers):
+        p = f"model.layers.{layer}."
+        for name, (rows, cols, bias) in linears.items():
+            shapes[f"{p}{name}.weight"] = (rows, cols)
+            if bias:
+                shapes[f"{p}{name}.bias"] = (rows,)
+        for norm in ("input_layernorm", *fam.norms.values()):
+            shapes[f"{p}{norm}.weight"] = (d,)
+        if fam.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (hd,)
+    return shapes
+
+
+def check_weights(config: ModelConfig, weights: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose weights are not exactly those the family reads: one
+    missing, of the wrong shape, or left over (an LM head beside tied embeddings is
+    dropped where it equals them). Drops the ignorable names from ``weights``."""
+    for name in [n for n in weights if n.endswith(IGNORED_SUFFIXES)]:
+        del weights[name]
+    if config.tie_word_embeddings and "lm_head.weight" in weights:
+        head, embed = weights["lm_head.weight"], weights.get("model.embed_tokens.weight")
+        if embed is None or head.shape != embed.shape or not bool((head == embed).all()):
+            raise UnsupportedModelError("lm_head.weight differs from the embeddings although "
+                                        "config.json ties them (tie_word_embeddings)")
+        del weights["lm_head.weight"]
+    shapes = weight_shapes(config)
+    extra = sorted(set(weights) - set(shapes))
+    if extra:
+        more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+        raise UnsupportedModelError(f"{config.architecture} does not read weight {extra[0]!r}"
+                                    f"{more}: refusing to ignore it")
+    missing = sorted(set(shapes) - set(weights))
+    if missing:
+        raise UnsupportedModelError(f"checkpoint is missing weight {missing[0]!r}")
+    for name, shape in shapes.items():
+        if tuple(weights[name].shape) != shape:
+            raise UnsupportedModelError(f"weight {name!r} has shape "
+                                        f"{tuple(weights[name].shape)}, expected {shape}")

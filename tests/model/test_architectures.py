@@ -1,0 +1,189 @@
+"""Every family common/model/arch.py serves gives transformers' own logits (float32, within
+1e-4) from a tiny random checkpoint that transformers builds and saves here: on a whole
+prefill, on a prefill in chunks after a cached prefix, and on batched decode steps, with
+prompts longer than the sliding window. Anything else is refused at load by name."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.engine import Engine, EngineConfig, UnknownModelError
+from common.engine.config import DecodeInput
+
+WINDOW = 8  # tokens: the prompts below are 3-5 windows long
+SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=256, initializer_range=0.2)
+# transformers' model_type -> what its config needs beyond SMALL to use every feature
+FAMILIES = {
+    "llama": {"attention_bias": True, "mlp_bias": True,
+              "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "rope_theta": 5000.0,
+                                  "original_max_position_embeddings": 16}},
+    "mistral": {"sliding_window": WINDOW},
+    "qwen2": {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+    "qwen3": {"tie_word_embeddings": True},
+    "gemma2": {"sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+               "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0},
+    "gemma3_text": {"sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+                    "sliding_window_pattern": 2,
+                    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                           "rope_theta": 1e5},
+                                        "sliding_attention": {"rope_type": "default",
+                                                              "rope_theta": 1e3}}},
+}
+
+
+def _write_checkpoint(model_type: str, path: Path) -> torch.nn.Module:
+    """A random checkpoint of ``model_type`` saved by transformers (every parameter,
+    norms and biases too, perturbed so that none is a neutral 0 or 1); the model back."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **SMALL, **FAMILIES[model_type])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(str(path))
+    return model
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, SMALL["vocab_size"], (n,),
+                         generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(the checkpoint's directory, transformers' model) of one family."""
+    path = tmp_path_factory.mktemp(request.param)
+    return path, _write_checkpoint(request.param, path)
+
+
+@pytest.fixture(scope="module")
+def pair(family):
+    """(our engine, prefilling in chunks of 7 tokens; transformers' model)."""
+    path, hf = family
+    return Engine(EngineConfig(model=str(path), num_blocks=96, block_size=4,
+                               prefill_chunk=7)), hf
+
+
+def _reference(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """transformers' logits at every position of ``ids``."""
+    return hf(torch.tensor([ids])).logits[0].float()
+
+
+@torch.inference_mode()
+def test_a_whole_prefill_equals_transformers(family) -> None:
+    path, hf = family
+    engine = Engine(EngineConfig(model=str(path), num_blocks=32, block_size=4))
+    ids = _ids(41, seed=5)
+    got = engine.prefill(ids, engine.pool.allocate(engine.blocks_needed(len(ids))))
+    assert (got - _reference(hf, ids)[-1]).abs().max().item() < 1e-4
+
+
+@torch.inference_mode()
+def test_prefill_in_chunks_after_a_cached_prefix_equals_transformers(pair) -> None:
+    engine, hf = pair
+    ids = _ids(37, seed=1)  # 37 tokens in chunks of 7 over windows of 8
+    want = _reference(hf, ids)
+    blocks = engine.pool.allocate(engine.blocks_needed(len(ids)))
+    whole = engine.prefill(ids, blocks)
+    assert (whole - want[-1]).abs().max().item() < 1e-4
+    again = engine.prefill(ids, blocks, num_cached_tokens=22)  # the first 22 from the cache
+    assert (again - want[-1]).abs().max().item() < 1e-4
+    engine.pool.free(blocks)
+
+
+@torch.inference_mode()
+def test_batched_decode_equals_transformers(pair) -> None:
+    engine, hf = pair
+    prompts = [_ids(13, seed=2), _ids(29, seed=3), _ids(5, seed=4)]
+    tables = [engine.pool.allocate(engine.blocks_needed(len(p) + 6)) for p in prompts]
+    seqs = [list(p) for p in prompts]
+    nexts = [int(engine.prefill(p, t).argmax()) for p, t in zip(prompts, tables)]
+    for _ in range(6):  # the longest passes 4 windows
+        for seq, token in zip(seqs, nexts):
+            seq.append(token)
+        logits = engine.decode_step([DecodeInput(s[-1], len(s) - 1, t)
+                                     for s, t in zip(seqs, tables)])
+        for row, seq in zip(logits, seqs):
+            assert (row - _reference(hf, seq)[-1]).abs().max().item() < 1e-4
+        nexts = [int(row.argmax()) for row in logits]
+    for t in tables:
+        engine.pool.free(t)
+
+
+def _saved_llama(path: Path) -> None:
+    _write_checkpoint("llama", path)
+
+
+def test_an_unknown_architecture_is_refused_by_name(tmp_path: Path) -> None:
+    _saved_llama(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["GPTNeoXForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnknownModelError, match="architecture GPTNeoXForCausalLM is not "
+                                                "supported"):
+        Engine(EngineConfig(model=str(tmp_path), num_blocks=8, block_size=4))
+
+
+def test_a_weight_the_family_does_not_read_is_refused(tmp_path: Path) -> None:
+    """A Qwen2-style bias in a LLaMA checkpoint without ``attention_bias``: LLaMA would
+    silently skip it."""
+    from safetensors.torch import load_file, save_file
+
+    _saved_llama(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["attention_bias"] = False
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    weights = {k: v for k, v in weights.items() if "o_proj.bias" not in k}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(UnknownModelError, match=r"does not read weight "
+                                                r"'model\.layers\.0\.self_attn\.k_proj\.bias' "
+                                                r"and \d+ more"):
+        Engine(EngineConfig(model=str(tmp_path), num_blocks=8, block_size=4))
+
+
+@pytest.mark.parametrize("role", ["router", "prefill"])
+def test_a_service_refuses_it_at_start_with_one_line(tmp_path: Path, role: str) -> None:
+    import subprocess
+    import sys
+
+    _saved_llama(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["Phi3ForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    proc = subprocess.run([sys.executable, "-m", f"services.{role}", "--set",
+                           f"model={tmp_path}", "--set", "base_port=24100", "--set",
+                           "store.enabled=false"], cwd=Path(__file__).parents[2],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert (f"{role}-0 could not start: model {tmp_path}: architecture Phi3ForCausalLM is "
+            "not supported") in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_two_checkpoints_of_one_config_never_share_block_keys(tmp_path: Path) -> None:
+    """A fine-tune has its base's config.json: the weights themselves tell them apart."""
+    from safetensors.torch import load_file, save_file
+
+    from common.model.loader import hf_dir_config
+
+    base, tuned = tmp_path / "a" / "model", tmp_path / "b" / "model"  # one name
+    _saved_llama(base)
+    _saved_llama(tuned)
+    weights = load_file(str(tuned / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"] + 1e-3
+    save_file(weights, str(tuned / "model.safetensors"))
+    (tuned / "config.json").write_text((base / "config.json").read_text())
+    ids = _ids(16, seed=6)
+    keys = [Engine(EngineConfig(model=str(p), num_blocks=8, block_size=4)).block_keys(ids)
+            for p in (base, tuned)]
+    assert hf_dir_config(str(base)).weights_id != hf_dir_config(str(tuned)).weights_id
+    assert not set(keys[0]) & set(keys[1])
