@@ -28,7 +28,7 @@ import torch
 from common.engine.config import DecodeInput
 from common.kv.memory import PagedKVMemory
 from common.model.attention import AttnMetadata, TritonAttention
-from common.model.llama import LlamaModel
+from common.model.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class DecodeGraphs:
     # offsets of the per-row inputs in the static buffer, in units of max_batch rows
     TOKENS, POSITIONS, ROWS, LENS = range(4)
 
-    def __init__(self, model: LlamaModel, attention: TritonAttention, kv: PagedKVMemory,
+    def __init__(self, model: DecoderModel, attention: TritonAttention, kv: PagedKVMemory,
                  max_batch: int, max_context: int, capture: bool = True):
         self.model, self.attention, self.kv = model, attention, kv
         self.ladder = batch_ladder(max_batch)

@@ -54,7 +54,7 @@ class Engine:
         try:
             self.layers = stage_layers(model_config.num_layers, config.stage[1], config.stage[0])
             self.model = DecoderModel(model_config, weights, self.dtype, self.device,
-                                    layers=self.layers)
+                                      layers=self.layers)
         except ValueError as exc:
             raise EngineInputError(str(exc)) from exc
         del weights
