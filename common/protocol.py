@@ -15,7 +15,7 @@ from typing import Optional
 
 from common.ipc import message
 from common.kv.events import BlockEventMsg
-from common.sampling_params import SampledToken, SamplingParams, TopLogprobs
+from common.sampling_params import PromptLogprobs, SampledToken, SamplingParams, TopLogprobs
 from common.scheduling.state import Rejection
 
 # ---------------------------------------------------------------- fencing
@@ -283,6 +283,7 @@ class KVReady:
     prompt_tokens: int
     cached_tokens: int
     fence: Fence = Fence()
+    prompt_logprobs: Optional[PromptLogprobs] = None  # where ``sampling.prompt_logprobs``
 
 
 @message
@@ -350,6 +351,8 @@ class TokenDelta:
     cached_tokens: int = 0
     top_logprobs: list[TopLogprobs] = field(default_factory=list)  # per token, where asked
     index: int = 0  # the choice (of ``sampling.n``) these tokens extend
+    # the prompt's own logprobs (``sampling.prompt_logprobs``): in choice 0's first delta
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 @message

@@ -9,7 +9,7 @@ conductor and the engine all import it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat (completions: 5)
@@ -20,7 +20,9 @@ MAX_BIAS = 100.0  # and for a logit_bias value
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int  # no default: whoever builds a request decides how long it may run
+    # No default: whoever builds a request decides how long it may run. 0: the prompt only
+    # (the completions API's ``echo`` with ``max_tokens: 0``): no token is returned.
+    max_tokens: int
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: Optional[int] = None  # None = no top-k
@@ -44,6 +46,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias_ids: tuple[int, ...] = ()
     logit_bias_values: tuple[float, ...] = ()
+    # The prompt's own tokens' logprobs (the completions API's ``echo`` with ``logprobs:
+    # k``): None, none; k, each prompt token's logprob and the k most likely tokens at its
+    # position, computed by the prefill over the whole prompt (no cached prefix reused).
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         """Reject impossible values at construction (a ValueError; the codec turns it into
@@ -52,8 +58,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias_ids", tuple(self.logit_bias_ids))
         object.__setattr__(self, "logit_bias_values", tuple(self.logit_bias_values))
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -65,6 +71,10 @@ class SamplingParams:
                              f"{self.top_logprobs}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs")
+        if self.prompt_logprobs is not None and \
+                not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be None or in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {self.prompt_logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
@@ -140,3 +150,20 @@ class SampledToken:
     token: int
     logprob: Optional[float] = None
     top: Optional[TopLogprobs] = None
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's own tokens under the model (``SamplingParams.prompt_logprobs``): for
+    positions 1 to n - 1 of an n-token prompt, the logprob of the prompt's token there
+    given the tokens before it, and (k > 0) the k most likely tokens at that position.
+    Position 0 has none (nothing precedes it). The raw distribution, as ``TopLogprobs``.
+    Computed by the prefill worker; rides in ``KVReady`` and the first ``TokenDelta``."""
+
+    logprobs: list[float]
+    top: list[TopLogprobs] = field(default_factory=list)  # empty, or one per position
+
+    def __post_init__(self) -> None:
+        if self.top and len(self.top) != len(self.logprobs):
+            raise ValueError(f"{len(self.top)} top alternatives for {len(self.logprobs)} "
+                             "prompt positions")

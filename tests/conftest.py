@@ -26,7 +26,7 @@ ONE_GROUP_PACKAGES = ("multihost",)
 # The e2e modules whose tests share the package's clusters (tests/e2e/conftest.py
 # ``shared``); ``pytest_collection_modifyitems`` refuses a module that uses them unlisted.
 SHARED_CLUSTER_MODULES = ("e2e/test_api_fields.py", "e2e/test_choices.py",
-                          "e2e/test_colocated.py", "e2e/test_kv_pool.py",
+                          "e2e/test_colocated.py", "e2e/test_echo.py", "e2e/test_kv_pool.py",
                           "e2e/test_serving.py", "e2e/test_structured_outputs.py",
                           "e2e/test_tools.py", "e2e/test_top_logprobs.py")
 

@@ -22,7 +22,7 @@ from common.protocol import (
     KV_FAILED, AbortRequest, BlocksReserved, Fence, FenceQuery, KVFailed, KVReady, RequestFailed,
     RequestFinished, ReserveBlocks, ReserveFailed, TokenDelta, WorkerGone, WorkerLoad,
 )
-from common.sampling_params import SampledToken, TopLogprobs
+from common.sampling_params import PromptLogprobs, SampledToken, TopLogprobs
 from common.worker import WorkerRuntime
 from services.decode.detok import IncrementalText
 from services.decode.sequence import Reservation, Running
@@ -122,12 +122,16 @@ class DecodeWorker:
     def on_kv_ready(self, msg: KVReady) -> None:
         r = self._settled("KVReady", msg.request_id, msg.fence)
         if r is not None:
-            self.start(r, msg.first, msg.prompt_tokens, msg.cached_tokens)
+            self.start(r, msg.first, msg.prompt_tokens, msg.cached_tokens,
+                       msg.prompt_logprobs)
 
     def start(self, r: Reservation, first: list[SampledToken], prompt_tokens: int,
-              cached_tokens: int) -> None:
+              cached_tokens: int, prompt_logprobs: Optional[PromptLogprobs] = None) -> None:
         """The prompt's KV is in ``r.blocks``: each choice joins the batch with its first
-        token, in blocks of its own past the prompt's full ones (``_fork``)."""
+        token, in blocks of its own past the prompt's full ones (``_fork``). Choice 0's
+        first delta carries the prompt's logprobs, where asked."""
+        if r.params.max_tokens == 0:
+            return self._prompt_only(r, prompt_tokens, cached_tokens, prompt_logprobs)
         choices = [r.params.choice(i) for i in range(r.params.n)]
         if len(first) != len(choices):
             log.error("%s: %s: %d first tokens for n=%d", self.rt.instance_id, r.request_id,
@@ -148,8 +152,23 @@ class DecodeWorker:
                 generator=make_generator(params, 1), fence=r.fence, matcher=matcher,
                 index=i)
             self.running[seq.key] = seq
-            self.record_token(seq, sampled.token, sampled.logprob, sampled.top)
+            self.record_token(seq, sampled.token, sampled.logprob, sampled.top,
+                              prompt_logprobs if i == 0 else None)
         self.wake.set()
+
+    def _prompt_only(self, r: Reservation, prompt_tokens: int, cached_tokens: int,
+                     prompt_logprobs: Optional[PromptLogprobs]) -> None:
+        """``max_tokens`` 0 (``echo``: the prompt's logprobs only): every choice ends at
+        once, with no token; the request leaves."""
+        self.pool.free(r.owned)
+        for i in range(r.params.n):
+            self.rt.mail.send(r.router_inbox, TokenDelta(
+                request_id=r.request_id, token_ids=[], text="", logprobs=None,
+                finish_reason="length", prompt_tokens=prompt_tokens, completion_tokens=0,
+                cached_tokens=cached_tokens, index=i,
+                prompt_logprobs=prompt_logprobs if i == 0 else None))
+        self.rt.mail.send(self.rt.conductor, RequestFinished(
+            r.request_id, self.rt.instance_id, "length", r.fence))
 
     def _fork(self, r: Reservation, prompt_tokens: int) -> list[list[int]]:
         """The block tables of the request's choices: choice 0 runs in ``r.blocks``; each
@@ -230,7 +249,8 @@ class DecodeWorker:
 
     # ------------------------------------------------------------ generation
     def record_token(self, seq: Running, token: int, logprob: Optional[float],
-                     top: Optional[TopLogprobs] = None) -> None:
+                     top: Optional[TopLogprobs] = None,
+                     prompt_logprobs: Optional[PromptLogprobs] = None) -> None:
         """Record one sampled token, stream it, and finish the sequence if it must stop."""
         p = seq.params
         seq.generated += 1
@@ -258,7 +278,8 @@ class DecodeWorker:
             logprobs=[logprob] if (p.logprobs and logprob is not None and ids) else None,
             finish_reason=finish, prompt_tokens=seq.prompt_tokens,
             completion_tokens=seq.generated, cached_tokens=seq.cached_tokens,
-            top_logprobs=[top] if (top is not None and ids) else [], index=seq.index))
+            top_logprobs=[top] if (top is not None and ids) else [], index=seq.index,
+            prompt_logprobs=prompt_logprobs))
         if finish is not None:
             self.finish(seq, finish)
 

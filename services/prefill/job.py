@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from common.protocol import PrefillTask
+from common.sampling_params import PromptLogprobs
 from services.prefill.layer_io import LayerLoads
 from services.prefill.prefix import PrefixPlan
 from services.prefill.streaming import KVStream
@@ -32,6 +33,11 @@ class Job:
     put_futures: list = field(default_factory=list)  # its layer-wise store writes
     failed: Optional[str] = None  # a load failed: what it computes now is garbage
     aborted: bool = False
+    prompt_parts: list[PromptLogprobs] = field(default_factory=list)  # per chunk, if asked
+
+    @property
+    def prompt_logprobs(self) -> Optional[int]:
+        return self.task.sampling.prompt_logprobs
 
     @property
     def remaining(self) -> int:

@@ -84,12 +84,18 @@ class PrefixLoader:
         return cls(rt.engine.pool, kv, store, rt.config.kv_layerwise,
                    kv.layer_nbytes * rt.engine.model_config.num_layers, layerwise_loads=loads)
 
-    async def acquire(self, tokens: list[int], keys: list[bytes], from_store: bool = True
-                      ) -> Optional[PrefixPlan]:
+    async def acquire(self, tokens: list[int], keys: list[bytes], from_store: bool = True,
+                      reuse_prefix: bool = True) -> Optional[PrefixPlan]:
         """Reference every block the prompt needs; None if the pool cannot hold it.
         ``from_store`` False: read nothing from the store (still asked which blocks it
-        holds, so that they are not put again)."""
-        cached, reuse, load, read = await self._find(tokens, keys, from_store=from_store)
+        holds, so that they are not put again). ``reuse_prefix`` False: compute the whole
+        prompt into fresh blocks, cached prefix or not (its prompt logprobs need every
+        row; after it, a block whose key is cached already stays private)."""
+        cached, reuse, load, read = await self._find(
+            tokens, keys, from_store=from_store and reuse_prefix)
+        if not reuse_prefix:
+            self.pool.free(cached)
+            cached, reuse = [], replace(reuse, local=0, loaded=0, kept=0)
         rest = self.pool.try_allocate(reuse.fresh)
         if rest is None:
             self.pool.free(cached)

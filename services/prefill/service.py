@@ -24,6 +24,7 @@ from common.config import ClusterConfig
 from common.engine.batching import plan_chunks
 from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
+from common.engine.prompt_logprobs import chunk_logprobs, join
 from common.grammar import GrammarError
 from common.engine.sampling import Grammars, sample_first
 from common.host import host_id
@@ -190,8 +191,13 @@ class PrefillWorker:
             self.engine.validate_prompt(tokens)
         except EngineInputError as exc:
             raise PrefillFailure(400, "invalid_request_error", str(exc)) from exc
+        whole = task.sampling.prompt_logprobs is not None  # every row's logits: no prefix
+        if whole and self.group is not None:
+            raise PrefillFailure(400, "invalid_request_error", "prompt logprobs (echo with "
+                                 "logprobs) are not computed by a pipeline group")
         keys = self.engine.block_keys(tokens)
-        plan = await self.prefix.acquire(tokens, keys, from_store=task.store_loads)
+        plan = await self.prefix.acquire(tokens, keys, from_store=task.store_loads,
+                                         reuse_prefix=not whole)
         if plan is None:
             if self.jobs or self._finishing:
                 return None
@@ -243,8 +249,7 @@ class PrefillWorker:
         started = time.perf_counter()
         try:
             hidden, rows = await asyncio.get_running_loop().run_in_executor(
-                self.threads.compute,
-                lambda: self.engine.stage_step(chunks, None, io.after, io.before))
+                self.threads.compute, self._compute, planned, chunks, io)
         except EngineInputError as exc:
             fail_step(self.rt, planned, exc)
             return
@@ -266,6 +271,20 @@ class PrefillWorker:
             if job.done == len(job.task.token_ids) and not job.aborted and job.failed is None:
                 self.jobs.remove(job)
                 self._spawn(job, self.finish(job, row))
+
+    def _compute(self, planned: list[tuple[Job, int]], chunks: list[PrefillChunk],
+                 io: StepIO) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+        """The step's forward (on the compute thread), and the prompt logprobs of the
+        chunks of jobs that ask for them (``common/engine/prompt_logprobs.py``; a single
+        worker holds every layer, so ``hidden`` is the last layer's)."""
+        hidden, rows = self.engine.stage_step(chunks, None, io.after, io.before)
+        offset = 0
+        for (job, n), chunk in zip(planned, chunks):
+            if job.prompt_logprobs is not None:
+                job.prompt_parts.append(chunk_logprobs(
+                    self.engine.model, hidden[offset:offset + n], chunk, job.prompt_logprobs))
+            offset += n
+        return hidden, rows
 
     async def _part(self, job: Job, n: int) -> PartIO:
         """A job's chunk in the next step: its loads (first chunk) and store puts."""
@@ -382,7 +401,8 @@ class PrefillWorker:
         if job.loads is not None:
             job.wait_s += job.loads.wait_s
         self.rt.mail.send(task.decode_inbox, KVReady(
-            task.request_id, first, prompt, cached_tokens, task.fence))
+            task.request_id, first, prompt, cached_tokens, task.fence,
+            join(job.prompt_parts) if job.prompt_logprobs is not None else None))
         read = ((job.loads.nbytes, job.loads.read_s) if job.loads is not None
                 else (job.plan.read_bytes, job.plan.read_s))
         self.rt.mail.send(self.rt.conductor, PrefillDone(

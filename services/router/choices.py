@@ -42,6 +42,14 @@ class Choices:
     def role_chunks(self) -> list[dict]:
         return [b.role_chunk() for b in self.builders]
 
+    def take(self, delta: TokenDelta) -> None:
+        """Take one choice's delta (a whole answer); the prompt's logprobs, which come in
+        choice 0's first delta, go to every choice (each echoes the prompt)."""
+        if delta.prompt_logprobs is not None:
+            for b in self.builders:
+                b.prompt_logprobs = delta.prompt_logprobs
+        self.of(delta).absorb(delta)
+
     def absorb(self, delta: TokenDelta) -> list[dict]:
         """Take one choice's delta; its chunks to stream: content, then its finish."""
         builder = self.of(delta)
@@ -65,7 +73,11 @@ class Choices:
         ranked = sorted(self.builders, key=lambda b: (-b.cumulative_logprob, b.index))
         return ranked[:self.returned]
 
+    def choices(self, base: int = 0) -> list[dict]:
+        """The returned choices, numbered from ``base`` (a batch of prompts: prompt i's
+        from i × n, as OpenAI numbers them)."""
+        return [b.choice(base + i) for i, b in enumerate(self.best())]
+
     def response(self) -> dict:
         """The non-streaming response object."""
-        return self.first.response([b.choice(i) for i, b in enumerate(self.best())],
-                                   self.usage())
+        return self.first.response(self.choices(), self.usage())

@@ -5,7 +5,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Coroutine, Optional, Sequence, TypeVar
 
 from dataclasses import asdict, replace
 
@@ -18,14 +18,14 @@ from common.sampling_params import SamplingParams
 from services.router.errors import ApiError, invalid
 from services.router.flow import RequestRun
 from services.router.choices import Choices
-from services.router.openai_format import DONE, ResponseBuilder, sse
+from services.router.openai_format import DONE, ResponseBuilder, sse, usage
 from services.router.state import RouterState
 from services.router.structured import may_carry_grammar
 from services.router.tokenize import (check_token_ids, encode_chat, parse_detokenize,
                                       parse_tokenize)
 from services.router.tokenize import tokenize as tokenize_ids
 from services.router.tool_response import TaggedCallsBuilder
-from services.router.validation import GenerationRequest, parse_request
+from services.router.validation import GenerationRequest, Prompt, parse_request
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +51,15 @@ async def _read_json(request: web.Request) -> Any:
                       code="invalid_json") from None
 
 
-def _tokenize(state: RouterState, req: GenerationRequest) -> list[int]:
+def _tokenize(state: RouterState, req: GenerationRequest, prompt: Optional[Prompt] = None,
+              param: str = "prompt") -> list[int]:
     tok = state.tokenizer
     if req.kind == "chat":
         return encode_chat(tok, req.messages or [], tools=req.tools)
-    if isinstance(req.prompt, str):
-        return tok.encode_text(req.prompt)
-    ids = list(req.prompt or [])
-    check_token_ids(tok, ids, "prompt")
+    if isinstance(prompt, str):
+        return tok.encode_text(prompt)
+    ids = list(prompt or [])
+    check_token_ids(tok, ids, param)
     return ids
 
 
@@ -69,18 +70,14 @@ async def _off_loop_if_long(size: int, fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
 
 
-async def _prompt(state: RouterState,
-                  req: GenerationRequest) -> tuple[list[int], SamplingParams]:
-    """Token ids of the prompt and the sampling to ask for, its max_tokens fitted to the
-    context; 400 when they do not fit."""
-    param = "messages" if req.kind == "chat" else "prompt"
+async def _prompt(state: RouterState, req: GenerationRequest, prompt: Optional[Prompt],
+                  param: str) -> tuple[list[int], SamplingParams]:
+    """Token ids of the prompt (``prompt`` of a completion, named ``param`` in errors)
+    and the sampling to ask for, its max_tokens fitted to the context; 400 when they do
+    not fit."""
     size = sum(len(m["content"]) for m in req.messages or []) if req.kind == "chat" \
-        else len(req.prompt or "")
-    bad = state.tokenizer.out_of_vocab(req.sampling.logit_bias_ids)
-    if bad is not None:
-        raise invalid(f"'logit_bias' has token id {bad}, outside the vocabulary (size "
-                      f"{state.tokenizer.vocab_size})", "logit_bias", "invalid_value")
-    ids = await _off_loop_if_long(size, _tokenize, state, req)
+        else len(prompt or "")
+    ids = await _off_loop_if_long(size, _tokenize, state, req, prompt, param)
     if not ids:
         raise invalid("the prompt is empty", param, "invalid_value")
     ctx = state.tokenizer.context_length
@@ -94,15 +91,44 @@ async def _prompt(state: RouterState,
     return ids, replace(req.sampling, max_tokens=min(req.sampling.max_tokens, ctx - len(ids)))
 
 
-def _choices(state: RouterState, req: GenerationRequest, request_id: str) -> Choices:
+async def _prompts(state: RouterState, req: GenerationRequest,
+                   ) -> list[tuple[list[int], SamplingParams]]:
+    """``_prompt`` of each prompt of the request (chat: its messages), after the checks
+    that do not depend on the prompt."""
+    bad = state.tokenizer.out_of_vocab(req.sampling.logit_bias_ids)
+    if bad is not None:
+        raise invalid(f"'logit_bias' has token id {bad}, outside the vocabulary (size "
+                      f"{state.tokenizer.vocab_size})", "logit_bias", "invalid_value")
+    config = state.config
+    if req.sampling.prompt_logprobs is not None and (
+            config.mode == "colocated" or config.prefill_stages > 1):
+        shape = "colocated workers" if config.mode == "colocated" else "pipeline groups"
+        raise invalid(f"'echo' with 'logprobs' (the prompt's logprobs) is not supported on "
+                      f"this cluster's {shape} yet; echo without logprobs is",
+                      "echo", "unsupported_value")
+    if req.kind == "chat":
+        return [await _prompt(state, req, None, "messages")]
+    many = len(req.prompts) > 1
+    return [await _prompt(state, req, p, f"prompt[{i}]" if many else "prompt")
+            for i, p in enumerate(req.prompts)]
+
+
+def _choices(state: RouterState, req: GenerationRequest, request_id: str,
+             prompt: Optional[Prompt] = None, ids: Sequence[int] = ()) -> Choices:
+    """The builders of one prompt's choices; with ``echo`` each starts with the prompt's
+    text (a string prompt as sent, token ids decoded) and its tokens."""
     tok = state.tokenizer
     cls = TaggedCallsBuilder if req.tagged_calls else ResponseBuilder
     created = int(time.time())
+    echo = None
+    if req.echo:
+        echo = prompt if isinstance(prompt, str) else tok.decode(list(ids))
     return Choices([cls(kind=req.kind, request_id=request_id, model=req.model, created=created,
                         token_text=lambda t: tok.decode([t]),
                         want_logprobs=req.sampling.logprobs,
                         want_top=req.sampling.top_logprobs, include_usage=req.include_usage,
-                        tool_call=req.tool_call, index=i)
+                        tool_call=req.tool_call, index=i, echo=echo,
+                        prompt_ids=list(ids) if req.echo else [])
                     for i in range(req.sampling.n)], req.n)
 
 
@@ -112,10 +138,14 @@ def _wire_sampling(req: GenerationRequest, sampling: SamplingParams) -> Sampling
     return replace(sampling, logprobs=True) if req.n < sampling.n else sampling
 
 
-async def _complete(run: RequestRun, out: Choices) -> web.Response:
+async def _collect(run: RequestRun, out: Choices) -> None:
     await run.wait_started()
     async for delta in run.deltas():
-        out.of(delta).absorb(delta)
+        out.take(delta)
+
+
+async def _complete(run: RequestRun, out: Choices) -> web.Response:
+    await _collect(run, out)
     return _json(out.response())
 
 
@@ -161,15 +191,18 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             await xgrammar_loaded()
         req = parse_request(body, kind, state.config.model_name,
                             state.config.default_max_tokens)
-        ids, sampling = await _prompt(state, req)
+        prompts = await _prompts(state, req)
     except ApiError as err:
         state.metrics.requests.labels(endpoint, str(err.status)).inc()
         raise
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    if len(prompts) > 1:
+        return await _complete_batch(state, endpoint, req, request_id, prompts)
+    ids, sampling = prompts[0]
     submit = SubmitRequest(request_id, ids, state.block_keys(ids), _wire_sampling(req, sampling),
                            time.time())
     run = RequestRun(state, endpoint, submit)
-    out = _choices(state, req, request_id)
+    out = _choices(state, req, request_id, req.prompt, ids)
     run.status = CLIENT_GONE  # unless something below sets the real outcome
     try:
         if req.stream:
@@ -182,6 +215,51 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         raise
     finally:
         run.finish(run.status, (out.prompt_tokens, out.cached_tokens))
+
+
+async def _complete_batch(state: RouterState, endpoint: str, req: GenerationRequest,
+                          request_id: str, prompts: list[tuple[list[int], SamplingParams]],
+                          ) -> web.Response:
+    """A list of prompts (completions, not streamed): one cluster request each
+    (``<id>-<i>``), run side by side; one response whose choices are prompt i's n at
+    indices i × n + j, and whose usage sums them all. A failure of one fails the whole
+    (the others are aborted, their blocks freed)."""
+    runs: list[tuple[RequestRun, Choices]] = []
+    status = CLIENT_GONE
+    try:
+        for i, ((ids, sampling), prompt) in enumerate(zip(prompts, req.prompts)):
+            submit = SubmitRequest(f"{request_id}-{i}", ids, state.block_keys(ids),
+                                   _wire_sampling(req, sampling), time.time())
+            runs.append((RequestRun(state, endpoint, submit),
+                         _choices(state, req, request_id, prompt, ids)))
+        await _all([_collect(run, out) for run, out in runs])
+        choices = [c for i, (_, out) in enumerate(runs) for c in out.choices(i * req.n)]
+        usages = [out.usage() for _, out in runs]
+        status = 200
+    except ApiError as err:
+        status = err.status
+        raise
+    finally:
+        for run, out in runs:
+            run.finish(status, (out.prompt_tokens, out.cached_tokens))
+    total = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens")}
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    return _json(runs[0][1].first.response(
+        choices, usage(total["prompt_tokens"], total["completion_tokens"], cached)))
+
+
+async def _all(coros: list[Coroutine[Any, Any, None]]) -> None:
+    """Run ``coros`` together; the first to fail cancels the rest and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

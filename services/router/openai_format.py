@@ -7,7 +7,8 @@ from typing import Any, Callable, Optional
 import orjson
 
 from common.protocol import TokenDelta
-from common.sampling_params import TopLogprobs
+from common.sampling_params import PromptLogprobs, TopLogprobs
+from services.router.errors import ApiError
 
 DONE = b"data: [DONE]\n\n"
 
@@ -35,15 +36,18 @@ def chat_logprobs(tokens: list[str], logprobs: list[float],
                         for t, lp, top in zip(tokens, logprobs, tops)]}
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float], tops: list[Alternatives],
-                        offset: int, want_top: bool) -> dict:
+def completion_logprobs(tokens: list[str], logprobs: list[Optional[float]],
+                        tops: list[Optional[Alternatives]], offset: int,
+                        want_top: bool) -> dict:
     """The legacy shape; ``top_logprobs`` (``logprobs: k`` > 0) maps each position's
-    alternatives' texts to their logprobs (two ids with one text keep the likelier)."""
+    alternatives' texts to their logprobs (two ids with one text keep the likelier). An
+    echoed prompt's first token has neither: ``null`` in both lists."""
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    top = [dict(reversed(alternatives)) for alternatives in tops] if want_top else None
+    top = [None if alternatives is None else dict(reversed(alternatives))
+           for alternatives in tops] if want_top else None
     return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top,
             "text_offset": offsets}
 
@@ -63,6 +67,9 @@ class ResponseBuilder:
     include_usage: bool = False
     tool_call: Optional[str] = None  # the named function the text is the arguments of
     index: int = 0  # the choice
+    echo: Optional[str] = None  # completions' ``echo``: the prompt's text, before the answer
+    prompt_ids: list[int] = field(default_factory=list)  # with echo: the prompt's tokens
+    prompt_logprobs: Optional[PromptLogprobs] = None  # with echo and logprobs: the worker's
     texts: list[str] = field(default_factory=list)
     token_strs: list[str] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -108,6 +115,8 @@ class ResponseBuilder:
         """Take one delta (counts are cumulative); return its content chunk, if any."""
         self.prompt_tokens = delta.prompt_tokens
         self.completion_tokens = max(self.completion_tokens, delta.completion_tokens)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.cached_tokens = delta.cached_tokens
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
@@ -162,11 +171,29 @@ class ResponseBuilder:
         out.update(choices=[], usage=usage)
         return out
 
+    def _echoed(self) -> tuple[list[str], list[Optional[float]],
+                               list[Optional[Alternatives]]]:
+        """The echoed prompt's tokens, logprobs and alternatives (the first has none)."""
+        got = self.prompt_logprobs
+        if got is None or len(got.logprobs) != len(self.prompt_ids) - 1:
+            raise ApiError(500, "the prompt's logprobs did not come back from the prefill "
+                           "worker", code="internal_error")
+        tops: list[Optional[Alternatives]] = [None]
+        tops += [[(self.token_text(t), lp) for t, lp in zip(top.token_ids, top.logprobs)]
+                 for top in got.top] if got.top else [[] for _ in got.logprobs]
+        return ([self.token_text(t) for t in self.prompt_ids], [None, *got.logprobs], tops)
+
     def choice(self, index: int) -> dict:
         """The choice of the non-streaming response, at ``index`` (best_of renumbers)."""
         text = "".join(self.texts)
         lp: Optional[dict] = None
-        if self.want_logprobs:
+        if self.echo is not None and self.kind != "chat":
+            text = self.echo + text
+            if self.want_logprobs:
+                toks, lps, tops = self._echoed()
+                lp = completion_logprobs(toks + self.token_strs, lps + self.logprobs,
+                                         tops + self.tops, 0, self.want_top > 0)
+        elif self.want_logprobs:
             lp = self._render_logprobs(self.token_strs, self.logprobs, self.tops, 0)
         if self.kind == "chat":
             message: dict = {"role": "assistant", "content": text}

@@ -6,7 +6,7 @@ honoured or refused with a 400 whose ``param`` names it, since a request
 answered without it looks right and is wrong. Fields the router parses and honours are
 listed in ``PARSED`` (validation.py parses them); the rest are in ``LIMITED`` with the
 check that accepts their harmless values (``store: false``, ``functions: []``,
-``echo: false``...) and refuses the others. A field in neither is refused as unknown:
+``suffix: ""``...) and refuses the others. A field in neither is refused as unknown:
 the official ``openai`` client never sends a field the caller did not set, so a strict
 server costs its users nothing, while vLLM's choice (ignore unknown fields with a log
 line) lets a typo such as ``max_token`` pass unnoticed.
@@ -26,7 +26,7 @@ _SHARED = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p
            "top_k", "ignore_eos", "stop_token_ids"}  # the last three: vLLM's extensions
 PARSED = {CHAT: _SHARED | {"messages", "top_logprobs", "response_format", "tools",
                           "tool_choice", "parallel_tool_calls"},  # the last 4: structured.py
-          COMPLETION: _SHARED | {"prompt", "best_of"}}
+          COMPLETION: _SHARED | {"prompt", "best_of", "echo"}}
 
 Check = Callable[[str, Any], None]  # raises ApiError (400) naming the field
 
@@ -97,7 +97,6 @@ LIMITED: dict[str, tuple[tuple[str, ...], Check]] = {
     # Output-changing features not built yet: only their "off" values.
     "functions": ((CHAT,), only([], why=_NO_TOOLS)),
     "function_call": ((CHAT,), only("none", "auto", why=_NO_CHOICE)),
-    "echo": ((COMPLETION,), only(False, why="is not supported yet: only false")),
     "suffix": ((COMPLETION,), only("", why="is not supported yet: only \"\"")),
     # Features of other models or of OpenAI's platform.
     "audio": ((CHAT,), refused("is not supported: text output only")),

@@ -7,7 +7,7 @@ handler only fits ``max_tokens`` to the prompt.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from common.sampling_params import (MAX_BIAS, MAX_CHOICES, MAX_PENALTY, MAX_TOP_LOGPROBS,
@@ -20,6 +20,9 @@ from services.router.structured import response_format, tool_plan
 MAX_STOP = 4
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024  # token ids in one logit_bias
+MAX_PROMPTS = 256  # prompts in one completions request (a list of them)
+
+Prompt = Union[str, list[int]]
 
 
 @dataclass
@@ -33,7 +36,9 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     messages: Optional[list[dict[str, str]]] = None
-    prompt: Optional[Union[str, list[int]]] = None
+    prompt: Optional[Prompt] = None  # the first (or only) of ``prompts``
+    prompts: list[Prompt] = field(default_factory=list)  # completions: one request each
+    echo: bool = False  # completions: the prompt before the completion (and its logprobs)
     tool_call: Optional[str] = None  # the function a named tool_choice calls
     n: int = 1  # choices returned; ``sampling.n`` are sampled (more: best_of)
     tagged_calls: bool = False  # tool_choice auto/required: <tool_call> blocks to split
@@ -61,15 +66,17 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float,
     return float(value)
 
 
-def _max_tokens(body: dict) -> Optional[int]:
+def _max_tokens(body: dict, echo: bool) -> Optional[int]:
+    """The tokens asked for; 0 only with ``echo`` (the prompt alone, as vLLM allows:
+    lm-evaluation-harness scores a prompt by its echoed logprobs)."""
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     value = body.get(name)
     if value is None:
         return None
-    if not _is_int(value) or value < 1:
-        raise invalid(f"'{name}' must be an integer >= 1, got {value!r}", name,
-                      "invalid_value")
+    if not _is_int(value) or value < 0 or (value == 0 and not echo):
+        raise invalid(f"'{name}' must be an integer >= 1 (0 only with 'echo': true), got "
+                      f"{value!r}", name, "invalid_value")
     return value
 
 
@@ -173,9 +180,10 @@ def _stop_token_ids(body: dict) -> list[int]:
 
 
 def parse_sampling(body: dict, kind: str, max_tokens: int, grammar: Optional[str] = None,
-                   sampled: int = 1) -> SamplingParams:
+                   sampled: int = 1, echo: bool = False) -> SamplingParams:
     """The body's sampling knobs (``max_tokens`` as decided by the caller; ``grammar``:
-    the structured output's, structured.py; ``sampled``: the sequences, ``_choices``)."""
+    the structured output's, structured.py; ``sampled``: the sequences, ``_choices``;
+    ``echo`` with logprobs: the prompt's own too, with as many alternatives)."""
     logprobs, top_logprobs = _logprobs(body, kind)
     bias_ids, bias_values = _logit_bias(body)
     return SamplingParams(
@@ -188,7 +196,8 @@ def parse_sampling(body: dict, kind: str, max_tokens: int, grammar: Optional[str
         response_format=grammar, n=sampled,
         presence_penalty=_penalty(body, "presence_penalty"),
         frequency_penalty=_penalty(body, "frequency_penalty"),
-        logit_bias_ids=bias_ids, logit_bias_values=bias_values)
+        logit_bias_ids=bias_ids, logit_bias_values=bias_values,
+        prompt_logprobs=top_logprobs if echo and logprobs else None)
 
 
 def _choices(body: dict, kind: str) -> tuple[int, int]:
@@ -245,19 +254,42 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def parse_prompt(value: Any) -> Union[str, list[int]]:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # a batch of one
-    if isinstance(value, str):
+def _one_prompt(value: Any, param: str) -> Optional[Prompt]:
+    """A string or a list of token ids (400 when empty); None for anything else."""
+    if isinstance(value, str) or (isinstance(value, list) and
+                                  all(_is_int(t) for t in value)):
         if not value:
-            raise invalid("'prompt' must not be empty", "prompt", "invalid_value")
+            raise invalid(f"'{param}' must not be empty", param, "invalid_value")
         return value
-    if isinstance(value, list) and value and all(_is_int(t) for t in value):
-        return value
-    if isinstance(value, list) and not value:
-        raise invalid("'prompt' must not be empty", "prompt", "invalid_value")
-    raise invalid("'prompt' must be a string or a list of token ids", "prompt",
-                  "invalid_type")
+    return None
+
+
+def parse_prompts(value: Any) -> list[Prompt]:
+    """OpenAI's ``prompt``: a string, a list of token ids, or a list of either (a batch:
+    one request each, their choices in order)."""
+    one = _one_prompt(value, "prompt")
+    if one is not None:
+        return [one]
+    if isinstance(value, list) and all(isinstance(p, (str, list)) for p in value):
+        if len(value) > MAX_PROMPTS:
+            raise invalid(f"'prompt' takes at most {MAX_PROMPTS} prompts", "prompt",
+                          "invalid_value")
+        prompts = [_one_prompt(p, f"prompt[{i}]") for i, p in enumerate(value)]
+        if all(p is not None for p in prompts):
+            return prompts  # type: ignore[return-value]
+    raise invalid("'prompt' must be a string, a list of token ids, or a list of strings or "
+                  "of token id lists", "prompt", "invalid_type")
+
+
+def _check_echo(req: GenerationRequest) -> None:
+    """What ``echo`` and a batch of prompts do not stream (yet): 400s naming the field."""
+    if req.stream and req.echo:
+        raise invalid("'echo': true cannot be combined with 'stream': true (not "
+                      "supported yet)", "echo", "unsupported_value")
+    if req.stream and len(req.prompts) > 1:
+        raise invalid("a list of several prompts cannot be combined with 'stream': true "
+                      "(not supported yet): send one request per prompt", "prompt",
+                      "unsupported_value")
 
 
 def parse_request(body: Any, kind: str, served_model: str,
@@ -268,15 +300,17 @@ def parse_request(body: Any, kind: str, served_model: str,
     model = check_model(body, served_model)
     check_fields(body, kind)
     stream, include_usage = _stream_flags(body)
-    asked = _max_tokens(body)
+    echo = kind == "completion" and _bool(body, "echo")
+    asked = _max_tokens(body, echo)
     plan = tool_plan(body) if kind == "chat" else None
     grammar = plan.grammar if plan is not None and plan.grammar is not None else \
         response_format(body) if kind == "chat" else None
     n, sampled = _choices(body, kind)
-    sampling = parse_sampling(body, kind, asked or default_max_tokens, grammar, sampled)
+    sampling = parse_sampling(body, kind, default_max_tokens if asked is None else asked,
+                              grammar, sampled, echo)
     req = GenerationRequest(kind=kind, model=model, sampling=sampling,
                             max_tokens_asked=asked is not None, stream=stream,
-                            include_usage=include_usage, n=n)
+                            include_usage=include_usage, n=n, echo=echo)
     if plan is not None and plan.functions:
         req.tool_call, req.tagged_calls = plan.named, plan.tagged
         req.tools = list(plan.functions)
@@ -287,7 +321,9 @@ def parse_request(body: Any, kind: str, served_model: str,
     else:
         if "prompt" not in body:
             raise invalid("'prompt' is required", "prompt", "missing_required_parameter")
-        req.prompt = parse_prompt(body["prompt"])
+        req.prompts = parse_prompts(body["prompt"])
+        req.prompt = req.prompts[0]
+        _check_echo(req)
     return req
 
 

@@ -45,7 +45,8 @@ def test_nested_fields_are_json_objects_and_take_defaults() -> None:
                                 "stop_token_ids": [], "logprobs": False, "ignore_eos": False,
                                 "top_logprobs": 0, "response_format": None, "n": 1,
                                 "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                                "logit_bias_ids": [], "logit_bias_values": []}
+                                "logit_bias_ids": [], "logit_bias_values": [],
+                                "prompt_logprobs": None}
     short = decode(b'{"type":"SubmitRequest","request_id":"r","token_ids":[1],'
                    b'"block_keys":[],"sampling":{"max_tokens":9},"arrival_time":0}')
     assert short.sampling == SamplingParams(max_tokens=9)
@@ -97,7 +98,7 @@ def _submit(sampling: bytes) -> bytes:
     (_submit(b'{"max_tokens":4,"stop":[1]}'), "SubmitRequest.sampling.stop has the wrong"),
     (_submit(b'{"max_tokens":4,"best_of":2}'), r"SubmitRequest.sampling has unknown fields \['best_of'\]"),
     (_submit(b'{"max_tokens":4,"n":0}'), "sampling is invalid: n must be in"),
-    (_submit(b'{"max_tokens":0}'), "SubmitRequest.sampling is invalid: max_tokens must be"),
+    (_submit(b'{"max_tokens":-1}'), "SubmitRequest.sampling is invalid: max_tokens must be"),
     (_submit(b'{"max_tokens":4,"top_p":1.5}'), "sampling is invalid: top_p must be in"),
     (b'{"type":"RequestRejected","request_id":"r","rejection":{"reason":"slo_violation",'
      b'"retry_after_s":2}}', "RequestRejected.rejection is invalid: unknown rejection"),

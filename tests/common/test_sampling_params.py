@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import PromptLogprobs, SamplingParams, TopLogprobs
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(max_tokens=0), "max_tokens must be >= 1, got 0"),
+    (dict(max_tokens=-1), "max_tokens must be >= 0, got -1"),
+    (dict(max_tokens=4, prompt_logprobs=21), r"prompt_logprobs must be None or in \[0, 20\]"),
     (dict(max_tokens=4, temperature=-1), "temperature must be >= 0, got -1"),
     (dict(max_tokens=4, top_p=0), r"top_p must be in \(0, 1\], got 0"),
     (dict(max_tokens=4, top_p=1.01), r"top_p must be in \(0, 1\], got 1.01"),
@@ -44,3 +45,9 @@ def test_each_choice_is_one_sequence_with_a_seed_of_its_own() -> None:
     assert SamplingParams(max_tokens=3, n=2).choice(1).seed is None
     with pytest.raises(ValueError, match="choice 3 of a request with n=3"):
         p.choice(3)
+
+
+def test_prompt_logprobs_have_no_alternatives_or_one_set_per_position() -> None:
+    assert PromptLogprobs([-1.0, -2.0]).top == []
+    with pytest.raises(ValueError, match="1 top alternatives for 2 prompt positions"):
+        PromptLogprobs([-1.0, -2.0], [TopLogprobs([1], [-1.0])])

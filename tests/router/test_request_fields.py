@@ -57,6 +57,9 @@ ROWS = [
         HONOURED, lambda r: r.messages == [{"role": "system", "content": "s"},
                                            {"role": "user", "content": "q"}]),
     Row("completion", "prompt", [1, 2, 3], HONOURED, lambda r: r.prompt == [1, 2, 3]),
+    Row("completion", "prompt", ["a", "b"], HONOURED, lambda r: r.prompts == ["a", "b"]),
+    Row("completion", "prompt", [[1], [2, 3]], HONOURED,
+        lambda r: r.prompts == [[1], [2, 3]]),
     Row("both", "model", MODEL, HONOURED, lambda r: r.model == MODEL),
     Row("both", "model", "gpt-4o", REFUSED),
     Row("both", "max_tokens", 5, HONOURED, _sampling(max_tokens=5)),
@@ -135,7 +138,8 @@ ROWS = [
         SamplingParams(max_tokens=DEFAULT_MAX, n=3)),
     Row("completion", "best_of", 0, REFUSED),  # below n
     Row("completion", "echo", False, ACCEPTED),
-    Row("completion", "echo", True, REFUSED),
+    Row("completion", "echo", True, HONOURED, lambda r: r.echo and r.sampling == DEFAULT),
+    Row("both", "max_tokens", 0, REFUSED),  # 0 only with echo: test_echo_and_batches.py
     Row("completion", "suffix", "", ACCEPTED),
     Row("completion", "suffix", "tail", REFUSED),
     Row("both", "min_p", 0.1, REFUSED),  # a vLLM extension Crescent does not have

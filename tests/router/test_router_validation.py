@@ -80,7 +80,8 @@ def test_chat_rejects(body: dict, param: str, code: str) -> None:
     assert err.body()["error"]["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("prompt", ["", [], [1.5], {"a": 1}, [[1], [2]], None])
+@pytest.mark.parametrize("prompt", ["", [], [1.5], {"a": 1}, [[1], "a", 2], [[1, 1.5]],
+                                    None])
 def test_completion_rejects_bad_prompts(prompt: object) -> None:
     with pytest.raises(ApiError) as info:
         parse_request({"prompt": prompt}, "completion", MODEL, DEFAULT_MAX)
