@@ -31,7 +31,11 @@ def remote_processes(config: "ClusterConfig") -> list[tuple[str, int, str]]:
 def cmd_up(args: argparse.Namespace) -> int:
     from launch.cluster import ClusterError, LocalCluster
 
-    cluster = LocalCluster(args.config, args.log_dir)
+    try:
+        cluster = LocalCluster(args.config, args.log_dir, args.set)
+    except ValueError as exc:  # a bad --set
+        print(f"crescent: {exc}", file=sys.stderr)
+        return 2
     c = cluster.config
     elsewhere = remote_processes(c)
     if elsewhere:
@@ -118,6 +122,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     up.add_argument("--config", help="cluster config (TOML)")
     up.add_argument("--log-dir", default=".crescent/logs")
     up.add_argument("--timeout", type=float, default=180.0)
+    up.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a setting over the config file, for every process "
+                         "(e.g. model=/models/Qwen3-0.6B); repeatable")
     sub.add_parser("serve", help="run one service (multi-host deployments; "
                    "see crescent serve ROLE -h)")
     sub.add_parser("simulate", help="replay a Mooncake trace (see crescent simulate -h)")

@@ -22,10 +22,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from common.config import ClusterConfig
 from common.cpu import ENV_CPUS, ENV_THREADS, CpuPlan, plan_cores, plan_env
+from common.service import parse_overrides
 from launch.supervise import GiveUp, RestartPolicy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,9 +56,13 @@ class ClusterError(RuntimeError):
 
 
 class LocalCluster:
-    def __init__(self, config_path: Optional[str], log_dir: str | Path) -> None:
+    def __init__(self, config_path: Optional[str], log_dir: str | Path,
+                 overrides: Sequence[str] = ()) -> None:
+        """``overrides``: ``KEY=VALUE`` settings laid over the config file, for every child
+        (each gets them as ``--set``)."""
         self.config_path = config_path
-        self.config = ClusterConfig.load(config_path)
+        self.overrides = list(overrides)
+        self.config = ClusterConfig.load(config_path, parse_overrides(self.overrides))
         plan_cores(self.plan(), self.config.cpu, os.sched_getaffinity(0))  # fail fast
         self.log_dir = Path(log_dir)
         self.children: list[Child] = []
@@ -98,11 +103,16 @@ class LocalCluster:
             processes.append((role, index))
         return plan_cores(processes, self.config.cpu, os.sched_getaffinity(0)).get((role, index))
 
+    def service_args(self, role: str, index: int) -> list[str]:
+        """Every role's arguments (common/service.py): its index, the config and settings."""
+        args = ["--index", str(index)]
+        args += ["--config", str(self.config_path)] if self.config_path else []
+        for item in self.overrides:
+            args += ["--set", item]
+        return args + self.extra_args.get((role, index), [])
+
     def command(self, role: str, index: int) -> list[str]:
-        cmd = [sys.executable, "-m", f"services.{role}"]
-        cmd += ["--index", str(index)]  # every role: the same arguments (common/service.py)
-        cmd += ["--config", str(self.config_path)] if self.config_path else []
-        return cmd + self.extra_args.get((role, index), [])
+        return [sys.executable, "-m", f"services.{role}"] + self.service_args(role, index)
 
     def spawn(self, role: str, index: int, note: str = "") -> Child:
         """Start one child (again: it replaces the old entry, and its log goes on)."""

@@ -36,9 +36,8 @@ class NetnsCluster(LocalCluster):
         return self.placement[role, index]
 
     def command(self, role: str, index: int) -> list[str]:
-        cmd = [sys.executable, "-m", "launch.cli", "serve", role, "--index", str(index)]
-        cmd += ["--config", str(self.config_path)] if self.config_path else []
-        return self.bed.argv(self.host(role, index), cmd + self.extra_args.get((role, index), []))
+        cmd = [sys.executable, "-m", "launch.cli", "serve", role]
+        return self.bed.argv(self.host(role, index), cmd + self.service_args(role, index))
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` from the router's host (where clients reach ``url``)."""

@@ -2,7 +2,9 @@
 for dummy models. Both expose encode / decode / apply_chat_template."""
 from __future__ import annotations
 
+import datetime
 import functools
+import json
 from typing import Any, Optional
 
 _BYTE_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -12,15 +14,28 @@ _BYTE_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\
 @functools.lru_cache(maxsize=16)
 def _compile(template: str) -> Any:
     """A chat template compiled once (compiling it per request was ~27 % of the router's
-    time under load, measured with py-spy)."""
+    time under load, measured with py-spy), in the environment transformers'
+    ``apply_chat_template`` gives it, so a checkpoint's template renders the same text
+    here: ``{% break %}``/``{% continue %}``, ``raise_exception``, ``strftime_now``, and
+    a ``tojson`` that keeps key order and characters (jinja's own sorts the keys and
+    escapes ``<>&'`` for HTML, which changes what Qwen's templates show of the tools)."""
     from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def tojson(value: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
+               separators: Optional[tuple[str, str]] = None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env.from_string(template)
 
 

@@ -73,9 +73,7 @@ def test_up_serves_then_ctrl_c_stops_every_child(tmp_path: Path) -> None:
         time.sleep(0.5)
         assert [k for k in kids if alive(k)] == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        stop_up(proc)
 
 
 def test_up_refuses_a_config_that_puts_processes_on_other_hosts(tmp_path: Path) -> None:
@@ -93,3 +91,79 @@ def test_up_refuses_a_config_that_puts_processes_on_other_hosts(tmp_path: Path) 
     assert done.returncode == 2
     assert "decode 0 at 192.0.2.7" in done.stderr and "crescent serve" in done.stderr
     assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir())
+
+
+def test_up_serves_a_qwen3_directory_to_the_official_client(tmp_path: Path) -> None:
+    """``crescent up --set model=DIR`` over a (tiny, random) Qwen3 checkpoint: the official
+    client gets the in-process engine's greedy answer, streamed or not, the prompt as the
+    directory's own chat template renders it, and a forced tool call."""
+    import json as jsonlib
+
+    import openai
+    from transformers import AutoTokenizer
+
+    from common.engine import Engine, EngineConfig, SamplingParams, generate
+    from tests.model.tiny_checkpoints import write_chat_tokenizer, write_checkpoint
+
+    model = tmp_path / "qwen3-tiny"
+    write_checkpoint("qwen3", model, max_position_embeddings=1024)  # the tools' prompt
+    write_chat_tokenizer(model, "qwen")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(CONFIG.replace("24200", "24300").replace("24210", "24310"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.cli", "up", "--config", str(cfg), "--set",
+         f"model={model}", "--log-dir", str(tmp_path / "logs")],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            lines.append(proc.stdout.readline())
+            if "ready" in lines[-1] or not lines[-1]:
+                break
+        assert "OpenAI API at http://127.0.0.1:24300/v1" in "".join(lines), lines
+        client = openai.OpenAI(base_url="http://127.0.0.1:24300/v1", api_key="-", timeout=60)
+        assert [m.id for m in client.models.list().data] == ["qwen3-tiny"]
+        messages = [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "What is the weather in Paris today?"}]
+        want_prompt = AutoTokenizer.from_pretrained(str(model)).apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        tokens = httpx.post("http://127.0.0.1:24300/tokenize", timeout=30, json={
+            "model": "qwen3-tiny", "messages": messages}).json()["tokens"]
+        assert tokens == list(want_prompt)
+        engine = Engine(EngineConfig(model=str(model), num_blocks=64))
+        want = generate(engine, tokens, SamplingParams(max_tokens=12, temperature=0.0))
+        answer = client.chat.completions.create(model="qwen3-tiny", messages=messages,
+                                                max_tokens=12, temperature=0)
+        assert answer.choices[0].message.content == want.text
+        assert answer.usage.completion_tokens == len(want.token_ids)
+        stream = client.chat.completions.create(model="qwen3-tiny", messages=messages,
+                                                max_tokens=12, temperature=0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) \
+            == want.text
+        tool = {"type": "function", "function": {
+            "name": "get_weather", "parameters": {
+                "type": "object", "required": ["city"],
+                "properties": {"city": {"enum": ["Paris", "Rome"]}}}}}
+        called = client.chat.completions.create(
+            model="qwen3-tiny", messages=messages, tools=[tool], max_tokens=60, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        call = called.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather"
+        assert jsonlib.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        stop_up(proc)
+
+
+def stop_up(proc: subprocess.Popen) -> None:
+    """Stop ``crescent up`` and its children, also after a failure (killing only the
+    launcher would leave them serving)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)

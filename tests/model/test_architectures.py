@@ -12,11 +12,9 @@ import torch
 
 from common.engine import Engine, EngineConfig, UnknownModelError
 from common.engine.config import DecodeInput
+from tests.model.tiny_checkpoints import SMALL, write_checkpoint
 
 WINDOW = 8  # tokens: the prompts below are 3-5 windows long
-SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-             max_position_embeddings=256, initializer_range=0.2)
 # transformers' model_type -> what its config needs beyond SMALL to use every feature
 FAMILIES = {
     "llama": {"attention_bias": True, "mlp_bias": True,
@@ -38,18 +36,7 @@ FAMILIES = {
 
 
 def _write_checkpoint(model_type: str, path: Path) -> torch.nn.Module:
-    """A random checkpoint of ``model_type`` saved by transformers (every parameter,
-    norms and biases too, perturbed so that none is a neutral 0 or 1); the model back."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(model_type, **SMALL, **FAMILIES[model_type])
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(str(path))
-    return model
+    return write_checkpoint(model_type, path, **FAMILIES[model_type])
 
 
 def _ids(n: int, seed: int) -> list[int]:
