@@ -18,6 +18,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
+from jinja2.exceptions import TemplateError
+
 from common.model import loader
 from common.model.arch import UnsupportedModelError
 from common.model.config import DUMMY_CONFIGS, ModelConfig
@@ -110,13 +112,19 @@ class PromptTokenizer:
         (BOS) on top of what the template wrote, as vLLM's /tokenize does. ``tools``
         (OpenAI's function objects) reach the model: as the template's ``tools`` when it
         renders them, else as a system text (tool_calls.py's ``tools_prompt``) after the
-        first system message's content, or as a first system message."""
+        first system message's content, or as a first system message; where the template
+        refuses a system turn (Gemma 2's), as the start of the first user message."""
         template_tools = None
-        if tools:
-            if "tools" in (self.tokenizer.chat_template or ""):
-                template_tools = [{"type": "function", "function": fn} for fn in tools]
-            else:
-                messages = with_tools_prompt(messages, tools)
+        if tools and "tools" in (self.tokenizer.chat_template or ""):
+            template_tools = [{"type": "function", "function": fn} for fn in tools]
+        elif tools:
+            try:
+                return self.encode_chat(with_tools_prompt(messages, tools),
+                                        add_generation_prompt, add_special_tokens)
+            except TemplateError:
+                if not messages or messages[0]["role"] != "user":
+                    raise  # the template refuses these messages, tools or not
+                messages = with_tools_prompt(messages, tools, into="user")
         ids = list(self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tools=template_tools))
         if add_special_tokens:  # what encoding "" adds is exactly the special prefix
@@ -138,14 +146,16 @@ class PromptTokenizer:
         return next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
 
 
-def with_tools_prompt(messages: list[dict[str, str]],
-                      tools: list[dict]) -> list[dict[str, str]]:
-    """``messages`` with the tools' system text merged into the first system message (or
-    in a new one before them)."""
+def with_tools_prompt(messages: list[dict[str, str]], tools: list[dict],
+                      into: str = "system") -> list[dict[str, str]]:
+    """``messages`` with the tools' system text merged into the first message if its role
+    is ``into`` (before a user's words, after a system's), else in a new system message
+    before them."""
     text = tools_prompt(tools)
-    if messages and messages[0]["role"] == "system":
+    if messages and messages[0]["role"] == into:
         first = messages[0]
-        merged = f"{first['content']}\n\n{text}" if first["content"] else text
+        parts = [text, first["content"]] if into == "user" else [first["content"], text]
+        merged = "\n\n".join(p for p in parts if p)
         return [{**first, "content": merged}] + messages[1:]
     return [{"role": "system", "content": text}] + messages
 

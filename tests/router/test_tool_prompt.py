@@ -10,6 +10,7 @@ from typing import Any, Optional
 import pytest
 
 from common.model.tokenizer import Tokenizer
+from services.router.errors import ApiError
 from services.router.handlers import _tokenize
 from services.router.tokenizer import PromptTokenizer, load_tokenizer, with_tools_prompt
 from services.router.tool_calls import tools_prompt
@@ -67,3 +68,17 @@ def test_a_template_that_renders_tools_gets_them(smol: PromptTokenizer) -> None:
     tok = PromptTokenizer(Tokenizer(spec), smol.model_config)
     assert _prompt(tok, "auto") == "[get_weather][lookup_zebra]Weather in Oslo?"
     assert _prompt(tok, "none") == "Weather in Oslo?"
+
+
+def test_a_template_without_a_system_turn_gets_them_in_the_first_user_message(
+        smol: PromptTokenizer) -> None:
+    """Gemma 2's template refuses a system message: the tools' text opens the user's."""
+    spec = {"tokenizer_json": smol.tokenizer._tk.to_str(),
+            "chat_template": "{% for m in messages %}{% if m['role'] == 'system' %}"
+                             "{{ raise_exception('System role not supported') }}{% endif %}"
+                             "<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"}
+    tok = PromptTokenizer(Tokenizer(spec), smol.model_config)
+    system = tools_prompt([t["function"] for t in TOOLS])
+    assert _prompt(tok, "auto") == f"<user>{system}\n\nWeather in Oslo?"
+    with pytest.raises(ApiError, match="System role not supported"):  # refused either way
+        _prompt(tok, "auto", [{"role": "system", "content": "Be brief."}, *USER])
