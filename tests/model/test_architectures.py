@@ -174,3 +174,20 @@ def test_two_checkpoints_of_one_config_never_share_block_keys(tmp_path: Path) ->
             for p in (base, tuned)]
     assert hf_dir_config(str(base)).weights_id != hf_dir_config(str(tuned)).weights_id
     assert not set(keys[0]) & set(keys[1])
+
+
+@torch.inference_mode()
+def test_pipeline_stages_equal_transformers(family) -> None:
+    """Two stages (layers 0-1 and 2): the first embeds (Gemma: scaled), the last has the
+    final norm and the soft-capped head; windows follow the model's layer numbers."""
+    from common.engine.config import PrefillChunk
+
+    path, hf = family
+    stages = [Engine(EngineConfig(model=str(path), num_blocks=32, block_size=4,
+                                  stage=(i, 2))) for i in range(2)]
+    ids = _ids(30, seed=7)
+    hidden = None
+    for engine in stages:
+        table = engine.pool.allocate(engine.blocks_needed(len(ids)))
+        hidden, logits = engine.stage_step([PrefillChunk(ids, 0, len(ids), table)], hidden)
+    assert (logits[0] - _reference(hf, ids)[-1]).abs().max().item() < 1e-4
