@@ -45,7 +45,8 @@ CHAT_REFUSED = [  # (what the caller sets, the param the 400 names)
     ({"stream": True, "stream_options": {"include_obfuscation": True}},
      "stream_options.include_obfuscation"),
 ]
-COMPLETION_REFUSED = [({"echo": True}, "echo"), ({"n": 3, "best_of": 2}, "best_of"),
+COMPLETION_REFUSED = [({"echo": True, "stream": True}, "echo"),  # e2e/test_echo.py
+                      ({"n": 3, "best_of": 2}, "best_of"),
                       ({"logprobs": 6}, "logprobs"), ({"suffix": "end"}, "suffix")]
 
 
