@@ -141,3 +141,31 @@ def test_padded_graph_batch_equals_the_eager_sdpa_engine() -> None:
     assert torch.allclose(got_first, first, atol=1e-4)
     assert torch.allclose(got, want, atol=1e-4)
     assert changed == changed_ref  # the blocks of positions 150, 100, 101 only
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
+def test_the_triton_path_serves_other_families(tmp_path, model_type: str) -> None:
+    """Qwen3's and Gemma3's per-head q/k norms (a Triton RMSNorm), Gemma's query scale
+    (the decode kernel's ``scale``) and sliding layers (the masked SDPA path) on the
+    Triton path: the SDPA engine's logits (tests/model/test_architectures.py checks those
+    against transformers), on a prefill and a decode batch past the window."""
+    from common.engine import DecodeInput, Engine, EngineConfig
+    from common.model.decoder import TritonOps
+    from tests.model.test_architectures import FAMILIES
+    from tests.model.tiny_checkpoints import write_checkpoint
+
+    write_checkpoint(model_type, tmp_path, **FAMILIES[model_type])
+    ids = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    results = []
+    for backend in ("sdpa", "triton"):
+        e = Engine(EngineConfig(model=str(tmp_path), num_blocks=32, block_size=4,
+                                attention_backend=backend))
+        if backend == "triton":
+            e.model.ops = TritonOps  # chosen on CUDA only
+        a, b = e.pool.allocate(e.blocks_needed(24)), e.pool.allocate(e.blocks_needed(24))
+        first = e.prefill(ids, a)
+        e.prefill(ids[:11], b)
+        results.append((first, e.decode_step([DecodeInput(5, 20, a), DecodeInput(9, 11, b)])))
+    (first, want), (got_first, got) = results
+    assert torch.allclose(got_first, first, atol=1e-4)
+    assert torch.allclose(got, want, atol=1e-4)
