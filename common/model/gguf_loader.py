@@ -13,6 +13,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from common.model.arch import UnsupportedModelError
 from common.model.config import ModelConfig
 
 _LAYER_NAMES = {
@@ -73,7 +74,8 @@ def read_config(reader: Any, name: str, path: str) -> ModelConfig:
 
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (want {SUPPORTED_ARCHS})")
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (supported: "
+                                    f"{', '.join(SUPPORTED_ARCHS)})")
     tensor_names = {t.name for t in reader.tensors}
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
@@ -106,7 +108,8 @@ def read_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
-            raise ValueError(f"unexpected tensor {t.name!r} in GGUF file")
+            raise UnsupportedModelError(f"GGUF tensor {t.name!r} is not a weight this model "
+                                        "reads: refusing to ignore it")
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if t.name.endswith("attn_q.weight"):
             w = unpermute_qk(w, config.num_heads)
