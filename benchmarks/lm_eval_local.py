@@ -1,7 +1,7 @@
 """lm-evaluation-harness scores a live Crescent cluster through ``/v1/completions``.
 
 A real cluster (router, conductor, a prefill and a decode worker, smollm2-135m, float32)
-is started; lm-eval (``pip install lm-eval`` in ``.venv-bench``: its pins are not
+is started; lm-eval (``pip install "lm-eval[api]"`` in ``.venv-bench``: its pins are not
 Crescent's) runs its ``local-completions`` model against it on a tiny local
 multiple-choice task (a YAML task over a JSONL file this script writes: no dataset is
 downloaded). lm-eval sends what it always sends for loglikelihoods: batches of token-id
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=4, help="prompts per request")
     args = p.parse_args(argv)
     if not LM_EVAL.exists():
-        raise SystemExit(f"{LM_EVAL} missing: .venv-bench/bin/pip install lm-eval")
+        raise SystemExit(f"{LM_EVAL} missing: .venv-bench/bin/pip install \"lm-eval[api]\"")
     with tempfile.TemporaryDirectory(prefix="crescent-lm-eval-") as tmp:
         root = Path(tmp)
         write_task(root)
