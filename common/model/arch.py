@@ -104,7 +104,7 @@ def config_from_hf(d: Mapping[str, Any], name: str, weights_id: str = "") -> Mod
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     attention_bias = bool(d.get("attention_bias", False))
     window = d.get("sliding_window")
-    sliding = tuple(i for i in range(layers) if _slides(d, arch, i)) if window else ()
+    sliding = tuple(i for i in range(layers) if _slides(d, arch, i))
     gemma = fam.norm_offset != 0.0
     return ModelConfig(
         name=name, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
@@ -119,7 +119,8 @@ def config_from_hf(d: Mapping[str, Any], name: str, weights_id: str = "") -> Mod
         architecture=arch,
         qkv_bias=attention_bias or arch == "Qwen2ForCausalLM", o_bias=attention_bias,
         mlp_bias=bool(d.get("mlp_bias", False)), activation=ACTIVATIONS[act],
-        sliding_window=int(window) if sliding else None, sliding_layers=sliding,
+        sliding_window=int(window) if window and sliding else None,
+        sliding_layers=sliding if window or local_rope else (),
         query_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
         attn_softcap=d.get("attn_logit_softcapping") if gemma else None,
         final_softcap=d.get("final_logit_softcapping") if gemma else None,
@@ -129,7 +130,8 @@ def config_from_hf(d: Mapping[str, Any], name: str, weights_id: str = "") -> Mod
 
 
 def _slides(d: Mapping[str, Any], arch: str, layer: int) -> bool:
-    """Whether ``layer`` attends through the sliding window (given that there is one)."""
+    """Whether ``layer`` is a sliding one (its window may be None: then it differs only
+    by its RoPE base, where the family has one)."""
     types = d.get("layer_types")
     if types:
         return types[layer] == "sliding_attention"

@@ -31,7 +31,7 @@ class ModelConfig:
     mlp_bias: bool = False
     activation: str = "silu"     # of the gated MLP: "silu" or "gelu_tanh" (Gemma)
     sliding_window: Optional[int] = None  # keys a sliding layer's query sees, itself included
-    sliding_layers: tuple[int, ...] = ()  # the layers that slide (the others see everything)
+    sliding_layers: tuple[int, ...] = ()  # the sliding layers (the others see everything)
     query_scale: Optional[float] = None   # attention's scale; None: head_dim ** -0.5
     attn_softcap: Optional[float] = None  # cap * tanh(score / cap) (Gemma2)
     final_softcap: Optional[float] = None  # the same on the logits (Gemma2)

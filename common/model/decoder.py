@@ -246,7 +246,8 @@ class DecoderModel:
             w_gate_up=self._linear([p + "mlp.gate_proj", p + "mlp.up_proj"], cfg.mlp_bias, pack),
             w_down=self._linear([p + "mlp.down_proj"], cfg.mlp_bias, pack),
             attn=AttnSpec(cfg.attention_scale, cfg.attn_softcap, cfg.window(layer)),
-            rope="local" if "local" in self.inv_freqs and cfg.window(layer) else "global",
+            rope="local" if "local" in self.inv_freqs and layer in cfg.sliding_layers
+            else "global",
             q_norm=self._norm(p + "self_attn.q_norm.weight") if qk_norm else None,
             k_norm=self._norm(p + "self_attn.k_norm.weight") if qk_norm else None,
             attn_out_norm=norms.get("attn_out_norm"), mlp_out_norm=norms.get("mlp_out_norm"))
