@@ -109,7 +109,7 @@ def test_up_serves_a_qwen3_directory_to_the_official_client(tmp_path: Path) -> N
     write_checkpoint("qwen3", model, max_position_embeddings=1024)  # the tools' prompt
     write_chat_tokenizer(model, "qwen")
     cfg = tmp_path / "c.toml"
-    cfg.write_text(CONFIG.replace("24200", "24300").replace("24210", "24310"))
+    cfg.write_text(CONFIG.replace("24200", "24600").replace("24210", "24610"))
     proc = subprocess.Popen(
         [sys.executable, "-m", "launch.cli", "up", "--config", str(cfg), "--set",
          f"model={model}", "--log-dir", str(tmp_path / "logs")],
@@ -121,14 +121,14 @@ def test_up_serves_a_qwen3_directory_to_the_official_client(tmp_path: Path) -> N
             lines.append(proc.stdout.readline())
             if "ready" in lines[-1] or not lines[-1]:
                 break
-        assert "OpenAI API at http://127.0.0.1:24300/v1" in "".join(lines), lines
-        client = openai.OpenAI(base_url="http://127.0.0.1:24300/v1", api_key="-", timeout=60)
+        assert "OpenAI API at http://127.0.0.1:24600/v1" in "".join(lines), lines
+        client = openai.OpenAI(base_url="http://127.0.0.1:24600/v1", api_key="-", timeout=60)
         assert [m.id for m in client.models.list().data] == ["qwen3-tiny"]
         messages = [{"role": "system", "content": "Be brief."},
                     {"role": "user", "content": "What is the weather in Paris today?"}]
         want_prompt = AutoTokenizer.from_pretrained(str(model)).apply_chat_template(
             messages, tokenize=True, add_generation_prompt=True, return_dict=False)
-        tokens = httpx.post("http://127.0.0.1:24300/tokenize", timeout=30, json={
+        tokens = httpx.post("http://127.0.0.1:24600/tokenize", timeout=30, json={
             "model": "qwen3-tiny", "messages": messages}).json()["tokens"]
         assert tokens == list(want_prompt)
         engine = Engine(EngineConfig(model=str(model), num_blocks=64))

@@ -147,7 +147,7 @@ def test_a_service_refuses_it_at_start_with_one_line(tmp_path: Path, role: str) 
     config["architectures"] = ["Phi3ForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     proc = subprocess.run([sys.executable, "-m", f"services.{role}", "--set",
-                           f"model={tmp_path}", "--set", "base_port=24100", "--set",
+                           f"model={tmp_path}", "--set", "base_port=24500", "--set",
                            "store.enabled=false"], cwd=Path(__file__).parents[2],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
