@@ -143,12 +143,12 @@ def test_padded_graph_batch_equals_the_eager_sdpa_engine() -> None:
     assert changed == changed_ref  # the blocks of positions 150, 100, 101 only
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
-def test_the_triton_path_serves_other_families(tmp_path, model_type: str) -> None:
-    """Qwen3's and Gemma3's per-head q/k norms (a Triton RMSNorm), Gemma's query scale
-    (the decode kernel's ``scale``) and sliding layers (the masked SDPA path) on the
-    Triton path: the SDPA engine's logits (tests/model/test_architectures.py checks those
+def test_the_triton_path_serves_other_families(tmp_path) -> None:
+    """Gemma3's per-head q/k norms (a Triton RMSNorm, as Qwen3's), its query scale (the
+    decode kernel's ``scale``) and sliding layers (the masked SDPA path) on the Triton
+    path: the SDPA engine's logits (tests/model/test_architectures.py checks those
     against transformers), on a prefill and a decode batch past the window."""
+    model_type = "gemma3_text"
     from common.engine import DecodeInput, Engine, EngineConfig
     from common.model.decoder import TritonOps
     from tests.model.test_architectures import FAMILIES
