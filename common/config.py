@@ -205,6 +205,10 @@ class ClusterConfig:
     heartbeat_timeout_s: float = 5.0
     kv_wait_timeout_s: float = 60.0  # decode frees reserved blocks if KV has not landed
     request_timeout_s: float = 600.0  # router gives up on a silent request
+    # A request that finds no live prefill or decode worker (at submission, or on the
+    # re-run after its prefill worker died) waits this long for one to register (a
+    # supervised restart), then fails with a 503; 0: it fails at once.
+    worker_wait_s: float = 30.0
     store: StoreConfig = field(default_factory=StoreConfig)  # [store]: the global KV pool
     cpu: CpuConfig = field(default_factory=CpuConfig)  # [cpu]: per-role cores, threads
     security: SecurityConfig = field(default_factory=SecurityConfig)  # [security]: keys
@@ -229,6 +233,8 @@ class ClusterConfig:
         if self.prefill_stages > 1 and groups != 0 and self.kv_layerwise is False:
             raise ValueError("prefill_stages > 1 needs kv_layerwise = true: each stage moves "
                              "its own layers of a block, so store I/O is layer-wise")
+        if not self.worker_wait_s >= 0:
+            raise ValueError(f"worker_wait_s must be >= 0, not {self.worker_wait_s!r}")
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be 'disaggregated' or 'colocated', not {self.mode!r}")
         if self.kv_layerwise is None:

@@ -25,6 +25,7 @@ from common.scheduling.state import (
     DecodeInstanceState,
     DecodeSlot,
     LRUBlockCache,
+    NO_INSTANCES,
     PrefillInstanceState,
     PrefixIndex,
     REJECT_REASONS,
@@ -37,7 +38,8 @@ from common.scheduling.state import (
 __all__ = [
     "ADMISSION_MODES", "CostModel", "DecodeCoefficients", "DecodeInstanceState", "DecodeLoad",
     "DecodeSlot", "KVCacheCentricScheduler", "LRUBlockCache", "LoadBalanceScheduler",
-    "LocalCacheAwareScheduler", "PipelineCost", "PrefillChoice", "PrefillCoefficients", "PrefillInstanceState",
+    "LocalCacheAwareScheduler", "NO_INSTANCES", "PipelineCost", "PrefillChoice",
+    "PrefillCoefficients", "PrefillInstanceState",
     "PrefixIndex", "REJECT_REASONS", "RandomScheduler", "Rejection", "RequestInfo",
     "RoundRobinScheduler", "SCHEDULERS", "ScheduleDecision", "Scheduler", "SchedulerConfig",
     "choose_decode", "current_load", "fit_prefill_cost", "make_scheduler", "predicted_load",

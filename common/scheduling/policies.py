@@ -20,6 +20,7 @@ from common.scheduling.admission import (
 from common.scheduling.cost import CostModel
 from common.scheduling.decode_time import DecodeDurations
 from common.scheduling.state import (
+    NO_INSTANCES,
     DecodeInstanceState,
     PrefillInstanceState,
     Rejection,
@@ -92,7 +93,7 @@ class Scheduler(ABC):
                  decode: Sequence[DecodeInstanceState], global_prefix_len: int,
                  now: float) -> ScheduleDecision:
         if not prefill or not decode:
-            return _reject(Rejection("no_instances", 1.0, "no prefill or decode instance"),
+            return _reject(Rejection(NO_INSTANCES, 1.0, "no prefill or decode instance"),
                            math.inf, math.inf)
         local = [p.prefix_index.prefix_len(req.block_keys) for p in prefill]
         best_len = max(global_prefix_len, max(local))

@@ -154,7 +154,8 @@ class RequestInfo:
     sequences: int = 1  # sequences it decodes as (its n choices), each attending the prompt
 
 
-REJECT_REASONS = ("no_instances", "ttft_slo", "decode_full", "tbt_slo", "queue_full")
+NO_INSTANCES = "no_instances"  # a role has no live instance (the conductor may wait for one)
+REJECT_REASONS = (NO_INSTANCES, "ttft_slo", "decode_full", "tbt_slo", "queue_full")
 
 
 @dataclass(frozen=True)

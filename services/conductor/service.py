@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from common.config import ClusterConfig
 from common.mailbox import Mailbox, serve_inbox
@@ -21,13 +21,13 @@ from common.protocol import (
     WorkerGone, WorkerHeartbeat, WorkerLeaving,
 )
 from common.status_protocol import ClusterStatus
-from common.scheduling import Rejection
+from common.scheduling import NO_INSTANCES, Rejection
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.placement import Placement, Placer, output_tokens
 from services.conductor.registry import ROLES, Registry
 from services.conductor.status import StoreView, conductor_totals
 from services.conductor.store_events import StoreEventFeed
-from services.conductor.tracker import Phase, Tracked, Tracker
+from services.conductor.tracker import Held, Phase, Tracked, Tracker
 from services.conductor.ttft_log import TTFTRecord
 
 log = logging.getLogger("conductor")
@@ -44,6 +44,7 @@ class Conductor:
         self.epoch = time.time_ns()  # this incarnation (ClusterStatus tells the router)
         self.registry = Registry(config.heartbeat_timeout_s)
         self.tracker = Tracker()
+        self.held: dict[str, Held] = {}  # waiting for a worker, oldest first (place_held)
         self.placer = Placer(config)
         self.metrics = ConductorMetrics()
         self.metrics.typical_decode.set(self.placer.policy.decode_durations.mean())
@@ -78,6 +79,7 @@ class Conductor:
         if old is not None:  # a new incarnation replaced it: its requests are gone
             self.worker_lost(msg.instance_id, "restarted")
         self._announce(msg)
+        self.place_held()
 
     def _announce(self, msg: RegisterWorker) -> None:
         """Tell decode workers that every other incarnation of ``msg``'s worker is gone
@@ -117,14 +119,16 @@ class Conductor:
         if req.request_id in self.tracker.requests:
             log.warning("duplicate request id %s", req.request_id)
             return
+        if self.tracker.waiting_for_prefill() + len(self.held) >= self.config.max_queue:
+            return self.reject(req, Rejection("queue_full", 1.0, (
+                f"{self.config.max_queue} requests are waiting for prefill")))
         if not self.ready():
+            if self.hold(req):
+                return
             self.metrics.rejected.labels(reason="service_unavailable").inc()
             self.mail.send(self.router_inbox, RequestFailed(
                 req.request_id, 503, "service_unavailable", "no prefill or decode worker"))
             return
-        if self.tracker.waiting_for_prefill() >= self.config.max_queue:
-            return self.reject(req, Rejection("queue_full", 1.0, (
-                f"{self.config.max_queue} requests are waiting for prefill")))
         start = time.perf_counter()
         decision = self.placer.place(req, self.registry, self.clock(), self.tracker)
         self.metrics.decision_seconds.observe(time.perf_counter() - start)
@@ -269,10 +273,48 @@ class Conductor:
 
     def on_abort(self, msg: AbortRequest) -> None:
         t = self.tracker.pop(msg.request_id)
-        if t is None:
-            return
-        self._abort_workers(t, msg.reason)
-        self.metrics.finished.labels(reason="abort").inc()
+        if t is not None:
+            self._abort_workers(t, msg.reason)
+        if t is not None or self.held.pop(msg.request_id, None) is not None:
+            self.metrics.finished.labels(reason="abort").inc()
+
+    # ------------------------------------------------------------ waiting for a worker
+    def hold(self, req: SubmitRequest, attempt: int = 0, accepted_at: Optional[float] = None,
+             store_loads: bool = True) -> bool:
+        """Keep ``req`` until a worker it needs registers (``place_held``), at most
+        ``worker_wait_s``; False where waiting is off."""
+        if self.config.worker_wait_s <= 0:
+            return False
+        log.info("%s waits up to %g s for a prefill and a decode worker", req.request_id,
+                 self.config.worker_wait_s)
+        self.held[req.request_id] = Held(req, time.monotonic() + self.config.worker_wait_s,
+                                         attempt, accepted_at, store_loads)
+        return True
+
+    def place_held(self) -> None:
+        """Place the requests waiting for a worker, oldest first; fail those whose wait is
+        over. A rejection other than a missing worker answers as it would have at once."""
+        now = time.monotonic()
+        for rid, h in list(self.held.items()):
+            if now > h.until:
+                del self.held[rid]
+                self.metrics.failed.labels(reason="worker_unavailable").inc()
+                self.mail.send(self.router_inbox, RequestFailed(
+                    rid, 503, "worker_unavailable", "no prefill or decode worker came back "
+                    f"within {self.config.worker_wait_s:g} s"))
+                continue
+            decision = self.placer.place(h.req, self.registry, self.clock(), self.tracker,
+                                         h.store_loads)
+            if isinstance(decision, Rejection) and decision.reason == NO_INSTANCES:
+                continue
+            del self.held[rid]
+            if h.accepted_at is None and isinstance(decision, Rejection):
+                self.reject(h.req, decision)
+            elif h.accepted_at is None:
+                self.dispatch(h.req, decision)
+            else:
+                self._place_again(h.req, decision, h.attempt, h.accepted_at, h.store_loads,
+                                  "its prefill worker was lost")
 
     # ------------------------------------------------------------ failure paths
     def fail(self, t: Tracked, status: int, kind: str, text: str,
@@ -335,15 +377,24 @@ class Conductor:
         store_loads = t.store_loads and store_loads
         decision = self.placer.place(t.req, self.registry, self.clock(), self.tracker,
                                      store_loads)
+        if isinstance(decision, Rejection) and decision.reason == NO_INSTANCES and \
+                self.hold(t.req, t.attempt + 1, t.accepted_at, store_loads):
+            return  # the worker's restart (or another) takes it: place_held
+        self._place_again(t.req, decision, t.attempt + 1, t.accepted_at, store_loads, why,
+                          kind)
+
+    def _place_again(self, req: SubmitRequest, decision: Union[Placement, Rejection],
+                     attempt: int, accepted_at: float, store_loads: bool, why: str,
+                     kind: str = "worker_lost") -> None:
+        """A re-run's placement, or its failure: the client was told it was accepted."""
         if isinstance(decision, Rejection):
             self.metrics.failed.labels(reason=kind).inc()
             self.mail.send(self.router_inbox, RequestFailed(
-                t.req.request_id, 503, kind,
-                f"{why}, and no re-run possible: {decision.reason}"))
+                req.request_id, 503, kind, f"{why}, and no re-run possible: {decision.reason}"))
             return
-        log.info("%s: %s; re-run on %s", t.req.request_id, why, decision.prefill_id)
+        log.info("%s: %s; re-run on %s", req.request_id, why, decision.prefill_id)
         self.metrics.reruns.inc()
-        self._reserve(t.req, decision, attempt=t.attempt + 1, accepted_at=t.accepted_at,
+        self._reserve(req, decision, attempt=attempt, accepted_at=accepted_at,
                       store_loads=store_loads)
 
     def sweep(self) -> None:
@@ -355,6 +406,7 @@ class Conductor:
         now = time.monotonic()
         for t in self.tracker.overdue(now):
             self.fail(t, 504, "timeout", f"request stuck in {t.phase.value}")
+        self.place_held()
         for w in self.registry.kv_resyncs_due():  # KV events had a gap
             self.mail.send(w.info.inbox, KVResync(w.instance_id))
             self.metrics.kv_resyncs.inc()

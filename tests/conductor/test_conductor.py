@@ -68,9 +68,9 @@ def conductor() -> tuple[Conductor, RecordingMail]:
                        for r, i in (("prefill", 0), ("prefill", 1), ("decode", 0))])
 
 
-def test_no_workers_is_503() -> None:
+def test_no_workers_is_503_where_requests_do_not_wait_for_one() -> None:
     mail = RecordingMail()
-    c = Conductor(ClusterConfig(), mail)  # type: ignore[arg-type]
+    c = Conductor(ClusterConfig(worker_wait_s=0), mail)  # type: ignore[arg-type]
     c.on_submit(submit("r"))
     [(addr, msg)] = mail.take()
     assert isinstance(msg, RequestFailed) and msg.status == 503

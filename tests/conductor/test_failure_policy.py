@@ -173,7 +173,9 @@ def test_a_rerun_without_store_loads_is_priced_without_them(conductor) -> None:
 
 
 def test_no_other_prefill_worker_fails_the_request_with_a_clear_error(conductor) -> None:
+    """Where requests do not wait for a worker (``worker_wait_s`` 0)."""
     c, mail = conductor
+    c.config = replace(c.config, worker_wait_s=0)
     prefilling(c, mail)
     silence(c, "prefill-0", "prefill-1")
     failed = [m for _, m in mail.take() if isinstance(m, RequestFailed)]
@@ -236,3 +238,53 @@ def test_a_late_reservation_of_an_older_attempt_is_given_back_alone(conductor) -
     c.on_reserved(BlocksReserved("r", "decode-0", [1], F0, attempt=0))  # the first ask's
     assert mail.take() == [("tcp://w/decode0", AbortRequest("r", "stale", F0))]
     assert c.tracker.get("r").phase is Phase.RESERVING
+
+
+@pytest.fixture
+def lone() -> tuple[Conductor, RecordingMail]:
+    """One prefill and one decode worker: a lost prefill leaves no other."""
+    return started(8, [(reg(r, 0), heartbeat(r, 0)) for r in ("prefill", "decode")])
+
+
+def test_a_lost_lone_prefill_worker_s_requests_wait_for_its_restart(lone) -> None:
+    c, mail = lone
+    prefilling(c, mail)
+    silence(c, "prefill-0")
+    assert mail.take() == [("tcp://w/decode0", AbortRequest("r", "prefill_lost", F0))]
+    assert list(c.held) == ["r"] and c.tracker.requests == {}  # nobody told: it waits
+    c.sweep()
+    assert mail.take() == []
+    c.on_register(reg("prefill", 0, epoch=12))  # the supervisor's restart
+    sent = [m for _, m in mail.take() if not isinstance(m, WorkerGone)]
+    assert [(type(m), m.writer, m.writer_epoch, m.attempt) for m in sent] == [
+        (ReserveBlocks, "prefill-0", 12, 1)]  # no second RequestAccepted
+    assert c.held == {} and c.tracker.get("r").phase is Phase.RESERVING
+    assert c.metrics.reruns._value.get() == 1
+
+
+def test_a_request_waits_at_most_worker_wait_s(lone) -> None:
+    c, mail = lone
+    prefilling(c, mail)
+    silence(c, "prefill-0")
+    mail.take()
+    c.held["r"].until = time.monotonic() - 0.1  # its wait is over
+    c.sweep()
+    [failed] = [m for _, m in mail.take() if isinstance(m, RequestFailed)]
+    assert (failed.status, failed.error_type) == (503, "worker_unavailable")
+    assert "came back within 30 s" in failed.message and c.held == {}
+
+
+def test_a_request_sent_while_no_worker_lives_waits_or_is_aborted() -> None:
+    from common.protocol import RequestAccepted
+
+    c, mail = started(8, [])
+    c.on_submit(submit("a"))
+    c.on_submit(submit("b"))
+    assert mail.take() == [] and list(c.held) == ["a", "b"]
+    c.on_abort(AbortRequest("b", "client gone"))  # the client left while it waited
+    for r in ("prefill", "decode"):
+        c.on_register(reg(r, 0))
+        c.on_heartbeat(heartbeat(r, 0))
+    sent = [type(m) for _, m in mail.take() if not isinstance(m, WorkerGone)]
+    assert sent == [ReserveBlocks, RequestAccepted] and c.held == {}
+    assert list(c.tracker.requests) == ["a"]
