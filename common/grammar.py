@@ -205,10 +205,15 @@ class Grammars:
                                                   strict_mode=strict)
 
     def matcher(self, params: SamplingParams) -> Optional[xgr.GrammarMatcher]:
-        """A fresh matcher for a constrained request, None for a free one."""
+        """A matcher for a constrained request, None for a free one: fresh, or past a
+        continuation's resumed tokens (which it accepted before)."""
         if params.response_format is None:
             return None
-        return _xgr().GrammarMatcher(self.compiled(params.response_format))
+        matcher = _xgr().GrammarMatcher(self.compiled(params.response_format))
+        for token in params.resumed:
+            if not matcher.accept_token(token):
+                raise GrammarError(f"resumed token {token} breaks the response format")
+        return matcher
 
     def bitmask(self, matchers: Sequence[Optional[xgr.GrammarMatcher]]
                 ) -> Optional[torch.Tensor]:

@@ -180,6 +180,9 @@ class RequestFailed:
     message: str
     retry_after_s: Optional[float] = None
     fence: Optional[Fence] = None  # set by a worker: the reservation the failure is about
+    # Set by the conductor when only the worker was lost (a decode worker mid-stream):
+    # the router may go on with a continuation (services/router/resume.py)
+    resumable: bool = False
 
 
 @message

@@ -50,6 +50,12 @@ class SamplingParams:
     # k``): None, none; k, each prompt token's logprob and the k most likely tokens at its
     # position, computed by the prefill over the whole prompt (no cached prefix reused).
     prompt_logprobs: Optional[int] = None
+    # A continuation (services/router/resume.py): the stream lost its decode worker after
+    # these tokens reached the client and goes on from them. They end the prompt, and
+    # count as generated: against max_tokens, in the penalties, the grammar and the stop
+    # strings; the first ``resumed_chars`` characters of their text were sent already.
+    resumed: tuple[int, ...] = ()
+    resumed_chars: int = 0
 
     def __post_init__(self) -> None:
         """Reject impossible values at construction (a ValueError; the codec turns it into
@@ -58,6 +64,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias_ids", tuple(self.logit_bias_ids))
         object.__setattr__(self, "logit_bias_values", tuple(self.logit_bias_values))
+        object.__setattr__(self, "resumed", tuple(self.resumed))
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if self.temperature < 0:
@@ -88,10 +95,20 @@ class SamplingParams:
             raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
         if self.response_format is not None:
             _check_response_format(self.response_format)
+        if self.resumed and not (self.n == 1 and len(self.resumed) < self.max_tokens and
+                                 self.resumed_chars >= 0 and self.prompt_logprobs is None):
+            raise ValueError("a continuation has one choice, no prompt logprobs, and fewer "
+                             "resumed tokens than max_tokens")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def new_tokens(self) -> int:
+        """The most tokens a sequence of it still generates (a continuation's resumed
+        ones are generated already): what its decode KV grows by."""
+        return self.max_tokens - len(self.resumed)
 
     @property
     def penalized(self) -> bool:

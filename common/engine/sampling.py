@@ -146,7 +146,8 @@ def sample_first(logits: torch.Tensor, params: SamplingParams,
     choices = [params.choice(i) for i in range(params.n)]
     bitmask = grammars.bitmask([grammars.matcher(p) for p in choices])
     sampled = sample(logits.unsqueeze(0).expand(len(choices), -1), choices,
-                     [make_generator(p, 0) for p in choices], bitmask)
+                     [make_generator(p, 0) for p in choices], bitmask,
+                     [p.resumed for p in choices])  # a continuation's penalties
     return [SampledToken(t, lp, top) for t, lp, top in sampled]
 
 

@@ -202,6 +202,7 @@ def sequences_of(request_ids: Iterable[str], tracker: Optional[Tracker]) -> int:
 
 
 def output_tokens(req: SubmitRequest) -> int:
-    """The most tokens ``req`` may add to its decode worker's KV: ``max_tokens`` for each
-    of its ``n`` choices (they share the prompt's)."""
-    return req.sampling.max_tokens * req.sampling.n
+    """The most tokens ``req`` may add to its decode worker's KV: ``new_tokens`` (its
+    ``max_tokens``, less a continuation's resumed ones) for each of its ``n`` choices
+    (they share the prompt's)."""
+    return req.sampling.new_tokens * req.sampling.n

@@ -314,11 +314,12 @@ class Conductor:
                 self.dispatch(h.req, decision)
             else:
                 self._place_again(h.req, decision, h.attempt, h.accepted_at, h.store_loads,
-                                  "its prefill worker was lost")
+                                  "a worker it was placed on was lost")
 
     # ------------------------------------------------------------ failure paths
     def fail(self, t: Tracked, status: int, kind: str, text: str,
-             retry_after: float | None = None, abort: bool = True) -> None:
+             retry_after: float | None = None, abort: bool = True,
+             resumable: bool = False) -> None:
         self.tracker.pop(t.req.request_id)
         if abort:
             self._abort_workers(t, kind)
@@ -326,7 +327,7 @@ class Conductor:
             self._release(t)
         self.metrics.failed.labels(reason=kind).inc()
         self.mail.send(self.router_inbox, RequestFailed(t.req.request_id, status, kind, text,
-                                                        retry_after))
+                                                        retry_after, resumable=resumable))
 
     def _abort_workers(self, t: Tracked, reason: str) -> None:
         for wid in {t.prefill_id, t.decode_id}:
@@ -359,10 +360,14 @@ class Conductor:
         loss = self.tracker.lost(instance_id)
         for t, what in loss.fail:
             self.fail(t, 503, "worker_lost", f"{what}: {instance_id} {why}")
+        for t in loss.resume:
+            self.fail(t, 503, "worker_lost", f"decode worker lost mid-stream: {instance_id} "
+                      f"{why}", resumable=True)
         for t in loss.detach:
             self._release_prefill(t)
         for t in loss.rerun:
-            self.rerun(t, f"prefill worker lost ({instance_id} {why})")
+            role = "decode" if t.decode_id == instance_id else "prefill"
+            self.rerun(t, f"{role} worker lost ({instance_id} {why})")
 
     def rerun(self, t: Tracked, why: str, kind: str = "worker_lost",
               store_loads: bool = True) -> None:

@@ -47,14 +47,17 @@ class Held:
 class Loss:
     """What losing a worker means for the requests placed on it (the failure policy).
 
-    The decode worker lost: every request on it fails (mid-stream too: the router ends
-    the stream with an error event). The prefill worker lost: a request already decoding
-    elsewhere is untouched (its KV has landed); one before its first token is re-run on
-    another prefill instance once, invisibly, and fails if it was re-run already."""
+    Before its first token a request is re-run once, invisibly, whichever of its workers
+    was lost, and fails if it was re-run already. The prefill worker lost: a request
+    already decoding elsewhere is untouched (its KV has landed). The decode worker lost
+    mid-stream: the request fails as resumable, and the router goes on with a
+    continuation where it can (services/router/resume.py), else ends the stream with an
+    error event."""
 
     rerun: list[Tracked] = field(default_factory=list)
     fail: list[tuple[Tracked, str]] = field(default_factory=list)  # with what was lost
     detach: list[Tracked] = field(default_factory=list)  # decoding elsewhere: keep going
+    resume: list[Tracked] = field(default_factory=list)  # its decode worker lost mid-stream
 
 
 class Tracker:
@@ -90,9 +93,12 @@ class Tracker:
         """The failure policy for the requests on a lost worker (see ``Loss``)."""
         loss = Loss()
         for t in self.on_worker(instance_id):
-            if t.decode_id == instance_id:
-                what = "mid-stream" if t.phase is Phase.DECODING else "before decoding"
-                loss.fail.append((t, f"decode worker lost {what}"))
+            if t.decode_id == instance_id and t.phase is Phase.DECODING:
+                loss.resume.append(t)
+            elif t.decode_id == instance_id and t.attempt > 0:
+                loss.fail.append((t, "decode worker lost before decoding, on the re-run"))
+            elif t.decode_id == instance_id:
+                loss.rerun.append(t)
             elif t.phase is Phase.DECODING:
                 loss.detach.append(t)
             elif t.attempt == 0:

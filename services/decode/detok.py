@@ -1,7 +1,7 @@
 """Incremental detokenization with stop strings, as the decode worker streams tokens."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 
 class IncrementalText:
@@ -22,6 +22,18 @@ class IncrementalText:
         self._start = 0  # ids[_start:] is the window re-decoded on each token
         self._start_text = ""  # decode(ids[_start:_done]): the window's already-known text
         self._done = 0  # ids[:_done] are in self.text
+
+    @classmethod
+    def resuming(cls, decode: Callable[[list[int]], str], stop: list[str],
+                 ids: Sequence[int] = (), sent_chars: int = 0) -> IncrementalText:
+        """Text that goes on after ``ids``, whose first ``sent_chars`` characters were
+        emitted (by the decode worker a continuation replaces): replayed, so what was held
+        back (a possible stop string's start, an incomplete character) comes out next."""
+        text = cls(decode, stop)
+        for token in ids:
+            text.add(token)
+        text.sent = min(sent_chars, len(text.text))
+        return text
 
     def add(self, token_id: int) -> tuple[str, bool]:
         """Append one token; return (new text to emit, whether a stop string matched)."""

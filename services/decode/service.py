@@ -70,7 +70,7 @@ class DecodeWorker:
             return self.drop("ReserveBlocks", msg.request_id, f"for epoch {msg.epoch}")
         if msg.request_id in self.reserved or msg.request_id in self.choices:
             return
-        own, tail = self._blocks_needed(msg.prompt_tokens, msg.sampling.max_tokens)
+        own, tail = self._blocks_needed(msg.prompt_tokens, msg.sampling.new_tokens)
         n = own + (msg.sampling.n - 1) * tail
         blocks = self.pool.try_allocate(n)
         if blocks is None:
@@ -144,13 +144,16 @@ class DecodeWorker:
         self.choices[r.request_id] = len(choices)
         for i, (params, blocks, matcher, sampled) in enumerate(
                 zip(choices, self._fork(r, prompt_tokens), matchers, first)):
+            resumed = len(params.resumed)  # a continuation's: generated already
             seq = Running(
                 request_id=r.request_id, blocks=blocks, position=prompt_tokens,
                 last_token=sampled.token, params=params, router_inbox=r.router_inbox,
-                prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
-                text=IncrementalText(self.engine.decode_tokens, params.stop),
+                prompt_tokens=prompt_tokens - resumed,
+                cached_tokens=min(cached_tokens, prompt_tokens - resumed),
+                text=IncrementalText.resuming(self.engine.decode_tokens, params.stop,
+                                              params.resumed, params.resumed_chars),
                 generator=make_generator(params, 1), fence=r.fence, matcher=matcher,
-                index=i)
+                index=i, generated=resumed)
             self.running[seq.key] = seq
             self.record_token(seq, sampled.token, sampled.logprob, sampled.top,
                               prompt_logprobs if i == 0 else None)

@@ -11,13 +11,17 @@ takes no new request.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import AsyncIterator, Optional, Union
 
 from common.protocol import (RequestAccepted, RequestFailed, RequestRejected, SubmitRequest,
                              TokenDelta)
 from services.router.errors import ApiError
+from services.router.resume import Resumable
 from services.router.state import RequestEvent, RouterState
+
+log = logging.getLogger(__name__)
 
 _PASS_THROUGH = {400, 413, 429, 500, 503, 504}
 
@@ -40,7 +44,9 @@ class RequestRun:
     def __init__(self, state: RouterState, endpoint: str, req: SubmitRequest) -> None:
         self.state = state
         self.endpoint = endpoint
-        self.request_id = req.request_id
+        self.request_id = req.request_id  # the client's (metrics, the dashboard)
+        self.cluster_id = req.request_id  # the cluster's: a continuation's after a resume
+        self.resumable = Resumable(req)  # services/router/resume.py
         self.arrival = req.arrival_time
         self.timeout = state.config.request_timeout_s
         self.done = False
@@ -111,10 +117,10 @@ class RequestRun:
                 streaming = self._last_token is not None and \
                     loop.time() - start <= config.heartbeat_timeout_s
                 if lost is not None and not streaming:
-                    self.state.abort(self.request_id, "conductor lost")
+                    self.state.abort(self.cluster_id, "conductor lost")
                     self.done = True
                     raise lost from None
-        self.state.abort(self.request_id, "router timeout")
+        self.state.abort(self.cluster_id, "router timeout")
         self.done = True
         raise ApiError(504, f"no response from the cluster within {self.timeout:g} s",
                        code="timeout")
@@ -138,6 +144,8 @@ class RequestRun:
     def _screen(self, msg: RequestEvent) -> bool:
         """Raise for a failure or rejection; record an acceptance (True); False for a token
         delta."""
+        if isinstance(msg, RequestFailed) and self._resume(msg):
+            return True
         if isinstance(msg, (RequestFailed, RequestRejected)):
             self.done = True
             raise failure_error(msg)
@@ -145,6 +153,23 @@ class RequestRun:
             self._accepted(msg)
             return True
         return False
+
+    def _resume(self, failure: RequestFailed) -> bool:
+        """Go on with a continuation where ``failure`` allows one (resume.py): submitted
+        now, its events come in this run's place."""
+        submit = self.resumable.continuation(failure, self.state.block_keys)
+        if submit is None:
+            return False
+        self.state.close(self.cluster_id)
+        try:
+            self.queue = self.state.submit(submit)
+        except ConnectionError:
+            return False  # the conductor's inbox is gone: the failure stands
+        self.cluster_id = submit.request_id
+        self.state.metrics.resumed.inc()
+        log.info("%s: %s; going on as %s after %d tokens", self.request_id, failure.message,
+                 submit.request_id, len(submit.sampling.resumed))
+        return True
 
     async def wait_started(self) -> None:
         """Return once the conductor accepted the request (or its first token came)."""
@@ -164,6 +189,8 @@ class RequestRun:
             if self._screen(msg):
                 continue
             self._delta(msg)
+            if msg.index == 0:
+                self.resumable.record(msg)
             if msg.finish_reason is not None:
                 self.open_choices -= 1
                 self.done = self.open_choices == 0
@@ -175,9 +202,9 @@ class RequestRun:
                abort_reason: str = "client disconnected") -> None:
         """Count the request once; abort it at the conductor if it did not end."""
         if not self.done:
-            self.state.abort(self.request_id, abort_reason)
+            self.state.abort(self.cluster_id, abort_reason)
             self.done = True
-        self.state.close(self.request_id)
+        self.state.close(self.cluster_id)
         self.state.requests.finished(self.request_id, status, usage, time.time())
         metrics = self.state.metrics
         metrics.requests.labels(self.endpoint, str(status)).inc()

@@ -20,6 +20,8 @@ class RouterMetrics:
                                 "requests", ["endpoint", "status"], registry=r)
         self.in_flight = Gauge("crescent_router_requests_in_flight",
                                "Generation requests being served", registry=r)
+        self.resumed = Counter("crescent_router_resumed", "Streams that went on with a "
+                               "continuation after their decode worker was lost", registry=r)
         self.ttft = Histogram("crescent_router_time_to_first_token_seconds",
                               "Arrival to first token", buckets=_LATENCY, registry=r)
         self.itl = Histogram("crescent_router_inter_token_latency_seconds",

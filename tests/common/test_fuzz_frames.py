@@ -308,7 +308,7 @@ def conductor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Servic
     router.bind(f"tcp://127.0.0.1:{CONDUCTOR_BASE}")
     svc = Service("conductor", tmp_path_factory.mktemp("fuzz") / "conductor.log",
                   f"base_port={CONDUCTOR_BASE}", "store.enabled=false",
-                  "heartbeat_interval_s=0.2")
+                  "heartbeat_interval_s=0.2", "worker_wait_s=0")  # no workers: answer at once
     try:
         svc.wait_line("conductor ready")
         yield svc, router

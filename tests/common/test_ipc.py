@@ -46,7 +46,8 @@ def test_nested_fields_are_json_objects_and_take_defaults() -> None:
                                 "top_logprobs": 0, "response_format": None, "n": 1,
                                 "presence_penalty": 0.0, "frequency_penalty": 0.0,
                                 "logit_bias_ids": [], "logit_bias_values": [],
-                                "prompt_logprobs": None}
+                                "prompt_logprobs": None, "resumed": [],
+                                "resumed_chars": 0}
     short = decode(b'{"type":"SubmitRequest","request_id":"r","token_ids":[1],'
                    b'"block_keys":[],"sampling":{"max_tokens":9},"arrival_time":0}')
     assert short.sampling == SamplingParams(max_tokens=9)

@@ -196,19 +196,30 @@ def test_a_prefill_loss_leaves_requests_decoding_elsewhere_alone(conductor) -> N
     assert c.tracker.requests == {} and c.metrics.finished.labels(reason="stop")._value.get() == 1
 
 
-@pytest.mark.parametrize("decoding, what", [(True, "mid-stream"), (False, "before decoding")])
-def test_a_decode_loss_fails_its_requests_with_a_clear_error(conductor, decoding: bool,
-                                                             what: str) -> None:
+def test_a_decode_loss_mid_stream_fails_as_resumable(conductor) -> None:
+    """The router goes on with a continuation (services/router/resume.py)."""
     c, mail = conductor
     prefilling(c, mail)
-    if decoding:
-        c.on_prefill_done(PrefillDone("r", c.tracker.get("r").prefill_id, 40, 0, 0, 0.1,
-                                      1000, 0.01, F0))
+    c.on_prefill_done(PrefillDone("r", c.tracker.get("r").prefill_id, 40, 0, 0, 0.1,
+                                  1000, 0.01, F0))
     mail.take()
     silence(c, "decode-0")
     failed = [m for _, m in mail.take() if isinstance(m, RequestFailed)]
-    assert failed == [RequestFailed("r", 503, "worker_lost",
-                                    f"decode worker lost {what}: decode-0 stopped responding")]
+    assert failed == [RequestFailed("r", 503, "worker_lost", "decode worker lost mid-stream: "
+                                    "decode-0 stopped responding", resumable=True)]
+
+
+def test_a_decode_loss_before_decoding_reruns_the_request(conductor) -> None:
+    """Its KV never reached the client: placed again, unseen, on a decode worker that
+    registers (here none is left, so it waits for one)."""
+    c, mail = conductor
+    prefilling(c, mail)
+    prefill = c.tracker.get("r").prefill_id
+    silence(c, "decode-0")
+    sent = mail.take()
+    assert [m for _, m in sent if isinstance(m, RequestFailed)] == []
+    assert (f"tcp://w/prefill{prefill[-1]}", AbortRequest("r", "prefill_lost", F0)) in sent
+    assert list(c.held) == ["r"] and c.held["r"].attempt == 1
 
 
 def test_a_restarted_worker_is_announced_and_its_old_incarnation_fenced(conductor) -> None:

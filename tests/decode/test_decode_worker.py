@@ -359,3 +359,25 @@ def test_first_tokens_that_do_not_match_n_fail_the_request_and_free_it(make: Mak
     [failed] = rt.mail.of(RequestFailed)
     assert (failed.status, failed.fence) == (500, F1) and not worker.running
     clean(worker)
+
+
+def test_a_continuation_counts_its_resumed_tokens_as_generated(make: Make) -> None:
+    """Prompt of 4 and the 2 tokens the client had (8, 9: "ij"), max_tokens 4: two more
+    tokens, numbered 3 and 4 of the answer; the usage counts the original prompt; the
+    stop string spanning the boundary ("jk") is found."""
+    rt, worker = make()
+    worker.on_reserve(reserve("a", prompt_tokens=6, max_tokens=4, resumed=(8, 9),
+                              resumed_chars=2))
+    assert rt.mail.of(BlocksReserved)[0].block_ids == [0, 1]  # 6 + 2 new tokens: 2 blocks
+    worker.on_kv_ready(KVReady("a", [SampledToken(10)], 6, 0, F1))
+    decode(worker, lambda: bool(finished(rt)))
+    assert deltas(rt) == [([10], "k", None, 3), ([11], "l", "length", 4)]
+    assert {d.prompt_tokens for d in rt.mail.of(TokenDelta)} == {4}
+    clean(worker)
+    rt, worker = make()
+    worker.on_reserve(reserve("b", prompt_tokens=6, max_tokens=4, resumed=(8, 9),
+                              resumed_chars=1, stop=("jk",)))  # "j" was held back
+    worker.on_kv_ready(KVReady("b", [SampledToken(10)], 6, 0, F1))
+    decode(worker, lambda: bool(finished(rt)))
+    assert deltas(rt) == [([10], "", "stop", 3)]
+    clean(worker)

@@ -37,3 +37,13 @@ def test_incomplete_utf8_waits_for_the_next_token() -> None:
     assert t.add(1) == ("caf", False)
     assert t.add(2) == ("", False)
     assert t.add(3) == ("é!", False)
+
+
+def test_a_continuation_emits_what_its_predecessor_held_back() -> None:
+    """The lost worker had sent "a" of "abc" (holding "bc" back: it could start "bcx");
+    replayed, the continuation sends it on as any worker would (holding the last two
+    characters back), or cuts at the stop string that the boundary splits."""
+    t = IncrementalText.resuming(letters, ["bcx"], [1, 2, 3], sent_chars=1)
+    assert t.add(4) == ("b", False) and t.finish() == "cd"
+    t = IncrementalText.resuming(letters, ["bcx"], [1, 2, 3], sent_chars=1)
+    assert t.add(24) == ("", True) and t.text == "a"

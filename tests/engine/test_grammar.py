@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import torch
 
-from common.grammar import Grammars, check_response_format, tokenizer_info
+from common.grammar import GrammarError, Grammars, check_response_format, tokenizer_info
 from common.engine.sampling import sample, sample_first
 from common.model.loader import load_model_source
 from common.model.tokenizer import ByteTokenizer, Tokenizer
@@ -189,3 +189,22 @@ def test_random_logits_under_a_required_tag_give_a_valid_call(
     head, tail = '<tool_call>{"name": "person", "arguments": ', "}</tool_call>"
     assert text.startswith(head) and text.endswith(tail), text
     jsonschema.validate(json.loads(text[len(head):-len(tail)]), SCHEMA)
+
+
+def test_a_continuation_s_grammar_goes_on_after_its_resumed_tokens(
+        grammars: Grammars, model: tuple[Tokenizer, int, tuple[int, ...]]) -> None:
+    """A stream cut after '{"name' (services/router/resume.py): the continuation's first
+    token is masked as the grammar stands there, and a token the grammar refused before
+    cannot be resumed."""
+    tok, vocab, _ = model
+    resumed = tuple(tok.encode('{"name', add_special_tokens=False))
+    logits = torch.zeros(vocab)
+    logits[tok.encode("{", add_special_tokens=False)[0]] = 10.0  # a second "{": refused
+    params = SamplingParams(16, temperature=0, response_format=_format(SCHEMA),
+                            resumed=resumed)
+    [first] = sample_first(logits, params, grammars)
+    assert tok.decode([first.token]) != "{"
+    assert grammars.matcher(params).accept_token(first.token)
+    with pytest.raises(GrammarError, match="breaks the response format"):
+        grammars.matcher(SamplingParams(16, response_format=_format(SCHEMA),
+                                        resumed=tuple(tok.encode("Hi", add_special_tokens=False))))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 import pytest
@@ -202,3 +203,38 @@ def test_silence_mid_stream_is_an_error_chunk(router: str, fake: FakeCluster) ->
     assert [e["choices"][0]["text"] for e in events[:1]] == ["a"]
     assert events[1]["error"]["code"] == "timeout" and events[2] == "[DONE]"
     assert fake.wait_abort(fake.submits()[-1].request_id) is not None
+
+
+def test_a_resumable_failure_goes_on_with_a_continuation(router: str, fake: FakeCluster) -> None:
+    """The decode worker died after "a b": the router submits the prompt and those two
+    tokens as a continuation, whose tokens carry on the same stream, no error event."""
+    def script(req: SubmitRequest) -> list:
+        if not req.sampling.resumed:
+            return [(0, accepted(req))] + deltas(req, ["a", " b", " c"])[:2] + [
+                (0.05, RequestFailed(req.request_id, 503, "worker_lost",
+                                     "decode worker lost mid-stream", resumable=True))]
+        tail = deltas(req, [" c", " d"])  # ids 100, 101 again: the fake numbers by word
+        return [(0, accepted(req))] + [(d, replace(m, completion_tokens=m.completion_tokens + 2,
+                                                   prompt_tokens=m.prompt_tokens - 2))
+                                       for d, m in tail]
+    fake.script = script
+    events = post(router, CHAT, {"messages": USER, "stream": True, "max_tokens": 9,
+                                 "stream_options": {"include_usage": True}}).events()
+    assert [c[0]["delta"].get("content") for c in choices(events)[1:5]] == [
+        "a", " b", " c", " d"]
+    assert not any("error" in e for e in events if isinstance(e, dict))
+    first, again = fake.submits()[-2:]
+    assert again.request_id == first.request_id + "-resume1"
+    assert again.token_ids == first.token_ids + [100, 101]
+    assert (again.sampling.resumed, again.sampling.resumed_chars) == ((100, 101), 3)
+    assert again.sampling.max_tokens == first.sampling.max_tokens == 9
+    assert events[-2]["usage"] == usage(len(first.token_ids), completion=4, cached=0)
+
+
+def test_a_request_of_several_choices_does_not_resume(router: str, fake: FakeCluster) -> None:
+    fake.script = lambda req: [(0, accepted(req))] + [
+        (0.05, RequestFailed(req.request_id, 503, "worker_lost", "decode-0 died",
+                             resumable=True))]
+    reply = post(router, CHAT, {"messages": USER, "n": 2})
+    assert reply.status == 503 and reply.json()["error"]["code"] == "worker_lost"
+    assert not fake.submits()[-1].request_id.endswith("-resume1")
