@@ -2,6 +2,7 @@
 Ctrl-C stops them all."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -161,9 +162,8 @@ def stop_up(proc: subprocess.Popen) -> None:
     """Stop ``crescent up`` and its children, also after a failure (killing only the
     launcher would leave them serving)."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        proc.send_signal(signal.SIGINT)  # it stops its children, then itself
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(30)
+    if proc.poll() is None:
+        proc.kill()
