@@ -17,6 +17,7 @@ The model's tokenizer is exported as an HF hub cache entry so AIPerf loads it wi
     python benchmarks/live_replay.py [--configs disagg-store,disagg-nostore,colocated]
         [--rates 0.5,1,2] [--requests 100] [--seed 0] [--base-port 19800]
         [--py-spy 30]   # also profile every service process for 30 s of each run
+        [--kill decode@60 --kill prefill@120]   # SIGKILL roles during each replay
 
 Prints one table, saves TTFT/TBT CDF plots (PNG) and ends with one JSON line.
 """
@@ -28,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 import urllib.request
@@ -230,6 +232,10 @@ def bench_one(args: argparse.Namespace, name: str, rate: float, rows: list[dict]
     try:
         cluster.start(timeout_s=args.start_timeout)
         profiler.start([(c.name, c.proc.pid) for c in cluster.children])
+        if args.kill_plan:  # faults during the replay: the supervisor restarts each one
+            cluster.supervise_in_background()
+            threading.Thread(target=kill_on_schedule, args=(cluster, args.kill_plan),
+                             name="kills", daemon=True).start()
         results = run_aiperf(aiperf, cluster.url, config.model_name, trace_path, tok,
                              run_dir / "aiperf", args.seed, args.request_timeout)
         router = scrape(cluster.url + "/metrics")
@@ -246,6 +252,7 @@ def bench_one(args: argparse.Namespace, name: str, rate: float, rows: list[dict]
     (run_dir / "ttft_predictions.json").write_text(ttft_log)
     summary = summarize(results, args.ttft_slo, args.tbt_slo)
     row = {"config": name, "rate": rate, "wall_s": round(time.time() - t0, 1),
+           "kills": [f"{role}@{at:g}" for role, at in args.kill_plan],
            **summary.to_dict(), **server_side(router, conductor),
            **prediction_errors(ttft_log)}
     if profile:
@@ -253,6 +260,16 @@ def bench_one(args: argparse.Namespace, name: str, rate: float, rows: list[dict]
     row["_ttft"] = sorted(r.ttft_s for r in results if r.ok)
     row["_tbt"] = sorted(r.tbt_s for r in results if r.ok and r.gaps_s)
     return row
+
+
+def kill_on_schedule(cluster: LocalCluster, plan: list[tuple[str, float]]) -> None:
+    """SIGKILL process 0 of each role at its second of the replay (``--kill``)."""
+    start = time.monotonic()
+    for role, at in plan:
+        time.sleep(max(0.0, start + at - time.monotonic()))
+        print(f"  [{datetime.now().strftime('%H:%M:%S')}] SIGKILL {role}-0 at {at:g} s",
+              flush=True)
+        cluster.kill(role, 0)
 
 
 # --------------------------------------------------------------------------- output
@@ -333,7 +350,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="py-spy record every service process for this long in each run")
     p.add_argument("--py-spy-delay", type=float, default=10.0,
                    help="seconds after the cluster is up before profiling starts")
+    p.add_argument("--kill", action="append", default=[], metavar="ROLE@SECONDS",
+                   help="SIGKILL process 0 of ROLE that many seconds into each replay "
+                        "(e.g. decode@60); repeatable; the cluster's supervisor restarts it")
     args = p.parse_args(argv)
+    try:
+        args.kill_plan = sorted(((role, float(at)) for role, at in
+                                 (k.split("@", 1) for k in args.kill)), key=lambda k: k[1])
+    except ValueError:
+        p.error("--kill takes ROLE@SECONDS, e.g. decode@60")
     args.config_names = [c for c in args.configs.split(",") if c]
     args.rate_list = [float(r) for r in args.rates.split(",") if r]
     if args.requests < 1 or not args.rate_list or min(args.rate_list) <= 0:

@@ -103,7 +103,7 @@ class PrefillWorker:
     def on_task(self, task: PrefillTask) -> None:
         if task.prefill_epoch != self.rt.epoch:  # for an older incarnation of this worker
             return self._drop("epoch", task)
-        if task.fence in self.served or self._known(task.request_id):
+        if task.fence in self.served or self._live(task.request_id):
             return self._drop("duplicate", task)  # a replay, or an older attempt running
         if self.group is not None and not self.group.followers.ready:
             return self.fail(task, 503, "prefill_stage_down",
@@ -131,10 +131,15 @@ class PrefillWorker:
         self.served.add(q.fence)
         self.rt.mail.send(q.decode_inbox, KVFailed(q.request_id, "released", q.fence))
 
-    def _known(self, request_id: str) -> bool:
+    def _live(self, request_id: str) -> bool:
+        """An attempt of ``request_id`` is queued or running here, not aborted (the
+        conductor aborts one before it re-runs the request: the re-run, on this worker
+        too after a decode worker's loss, queues while the old one settles)."""
         return any(t.request_id == request_id for t in self.waiting) or any(
-            j.task.request_id == request_id for j in self.jobs + self.reloading) or (
-            self.admitting is not None and self.admitting.request_id == request_id)
+            j.task.request_id == request_id and not j.aborted
+            for j in self.jobs + self.reloading) or (
+            self.admitting is not None and self.admitting.request_id == request_id
+            and not self.admitting_aborted)
 
     def _drop(self, why: str, task: PrefillTask) -> None:
         self.dropped[why] += 1
@@ -142,13 +147,17 @@ class PrefillWorker:
                  task.request_id, task.fence)
 
     def on_abort(self, msg: AbortRequest) -> None:
+        """Abort the attempt ``msg.fence`` names (every attempt without a fence)."""
+        def named(rid: str, fence: Fence) -> bool:
+            return rid == msg.request_id and msg.fence in (None, fence)
+
         for job in self.jobs + self.reloading:
-            if job.task.request_id == msg.request_id:
+            if named(job.task.request_id, job.task.fence):
                 job.aborted = job.stream.aborted = True  # dropped between steps
-                return
-        if self.admitting is not None and self.admitting.request_id == msg.request_id:
+        if self.admitting is not None and named(self.admitting.request_id,
+                                                self.admitting.fence):
             self.admitting_aborted = True
-        for task in [t for t in self.waiting if t.request_id == msg.request_id]:
+        for task in [t for t in self.waiting if named(t.request_id, t.fence)]:
             self.waiting.remove(task)  # nothing written yet: the decode side may free now
             self.fail(task, 499, "aborted", "aborted before prefill")
 

@@ -45,9 +45,10 @@ def body(max_tokens: int, stream: bool = False) -> dict:
 
 
 def long_body() -> dict:
-    """A stream of some 400 tokens: seeded sampling (greedy stops early on this prompt)."""
-    return {"model": "smollm2-135m", "prompt": "Once upon a time", "max_tokens": 400,
-            "temperature": 1.0, "seed": 7, "stream": True}
+    """A stream of 120 tokens (seconds here, more than a 1 s drain grace): seeded sampling
+    (greedy stops early on this prompt)."""
+    return {"model": "smollm2-135m", "prompt": "Once upon a time", "max_tokens": 120,
+            "temperature": 1.0, "seed": 7, "stream": True, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -181,8 +182,8 @@ def test_requests_queued_on_a_killed_prefill_worker_finish_on_its_restart(
     placed again on the restarted worker (the conductor holds them meanwhile) and answers
     as an undisturbed run does; none fails."""
     wait_healthy(cluster, 60)
-    prompts = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * 60
-               for i in range(6)]  # ~600 tokens each: the prefill queue holds a few
+    prompts = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * 50
+               for i in range(4)]  # ~500 tokens each: the prefill queue holds a few
     bodies = [{"model": "smollm2-135m", "prompt": p, "max_tokens": 6, "temperature": 0}
               for p in prompts]
     with ThreadPoolExecutor(len(bodies)) as pool:
@@ -195,7 +196,9 @@ def test_requests_queued_on_a_killed_prefill_worker_finish_on_its_restart(
     assert [a.status_code for a in answers] == [200] * len(bodies), [a.text for a in answers]
     log = cluster.child("conductor").log_path.read_text()
     assert "re-run on prefill-0" in log
-    undisturbed = [httpx.post(URL + "/v1/completions", json=b, timeout=120) for b in bodies]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        undisturbed = list(pool.map(lambda b: httpx.post(URL + "/v1/completions", json=b,
+                                                         timeout=120), bodies))
     assert [a.json()["choices"][0]["text"] for a in answers] == \
         [u.json()["choices"][0]["text"] for u in undisturbed]
 

@@ -190,3 +190,32 @@ def test_a_fence_query_is_answered_only_when_no_write_can_land(make: Make) -> No
     assert rt.mail.of(KVFailed) == [KVFailed("a", "kv_transfer_failed", fence_for("a"))]
     assert not worker.settling
     clean(worker)
+
+
+def test_a_re_run_queues_behind_its_aborted_older_attempt(make: Make) -> None:
+    """A decode worker lost before the first token: the conductor aborts the attempt this
+    worker is computing and re-runs the request, here again (one prefill worker). The
+    re-run's task, under its new fence, is a replay while the old attempt is live and
+    queues once it is aborted; it hands over, and the old fence never gets a KVReady."""
+    rt, worker = make(budget=16)
+    tokens = list(range(1, 11))
+    old, new = fence_for("a"), Fence(EPOCH, 99)
+    worker.on_task(prefill_task("a", tokens))
+    seen = []
+
+    def mid_step() -> None:
+        worker.on_task(prefill_task("a", tokens, fence=new))  # the old one is live
+        dropped = dict(worker.dropped)
+        worker.on_abort(AbortRequest("a", "prefill_lost", old))
+        worker.on_task(prefill_task("a", tokens, fence=new))
+        seen.append((dropped, [t.fence for t in worker.waiting]))
+
+    async def go() -> None:
+        rt.engine.interrupt(asyncio.get_running_loop(), mid_step)
+        await run_until(worker.serve(), lambda: bool(rt.mail.of(KVReady)) and worker.idle())
+
+    asyncio.run(go())
+    assert seen == [({"duplicate": 1}, [new])]
+    assert [m.fence for m in rt.mail.of(KVReady)] == [new]
+    assert [m.fence for m in rt.mail.of(KVFailed)] == [old]
+    clean(worker)
