@@ -361,7 +361,8 @@ class Conductor:
         for t, what in loss.fail:
             self.fail(t, 503, "worker_lost", f"{what}: {instance_id} {why}")
         for t in loss.resume:
-            self.fail(t, 503, "worker_lost", f"decode worker lost mid-stream: {instance_id} "
+            what = "mid-stream" if t.phase is Phase.DECODING else "during its prefill"
+            self.fail(t, 503, "worker_lost", f"decode worker lost {what}: {instance_id} "
                       f"{why}", resumable=True)
         for t in loss.detach:
             self._release_prefill(t)

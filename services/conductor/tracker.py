@@ -47,17 +47,19 @@ class Held:
 class Loss:
     """What losing a worker means for the requests placed on it (the failure policy).
 
-    Before its first token a request is re-run once, invisibly, whichever of its workers
-    was lost, and fails if it was re-run already. The prefill worker lost: a request
-    already decoding elsewhere is untouched (its KV has landed). The decode worker lost
-    mid-stream: the request fails as resumable, and the router goes on with a
-    continuation where it can (services/router/resume.py), else ends the stream with an
-    error event."""
+    The prefill worker lost: a request before its first token is re-run once,
+    invisibly (it fails if it was re-run already); one already decoding elsewhere is
+    untouched (its KV has landed). The decode worker lost: a request still reserving
+    there is re-run the same way; one whose prefill started may have had tokens streamed
+    already (the decode worker starts on the prefill's KVReady, before the conductor hears
+    PrefillDone), so it fails as resumable, and the router, which knows what the client
+    got, goes on with a continuation where it can (services/router/resume.py), else ends
+    the stream with an error event."""
 
     rerun: list[Tracked] = field(default_factory=list)
     fail: list[tuple[Tracked, str]] = field(default_factory=list)  # with what was lost
     detach: list[Tracked] = field(default_factory=list)  # decoding elsewhere: keep going
-    resume: list[Tracked] = field(default_factory=list)  # its decode worker lost mid-stream
+    resume: list[Tracked] = field(default_factory=list)  # its decode worker lost after prefill
 
 
 class Tracker:
@@ -93,8 +95,8 @@ class Tracker:
         """The failure policy for the requests on a lost worker (see ``Loss``)."""
         loss = Loss()
         for t in self.on_worker(instance_id):
-            if t.decode_id == instance_id and t.phase is Phase.DECODING:
-                loss.resume.append(t)
+            if t.decode_id == instance_id and t.phase is not Phase.RESERVING:
+                loss.resume.append(t)  # its KV may have landed, and tokens gone out
             elif t.decode_id == instance_id and t.attempt > 0:
                 loss.fail.append((t, "decode worker lost before decoding, on the re-run"))
             elif t.decode_id == instance_id:

@@ -161,9 +161,9 @@ def test_late_reservation_after_abort_is_given_back(conductor) -> None:
 
 
 def test_dead_worker_s_requests_wait_for_another(conductor) -> None:
+    """Reserving on it (nothing computed yet): re-run, here on a decode worker to come."""
     c, mail = conductor
     c.on_submit(submit("r"))
-    c.on_reserved(BlocksReserved("r", "decode-0", [1]))
     mail.take()
     now = time.monotonic()
     for w in c.registry.workers.values():

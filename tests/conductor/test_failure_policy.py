@@ -209,17 +209,20 @@ def test_a_decode_loss_mid_stream_fails_as_resumable(conductor) -> None:
                                     "decode-0 stopped responding", resumable=True)]
 
 
-def test_a_decode_loss_before_decoding_reruns_the_request(conductor) -> None:
-    """Its KV never reached the client: placed again, unseen, on a decode worker that
-    registers (here none is left, so it waits for one)."""
+def test_a_decode_loss_while_reserving_reruns_and_during_prefill_resumes(conductor) -> None:
+    """Reserving: nothing reached the client, the request is placed again, unseen (here
+    no decode worker is left: it waits for one). Prefilling: the decode worker may have
+    streamed tokens already (it starts on the prefill's KVReady), so the router, which
+    knows, goes on from them (resumable)."""
     c, mail = conductor
-    prefilling(c, mail)
-    prefill = c.tracker.get("r").prefill_id
+    c.on_submit(submit("a"))
+    prefilling(c, mail, "b")
+    mail.take()
     silence(c, "decode-0")
-    sent = mail.take()
-    assert [m for _, m in sent if isinstance(m, RequestFailed)] == []
-    assert (f"tcp://w/prefill{prefill[-1]}", AbortRequest("r", "prefill_lost", F0)) in sent
-    assert list(c.held) == ["r"] and c.held["r"].attempt == 1
+    failed = [m for _, m in mail.take() if isinstance(m, RequestFailed)]
+    assert failed == [RequestFailed("b", 503, "worker_lost", "decode worker lost during its "
+                                    "prefill: decode-0 stopped responding", resumable=True)]
+    assert list(c.held) == ["a"] and c.held["a"].attempt == 1
 
 
 def test_a_restarted_worker_is_announced_and_its_old_incarnation_fenced(conductor) -> None:

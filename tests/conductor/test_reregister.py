@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from common.protocol import (BlocksReserved, ReRegister, RequestAccepted, RequestFailed,
-                             ReserveBlocks, WorkerLeaving)
+from common.protocol import (ReRegister, RequestAccepted, RequestFailed, ReserveBlocks,
+                             WorkerLeaving)
 from services.conductor.service import Conductor
 from tests.conductor.test_conductor import RecordingMail, beat, conductor, submit, worker
 
@@ -27,8 +27,7 @@ def test_unknown_heartbeat_is_asked_to_register(conductor: tuple[Conductor, Reco
 def test_a_new_incarnation_replaces_the_old_and_reruns_its_requests(
         conductor: tuple[Conductor, RecordingMail]) -> None:
     c, mail = conductor
-    c.on_submit(submit("r"))
-    c.on_reserved(BlocksReserved("r", "decode-0", [1]))
+    c.on_submit(submit("r"))  # reserving on decode-0
     mail.take()
     c.on_register(worker("decode", 0))  # the periodic registration: nothing changes
     assert mail.take() == [] and "r" in c.tracker.requests
@@ -64,8 +63,7 @@ def test_a_draining_worker_is_given_no_new_work(
 def test_a_leaving_worker_is_removed_at_once(conductor: tuple[Conductor, RecordingMail],
                                              ) -> None:
     c, mail = conductor
-    c.on_submit(submit("r"))
-    c.on_reserved(BlocksReserved("r", "decode-0", [1]))
+    c.on_submit(submit("r"))  # reserving on decode-0
     mail.take()
     c.on_leaving(WorkerLeaving("decode-0", epoch=99))  # not this incarnation: kept
     assert c.registry.get("decode-0") is not None and mail.take() == []
