@@ -6,6 +6,7 @@ sequence's blocks (SDPA gathers them through its block table).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Protocol
@@ -39,7 +40,7 @@ class AttnMetadata:
     # linear layers run once over all T tokens; attention runs once per part.
     parts: Optional[list[tuple[int, int, "AttnMetadata"]]] = None
 
-    @property
+    @functools.cached_property
     def longest(self) -> int:
         """The longest context after this step (0 in a CUDA graph's metadata, which keeps
         its lengths on the device: graphs serve only models whose attention is plain)."""

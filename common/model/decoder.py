@@ -174,6 +174,31 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
     return w
 
 
+@dataclass
+class _Checkpoint:
+    """A model's weights (HF names), read to the device and dtype it runs in."""
+
+    weights: dict[str, torch.Tensor]
+    device: torch.device
+    dtype: torch.dtype
+    norm_offset: float  # Gemma stores a norm's scale less 1
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weights:
+            raise KeyError(f"checkpoint is missing weight {name!r}")
+        return self.weights[name].to(device=self.device, dtype=self.dtype)
+
+    def norm(self, name: str) -> torch.Tensor:
+        """A norm's scale (the offset added in float32)."""
+        return (self.get(name).float() + self.norm_offset).to(self.dtype)
+
+    def linear(self, names: list[str], bias: bool, pack: bool) -> Linear:
+        """One matmul for the linears ``names`` of a layer (q/k/v, gate/up)."""
+        weight = torch.cat([self.get(n + ".weight") for n in names])
+        return Linear(weight, pack, torch.cat([self.get(n + ".bias") for n in names])
+                      if bias else None)
+
+
 class DecoderModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -190,66 +215,50 @@ class DecoderModel:
                 and self.layer_range.step == 1):
             raise ValueError(f"layers {self.layer_range} is not a contiguous, non-empty range "
                              f"of the model's {config.num_layers} layers")
-        self.weights = weights
+        read = _Checkpoint(weights, self.device, dtype, self.family.norm_offset)
 
         self.embed: Optional[torch.Tensor] = None
         self.lm_head: Optional[Linear] = None
         if self.first_stage or (self.last_stage and config.tie_word_embeddings):
-            self.embed = self._get("model.embed_tokens.weight")
+            self.embed = read.get("model.embed_tokens.weight")
         if self.last_stage:
-            self.norm = self._norm("model.norm.weight")
+            self.norm = read.norm("model.norm.weight")
             self.lm_head = Linear(self.embed if config.tie_word_embeddings
-                                  else self._get("lm_head.weight"), pack_weights)
+                                  else read.get("lm_head.weight"), pack_weights)
         # Gemma: embeddings times sqrt(hidden_size), rounded to the model's dtype as in HF
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype)
                             if self.family.embed_scale else None)
         factors = weights.get("model.rope_freqs")  # llama.cpp's (llama3 GGUFs)
-        self.inv_freqs = {"global": inv_frequencies(config.head_dim, config.rope_theta,
-                                                    config.rope_scaling, factors)}
+        freqs = {"global": inv_frequencies(config.head_dim, config.rope_theta,
+                                           config.rope_scaling, factors)}
         if config.local_rope_theta is not None:
-            self.inv_freqs["local"] = inv_frequencies(config.head_dim, config.local_rope_theta,
-                                                      config.local_rope_scaling)
-        self.inv_freqs = {kind: f.to(self.device) for kind, f in self.inv_freqs.items()}
-        self.layers = [self._layer(l, pack_weights) for l in self.layer_range]
-        del self.weights
+            freqs["local"] = inv_frequencies(config.head_dim, config.local_rope_theta,
+                                             config.local_rope_scaling)
+        self.inv_freqs = {kind: f.to(self.device) for kind, f in freqs.items()}
+        self.layers = [self._layer(read, l, pack_weights) for l in self.layer_range]
         if fused is None:
             fused = self.device.type == "cuda" and triton_ops.available()
         self.ops = TritonOps if fused else TorchOps
         self.gated = {"silu": self.ops.silu_mul, "gelu_tanh": self.ops.gelu_tanh_mul}[
             config.activation]
 
-    def _get(self, name: str) -> torch.Tensor:
-        if name not in self.weights:
-            raise KeyError(f"checkpoint is missing weight {name!r}")
-        return self.weights[name].to(device=self.device, dtype=self.dtype)
-
-    def _norm(self, name: str) -> torch.Tensor:
-        """A norm's scale: Gemma stores it less 1 (added here in float32)."""
-        return (self._get(name).float() + self.family.norm_offset).to(self.dtype)
-
-    def _linear(self, names: list[str], bias: bool, pack: bool) -> Linear:
-        """One matmul for the linears ``names`` of a layer (q/k/v, gate/up)."""
-        weight = torch.cat([self._get(n + ".weight") for n in names])
-        return Linear(weight, pack, torch.cat([self._get(n + ".bias") for n in names])
-                      if bias else None)
-
-    def _layer(self, layer: int, pack: bool) -> LayerWeights:
+    def _layer(self, read: _Checkpoint, layer: int, pack: bool) -> LayerWeights:
         cfg = self.config
         p = f"model.layers.{layer}."
-        norms = {role: self._norm(f"{p}{name}.weight") for role, name in self.family.norms.items()}
+        norms = {role: read.norm(f"{p}{name}.weight") for role, name in self.family.norms.items()}
         qk_norm = self.family.qk_norm
         return LayerWeights(
-            input_norm=self._norm(p + "input_layernorm.weight"),
-            wqkv=self._linear([f"{p}self_attn.{n}_proj" for n in "qkv"], cfg.qkv_bias, pack),
-            wo=self._linear([p + "self_attn.o_proj"], cfg.o_bias, pack),
+            input_norm=read.norm(p + "input_layernorm.weight"),
+            wqkv=read.linear([f"{p}self_attn.{n}_proj" for n in "qkv"], cfg.qkv_bias, pack),
+            wo=read.linear([p + "self_attn.o_proj"], cfg.o_bias, pack),
             mlp_norm=norms["mlp_norm"],
-            w_gate_up=self._linear([p + "mlp.gate_proj", p + "mlp.up_proj"], cfg.mlp_bias, pack),
-            w_down=self._linear([p + "mlp.down_proj"], cfg.mlp_bias, pack),
+            w_gate_up=read.linear([p + "mlp.gate_proj", p + "mlp.up_proj"], cfg.mlp_bias, pack),
+            w_down=read.linear([p + "mlp.down_proj"], cfg.mlp_bias, pack),
             attn=AttnSpec(cfg.attention_scale, cfg.attn_softcap, cfg.window(layer)),
             rope="local" if "local" in self.inv_freqs and layer in cfg.sliding_layers
             else "global",
-            q_norm=self._norm(p + "self_attn.q_norm.weight") if qk_norm else None,
-            k_norm=self._norm(p + "self_attn.k_norm.weight") if qk_norm else None,
+            q_norm=read.norm(p + "self_attn.q_norm.weight") if qk_norm else None,
+            k_norm=read.norm(p + "self_attn.k_norm.weight") if qk_norm else None,
             attn_out_norm=norms.get("attn_out_norm"), mlp_out_norm=norms.get("mlp_out_norm"))
 
     @property
