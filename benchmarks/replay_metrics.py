@@ -273,8 +273,8 @@ def server_side(router: str, conductor: str) -> dict[str, Optional[float]]:
         # Per-request predictions are not exposed; this is the error of the means.
         "pred_ttft_rel_err_of_means": ratio(pred - actual, actual)
         if pred is not None and actual else None,
-        "kv_transfer_mean_s": ratio(r.get("crescent_router_kv_transfer_seconds_sum"),
-                                    r.get("crescent_router_kv_transfer_seconds_count")),
+        "kv_transfer_mean_s": ratio(c.get("crescent_conductor_kv_transfer_seconds_sum"),
+                                    c.get("crescent_conductor_kv_transfer_seconds_count")),
     }
 
 

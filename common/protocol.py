@@ -356,15 +356,3 @@ class TokenDelta:
     index: int = 0  # the choice (of ``sampling.n``) these tokens extend
     # the prompt's own logprobs (``sampling.prompt_logprobs``): in choice 0's first delta
     prompt_logprobs: Optional[PromptLogprobs] = None
-
-
-@message
-class KVTransferReport:
-    """Conductor → router: KV bytes a request moved (for the router's /metrics)."""
-
-    kind: str  # "prefill_to_decode"
-    nbytes: int
-    seconds: float
-    request_id: str = ""  # whose KV (the dashboard's request timelines); "" from old senders
-    prefill_s: float = 0.0  # PrefillDone.prefill_seconds: the request's share of compute
-    wait_s: float = 0.0  # PrefillDone.wait_s: the prefill blocked on transfers

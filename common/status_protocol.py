@@ -3,9 +3,9 @@
 ``ClusterStatus`` says whether the cluster can take requests and which conductor
 incarnation speaks (the router stops waiting for a predecessor's requests), and carries
 the view the router serves at /debug/pools, /debug/dashboard and in ``crescent status``:
-each worker's load (``InstanceStatus``), the conductor's totals (``ConductorTotals``) and
-the global KV pool's usage (``StoreUsage``). The rest of the control wire is in
-common/protocol.py.
+each worker's load (``InstanceStatus``), the conductor's totals (``ConductorTotals``), the
+global KV pool's usage (``StoreUsage``) and the prefills done since the last status
+(``PrefillSummary``). The rest of the control wire is in common/protocol.py.
 """
 from __future__ import annotations
 
@@ -62,18 +62,34 @@ class ConductorTotals:
     cached_tokens: int = 0  # reused from a cache, local or global
     global_hit_tokens: int = 0  # of those, loaded from the store
     transfer_bytes: int = 0  # KV moved prefill → decode
+    transfers: int = 0  # prefills that moved it
+    transfer_seconds: float = 0.0  # their KV streams in flight, summed (overlaps compute)
+
+
+@dataclass(frozen=True)
+class PrefillSummary:
+    """One request's prefill as its worker reported it (``PrefillDone``): the figures of
+    the dashboard's request timeline (services/router/dashboard_log.py)."""
+
+    request_id: str
+    prefill_s: float  # the request's share of prefill compute
+    wait_s: float  # the prefill blocked on transfers
+    transfer_s: float  # its KV stream in flight (overlaps compute)
+    transfer_bytes: int
 
 
 @message
 class ClusterStatus:
     """Conductor → router, every heartbeat interval: readiness and per-instance load.
     ``conductor_epoch`` names the conductor's incarnation: a new one knows nothing of the
-    requests its predecessor accepted (the router stops waiting for those). ``totals``
-    and ``store`` feed the router's dashboard; None from a conductor that sends neither
-    (``store``: also no store, or no answer from its master yet)."""
+    requests its predecessor accepted (the router stops waiting for those). ``totals``,
+    ``store`` and ``prefills`` feed the router's dashboard; None (empty) from a conductor
+    that sends none (``store``: also no store, or no answer from its master yet).
+    ``prefills``: the requests whose ``PrefillDone`` came since the previous status."""
 
     ready: bool
     instances: list[InstanceStatus]
     conductor_epoch: int = 0
     totals: Optional[ConductorTotals] = None
     store: Optional[StoreUsage] = None
+    prefills: list[PrefillSummary] = field(default_factory=list)

@@ -110,8 +110,9 @@ def traffic_table(d: dict[str, Any]) -> Table:
         for what in ("rejected", "failed"):
             t.add_row(f"{what} by reason", ", ".join(
                 f"{k}: {_num(v)}" for k, v in sorted(cond[what].items())) or "none")
-    t.add_row(f"KV transfer (last {x['window_s']} s)", f"{_bytes(x['bytes_per_s'])}/s")
-    t.add_row("KV moved", f"{_bytes(x['bytes'])} in {_num(x['transfers'])} transfers")
+    if x is not None:
+        t.add_row(f"KV transfer (last {x['window_s']} s)", f"{_bytes(x['bytes_per_s'])}/s")
+        t.add_row("KV moved", f"{_bytes(x['bytes'])} in {_num(x['transfers'])} transfers")
     if c is not None:
         t.add_row("local cache hits", f"{_pct(c['local_hit_rate'])} "
                   f"({_num(c['local_hit_tokens'])} of {_num(c['prompt_tokens'])} tokens)")

@@ -114,9 +114,7 @@ def transfer_panels() -> list[Panel]:
     return [
         graph("KV transfer rate", "Bps", [
             query(f"sum(rate(crescent_conductor_kv_transfer_bytes_total{RATE}))",
-                  "prefill → decode"),
-            query(f"sum by (kind) (rate(crescent_router_kv_transfer_bytes_total{RATE}))",
-                  "requests: {{kind}}")],
+                  "prefill → decode")],
             "KV bytes per second moved from prefill to decode workers."),
         graph("KV bytes by flow and path", "Bps", [
             query(f"sum by (flow, path) (rate(crescent_worker_kv_bytes{RATE}))",
@@ -124,8 +122,9 @@ def transfer_panels() -> list[Panel]:
             "What workers move per second: to decode workers and to and from the store, "
             "through shared memory (one host) or the transfer engine (across hosts)."),
         graph("KV transfer time per request", "s",
-              percentiles("crescent_router_kv_transfer_seconds"),
-              "Duration of one request's KV transfer."),
+              percentiles("crescent_conductor_kv_transfer_seconds"),
+              "Time one request's KV stream was in flight prefill → decode (it overlaps "
+              "compute)."),
     ]
 
 

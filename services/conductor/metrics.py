@@ -58,6 +58,9 @@ class ConductorMetrics:
                                          "prompt tokens loaded from the KV pool", registry=r)
         self.transfer_bytes = Counter("crescent_conductor_kv_transfer_bytes",
                                       "KV bytes moved prefill → decode", registry=r)
+        self.transfer_seconds = Histogram(
+            "crescent_conductor_kv_transfer_seconds", "time one request's KV stream was in "
+            "flight prefill → decode (overlaps compute)", buckets=_TTFT_BUCKETS, registry=r)
         self.store_read_bandwidth = Gauge(
             "crescent_conductor_store_read_bytes_per_s", "the store's read bandwidth learned "
             "from prefills' loads (what a prefix fetch is priced at, unless "

@@ -15,12 +15,12 @@ from typing import Any, Callable, Optional, Union
 from common.config import ClusterConfig
 from common.mailbox import Mailbox, serve_inbox
 from common.protocol import (
-    KV_FAILED, AbortRequest, BlocksReserved, KVResync, KVSnapshot, KVTransferReport, PrefillDone,
-    PrefillTask, ReRegister, RegisterWorker, RequestAccepted, RequestFailed,
-    RequestFinished, RequestRejected, ReserveBlocks, ReserveFailed, SubmitRequest,
-    WorkerGone, WorkerHeartbeat, WorkerLeaving,
+    KV_FAILED, AbortRequest, BlocksReserved, KVResync, KVSnapshot, PrefillDone, PrefillTask,
+    ReRegister, RegisterWorker, RequestAccepted, RequestFailed, RequestFinished,
+    RequestRejected, ReserveBlocks, ReserveFailed, SubmitRequest, WorkerGone,
+    WorkerHeartbeat, WorkerLeaving,
 )
-from common.status_protocol import ClusterStatus
+from common.status_protocol import ClusterStatus, PrefillSummary
 from common.scheduling import NO_INSTANCES, Rejection
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.placement import Placement, Placer, output_tokens
@@ -50,6 +50,7 @@ class Conductor:
         self.metrics.typical_decode.set(self.placer.policy.decode_durations.mean())
         self.router_inbox = config.inbox("router")
         self.store: Optional[StoreView] = None  # the store's usage, with a store (run)
+        self.prefilled: list[PrefillSummary] = []  # since the last ClusterStatus (sweep)
         self.handlers: dict[type, Callable[[Any], None]] = {
             RegisterWorker: self.on_register,
             WorkerHeartbeat: self.on_heartbeat,
@@ -226,11 +227,11 @@ class Conductor:
         self.metrics.global_hit_tokens.inc(msg.global_hit_tokens)
         self.metrics.prompt_tokens.inc(msg.prompt_tokens)
         self.metrics.transfer_bytes.inc(msg.transfer_bytes)
+        self.metrics.transfer_seconds.observe(msg.transfer_seconds)
         self.metrics.prefill_compute.labels(msg.instance_id).observe(msg.prefill_seconds)
         self.metrics.prefill_transfer_wait.labels(msg.instance_id).observe(msg.wait_s)
-        self.mail.send(self.router_inbox, KVTransferReport(
-            "prefill_to_decode", msg.transfer_bytes, msg.transfer_seconds,
-            msg.request_id, msg.prefill_seconds, msg.wait_s))
+        self.prefilled.append(PrefillSummary(msg.request_id, msg.prefill_seconds, msg.wait_s,
+                                             msg.transfer_seconds, msg.transfer_bytes))
         worker = self.registry.get(msg.instance_id)
         if self.placer.observe_prefill(msg, worker.info.stages if worker else 1):
             self.metrics.cost_refits.inc()
@@ -417,9 +418,11 @@ class Conductor:
             self.mail.send(w.info.inbox, KVResync(w.instance_id))
             self.metrics.kv_resyncs.inc()
         self.metrics.global_index_keys.set(len(self.placer.global_index))
+        prefilled, self.prefilled = self.prefilled, []
         self.mail.send(self.router_inbox, ClusterStatus(
             self.ready(), self.registry.status(), self.epoch,
-            conductor_totals(self.metrics), self.store.usage() if self.store else None))
+            conductor_totals(self.metrics), self.store.usage() if self.store else None,
+            prefilled))
         self.metrics.update_gauges(self.registry, self.tracker)
 
 

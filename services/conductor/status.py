@@ -1,5 +1,5 @@
-"""What the conductor tells the router every heartbeat beyond readiness: its totals and the
-store's usage, for the router's dashboard (docs/dashboard.md).
+"""What the conductor tells the router every heartbeat beyond readiness: its totals, the
+store's usage and the prefills done since, for the router's dashboard (docs/dashboard.md).
 
 The totals are read back from the conductor's own Prometheus counters, so the dashboard
 and ``/metrics`` cannot disagree. The store's usage comes from the master's ``StoreStats``
@@ -38,7 +38,9 @@ def conductor_totals(m: ConductorMetrics) -> ConductorTotals:
         failed=_counts(by_label(m.failed, "reason")), prompt_tokens=int(total(m.prompt_tokens)),
         cached_tokens=int(total(m.cached_tokens)),
         global_hit_tokens=int(total(m.global_hit_tokens)),
-        transfer_bytes=int(total(m.transfer_bytes)))
+        transfer_bytes=int(total(m.transfer_bytes)),
+        transfers=int(total(m.transfer_seconds, "_count")),
+        transfer_seconds=total(m.transfer_seconds, "_sum"))
 
 
 def store_usage(stats: dict[str, Any]) -> StoreUsage:

@@ -4,8 +4,8 @@ Built from what the router already holds: the conductor's latest ``ClusterStatus
 (workers, the conductor's totals, the store's usage), the router's own metrics (the same
 counters ``/metrics`` serves) and its ``RequestLog`` (timelines, rates). docs/dashboard.md
 lists every field. Sections the cluster does not report are None, never made up: no
-``store`` without a store (or before its master answered), no ``cache`` or ``admission.
-conductor`` from a conductor that sends no totals.
+``store`` without a store (or before its master answered), no ``cache``, ``transfer`` or
+``admission.conductor`` from a conductor that sends no totals.
 """
 from __future__ import annotations
 
@@ -41,13 +41,12 @@ def cache_section(totals: ConductorTotals) -> dict[str, Any]:
             "global_hit_rate": ratio(totals.global_hit_tokens, totals.prompt_tokens)}
 
 
-def transfer_section(metrics: RouterMetrics, log: RequestLog, now: float) -> dict[str, Any]:
-    """KV moved prefill → decode: totals as ``/metrics`` counts them, rates over the
-    log's window (bandwidth: bytes over the seconds the streams were in flight)."""
+def transfer_section(totals: ConductorTotals, log: RequestLog, now: float) -> dict[str, Any]:
+    """KV moved prefill → decode: the conductor's totals, rates over the log's window
+    (bandwidth: bytes over the seconds the streams were in flight)."""
     window_bytes = log.kv_bytes.sum(now)
-    return {"transfers": int(total(metrics.kv_transfer_seconds, "_count")),
-            "bytes": int(total(metrics.kv_transfer_bytes)),
-            "seconds": total(metrics.kv_transfer_seconds, "_sum"),
+    return {"transfers": totals.transfers, "bytes": totals.transfer_bytes,
+            "seconds": totals.transfer_seconds,
             "window_s": log.window_s, "bytes_per_s": window_bytes / log.window_s,
             "bandwidth_bytes_per_s": ratio(window_bytes, log.kv_seconds.sum(now))}
 
@@ -80,7 +79,7 @@ def dashboard_data(state: RouterState, now: float) -> dict[str, Any]:
         "workers": [asdict(i) for i in status.instances] if status else [],
         "store": store_section(store) if store else None,
         "cache": cache_section(totals) if totals else None,
-        "transfer": transfer_section(state.metrics, state.requests, now),
+        "transfer": transfer_section(totals, state.requests, now) if totals else None,
         "admission": admission_section(state.metrics, state.requests, totals, now),
         "requests": state.requests.timelines(),
     }

@@ -14,6 +14,10 @@ A timeline is laid end to end from the request's arrival (wall clock, like
 
 ``queued`` is what is left of the time to first token once the other two are taken out,
 so the three add up to it exactly; a request that never got a token is all ``queued``.
+
+The prefill's figures and the KV rates come from the conductor's ``ClusterStatus``, the
+one place that counts KV transfers: its ``prefills`` fill the timelines, and what its
+``totals`` grew by since the previous status feeds the rates.
 """
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from common.protocol import KVTransferReport, RequestAccepted
+from common.protocol import RequestAccepted
+from common.status_protocol import ClusterStatus, ConductorTotals, PrefillSummary
 
 PHASES = ("queued", "prefill", "transfer", "decode")
 
@@ -110,6 +115,7 @@ class RequestLog:
         self.rejected = RateWindow(window_s)  # answered 429
         self.kv_bytes = RateWindow(window_s)
         self.kv_seconds = RateWindow(window_s)
+        self._totals: Optional[tuple[int, ConductorTotals]] = None  # (epoch, last heard)
 
     def arrived(self, request_id: str, endpoint: str, arrival: float) -> None:
         self.live[request_id] = Timeline(request_id, endpoint, arrival)
@@ -129,15 +135,32 @@ class RequestLog:
         t.last_token = now
         t.output_tokens += n
 
-    def kv_report(self, msg: KVTransferReport, now: float) -> None:
-        """The conductor's word on a request's KV; it may come after the last token."""
-        self.kv_bytes.add(msg.nbytes, now)
-        self.kv_seconds.add(msg.seconds, now)
-        t = self.live.get(msg.request_id) or next(
-            (d for d in self.done if d.request_id == msg.request_id), None)
+    def heard(self, status: ClusterStatus, now: float) -> None:
+        """A conductor's status: its prefills onto their timelines, its transfer totals
+        into the rates."""
+        for p in status.prefills:
+            self.prefilled(p)
+        if status.totals is not None:
+            self.moved(status.conductor_epoch, status.totals, now)
+
+    def prefilled(self, p: PrefillSummary) -> None:
+        """A request's prefill figures; they may come after its last token."""
+        t = self.live.get(p.request_id) or next(
+            (d for d in self.done if d.request_id == p.request_id), None)
         if t is not None:
-            t.prefill_s, t.wait_s = msg.prefill_s, msg.wait_s
-            t.transfer_s, t.transfer_bytes = msg.seconds, msg.nbytes
+            t.prefill_s, t.wait_s = p.prefill_s, p.wait_s
+            t.transfer_s, t.transfer_bytes = p.transfer_s, p.transfer_bytes
+
+    def moved(self, epoch: int, totals: ConductorTotals, now: float) -> None:
+        """What the conductor's transfer totals grew by since its previous status goes
+        into the rates. The first totals heard are only a baseline (what came before is
+        not of this window); a new conductor incarnation counts from zero."""
+        last = self._totals
+        if last is not None:
+            base = last[1] if last[0] == epoch else ConductorTotals()
+            self.kv_bytes.add(totals.transfer_bytes - base.transfer_bytes, now)
+            self.kv_seconds.add(totals.transfer_seconds - base.transfer_seconds, now)
+        self._totals = (epoch, totals)
 
     def finished(self, request_id: str, status: int, usage: Optional[tuple[int, int]],
                  now: float) -> None:

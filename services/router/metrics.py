@@ -38,12 +38,6 @@ class RouterMetrics:
                                      "Prompt tokens served from the KV cache", registry=r)
         self.generation_tokens = Counter("crescent_router_generation_tokens",
                                          "Output tokens streamed", registry=r)
-        self.kv_transfer_bytes = Counter("crescent_router_kv_transfer_bytes",
-                                         "KV bytes requests moved, as the conductor reports",
-                                         ["kind"], registry=r)
-        self.kv_transfer_seconds = Histogram("crescent_router_kv_transfer_seconds",
-                                             "Duration of one request's KV transfer",
-                                             ["kind"], buckets=_LATENCY, registry=r)
 
     def observe_tokens(self, gap_s: float, n_tokens: int) -> None:
         """A delta of ``n_tokens`` arrived ``gap_s`` after the previous one."""
@@ -53,12 +47,6 @@ class RouterMetrics:
         for _ in range(n_tokens):
             self.itl.observe(per_token)
         self.generation_tokens.inc(n_tokens)
-
-    def record_kv_transfer(self, kind: str, nbytes: int, seconds: float) -> None:
-        """One request's KV transfer (kind: "prefill_to_decode"), from the conductor's
-        ``KVTransferReport`` (relayed from the prefill worker's ``PrefillDone``)."""
-        self.kv_transfer_bytes.labels(kind).inc(nbytes)
-        self.kv_transfer_seconds.labels(kind).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,8 +17,7 @@ from common.config import ClusterConfig
 from common.drain import Drain, current as current_drain
 from common.mailbox import Mailbox
 from common.protocol import (
-    AbortRequest, KVTransferReport, RequestAccepted, RequestFailed, RequestRejected,
-    SubmitRequest, TokenDelta,
+    AbortRequest, RequestAccepted, RequestFailed, RequestRejected, SubmitRequest, TokenDelta,
 )
 from common.status_protocol import ClusterStatus
 from services.router.dashboard_log import RequestLog
@@ -101,6 +100,7 @@ class RouterState:
                         "%.0f s to show progress", msg.conductor_epoch, self.orphan_grace_s)
         self.status = msg
         self.status_time = time.monotonic()
+        self.requests.heard(msg, time.time())
 
     @property
     def orphan_grace_s(self) -> float:
@@ -108,12 +108,7 @@ class RouterState:
         replaced (work already handed to workers still completes without a conductor)."""
         return 4 * self.config.heartbeat_timeout_s
 
-    def _on_kv_transfer(self, msg: KVTransferReport) -> None:
-        self.metrics.record_kv_transfer(msg.kind, msg.nbytes, msg.seconds)
-        self.requests.kv_report(msg, time.time())
-
     def handlers(self) -> dict[type, Callable[[Any], None]]:
         return {RequestAccepted: self._on_request_event, TokenDelta: self._on_request_event,
                 RequestFailed: self._on_request_event, RequestRejected: self._on_request_event,
-                ClusterStatus: self._on_status,
-                KVTransferReport: self._on_kv_transfer}
+                ClusterStatus: self._on_status}

@@ -10,9 +10,10 @@ from dataclasses import replace
 import pytest
 
 from common.protocol import (
-    KV_FAILED, AbortRequest, BlocksReserved, Fence, KVTransferReport, PrefillDone, PrefillTask,
-    RegisterWorker, RequestFailed, RequestFinished, ReserveBlocks, WorkerGone, WorkerHeartbeat,
+    KV_FAILED, AbortRequest, BlocksReserved, Fence, PrefillDone, PrefillTask, RegisterWorker,
+    RequestFailed, RequestFinished, ReserveBlocks, WorkerGone, WorkerHeartbeat,
 )
+from common.status_protocol import PrefillSummary
 from services.conductor.service import Conductor
 from services.conductor.tracker import Phase
 from tests.conductor.test_conductor import RecordingMail, beat, started, submit, worker
@@ -89,7 +90,10 @@ def test_a_prefill_lost_before_the_first_token_reruns_the_request_once(conductor
     c.on_prefill_done(PrefillDone("r", other, 40, 0, 0, 0.1, 1000, 0.01, F1))
     c.on_finished(RequestFinished("r", "decode-0", "stop", F1))
     assert c.tracker.requests == {}
-    assert [type(m) for _, m in mail.take()] == [KVTransferReport]  # only the re-run's
+    assert mail.take() == []
+    # only the re-run's prefill is counted and told to the router (at the next sweep)
+    assert c.prefilled == [PrefillSummary("r", 0.1, 0.0, 0.01, 1000)]
+    assert c.metrics.transfer_bytes._value.get() == 1000
     assert all(not w.assigned for w in c.registry.workers.values())
 
 

@@ -1,6 +1,6 @@
 """What the conductor adds to ClusterStatus for the dashboard: per-worker detail from the
-registry, its totals read back from its counters, the store master's usage; and the
-status still decodes from a conductor that sends none of it."""
+registry, its totals read back from its counters, the store master's usage, each prefill's
+figures once; and the status still decodes from a conductor that sends none of it."""
 from __future__ import annotations
 
 import asyncio
@@ -11,14 +11,19 @@ import pytest
 from common.config import ClusterConfig
 from common.ipc import decode, encode
 from common.kv.events import BlockEventMsg
-from common.protocol import RegisterWorker, WorkerHeartbeat, WorkerLoad
-from common.status_protocol import ClusterStatus, ConductorTotals, InstanceStatus
+from common.protocol import (
+    BlocksReserved, PrefillDone, PrefillTask, RegisterWorker, WorkerHeartbeat, WorkerLoad,
+)
+from common.status_protocol import (
+    ClusterStatus, ConductorTotals, InstanceStatus, PrefillSummary,
+)
 from common.scheduling import PrefixIndex
 from services.store_master.metadata import MetadataConfig, StoreMetadata
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.registry import Registry
 from services.conductor.status import StoreView, conductor_totals, store_usage
 from services.conductor.store_events import IndexSync
+from tests.conductor.test_conductor import beat, started, submit, worker
 
 
 def test_registry_status_has_each_workers_detail() -> None:
@@ -51,10 +56,39 @@ def test_totals_are_the_metrics_counters() -> None:
     m.cached_tokens.inc(300)
     m.global_hit_tokens.inc(100)
     m.transfer_bytes.inc(4096)
+    m.transfer_seconds.observe(0.25)
+    m.transfer_seconds.observe(0.5)
     assert conductor_totals(m) == ConductorTotals(
         placed=5, rejected={"ttft_slo": 4, "queue_full": 1}, failed={"worker_lost": 1},
-        prompt_tokens=1000, cached_tokens=300, global_hit_tokens=100, transfer_bytes=4096)
+        prompt_tokens=1000, cached_tokens=300, global_hit_tokens=100, transfer_bytes=4096,
+        transfers=2, transfer_seconds=0.75)
     assert conductor_totals(ConductorMetrics()) == ConductorTotals()
+
+
+def test_each_prefill_is_counted_once_and_told_in_the_next_status() -> None:
+    """The conductor is the one place that counts KV transfers: a PrefillDone goes into
+    its counters, and the next status carries them and the request's figures, once."""
+    c, mail = started(2, [(worker(r, i), beat(r, i)) for r, i in (("prefill", 0),
+                                                                    ("decode", 0))])
+    c.on_submit(submit("r1"))
+    c.on_reserved(BlocksReserved("r1", "decode-0", [5, 6, 7]))
+    [task] = [m for _, m in mail.take() if isinstance(m, PrefillTask)]
+    c.on_prefill_done(PrefillDone("r1", "prefill-0", 40, 0, 0, 0.1, 1000, 0.02, task.fence,
+                                  wait_s=0.03))
+    assert mail.sent == []  # nothing to the router until the sweep
+
+    def swept() -> ClusterStatus:
+        c.sweep()
+        [status] = [m for _, m in mail.sent if isinstance(m, ClusterStatus)]
+        mail.sent = []
+        return status
+
+    first, second = swept(), swept()
+    assert first.prefills == [PrefillSummary("r1", 0.1, 0.03, 0.02, 1000)]
+    assert second.prefills == []
+    for status in (first, second):
+        assert (status.totals.transfer_bytes, status.totals.transfers,
+                status.totals.transfer_seconds) == (1000, 1, 0.02)
 
 
 def test_store_usage_sums_the_masters_nodes() -> None:
@@ -107,10 +141,12 @@ def test_status_round_trips_and_an_old_one_still_decodes() -> None:
                          "objects": 1, "counters": {"hits": 3}})
     status = ClusterStatus(True, [InstanceStatus("p", "prefill", 1, 1, 0, 0, 0, 0,
                                                  cached_blocks=7)], 9,
-                           ConductorTotals(placed=2, rejected={"ttft_slo": 1}), store)
+                           ConductorTotals(placed=2, rejected={"ttft_slo": 1}), store,
+                           [PrefillSummary("r", 0.1, 0.02, 0.05, 4096)])
     assert decode(encode(status)) == status
     old = {"type": "ClusterStatus", "ready": True, "conductor_epoch": 3, "instances": [
         {"instance_id": "p", "role": "prefill", "total_blocks": 1, "free_blocks": 1,
          "used_blocks": 0, "queued": 0, "running": 0, "assigned": 0}]}
     got = decode(orjson.dumps(old))
     assert got.totals is None and got.store is None and got.instances[0].cached_blocks == 0
+    assert got.prefills == []

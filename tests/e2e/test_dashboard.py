@@ -125,11 +125,13 @@ def test_data_matches_metrics(cluster: LocalCluster, served: Served) -> None:
     assert _sum(router, "crescent_router_requests", 'status="200"') == ok
     assert d["admission"]["rejected_429"] == refused == \
         _sum(router, "crescent_router_requests", 'status="429"')
-    assert d["transfer"]["bytes"] == _sum(router, "crescent_router_kv_transfer_bytes") > 0
-    assert d["transfer"]["transfers"] == ok == \
-        _sum(router, "crescent_router_kv_transfer_seconds_count")
     # the conductor's
     conductor = _metrics(f"http://{cfg.host}:{cfg.port('conductor_http')}")
+    assert d["transfer"]["bytes"] == \
+        _sum(conductor, "crescent_conductor_kv_transfer_bytes") > 0
+    assert d["transfer"]["transfers"] == ok == \
+        _sum(conductor, "crescent_conductor_kv_transfer_seconds_count")
+    assert sum(r["transfer_bytes"] for r in d["requests"]) == d["transfer"]["bytes"]
     cache, cond = d["cache"], d["admission"]["conductor"]
     assert cond["placed"] == _sum(conductor, "crescent_conductor_placed") == ok
     assert cond["rejected"] == {"queue_full": refused} and cond["failed"] == {}

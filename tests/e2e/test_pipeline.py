@@ -50,7 +50,7 @@ def serve(tmp: Path, port: int, stages: int, layerwise: bool,
         metrics = httpx.get(cluster.url + "/metrics", timeout=5).text
         out["metrics"] = metrics
         wait_no_leaks(cluster)
-        out["kv_bytes"] = kv_moved(cluster, metrics)
+        out["kv_bytes"] = kv_moved(cluster)
         out["paths"] = {}  # "flow/path" → bytes, every worker's
         for (_, flow, path), n in kv_bytes(conductor_metrics(cluster)).items():
             out["paths"][f"{flow}/{path}"] = out["paths"].get(f"{flow}/{path}", 0) + n
@@ -77,13 +77,13 @@ def wait_index(cluster: LocalCluster, keys: int, timeout_s: float = 30.0) -> Non
         time.sleep(0.05)
 
 
-def kv_moved(cluster: LocalCluster, router_metrics: str) -> float:
-    """The KV bytes prefills moved to decode workers, as the router was told (each
+def kv_moved(cluster: LocalCluster) -> float:
+    """The KV bytes prefills moved to decode workers, as the conductor counted them (each
     ``PrefillDone``; a group's counts every stage's layers), checked equal to what the
     workers report in their heartbeats (``crescent_worker_kv_bytes``; a group's head
     reports its followers'), once the last heartbeats came."""
-    told = sum(s.value for family in text_string_to_metric_families(router_metrics)
-               if family.name == "crescent_router_kv_transfer_bytes"
+    told = sum(s.value for family in text_string_to_metric_families(conductor_metrics(cluster))
+               if family.name == "crescent_conductor_kv_transfer_bytes"
                for s in family.samples if s.name.endswith("_total"))
     assert told > 0
     deadline = time.monotonic() + 10

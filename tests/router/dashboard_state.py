@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from dataclasses import replace
 from typing import Iterator, Optional
 
 from aiohttp import web
 
 from common.config import ClusterConfig
-from common.protocol import KVTransferReport, RequestAccepted
-from common.status_protocol import ClusterStatus, ConductorTotals, InstanceStatus, StoreUsage
+from common.protocol import RequestAccepted
+from common.status_protocol import (
+    ClusterStatus, ConductorTotals, InstanceStatus, PrefillSummary, StoreUsage,
+)
 from services.router.app import build_app
 from services.router.state import RouterState
 
@@ -21,7 +24,7 @@ WORKERS = [InstanceStatus("decode-0", "decode", 1024, 1000, 24, 0, 2, 2, context
                           cached_blocks=40, heartbeat_age_s=0.1)]
 TOTALS = ConductorTotals(placed=7, rejected={"ttft_slo": 2}, failed={"timeout": 1},
                          prompt_tokens=1000, cached_tokens=400, global_hit_tokens=150,
-                         transfer_bytes=1 << 20)
+                         transfer_bytes=1 << 20, transfers=6, transfer_seconds=1.5)
 STORE = StoreUsage(nodes=2, objects=30, dram_used=3 << 20, dram_capacity=64 << 20,
                    ssd_used=0, ssd_capacity=1 << 30,
                    counters={"hits": 9, "misses": 3, "evicted": 1}, age_s=0.4,
@@ -37,12 +40,23 @@ def state(api_keys: Optional[list[str]] = None) -> RouterState:
     return s
 
 
+def prefilled(s: RouterState, rid: str) -> None:
+    """The conductor's next status after ``rid``'s prefill moved 4096 bytes in 0.2 s."""
+    old = s.status
+    assert old is not None and old.totals is not None
+    totals = replace(old.totals, transfer_bytes=old.totals.transfer_bytes + 4096,
+                     transfers=old.totals.transfers + 1,
+                     transfer_seconds=old.totals.transfer_seconds + 0.2)
+    s._on_status(replace(old, totals=totals,
+                         prefills=[PrefillSummary(rid, 0.4, 0.1, 0.2, 4096)]))
+
+
 def serve_one(s: RouterState, rid: str, status: int, now: float) -> None:
     """A request through the log and the metrics, as flow.py records it."""
     s.requests.arrived(rid, "/v1/completions", now - 1.0)
     if status == 200:
         s.requests.accepted(RequestAccepted(rid, "prefill-0", "decode-0", 0.1), now - 0.9)
-        s._on_kv_transfer(KVTransferReport("prefill_to_decode", 4096, 0.2, rid, 0.4, 0.1))
+        prefilled(s, rid)
         s.requests.tokens(rid, 5, now - 0.2)
     s.requests.finished(rid, status, (20, 4) if status == 200 else None, now)
     s.metrics.requests.labels("/v1/completions", str(status)).inc()

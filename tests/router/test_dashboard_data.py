@@ -33,7 +33,9 @@ def test_numbers_come_from_status_metrics_and_log() -> None:
                           "global_hit_tokens": 150, "local_hit_rate": 0.25,
                           "global_hit_rate": 0.15}
     assert d["store"]["hit_rate"] == 0.75 and d["store"]["dram_used"] == 3 << 20
-    assert d["transfer"]["bytes"] == 4096 and d["transfer"]["transfers"] == 1
+    # the conductor's totals, as its last status told them; rates from their growth
+    assert (d["transfer"]["bytes"], d["transfer"]["transfers"]) == ((1 << 20) + 4096, 7)
+    assert d["transfer"]["seconds"] == pytest.approx(1.7)
     assert d["transfer"]["bytes_per_s"] == 4096 / 10
     assert d["transfer"]["bandwidth_bytes_per_s"] == pytest.approx(4096 / 0.2)
     a = d["admission"]
@@ -52,9 +54,11 @@ def test_sections_the_cluster_does_not_report_are_none() -> None:
     d = dashboard_data(s, time.time())
     assert not d["ready"] and d["workers"] == [] and d["conductor_epoch"] is None
     assert d["store"] is None and d["cache"] is None and d["admission"]["conductor"] is None
+    assert d["transfer"] is None
     s._on_status(ClusterStatus(True, WORKERS))  # an older conductor: no totals, no store
     d = dashboard_data(s, time.time())
     assert len(d["workers"]) == 2 and d["store"] is None and d["cache"] is None
+    assert d["transfer"] is None
     no_prompts = ConductorTotals()
     s._on_status(ClusterStatus(True, [], 1, no_prompts, None))
     assert dashboard_data(s, time.time())["cache"]["local_hit_rate"] is None

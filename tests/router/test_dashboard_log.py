@@ -1,24 +1,26 @@
-"""The router's request log for the dashboard: timelines laid end to end, reports that
-come after the last token, bounded memory, rates per second over a window."""
+"""The router's request log for the dashboard: timelines laid end to end, prefill figures
+that come after the last token, KV rates from the growth of the conductor's totals,
+bounded memory, rates per second over a window."""
 from __future__ import annotations
 
 import pytest
 
-from common.protocol import KVTransferReport, RequestAccepted
+from common.protocol import RequestAccepted
+from common.status_protocol import ClusterStatus, ConductorTotals, PrefillSummary
 from services.router.dashboard_log import RateWindow, RequestLog, Timeline
 
 
 def report(request_id: str, prefill_s: float = 0.3, wait_s: float = 0.05,
-           nbytes: int = 4096, seconds: float = 0.25) -> KVTransferReport:
-    return KVTransferReport("prefill_to_decode", nbytes, seconds, request_id, prefill_s,
-                            wait_s)
+           nbytes: int = 4096, seconds: float = 0.25) -> PrefillSummary:
+    return PrefillSummary(request_id, prefill_s, wait_s, seconds, nbytes)
 
 
 def served(log: RequestLog, rid: str, t0: float = 100.0) -> None:
-    """Arrive at t0, accepted +0.01, KV report, first token +0.5, last +0.9, done +0.95."""
+    """Arrive at t0, accepted +0.01, prefill figures, first token +0.5, last +0.9, done
+    +0.95."""
     log.arrived(rid, "/v1/chat/completions", t0)
     log.accepted(RequestAccepted(rid, "prefill-0", "decode-0", 0.2), t0 + 0.01)
-    log.kv_report(report(rid), t0 + 0.45)
+    log.prefilled(report(rid))
     log.tokens(rid, 1, t0 + 0.5)
     log.tokens(rid, 3, t0 + 0.9)
     log.finished(rid, 200, (64, 16), t0 + 0.95)
@@ -59,19 +61,48 @@ def test_report_after_the_last_token_still_lands() -> None:
     log.arrived("a", "/v1/completions", 0.0)
     log.tokens("a", 1, 0.4)
     log.finished("a", 200, (8, 0), 0.41)
-    log.kv_report(report("a", prefill_s=0.2, wait_s=0.1), 0.5)
+    log.prefilled(report("a", prefill_s=0.2, wait_s=0.1))
     assert log.timelines()[0]["phases"] == pytest.approx(
         {"queued": 0.1, "prefill": 0.2, "transfer": 0.1, "decode": 0.0})
 
 
-def test_unknown_ids_change_nothing_but_the_rates() -> None:
+def test_unknown_ids_change_nothing() -> None:
     log = RequestLog()
     log.tokens("ghost", 3, 1.0)
     log.accepted(RequestAccepted("ghost", "p", "d", 0.1), 1.0)
     log.finished("ghost", 200, None, 1.0)
-    log.kv_report(report("ghost", nbytes=100), 1.0)
-    assert log.timelines() == [] and not log.live
-    assert log.kv_bytes.sum(1.0) == 100 and log.admitted.sum(1.0) == 0
+    log.prefilled(report("ghost", nbytes=100))
+    assert log.timelines() == [] and not log.live and log.admitted.sum(1.0) == 0
+
+
+def moved(nbytes: int, seconds: float) -> ConductorTotals:
+    return ConductorTotals(transfer_bytes=nbytes, transfer_seconds=seconds)
+
+
+def test_kv_rates_are_what_the_conductors_totals_grew_by() -> None:
+    log = RequestLog()
+    log.moved(1, moved(1 << 30, 50.0), 10.0)  # the first heard: a baseline only
+    assert log.kv_bytes.sum(10.0) == 0 and log.kv_seconds.sum(10.0) == 0
+    log.moved(1, moved((1 << 30) + 4096, 50.5), 11.0)
+    log.moved(1, moved((1 << 30) + 6144, 50.75), 12.0)
+    assert log.kv_bytes.sum(12.0) == 6144 and log.kv_seconds.sum(12.0) == 0.75
+    log.moved(2, moved(1000, 0.25), 13.0)  # a new conductor counts from zero
+    assert log.kv_bytes.sum(13.0) == 7144 and log.kv_seconds.sum(13.0) == 1.0
+    assert log.kv_bytes.sum(30.0) == 0  # out of the window
+
+
+def test_a_status_fills_timelines_and_rates() -> None:
+    log = RequestLog()
+    log.arrived("a", "/v1/completions", 0.0)
+    log.heard(ClusterStatus(True, [], 1, moved(0, 0.0)), 0.1)
+    log.heard(ClusterStatus(True, [], 1, moved(4096, 0.25), None, [report("a")]), 0.2)
+    log.tokens("a", 1, 0.4)
+    log.finished("a", 200, (8, 0), 0.5)
+    [t] = log.timelines()
+    assert (t["transfer_bytes"], t["transfer_s"], t["phases"]["prefill"]) == (4096, 0.25, 0.3)
+    assert log.kv_bytes.sum(0.5) == 4096
+    log.heard(ClusterStatus(True, []), 0.6)  # an old conductor: no totals, no figures
+    assert log.kv_bytes.sum(0.6) == 4096
 
 
 def test_keeps_only_the_last_requests_newest_first() -> None:
