@@ -236,6 +236,7 @@ class StreamTarget:
 class PrefillTask:
     request_id: str
     token_ids: list[int]
+    block_keys: list[str]  # hex key of each full block: the router's, never hashed again
     sampling: SamplingParams  # the first token is sampled on the prefill side
     decode_id: str
     decode_inbox: str
@@ -249,6 +250,13 @@ class PrefillTask:
     prefill_epoch: int = 0  # the incarnation it is for: another one drops it
     store_loads: bool = True  # False: compute past the local prefix (a failed load's re-run)
     decode_kv_ipc: Optional[str] = None  # set: a same-host prefill on the GPU may write there
+
+    def keys(self, block_size: int) -> list[bytes]:
+        """The block keys, checked against the prompt: one per full block."""
+        if len(self.block_keys) != len(self.token_ids) // block_size:
+            raise ValueError(f"{len(self.block_keys)} block keys for a prompt of "
+                             f"{len(self.token_ids)} tokens in blocks of {block_size}")
+        return [bytes.fromhex(k) for k in self.block_keys]
 
     @property
     def target(self) -> StreamTarget:

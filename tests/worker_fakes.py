@@ -39,6 +39,8 @@ DECODE_INBOX = "tcp://decode-0"
 ROUTER_INBOX = "tcp://router"
 CONDUCTOR = "tcp://conductor"
 EPOCH = 7  # every fake worker's incarnation
+FAKE_BLOCK = 4  # tokens per KV block of every fake engine
+FAKE_FINGERPRINT = b"fake-model"  # its block keys' model fingerprint
 
 
 @dataclass
@@ -53,8 +55,8 @@ class FakeEngine:
     (default: token + 1, wrapping past EOS). ``gate``: a step waits for it; ``fail``: the
     next step raises it; ``interrupt``: something happens while the next step runs."""
 
-    def __init__(self, num_blocks: int = 16, block_size: int = 4, max_batch_size: int = 8,
-                 trace: Optional[list] = None) -> None:
+    def __init__(self, num_blocks: int = 16, block_size: int = FAKE_BLOCK,
+                 max_batch_size: int = 8, trace: Optional[list] = None) -> None:
         self.config = EngineConfig(model="fake", num_blocks=num_blocks, block_size=block_size,
                                    max_batch_size=max_batch_size)
         self.model_config = ModelConfig()
@@ -84,9 +86,6 @@ class FakeEngine:
                     self.config.num_blocks * self.config.block_size)
         if not tokens or len(tokens) > limit:
             raise EngineInputError(f"prompt of {len(tokens)} tokens; 1 to {limit} fit")
-
-    def block_keys(self, tokens: Sequence[int]) -> list[bytes]:
-        return compute_block_keys(tokens, self.config.block_size, b"fake-model")
 
     def decode_tokens(self, ids: Sequence[int]) -> str:
         return "".join(chr(ord("a") + i % 26) for i in ids)
@@ -267,6 +266,11 @@ def sampling(max_tokens: int = 4, **kw: Any) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 
 
+def fake_keys(tokens: Sequence[int]) -> list[str]:
+    """The router's block keys of ``tokens`` for a fake engine's blocks."""
+    return [k.hex() for k in compute_block_keys(tokens, FAKE_BLOCK, FAKE_FINGERPRINT)]
+
+
 def prefill_task(rid: str, tokens: list[int], decode_blocks: Optional[list[int]] = None,
                  deadline_s: float = 30.0, max_tokens: int = 4,
                  fence: Optional[Fence] = None, epoch: int = EPOCH,
@@ -276,7 +280,8 @@ def prefill_task(rid: str, tokens: list[int], decode_blocks: Optional[list[int]]
     worker incarnation ``epoch``."""
     if decode_blocks is None:
         decode_blocks = list(range(100, 100 + len(tokens) // 4 + 1))
-    return PrefillTask(request_id=rid, token_ids=tokens, sampling=sampling(max_tokens),
+    return PrefillTask(request_id=rid, token_ids=tokens, block_keys=fake_keys(tokens),
+                       sampling=sampling(max_tokens),
                        decode_id=decode_id, decode_inbox=DECODE_INBOX,
                        decode_session=f"fake-{decode_id}:1", decode_kv_base=1 << 20,
                        decode_block_ids=decode_blocks, deadline=time.time() + deadline_s,

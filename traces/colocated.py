@@ -93,7 +93,8 @@ class ColocatedSim:
         return self.result
 
     def _on_arrival(self, now: float, req: TraceRequest) -> None:
-        info = RequestInfo(str(req.index), req.hash_ids, req.input_length, req.output_length)
+        info = RequestInfo(str(req.index), req.hash_ids, req.input_length,
+                           req.input_length + req.output_length)  # KV counted in tokens here
         states = [PrefillInstanceState(x.iid, x.backlog_s, x.cache, len(x.waiting))
                   for x in self.instances]
         dummy = [DecodeInstanceState("colocated", 0, 0, 1 << 40, TRACE_BLOCK_TOKENS)]

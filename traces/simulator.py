@@ -158,7 +158,8 @@ class DisaggregatedSim:
 
     # --- prefill side -------------------------------------------------------------------
     def _on_arrival(self, now: float, req: TraceRequest, _: object) -> None:
-        info = RequestInfo(str(req.index), req.hash_ids, req.input_length, req.output_length)
+        info = RequestInfo(str(req.index), req.hash_ids, req.input_length,
+                           req.input_length + req.output_length)  # KV counted in tokens here
         states = [PrefillInstanceState(p.iid, p.queue_seconds(now), p.cache, len(p.queue))
                   for p in self.prefill]
         decision = self.scheduler.schedule(info, states, [d.state() for d in self.decode],

@@ -1,7 +1,7 @@
 """Decode-side choice and load prediction (plain and prediction-based early rejection).
 
-A decode instance *holds* a request when its KV (prompt + max_tokens) fits in free memory
-and, if it has a fixed maximum batch, the batch has a free seat; its predicted TBT is the
+A decode instance *holds* a request when its KV (``RequestInfo.kv_tokens``) fits in free
+memory and, if it has a fixed maximum batch, the batch has a free seat; its predicted TBT is the
 cost model's time between two tokens with the request added, in turns of at most
 ``step_batch`` sequences per step when the instance has such a limit (the worker serves a
 larger batch in turns; see ``CostModel.decode_tbt_seconds``). Prediction-based early
@@ -85,7 +85,7 @@ def choose_decode(
     With ``require_fit=False`` an instance is chosen even if none has room (instances
     with room still come first).
     """
-    need = req.prompt_tokens + req.max_tokens
+    need = req.kv_tokens
     n = req.sequences
     ranked = []
     for i, load in enumerate(loads):

@@ -120,10 +120,9 @@ class Scheduler(ABC):
                 "ttft_slo", max(1.0, ttft - cfg.ttft_slo_s),
                 f"predicted TTFT {ttft:.2f} s exceeds the {cfg.ttft_slo_s:g} s SLO"), ttft, tbt)
         if checks_decode and dchoice.index is None:
-            need = req.prompt_tokens + req.max_tokens
             return _reject(Rejection("decode_full", self._decode_retry(),
-                                     f"no decode instance has room for {need} tokens "
-                                     "(prompt + max_tokens)"),
+                                     f"no decode instance has room for {req.kv_tokens} "
+                                     "tokens (prompt + max_tokens)"),
                            ttft, tbt)
         if checks_decode and cfg.tbt_slo_s is not None and tbt > cfg.tbt_slo_s:
             return _reject(Rejection(

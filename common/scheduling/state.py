@@ -150,7 +150,8 @@ class RequestInfo:
     request_id: str
     block_keys: Sequence[BlockKey]
     prompt_tokens: int
-    max_tokens: int  # the most tokens it adds to decode KV (n choices: n x max_tokens)
+    kv_tokens: int  # the most KV it holds on its decode instance, prompt included
+    # (whole blocks of every choice: common/kv/demand.py)
     sequences: int = 1  # sequences it decodes as (its n choices), each attending the prompt
 
 

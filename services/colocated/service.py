@@ -76,21 +76,23 @@ class ColocatedWorker(DecodeWorker):
             return self.drop("PrefillTask", task.request_id, f"fence {task.fence}")
         try:
             self.engine.validate_prompt(task.token_ids)
-        except EngineInputError as exc:
+            keys = task.keys(self.engine.config.block_size)
+        except (EngineInputError, ValueError) as exc:  # ValueError: keys that do not fit
             del self.reserved[task.request_id]
             self._release(r, "invalid")
+            status, kind = ((400, "invalid_request_error") if isinstance(exc, EngineInputError)
+                            else (500, "internal_error"))
             self.rt.mail.send(self.rt.conductor, RequestFailed(
-                task.request_id, 400, "invalid_request_error", str(exc), fence=r.fence))
+                task.request_id, status, kind, str(exc), fence=r.fence))
             return
         deadline = clamp_deadline(task.deadline, self.rt.config.kv_wait_timeout_s)
-        job = asyncio.create_task(self._admit(replace(task, deadline=deadline)))
+        job = asyncio.create_task(self._admit(replace(task, deadline=deadline), keys))
         self._admitting.add(job)
         job.add_done_callback(self._admitting.discard)
 
-    async def _admit(self, task: PrefillTask) -> None:
+    async def _admit(self, task: PrefillTask, keys: list[bytes]) -> None:
         """Find the cached prefix (the store lookup awaits), then queue the prompt."""
         tokens = task.token_ids
-        keys = self.engine.block_keys(tokens)
         cached, from_store, in_store = await self.prefix.lookup(tokens, keys)
         r = self.reserved.pop(task.request_id, None)
         if r is None:  # aborted or expired during the lookup

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
 from common.config import ClusterConfig
+from common.kv.demand import kv_demand
 from common.protocol import PrefillDone, SubmitRequest
 from common.scheduling import (
     CostModel, DecodeInstanceState, DecodeSlot, PipelineCost, PrefillInstanceState, PrefixIndex,
@@ -28,6 +29,7 @@ class Placement:
     decode_id: str
     predicted_ttft_s: float
     prefill_tokens: int  # tokens the prefill worker is predicted to compute
+    kv_tokens: int  # the KV it may hold on its decode worker (``kv_tokens``)
 
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "launch" / "profiles"
@@ -136,8 +138,9 @@ class Placer:
         now = time.time() if now is None else now
         prefill = [self._prefill_state(w, tracker, now) for w in registry.by_role("prefill")]
         decode = [self._decode_state(w, tracker, now) for w in registry.by_role("decode")]
-        info = RequestInfo(req.request_id, req.block_keys, len(req.token_ids),
-                           output_tokens(req), req.sampling.n)
+        need = kv_tokens(req, self.config.block_size)
+        info = RequestInfo(req.request_id, req.block_keys, len(req.token_ids), need,
+                           req.sampling.n)
         global_len = self.global_index.prefix_len(req.block_keys) if store_loads else 0
         d = self.policy.schedule(info, prefill, decode, global_len, now)
         if d.rejection is not None:
@@ -149,7 +152,7 @@ class Placer:
         if chosen is not None and chosen.info.role == "colocated":
             decode_id = d.prefill_id  # a colocated worker decodes what it prefills
         return Placement(d.prefill_id, decode_id, d.predicted_ttft_s,
-                         max(len(req.token_ids) - cached, 1))
+                         max(len(req.token_ids) - cached, 1), need)
 
     def observe_store_read(self, msg: PrefillDone) -> Optional[float]:
         """Learn the store's read bandwidth from a prefill's load; the scheduler prices
@@ -201,8 +204,8 @@ def sequences_of(request_ids: Iterable[str], tracker: Optional[Tracker]) -> int:
     return sum(t.req.sampling.n if t is not None else 1 for t in requests)
 
 
-def output_tokens(req: SubmitRequest) -> int:
-    """The most tokens ``req`` may add to its decode worker's KV: ``new_tokens`` (its
-    ``max_tokens``, less a continuation's resumed ones) for each of its ``n`` choices
-    (they share the prompt's)."""
-    return req.sampling.new_tokens * req.sampling.n
+def kv_tokens(req: SubmitRequest, block_size: int) -> int:
+    """The KV ``req`` may hold on its decode worker, prompt and every choice's output, in
+    tokens of whole blocks: what the worker reserves (``common/kv/demand.py``)."""
+    return kv_demand(len(req.token_ids), req.sampling.new_tokens, req.sampling.n,
+                     block_size).tokens

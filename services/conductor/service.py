@@ -23,7 +23,7 @@ from common.protocol import (
 from common.status_protocol import ClusterStatus, PrefillSummary
 from common.scheduling import NO_INSTANCES, Rejection
 from services.conductor.metrics import ConductorMetrics
-from services.conductor.placement import Placement, Placer, output_tokens
+from services.conductor.placement import Placement, Placer
 from services.conductor.registry import ROLES, Registry
 from services.conductor.status import StoreView, conductor_totals
 from services.conductor.store_events import StoreEventFeed
@@ -155,7 +155,7 @@ class Conductor:
                           phase=Phase.RESERVING, phase_deadline=now + RESERVE_TIMEOUT_S,
                           predicted_ttft_s=p.predicted_ttft_s, accepted_at=accepted_at,
                           prefill_tokens=p.prefill_tokens,
-                          decode_tokens=len(req.token_ids) + output_tokens(req),
+                          decode_tokens=p.kv_tokens,
                           attempt=attempt, store_loads=store_loads)
         self.tracker.add(tracked)
         prefill.assigned.add(req.request_id)
@@ -192,7 +192,8 @@ class Conductor:
         self.tracker.set_phase(t, Phase.PREFILLING,
                                time.monotonic() + self.config.kv_wait_timeout_s)
         self.mail.send(prefill.info.inbox, PrefillTask(
-            request_id=t.req.request_id, token_ids=t.req.token_ids, sampling=t.req.sampling,
+            request_id=t.req.request_id, token_ids=t.req.token_ids,
+            block_keys=t.req.block_keys, sampling=t.req.sampling,
             decode_id=decode.instance_id, decode_inbox=decode.info.inbox,
             decode_session=decode.info.transfer_session, decode_kv_base=decode.info.kv_base,
             decode_block_ids=msg.block_ids,

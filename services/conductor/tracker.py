@@ -24,7 +24,7 @@ class Tracked:
     predicted_ttft_s: float
     accepted_at: float  # wall clock (time.time), like Placer.place's ``now``
     prefill_tokens: int  # uncached tokens the prefill worker must compute (prediction)
-    decode_tokens: int = 0  # prompt + max_tokens: the KV it may hold on the decode worker
+    decode_tokens: int = 0  # the KV it may hold on its decode worker (Placement.kv_tokens)
     decode_started_at: Optional[float] = None  # wall clock of PrefillDone: decode began
     attempt: int = 0  # 1 once re-run after its prefill worker was lost (at most once)
     store_loads: bool = True  # False once re-run after its store load failed

@@ -17,6 +17,7 @@ from common.engine import DecodeInput
 from common.grammar import GrammarError, Grammars
 from common.engine.sampling import make_generator, sample
 from common.idle_check import IdleCheck
+from common.kv.demand import kv_demand
 from common.security import clamp_deadline
 from common.protocol import (
     KV_FAILED, AbortRequest, BlocksReserved, Fence, FenceQuery, KVFailed, KVReady, RequestFailed,
@@ -70,15 +71,16 @@ class DecodeWorker:
             return self.drop("ReserveBlocks", msg.request_id, f"for epoch {msg.epoch}")
         if msg.request_id in self.reserved or msg.request_id in self.choices:
             return
-        own, tail = self._blocks_needed(msg.prompt_tokens, msg.sampling.new_tokens)
-        n = own + (msg.sampling.n - 1) * tail
-        blocks = self.pool.try_allocate(n)
+        need = kv_demand(msg.prompt_tokens, msg.sampling.new_tokens, msg.sampling.n,
+                         self.engine.config.block_size,
+                         self.engine.model_config.max_position_embeddings)
+        blocks = self.pool.try_allocate(need.blocks)
         if blocks is None:
             self.rt.mail.send(self.rt.conductor, ReserveFailed(
                 msg.request_id, self.rt.instance_id,
-                f"needs {n} blocks, {self.pool.num_free} free", msg.attempt))
+                f"needs {need.blocks} blocks, {self.pool.num_free} free", msg.attempt))
             return
-        blocks, rest = blocks[:own], blocks[own:]
+        blocks, rest = blocks[:need.own], blocks[need.own:]
         self.grammars.prefetch(msg.sampling)  # compiled while its prefill runs
         fence = Fence(self.rt.epoch, next(self.generations))
         self.reserved[msg.request_id] = Reservation(
@@ -86,18 +88,9 @@ class DecodeWorker:
             deadline=clamp_deadline(msg.deadline, self.rt.config.kv_wait_timeout_s),
             fence=fence, writer=msg.writer, writer_epoch=msg.writer_epoch,
             writer_inbox=msg.writer_inbox,
-            tails=[rest[i:i + tail] for i in range(0, len(rest), tail)])
+            tails=[rest[i * need.tail:(i + 1) * need.tail] for i in range(need.n - 1)])
         self.rt.mail.send(self.rt.conductor, BlocksReserved(msg.request_id, self.rt.instance_id,
                                                             blocks, fence, msg.attempt))
-
-    def _blocks_needed(self, prompt_tokens: int, max_tokens: int) -> tuple[int, int]:
-        """(blocks for prompt + output, blocks of each further choice's own): further
-        choices share the prompt's full blocks and own the rest, from the prompt's last
-        partial block (copied at the fork: ``_fork``) on."""
-        bs = self.engine.config.block_size
-        limit = self.engine.model_config.max_position_embeddings
-        total = -(-min(prompt_tokens + max_tokens, limit) // bs)
-        return total, total - min(prompt_tokens // bs, total)
 
     def drop(self, kind: str, request_id: str, why: str) -> None:
         """A message no live state of this incarnation matches: logged, counted, ignored."""

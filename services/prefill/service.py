@@ -200,11 +200,14 @@ class PrefillWorker:
             self.engine.validate_prompt(tokens)
         except EngineInputError as exc:
             raise PrefillFailure(400, "invalid_request_error", str(exc)) from exc
+        try:
+            keys = task.keys(self.engine.config.block_size)
+        except ValueError as exc:  # the router's keys do not fit the prompt: a bug
+            raise PrefillFailure(500, "internal_error", str(exc)) from exc
         whole = task.sampling.prompt_logprobs is not None  # every row's logits: no prefix
         if whole and self.group is not None:
             raise PrefillFailure(400, "invalid_request_error", "prompt logprobs (echo with "
                                  "logprobs) are not computed by a pipeline group")
-        keys = self.engine.block_keys(tokens)
         plan = await self.prefix.acquire(tokens, keys, from_store=task.store_loads,
                                          reuse_prefix=not whole)
         if plan is None:

@@ -21,8 +21,8 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, top_k=3, seed=7, stop=("\
 
 
 def test_round_trip_keeps_every_field() -> None:
-    msg = PrefillTask("r1", [1, 2, 3], GREEDY, "decode-0", "tcp://h:1", "h:2", 1 << 40,
-                      [7, 8], 123.5)
+    msg = PrefillTask("r1", [1, 2, 3], ["ab" * 16], GREEDY, "decode-0", "tcp://h:1", "h:2",
+                      1 << 40, [7, 8], 123.5)
     assert decode(encode(msg)) == msg
 
 

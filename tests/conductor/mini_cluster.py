@@ -23,7 +23,7 @@ from services.decode.service import DecodeWorker
 from services.prefill.prefix import PrefixLoader
 from services.prefill.service import PrefillWorker
 from tests.worker_fakes import (
-    CONDUCTOR, VOCAB, FakeEngine, FakeMail, FakeRuntime, one_hot, sampling,
+    CONDUCTOR, VOCAB, FakeEngine, FakeMail, FakeRuntime, fake_keys, one_hot, sampling,
 )
 
 
@@ -136,8 +136,8 @@ class MiniCluster:
         return worker
 
     def submit(self, rid: str, tokens: list[int], max_tokens: int = 4) -> None:
-        self.conductor.on_submit(SubmitRequest(rid, tokens, [], sampling(max_tokens),
-                                               time.time()))
+        self.conductor.on_submit(SubmitRequest(rid, tokens, fake_keys(tokens),
+                                               sampling(max_tokens), time.time()))
 
     def sent(self, kind: type, to: Optional[str] = None) -> list[Any]:
         """Every message of ``kind`` sent by anyone (to ``to``), in order per sender."""

@@ -138,7 +138,9 @@ def test_a_requests_choices_count_as_sequences_on_its_decode_worker() -> None:
     start_decoding(c, clock, "three", at=1003.0)
     running, incoming = decode_slots(c.registry.get("decode-0"), c.tracker, now=1004.0)
     assert [s.sequences for s in running] == [3] and [s.sequences for s in incoming] == [1]
-    assert running[0].tokens == PROMPT + 3 * MAX_TOKENS  # one prompt, three outputs
+    # what the decode worker reserves (common/kv/demand.py): 3 blocks of prompt and
+    # output, and each further choice its own block from the prompt's partial one on
+    assert running[0].tokens == (3 + 2 * 1) * BLOCK
     beat(c, "decode", free=90, running=3, context=3 * PROMPT)  # its 3 choices run
     state = c.placer._decode_state(c.registry.get("decode-0"), c.tracker, 1004.0)
     assert state.batch_size == 4  # 3 running + the pending request (was 3: 2 - 3 < 0)

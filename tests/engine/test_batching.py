@@ -9,7 +9,7 @@ from services.decode.sequence import Reservation
 
 
 def job(rid: str, n: int, done: int = 0, aborted: bool = False) -> Prefilling:
-    task = PrefillTask(request_id=rid, token_ids=list(range(n)),
+    task = PrefillTask(request_id=rid, token_ids=list(range(n)), block_keys=[],
                        sampling=SamplingParams(max_tokens=1), decode_id="c",
                        decode_inbox="tcp://c", decode_session="h:1", decode_kv_base=0,
                        decode_block_ids=[], deadline=0.0)

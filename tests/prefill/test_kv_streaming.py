@@ -42,7 +42,8 @@ def prefill_memory(num_blocks: int = 10, dtype=torch.float32) -> PagedKVMemory:
 def task(decode_path: str | None, host: str | None, decode_id: str = "decode-0",
          blocks: list[int] | None = None, session: str = "", base: int = 0) -> StreamTarget:
     """Where a PrefillTask with these decode fields sends its KV."""
-    return PrefillTask(request_id="r", token_ids=[1], sampling=SamplingParams(max_tokens=1),
+    return PrefillTask(request_id="r", token_ids=[1], block_keys=[],
+                       sampling=SamplingParams(max_tokens=1),
                        decode_id=decode_id, decode_inbox="tcp://127.0.0.1:1",
                        decode_session=session, decode_kv_base=base,
                        decode_block_ids=blocks or [], deadline=0.0,

@@ -16,7 +16,7 @@ from common.scheduling import (
 from common.scheduling.decode_time import DecodeDurations
 from tests_sched_helpers import BLOCK, cost, decode, prefill
 
-REQ = RequestInfo("r", block_keys=list(range(10)), prompt_tokens=1000, max_tokens=100)
+REQ = RequestInfo("r", block_keys=list(range(10)), prompt_tokens=1000, kv_tokens=1100)
 
 
 def sched(admission: str, **kw):
@@ -157,7 +157,7 @@ def test_a_requests_choices_join_the_batch_as_sequences() -> None:
     """n choices decode as n sequences, each attending to the prompt: the predicted TBT
     adds n to the batch and n prompts to the context, and a batch cap must seat all n."""
     busy = [decode("d0", batch=100, ctx=10_000)]
-    four = RequestInfo("r", list(range(10)), prompt_tokens=1000, max_tokens=400, sequences=4)
+    four = RequestInfo("r", list(range(10)), prompt_tokens=1000, kv_tokens=1400, sequences=4)
     one = sched("early", tbt=1.0).schedule(REQ, [prefill("A", 0.0, 0)], busy, 0, 0.0)
     assert one.predicted_tbt_s == pytest.approx(0.01 + 0.101 + 0.011)
     d = sched("early", tbt=0.125).schedule(four, [prefill("A", 0.0, 0)], busy, 0, 0.0)

@@ -20,7 +20,7 @@ def config(**kw) -> SchedulerConfig:
     return SchedulerConfig(**base)
 
 
-REQ = RequestInfo("r1", block_keys=list(range(10)), prompt_tokens=1000, max_tokens=100)
+REQ = RequestInfo("r1", block_keys=list(range(10)), prompt_tokens=1000, kv_tokens=1100)
 
 
 def run(name: str, prefills, decodes=None, global_len: int = 0, **kw):

@@ -11,7 +11,7 @@ from common.scheduling import (
 from common.scheduling.decode_time import DecodeDurations
 from tests_sched_helpers import BLOCK, cost, prefill
 
-REQ = RequestInfo("r", block_keys=list(range(10)), prompt_tokens=1000, max_tokens=100)
+REQ = RequestInfo("r", block_keys=list(range(10)), prompt_tokens=1000, kv_tokens=1100)
 
 
 def test_tbt_in_turns_exact() -> None:
