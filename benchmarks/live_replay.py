@@ -19,7 +19,8 @@ The model's tokenizer is exported as an HF hub cache entry so AIPerf loads it wi
         [--py-spy 30]   # also profile every service process for 30 s of each run
         [--kill decode@60 --kill prefill@120]   # SIGKILL roles during each replay
 
-Prints one table, saves TTFT/TBT CDF plots (PNG) and ends with one JSON line.
+Prints one table, saves TTFT/TBT CDF plots (PNG; benchmarks/live_replay_report.py) and ends
+with one JSON line.
 """
 from __future__ import annotations
 
@@ -42,11 +43,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.live_profile import Profiler  # noqa: E402
+from benchmarks import live_replay_report as report  # noqa: E402
 from benchmarks.replay_metrics import (  # noqa: E402
     RequestResult, conversation_slice, parse_record, prediction_errors, scale_trace,
     server_side, slice_stats, summarize,
 )
-from common.config import ClusterConfig, merge  # noqa: E402
+from common.config import ClusterConfig  # noqa: E402
+from common.config_load import merge  # noqa: E402
 from launch.cluster import ClusterError, LocalCluster  # noqa: E402
 from traces.loader import default_trace_path  # noqa: E402
 
@@ -272,60 +275,6 @@ def kill_on_schedule(cluster: LocalCluster, plan: list[tuple[str, float]]) -> No
         cluster.kill(role, 0)
 
 
-# --------------------------------------------------------------------------- output
-COLUMNS = [("config", "config", "{}"), ("rate", "rate", "{:g}"),
-           ("ttft_p50_s", "TTFT p50", "{:.2f}"), ("ttft_p90_s", "p90", "{:.2f}"),
-           ("ttft_p99_s", "p99", "{:.2f}"), ("itl_mean_s", "ITL ms", "{:.0f}"),
-           ("tbt_p90_s", "TBT p90", "{:.2f}"), ("e2e_p50_s", "E2E p50", "{:.2f}"),
-           ("e2e_p90_s", "p90", "{:.2f}"), ("e2e_p99_s", "p99", "{:.2f}"),
-           ("goodput", "goodput", "{}"), ("rejected_429", "429", "{}"),
-           ("errors", "err", "{}"), ("prefix_hit", "hit", "{:.0%}"),
-           ("pred_median_rel_err", "pred err p50", "{:+.0%}"),
-           ("pred_median_abs_rel_err", "|err| p50", "{:.0%}")]
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    def cell(row: dict, key: str, fmt: str) -> str:
-        v = row.get(key)
-        if v is None:
-            return "-"
-        return fmt.format(v * 1000 if key == "itl_mean_s" else v)
-    body = [[h for _, h, _ in COLUMNS]]
-    for row in rows:
-        body.append([cell(row, k, f) for k, _, f in COLUMNS] if "error" not in row
-                    else [row["config"], f"{row['rate']:g}", f"FAILED: {row['error'][:90]}"])
-    widths = [max(len(r[i]) for r in body if i < len(r) and len(r) == len(COLUMNS))
-              for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(c.rjust(w) if len(r) == len(COLUMNS) else c
-                               for c, w in zip(r, widths)) for r in body)
-
-
-def plot(rows: list[dict[str, Any]], rates: list[float], out: Path) -> list[str]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    for key, label in (("_ttft", "TTFT (s)"), ("_tbt", "TBT: mean of longest 10% gaps (s)")):
-        fig, axes = plt.subplots(1, len(rates), figsize=(4.5 * len(rates), 3.6), squeeze=False)
-        for ax, rate in zip(axes[0], rates):
-            for row in rows:
-                xs = row.get(key) or []
-                if row["rate"] == rate and xs:
-                    ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=row["config"])
-            ax.set_title(f"{rate:g} req/s")
-            ax.set_xlabel(label)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-        axes[0][0].set_ylabel("CDF of completed requests")
-        fig.tight_layout()
-        path = out / f"live_replay{key}_cdf.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(str(path))
-    return paths
-
-
 # --------------------------------------------------------------------------- main
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -399,8 +348,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 msg = str(exc) if isinstance(exc, ReplayError) else f"{type(exc).__name__}: {exc}"
                 print(f"  FAILED: {msg}", file=sys.stderr, flush=True)
                 results.append({"config": name, "rate": rate, "error": msg})
-    print(table(results))
-    plots = plot([r for r in results if "error" not in r], args.rate_list, out)
+    print(report.table(results))
+    plots = report.plot([r for r in results if "error" not in r], args.rate_list, out)
     print("plots: " + ", ".join(plots))
     clean = [{k: v for k, v in r.items() if not k.startswith("_")} for r in results]
     print(json.dumps({"bench": "live_replay", "started": started.isoformat(timespec="seconds"),

@@ -5,17 +5,18 @@ one inbox at ``inbox(role, index)``; the only other bound ports are the fixed on
 ``FIXED_PORTS``. Every process has one advertised address, ``address(role, index)`` (the
 ``[hosts]`` table, else ``host``), and binds its listeners there, or on ``bind_host`` when
 set (docs/multihost.md). A TOML file (``crescent up --config FILE``) overrides any field, and
-``--set key=value`` one field of one process (common/service.py); see launch/configs/.
+``--set key=value`` one field of one process (common/service.py); see launch/configs/ and,
+for how tables become this object, common/config_load.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import tomllib
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from common.config_load import from_tables, merge
 from common.cpu import CpuConfig
 from common.kv.dtypes import resolve_kv_dtype
 from common.security import SecurityConfig
@@ -25,13 +26,6 @@ from common.store.policy import MetadataConfig
 FIXED_PORTS = {"router": 0, "conductor": 1, "store_master": 2, "conductor_http": 3,
                "store_master_http": 4, "store_events": 5}
 FIRST_INSTANCE_PORT = 10
-# Keys that moved into a table, so an old config fails with the new name.
-MOVED_KEYS = {"use_store": "store.enabled", "store_nodes": "store.nodes",
-              "store_segment_bytes": "store.segment_bytes", "store_ssd_bytes": "store.ssd_bytes",
-              "store_ssd_dir": "store.ssd_dir"}
-# Keys that did nothing and are gone, so an old config fails saying why.
-REMOVED_KEYS = {"prefill_chunk": "a cluster's workers chunk prompts by token_budget "
-                                 "(tokens per engine step); delete the line"}
 
 
 SINGLE_ROLES = ("router", "conductor", "store_master")
@@ -353,15 +347,7 @@ class ClusterConfig:
     # --------------------------------------------------------------- loading
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ClusterConfig":
-        moved = sorted(set(data) & set(MOVED_KEYS))
-        if moved:
-            raise ValueError("config keys moved: " + ", ".join(
-                f"{k} is now {MOVED_KEYS[k]} ([store] table)" for k in moved))
-        removed = sorted(set(data) & set(REMOVED_KEYS))
-        if removed:
-            raise ValueError("config keys removed: " + "; ".join(
-                f"{k}: {REMOVED_KEYS[k]}" for k in removed))
-        return _build(cls, data, "")
+        return from_tables(cls, data)
 
     @classmethod
     def load(cls, path: Optional[str],
@@ -376,31 +362,3 @@ class ClusterConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-
-def _build(cls: type, data: dict[str, Any], table: str) -> Any:
-    """``cls(**data)`` with its dataclass-typed fields built from nested tables; an unknown
-    key is an error that names its table."""
-    if not isinstance(data, dict):
-        raise ValueError(f"[{table}] must be a table, not {data!r}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(data) - known
-    if unknown:
-        where = f" in [{table}]" if table else ""
-        raise ValueError(f"unknown config keys{where}: {sorted(unknown)}")
-    kwargs = dict(data)
-    for name, value in data.items():
-        if dataclasses.is_dataclass(hints[name]):
-            kwargs[name] = _build(hints[name], value, f"{table}.{name}".lstrip("."))
-    return cls(**kwargs)
-
-
-def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``override`` laid over it, table by table (for ``--set``)."""
-    out = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
-    return out

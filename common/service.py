@@ -73,7 +73,7 @@ def parse_args(role: str, argv: Optional[list[str]]) -> argparse.Namespace:
 def parse_overrides(items: list[str]) -> dict[str, Any]:
     """``["a.b=1", "host=10.0.0.2"]`` → ``{"a": {"b": 1}, "host": "10.0.0.2"}``: each value
     is a TOML value, or a plain string where it does not parse as one."""
-    from common.config import merge
+    from common.config_load import merge
 
     out: dict[str, Any] = {}
     for item in items:

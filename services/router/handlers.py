@@ -129,13 +129,13 @@ def _choices(state: RouterState, req: GenerationRequest, request_id: str,
                         want_top=req.sampling.top_logprobs, include_usage=req.include_usage,
                         tool_call=req.tool_call, index=i, echo=echo,
                         prompt_ids=list(ids) if req.echo else [])
-                    for i in range(req.sampling.n)], req.n)
+                    for i in range(req.sampling.n)], req.returned)
 
 
 def _wire_sampling(req: GenerationRequest, sampling: SamplingParams) -> SamplingParams:
     """What the workers sample under: best_of ranks its choices by cumulative logprob,
     so the workers report every token's (the answer shows them only where asked)."""
-    return replace(sampling, logprobs=True) if req.n < sampling.n else sampling
+    return replace(sampling, logprobs=True) if req.returned < sampling.n else sampling
 
 
 async def _collect(run: RequestRun, out: Choices) -> None:
@@ -233,7 +233,7 @@ async def _complete_batch(state: RouterState, endpoint: str, req: GenerationRequ
             runs.append((RequestRun(state, endpoint, submit),
                          _choices(state, req, request_id, prompt, ids)))
         await _all([_collect(run, out) for run, out in runs])
-        choices = [c for i, (_, out) in enumerate(runs) for c in out.choices(i * req.n)]
+        choices = [c for i, (_, out) in enumerate(runs) for c in out.choices(i * req.returned)]
         usages = [out.usage() for _, out in runs]
         status = 200
     except ApiError as err:

@@ -40,7 +40,8 @@ class GenerationRequest:
     prompts: list[Prompt] = field(default_factory=list)  # completions: one request each
     echo: bool = False  # completions: the prompt before the completion (and its logprobs)
     tool_call: Optional[str] = None  # the function a named tool_choice calls
-    n: int = 1  # choices returned; ``sampling.n`` are sampled (more: best_of)
+    returned: int = 1  # choices returned (OpenAI's n); ``sampling.n`` sequences are
+    # sampled: more with best_of, the best ``returned`` of them answer
     tagged_calls: bool = False  # tool_choice auto/required: <tool_call> blocks to split
     tools: Optional[list[dict]] = None  # the functions the prompt shows the model
 
@@ -310,7 +311,7 @@ def parse_request(body: Any, kind: str, served_model: str,
                               grammar, sampled, echo)
     req = GenerationRequest(kind=kind, model=model, sampling=sampling,
                             max_tokens_asked=asked is not None, stream=stream,
-                            include_usage=include_usage, n=n, echo=echo)
+                            include_usage=include_usage, returned=n, echo=echo)
     if plan is not None and plan.functions:
         req.tool_call, req.tagged_calls = plan.named, plan.tagged
         req.tools = list(plan.functions)

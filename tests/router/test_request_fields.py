@@ -70,7 +70,7 @@ ROWS = [
     Row("both", "stop", ["\n\n"], HONOURED, _sampling(stop=("\n\n",))),
     Row("both", "stream", True, HONOURED, lambda r: r.stream),
     Row("both", "n", 1, HONOURED, _sampling()),
-    Row("both", "n", 3, HONOURED, lambda r: r.n == 3 and r.sampling == SamplingParams(
+    Row("both", "n", 3, HONOURED, lambda r: r.returned == 3 and r.sampling == SamplingParams(
         max_tokens=DEFAULT_MAX, n=3)),
     Row("both", "n", 17, REFUSED),
     Row("chat", "logprobs", True, HONOURED, _sampling(logprobs=True)),
@@ -134,7 +134,7 @@ ROWS = [
     Row("chat", "verbosity", "low", REFUSED),
     Row("chat", "web_search_options", {}, REFUSED),
     Row("chat", "moderation", {"input": True}, REFUSED),
-    Row("completion", "best_of", 3, HONOURED, lambda r: r.n == 1 and r.sampling ==
+    Row("completion", "best_of", 3, HONOURED, lambda r: r.returned == 1 and r.sampling ==
         SamplingParams(max_tokens=DEFAULT_MAX, n=3)),
     Row("completion", "best_of", 0, REFUSED),  # below n
     Row("completion", "echo", False, ACCEPTED),

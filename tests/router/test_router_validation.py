@@ -100,7 +100,7 @@ def test_best_of_is_at_least_n_at_most_16_and_not_streamed(body: dict, why: str)
     assert info.value.param == "best_of"
     req = parse_request({"prompt": "hi", "n": 2, "best_of": 2, "stream": True}, "completion",
                         MODEL, DEFAULT_MAX)
-    assert (req.n, req.sampling.n) == (2, 2)  # best_of = n streams
+    assert (req.returned, req.sampling.n) == (2, 2)  # best_of = n streams
 
 
 def _delta(text: str, n: int, finish: str | None = None) -> TokenDelta:
