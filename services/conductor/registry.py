@@ -7,6 +7,7 @@ from typing import Optional
 
 from common.protocol import KVSnapshot, RegisterWorker, WorkerHeartbeat, WorkerLoad
 from common.status_protocol import InstanceStatus
+from services.conductor.tracker import Tracked
 from services.conductor.worker_kv import WorkerKV
 
 
@@ -97,6 +98,27 @@ class Registry:
 
     def get(self, instance_id: str) -> Optional[WorkerState]:
         return self.workers.get(instance_id)
+
+    # ------------------------------------------------------------ requests placed here
+    def assign(self, t: Tracked) -> None:
+        """``t`` is placed on its workers: each counts it, its prefill its tokens."""
+        for wid in {t.prefill_id, t.decode_id}:
+            self.workers[wid].assigned.add(t.req.request_id)
+        self.workers[t.prefill_id].pending_tokens += t.prefill_tokens
+
+    def release_prefill(self, t: Tracked) -> None:
+        """``t``'s prefill worker is done with it (again: nothing changes)."""
+        prefill = self.workers.get(t.prefill_id)
+        if prefill is not None and t.req.request_id in prefill.assigned:
+            prefill.assigned.discard(t.req.request_id)
+            prefill.pending_tokens = max(0, prefill.pending_tokens - t.prefill_tokens)
+
+    def release(self, t: Tracked) -> None:
+        """Both of ``t``'s workers are done with it."""
+        self.release_prefill(t)
+        decode = self.workers.get(t.decode_id)
+        if decode is not None:
+            decode.assigned.discard(t.req.request_id)
 
     def status(self, now: Optional[float] = None) -> list[InstanceStatus]:
         now = time.monotonic() if now is None else now

@@ -3,14 +3,16 @@
 Flow for one request (see docs/lifecycle.md):
   SubmitRequest → place (policy) → ReserveBlocks to decode → BlocksReserved
   → PrefillTask to prefill → PrefillDone → (decode streams) → RequestFinished.
-Any failure answers the router with RequestFailed and aborts the other worker.
+Any failure answers the router with RequestFailed and aborts the other worker
+(services/conductor/failures.py); a request that finds no worker waits for one
+(services/conductor/held.py).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 from common.config import ClusterConfig
 from common.mailbox import Mailbox, serve_inbox
@@ -22,12 +24,14 @@ from common.protocol import (
 )
 from common.status_protocol import ClusterStatus, PrefillSummary
 from common.scheduling import NO_INSTANCES, Rejection
+from services.conductor.failures import FailurePaths
+from services.conductor.held import HeldRequests
 from services.conductor.metrics import ConductorMetrics
 from services.conductor.placement import Placement, Placer
 from services.conductor.registry import ROLES, Registry
 from services.conductor.status import StoreView, conductor_totals
 from services.conductor.store_events import StoreEventFeed
-from services.conductor.tracker import Held, Phase, Tracked, Tracker
+from services.conductor.tracker import Phase, Tracked, Tracker
 from services.conductor.ttft_log import TTFTRecord
 
 log = logging.getLogger("conductor")
@@ -35,7 +39,7 @@ log = logging.getLogger("conductor")
 RESERVE_TIMEOUT_S = 10.0
 
 
-class Conductor:
+class Conductor(FailurePaths):
     def __init__(self, config: ClusterConfig, mailbox: Mailbox,
                  clock: Callable[[], float] = time.time) -> None:
         self.config = config
@@ -44,7 +48,7 @@ class Conductor:
         self.epoch = time.time_ns()  # this incarnation (ClusterStatus tells the router)
         self.registry = Registry(config.heartbeat_timeout_s)
         self.tracker = Tracker()
-        self.held: dict[str, Held] = {}  # waiting for a worker, oldest first (place_held)
+        self.held = HeldRequests(config.worker_wait_s)  # waiting for a worker (place_held)
         self.placer = Placer(config)
         self.metrics = ConductorMetrics()
         self.metrics.typical_decode.set(self.placer.policy.decode_durations.mean())
@@ -124,7 +128,7 @@ class Conductor:
             return self.reject(req, Rejection("queue_full", 1.0, (
                 f"{self.config.max_queue} requests are waiting for prefill")))
         if not self.ready():
-            if self.hold(req):
+            if self.held.hold(req):
                 return
             self.metrics.rejected.labels(reason="service_unavailable").inc()
             self.mail.send(self.router_inbox, RequestFailed(
@@ -158,9 +162,7 @@ class Conductor:
                           decode_tokens=p.kv_tokens,
                           attempt=attempt, store_loads=store_loads)
         self.tracker.add(tracked)
-        prefill.assigned.add(req.request_id)
-        prefill.pending_tokens += p.prefill_tokens
-        decode.assigned.add(req.request_id)
+        self.registry.assign(tracked)
         self.mail.send(decode.info.inbox, ReserveBlocks(
             request_id=req.request_id, prompt_tokens=len(req.token_ids),
             sampling=req.sampling, router_inbox=self.router_inbox,
@@ -218,7 +220,7 @@ class Conductor:
             return
         self.tracker.set_phase(t, Phase.DECODING, t.phase_deadline)
         t.decode_started_at = self.clock()
-        self._release_prefill(t)
+        self.registry.release_prefill(t)
         self.metrics.observe_ttft(TTFTRecord(
             t.req.request_id, t.accepted_at, t.predicted_ttft_s,
             t.decode_started_at - t.accepted_at, len(t.req.token_ids), t.prefill_tokens))
@@ -253,10 +255,7 @@ class Conductor:
             # dies in between is a lost worker; its silence ends the request at its deadline.
             return
         self.tracker.pop(msg.request_id)
-        self._release_prefill(t)
-        decode = self.registry.get(t.decode_id)
-        if decode is not None:
-            decode.assigned.discard(msg.request_id)
+        self.registry.release(t)
         if t.decode_started_at is not None:
             policy = self.placer.policy
             policy.observe_decode(self.clock() - t.decode_started_at)
@@ -277,39 +276,24 @@ class Conductor:
         t = self.tracker.pop(msg.request_id)
         if t is not None:
             self._abort_workers(t, msg.reason)
-        if t is not None or self.held.pop(msg.request_id, None) is not None:
+        if t is not None or self.held.pop(msg.request_id) is not None:
             self.metrics.finished.labels(reason="abort").inc()
 
     # ------------------------------------------------------------ waiting for a worker
-    def hold(self, req: SubmitRequest, attempt: int = 0, accepted_at: Optional[float] = None,
-             store_loads: bool = True) -> bool:
-        """Keep ``req`` until a worker it needs registers (``place_held``), at most
-        ``worker_wait_s``; False where waiting is off."""
-        if self.config.worker_wait_s <= 0:
-            return False
-        log.info("%s waits up to %g s for a prefill and a decode worker", req.request_id,
-                 self.config.worker_wait_s)
-        self.held[req.request_id] = Held(req, time.monotonic() + self.config.worker_wait_s,
-                                         attempt, accepted_at, store_loads)
-        return True
-
     def place_held(self) -> None:
         """Place the requests waiting for a worker, oldest first; fail those whose wait is
         over. A rejection other than a missing worker answers as it would have at once."""
-        now = time.monotonic()
-        for rid, h in list(self.held.items()):
-            if now > h.until:
-                del self.held[rid]
-                self.metrics.failed.labels(reason="worker_unavailable").inc()
-                self.mail.send(self.router_inbox, RequestFailed(
-                    rid, 503, "worker_unavailable", "no prefill or decode worker came back "
-                    f"within {self.config.worker_wait_s:g} s"))
-                continue
+        for h in self.held.expired(time.monotonic()):
+            self.metrics.failed.labels(reason="worker_unavailable").inc()
+            self.mail.send(self.router_inbox, RequestFailed(
+                h.req.request_id, 503, "worker_unavailable", "no prefill or decode worker "
+                f"came back within {self.held.wait_s:g} s"))
+        for h in self.held.oldest_first():
             decision = self.placer.place(h.req, self.registry, self.clock(), self.tracker,
                                          h.store_loads)
             if isinstance(decision, Rejection) and decision.reason == NO_INSTANCES:
                 continue
-            del self.held[rid]
+            self.held.pop(h.req.request_id)
             if h.accepted_at is None and isinstance(decision, Rejection):
                 self.reject(h.req, decision)
             elif h.accepted_at is None:
@@ -317,93 +301,6 @@ class Conductor:
             else:
                 self._place_again(h.req, decision, h.attempt, h.accepted_at, h.store_loads,
                                   "a worker it was placed on was lost")
-
-    # ------------------------------------------------------------ failure paths
-    def fail(self, t: Tracked, status: int, kind: str, text: str,
-             retry_after: float | None = None, abort: bool = True,
-             resumable: bool = False) -> None:
-        self.tracker.pop(t.req.request_id)
-        if abort:
-            self._abort_workers(t, kind)
-        else:
-            self._release(t)
-        self.metrics.failed.labels(reason=kind).inc()
-        self.mail.send(self.router_inbox, RequestFailed(t.req.request_id, status, kind, text,
-                                                        retry_after, resumable=resumable))
-
-    def _abort_workers(self, t: Tracked, reason: str) -> None:
-        for wid in {t.prefill_id, t.decode_id}:
-            w = self.registry.get(wid)
-            if w is not None:
-                self.mail.send(w.info.inbox, AbortRequest(t.req.request_id, reason, t.fence))
-        self._release(t)
-
-    def _release_prefill(self, t: Tracked) -> None:
-        prefill = self.registry.get(t.prefill_id)
-        if prefill is not None and t.req.request_id in prefill.assigned:
-            prefill.assigned.discard(t.req.request_id)
-            prefill.pending_tokens = max(0, prefill.pending_tokens - t.prefill_tokens)
-
-    def _release(self, t: Tracked) -> None:
-        self._release_prefill(t)
-        decode = self.registry.get(t.decode_id)
-        if decode is not None:
-            decode.assigned.discard(t.req.request_id)
-
-    def on_leaving(self, msg: WorkerLeaving) -> None:
-        w = self.registry.get(msg.instance_id)
-        if w is not None and w.info.epoch == msg.epoch:
-            del self.registry.workers[msg.instance_id]
-            log.info("%s left (SIGTERM)", msg.instance_id)
-            self.worker_lost(msg.instance_id, "shut down")
-
-    def worker_lost(self, instance_id: str, why: str) -> None:
-        """Apply the failure policy (``tracker.Loss``) to the requests on a lost worker."""
-        loss = self.tracker.lost(instance_id)
-        for t, what in loss.fail:
-            self.fail(t, 503, "worker_lost", f"{what}: {instance_id} {why}")
-        for t in loss.resume:
-            what = "mid-stream" if t.phase is Phase.DECODING else "during its prefill"
-            self.fail(t, 503, "worker_lost", f"decode worker lost {what}: {instance_id} "
-                      f"{why}", resumable=True)
-        for t in loss.detach:
-            self._release_prefill(t)
-        for t in loss.rerun:
-            role = "decode" if t.decode_id == instance_id else "prefill"
-            self.rerun(t, f"{role} worker lost ({instance_id} {why})")
-
-    def rerun(self, t: Tracked, why: str, kind: str = "worker_lost",
-              store_loads: bool = True) -> None:
-        """Its prefill worker was lost (or its group's store load failed) before the first
-        token: place the request again, once, unseen by the client. The old reservation is
-        aborted: its blocks stay in the decode worker's quarantine until the old writer is
-        known to have stopped. ``store_loads`` False (after a failed store load): the re-run
-        loads nothing from the store (what failed once over a path may fail again) and
-        computes past the local prefix."""
-        self.tracker.pop(t.req.request_id)
-        self._abort_workers(t, "prefill_lost")
-        store_loads = t.store_loads and store_loads
-        decision = self.placer.place(t.req, self.registry, self.clock(), self.tracker,
-                                     store_loads)
-        if isinstance(decision, Rejection) and decision.reason == NO_INSTANCES and \
-                self.hold(t.req, t.attempt + 1, t.accepted_at, store_loads):
-            return  # the worker's restart (or another) takes it: place_held
-        self._place_again(t.req, decision, t.attempt + 1, t.accepted_at, store_loads, why,
-                          kind)
-
-    def _place_again(self, req: SubmitRequest, decision: Union[Placement, Rejection],
-                     attempt: int, accepted_at: float, store_loads: bool, why: str,
-                     kind: str = "worker_lost") -> None:
-        """A re-run's placement, or its failure: the client was told it was accepted."""
-        if isinstance(decision, Rejection):
-            self.metrics.failed.labels(reason=kind).inc()
-            self.mail.send(self.router_inbox, RequestFailed(
-                req.request_id, 503, kind, f"{why}, and no re-run possible: {decision.reason}"))
-            return
-        log.info("%s: %s; re-run on %s", req.request_id, why, decision.prefill_id)
-        self.metrics.reruns.inc()
-        self._reserve(req, decision, attempt=attempt, accepted_at=accepted_at,
-                      store_loads=store_loads)
 
     def sweep(self) -> None:
         """Expire silent workers and overdue requests; publish status."""

@@ -32,18 +32,6 @@ class Tracked:
 
 
 @dataclass
-class Held:
-    """A request waiting for a worker: none of a role it needs is live (a supervised
-    restart is on its way). It is placed when one registers, or fails at ``until``."""
-
-    req: SubmitRequest
-    until: float  # time.monotonic()
-    attempt: int = 0  # placements before this one (a re-run's is 1)
-    accepted_at: Optional[float] = None  # None: the router was not told it was accepted
-    store_loads: bool = True
-
-
-@dataclass
 class Loss:
     """What losing a worker means for the requests placed on it (the failure policy).
 

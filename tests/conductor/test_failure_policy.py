@@ -179,7 +179,7 @@ def test_a_rerun_without_store_loads_is_priced_without_them(conductor) -> None:
 def test_no_other_prefill_worker_fails_the_request_with_a_clear_error(conductor) -> None:
     """Where requests do not wait for a worker (``worker_wait_s`` 0)."""
     c, mail = conductor
-    c.config = replace(c.config, worker_wait_s=0)
+    c.held.wait_s = 0
     prefilling(c, mail)
     silence(c, "prefill-0", "prefill-1")
     failed = [m for _, m in mail.take() if isinstance(m, RequestFailed)]
@@ -226,7 +226,7 @@ def test_a_decode_loss_while_reserving_reruns_and_during_prefill_resumes(conduct
     failed = [m for _, m in mail.take() if isinstance(m, RequestFailed)]
     assert failed == [RequestFailed("b", 503, "worker_lost", "decode worker lost during its "
                                     "prefill: decode-0 stopped responding", resumable=True)]
-    assert list(c.held) == ["a"] and c.held["a"].attempt == 1
+    assert list(c.held.requests) == ["a"] and c.held.requests["a"].attempt == 1
 
 
 def test_a_restarted_worker_is_announced_and_its_old_incarnation_fenced(conductor) -> None:
@@ -269,14 +269,15 @@ def test_a_lost_lone_prefill_worker_s_requests_wait_for_its_restart(lone) -> Non
     prefilling(c, mail)
     silence(c, "prefill-0")
     assert mail.take() == [("tcp://w/decode0", AbortRequest("r", "prefill_lost", F0))]
-    assert list(c.held) == ["r"] and c.tracker.requests == {}  # nobody told: it waits
+    # nobody told: it waits
+    assert list(c.held.requests) == ["r"] and c.tracker.requests == {}
     c.sweep()
     assert mail.take() == []
     c.on_register(reg("prefill", 0, epoch=12))  # the supervisor's restart
     sent = [m for _, m in mail.take() if not isinstance(m, WorkerGone)]
     assert [(type(m), m.writer, m.writer_epoch, m.attempt) for m in sent] == [
         (ReserveBlocks, "prefill-0", 12, 1)]  # no second RequestAccepted
-    assert c.held == {} and c.tracker.get("r").phase is Phase.RESERVING
+    assert c.held.requests == {} and c.tracker.get("r").phase is Phase.RESERVING
     assert c.metrics.reruns._value.get() == 1
 
 
@@ -285,11 +286,11 @@ def test_a_request_waits_at_most_worker_wait_s(lone) -> None:
     prefilling(c, mail)
     silence(c, "prefill-0")
     mail.take()
-    c.held["r"].until = time.monotonic() - 0.1  # its wait is over
+    c.held.requests["r"].until = time.monotonic() - 0.1  # its wait is over
     c.sweep()
     [failed] = [m for _, m in mail.take() if isinstance(m, RequestFailed)]
     assert (failed.status, failed.error_type) == (503, "worker_unavailable")
-    assert "came back within 30 s" in failed.message and c.held == {}
+    assert "came back within 30 s" in failed.message and c.held.requests == {}
 
 
 def test_a_request_sent_while_no_worker_lives_waits_or_is_aborted() -> None:
@@ -298,11 +299,11 @@ def test_a_request_sent_while_no_worker_lives_waits_or_is_aborted() -> None:
     c, mail = started(8, [])
     c.on_submit(submit("a"))
     c.on_submit(submit("b"))
-    assert mail.take() == [] and list(c.held) == ["a", "b"]
+    assert mail.take() == [] and list(c.held.requests) == ["a", "b"]
     c.on_abort(AbortRequest("b", "client gone"))  # the client left while it waited
     for r in ("prefill", "decode"):
         c.on_register(reg(r, 0))
         c.on_heartbeat(heartbeat(r, 0))
     sent = [type(m) for _, m in mail.take() if not isinstance(m, WorkerGone)]
-    assert sent == [ReserveBlocks, RequestAccepted] and c.held == {}
+    assert sent == [ReserveBlocks, RequestAccepted] and c.held.requests == {}
     assert list(c.tracker.requests) == ["a"]

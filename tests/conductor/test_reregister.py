@@ -53,7 +53,7 @@ def test_a_draining_worker_is_given_no_new_work(
     c.on_heartbeat(replace(beat("decode", 0), draining=True))
     assert not c.ready()
     c.on_submit(submit("b"))  # waits for a decode worker that takes work
-    assert mail.take() == [] and list(c.held) == ["b"]
+    assert mail.take() == [] and list(c.held.requests) == ["b"]
     c.on_heartbeat(beat("decode", 0))  # drained and back (or SIGTERM withdrawn)
     c.sweep()  # the next sweep places it
     assert [type(m) for _, m in mail.take()] == [ReserveBlocks, RequestAccepted]
@@ -70,7 +70,8 @@ def test_a_leaving_worker_is_removed_at_once(conductor: tuple[Conductor, Recordi
     c.on_leaving(WorkerLeaving("decode-0"))
     assert c.registry.get("decode-0") is None and not c.ready()
     assert not [m for _, m in mail.take() if isinstance(m, RequestFailed)]
-    assert list(c.held) == ["r"]  # before its first token: waits for a decode worker
+    # before its first token: waits for a decode worker
+    assert list(c.held.requests) == ["r"]
 
 
 def test_what_workers_drop_is_served_as_metrics(
