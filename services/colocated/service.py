@@ -33,29 +33,24 @@ from common.worker import WorkerRuntime, fail_step
 from services.decode.sequence import Reservation
 from services.decode.service import DecodeWorker, serve_worker
 from services.decode.turns import Turns
+from services.prefill.job import JobState, PromptJob
 from services.prefill.prefix import PrefixLoader, PrefixPlan
 from services.prefill.prefix_plan import put_back
 
 log = logging.getLogger("colocated")
 
 
-@dataclass
-class Prefilling:
+@dataclass(eq=False, kw_only=True)
+class Prefilling(PromptJob):
     """A prompt being computed into its own reservation, chunk by chunk."""
 
     task: PrefillTask
     reservation: Reservation  # blocks: the cached prefix, then the reserved rest
     keys: list[bytes]
-    done: int  # tokens whose KV is in the blocks: the cached prefix, then computed chunks
     cached_tokens: int
     global_tokens: int  # of the cached, loaded from the store for this request
     stored_from: int  # first block index not known to be in the store
     started: Optional[float] = None  # perf_counter of its first step (prefill time)
-    aborted: bool = False
-
-    @property
-    def remaining(self) -> int:
-        return len(self.task.token_ids) - self.done
 
 
 class ColocatedWorker(DecodeWorker):
@@ -102,8 +97,9 @@ class ColocatedWorker(DecodeWorker):
         self.pool.free(r.blocks[:k])
         r.blocks = cached + r.blocks[k:]
         bs = self.engine.config.block_size
-        self.prefilling.append(Prefilling(task, r, keys, k * bs, k * bs, from_store * bs,
-                                          in_store))
+        self.prefilling.append(Prefilling(
+            task=task, reservation=r, keys=keys, prompt_len=len(tokens), done=k * bs,
+            cached_tokens=k * bs, global_tokens=from_store * bs, stored_from=in_store))
         self.wake.set()
 
     def _quarantine(self, r: Reservation) -> None:
@@ -135,6 +131,7 @@ class ColocatedWorker(DecodeWorker):
 
     def _prefilled(self, p: Prefilling, logits) -> None:  # noqa: ANN001 (a logits row)
         """The prompt's last chunk ran: publish its blocks, report, start decoding."""
+        p.move(JobState.ENDING)
         r, task = p.reservation, p.task
         full = len(p.keys)
         self.pool.cache_full_blocks(r.blocks[:full], p.keys)

@@ -1,11 +1,21 @@
-"""A prefill job: an admitted prompt, its blocks, its KV stream, how far it has computed."""
+"""A prompt on the prefill side: one record, with an explicit state, for the prefill worker
+(``Job``), a later stage of its pipeline group (``StageJob``) and the colocated worker
+(``services/colocated/service.py`` ``Prefilling``), each adding only what its role keeps.
+
+A prompt is COMPUTING from admission until its last chunk has run; a prefill worker whose
+layer-wise store load failed puts it RELOADING (its reads settle) and then COMPUTING again
+from its local prefix; ENDING is its last state, while its writes settle and it reports
+(handed over, or given up). It leaves its worker's books once it has reported.
+"""
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Optional
 
 from common.protocol import PrefillTask
-from common.sampling_params import PromptLogprobs
+from common.sampling_params import PromptLogprobs, SampledToken
 from services.prefill.layer_io import LayerLoads
 from services.prefill.prefix import PrefixPlan
 from services.prefill.streaming import KVStream
@@ -17,31 +27,63 @@ class PrefillFailure(Exception):
         self.status, self.kind = status, kind
 
 
-@dataclass
-class Job:
-    """An admitted prompt: its blocks, its KV stream, and how far it has been computed."""
+class JobState(Enum):
+    COMPUTING = "computing"
+    RELOADING = "reloading"
+    ENDING = "ending"
+
+
+MOVES = {
+    JobState.COMPUTING: {JobState.RELOADING, JobState.ENDING},
+    JobState.RELOADING: {JobState.COMPUTING},  # aborted or late meanwhile: ends from there
+    JobState.ENDING: set(),
+}
+
+
+@dataclass(eq=False, kw_only=True)
+class PromptJob:
+    """What every prefill-side role keeps of a prompt it computes."""
+
+    prompt_len: int
+    done: int = 0  # tokens whose KV is in its blocks: the cached prefix, then chunks
+    state: JobState = JobState.COMPUTING
+    stream: Optional[KVStream] = None  # its KV on its way to the decode worker
+    loads: Optional[LayerLoads] = None  # its store blocks, loading layer by layer
+    put_futures: list[Future] = field(default_factory=list)  # its layer-wise store writes
+    compute_s: float = 0.0  # its share of the steps it was computed in
+    wait_s: float = 0.0  # time blocked on transfers: loads, a full pipeline, the stream
+    failed: Optional[str] = None  # a load failed: what it computes now is garbage
+    aborted: bool = False
+
+    @property
+    def remaining(self) -> int:
+        return self.prompt_len - self.done
+
+    @property
+    def live(self) -> bool:
+        """Still computing or about to (not aborted, not ending)."""
+        return self.state is not JobState.ENDING and not self.aborted
+
+    def move(self, to: JobState) -> None:
+        if to not in MOVES[self.state]:
+            raise RuntimeError(f"a prompt job cannot move from {self.state.value} to "
+                               f"{to.value}")
+        self.state = to
+
+
+@dataclass(eq=False, kw_only=True)
+class Job(PromptJob):
+    """A prefill worker's prompt: its task, blocks and prefix plan."""
 
     task: PrefillTask
     keys: list[bytes]
     plan: PrefixPlan
-    stream: KVStream
-    done: int  # tokens whose KV is in plan.block_table (cached prefix, then chunks)
-    loads: Optional[LayerLoads] = None  # its store blocks, loading layer by layer
     opened: bool = False  # its first chunk was computed (and, in a group, shipped)
-    compute_s: float = 0.0  # its share of the steps it was computed in
-    wait_s: float = 0.0  # time blocked on transfers: loads, a full pipeline, the stream
-    put_futures: list = field(default_factory=list)  # its layer-wise store writes
-    failed: Optional[str] = None  # a load failed: what it computes now is garbage
-    aborted: bool = False
     prompt_parts: list[PromptLogprobs] = field(default_factory=list)  # per chunk, if asked
 
     @property
     def prompt_logprobs(self) -> Optional[int]:
         return self.task.sampling.prompt_logprobs
-
-    @property
-    def remaining(self) -> int:
-        return len(self.task.token_ids) - self.done
 
     def rewind_to_local_prefix(self, block_size: int) -> None:
         """Its store load failed: compute from its last local hit instead, into the blocks
@@ -49,5 +91,15 @@ class Job:
         plan = self.plan
         self.plan = replace(plan, cached_blocks=plan.load_from, global_blocks=0, load=None)
         self.loads, self.failed = None, None
-        self.done = min(plan.load_from * block_size, len(self.task.token_ids) - 1)
+        self.done = min(plan.load_from * block_size, self.prompt_len - 1)
+        assert self.stream is not None
         self.stream.prefix = plan.load_from
+
+
+@dataclass(eq=False, kw_only=True)
+class StageJob(PromptJob):
+    """A prompt on a later stage of a pipeline group: the head owns its task."""
+
+    zeros: list[int]  # token ids are the head's business: a placeholder of the length
+    first: list[SampledToken] = field(default_factory=list)  # sampled here (last stage)
+    invalid: bool = False  # ``failed`` by the request's own fault (its grammar): a 400

@@ -4,10 +4,10 @@ samples the first token and hands the request over.
 
 Several prompts are computed together: each step is one forward pass over chunks of the
 admitted prompts, oldest first, up to ``token_budget`` tokens (``Engine.step``). A prompt
-is admitted (its blocks referenced, its cached prefix streamed) while the prompts already
-admitted leave room in the next step, so a short prompt behind a long one's last chunk
-starts in the same step. The KV of every chunk of every prompt streams layer by layer to
-its own decode worker while the next layer computes.
+is admitted (its blocks referenced, its cached prefix streamed) while those admitted leave
+room in the next step, so a short prompt behind a long one's last chunk starts in the same
+step. Each chunk's KV streams to its decode worker layer by layer as the next computes.
+How a prompt ends (handed over, or given up) is services/prefill/endings.py.
 """
 from __future__ import annotations
 
@@ -24,34 +24,29 @@ from common.config import ClusterConfig
 from common.engine.batching import plan_chunks
 from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
-from common.engine.prompt_logprobs import chunk_logprobs, join
-from common.grammar import GrammarError
-from common.engine.sampling import Grammars, sample_first
+from common.engine.prompt_logprobs import chunk_logprobs
+from common.engine.sampling import Grammars
 from common.host import host_id
 from common.idle_check import IdleCheck
 from common.mailbox import serve_inbox
 from common.recent import Recent
-from common.protocol import (
-    AbortRequest, Fence, FenceQuery, KVFailed, KVReady, PrefillDone, PrefillTask, RequestFailed,
-    WorkerLoad,
-)
+from common.protocol import AbortRequest, Fence, FenceQuery, KVFailed, PrefillTask, WorkerLoad
 from common.security import clamp_deadline
 from services.prefill.stage_protocol import StageStored
-from common.transfer import TransferError
 from common.worker import WorkerRuntime, fail_step
+from services.prefill.endings import Endings
 from services.prefill.group import HeadGroup
 from services.prefill.lanes import PrefillThreads
-from services.prefill.layer_io import LayerLoads, PartIO, StepIO, settle
-from services.prefill.job import Job, PrefillFailure
+from services.prefill.layer_io import LayerLoads, PartIO, StepIO
+from services.prefill.job import Job, JobState, PrefillFailure
 from services.prefill.prefix import PrefixLoader
 from services.prefill.store_writes import StoreWrites
 from services.prefill.streaming import KVPaths
 
 log = logging.getLogger("prefill")
 
-# Fences of the latest tasks taken, remembered so that a replayed task never writes into
-# blocks its reservation may have given up since: 4,096 covers a minute of tasks (their
-# deadline) at ~70 requests per second on one worker.
+# Fences of the latest tasks taken, so a replayed task never writes into blocks its
+# reservation may have given up: a minute of tasks (their deadline) at ~70 per second.
 SERVED_MEMORY = 4096
 
 
@@ -64,10 +59,9 @@ class PrefillWorker:
         self.budget = rt.config.step_budget(rt.role)
         self.waiting: deque[PrefillTask] = deque()
         self.max_waiting = rt.config.max_queue  # the conductor admits no more cluster-wide
-        self.jobs: list[Job] = []  # admitted and computing, oldest first
-        self.reloading: list[Job] = []  # a layer-wise load failed: its reads settling
+        self.jobs: list[Job] = []  # admitted and not yet reported, oldest first (job.py)
         self.admitting: Optional[PrefillTask] = None  # out of ``waiting``, not a job yet
-        self.admitting_aborted = False
+        self.admitting_aborted = False  # ... and aborted meanwhile
         self.dropped = rt.dropped  # stale messages, by kind: reported in heartbeats
         self.served: Recent[Fence] = Recent(SERVED_MEMORY)  # the latest tasks taken
         self.wake = asyncio.Event()
@@ -76,9 +70,7 @@ class PrefillWorker:
         self.threads = PrefillThreads()  # compute, store lanes, decode peers
         self.kv_paths = KVPaths(rt.config.kv_path, self.engine.kv, host_id(),
                                 total_layers=self.engine.model_config.num_layers)
-        self._finishing: set[asyncio.Task] = set()
-        self.settling: set[Fence] = set()  # fences whose writes are still settling
-        self.layerwise = rt.config.kv_layerwise
+        self._settling: set[asyncio.Task] = set()  # jobs' recompute, finish or give_up
         self.mover = prefix.store.mover if prefix.store is not None else None
         rt.kv_bytes = lambda: (self.group.moved(self.kv_paths, self.mover) if self.group
                                else self.kv_paths.moved(self.mover))
@@ -86,7 +78,8 @@ class PrefillWorker:
         self.group = HeadGroup(rt, index) if stages > 1 else None
         self.store_writes = (StoreWrites(prefix.store, stages - 1,
                                          self.engine.config.block_size, prefix.object_nbytes)
-                             if prefix.store is not None and self.layerwise else None)
+                             if prefix.store is not None and rt.config.kv_layerwise else None)
+        self.endings = Endings(rt, prefix, self.kv_paths, self.group, self.grammars)
         self.steps = 0
         self.handlers: dict[type, Callable[[Any], None]] = {
             **rt.handlers,  # ReRegister
@@ -106,10 +99,10 @@ class PrefillWorker:
         if task.fence in self.served or self._live(task.request_id):
             return self._drop("duplicate", task)  # a replay, or an older attempt running
         if self.group is not None and not self.group.followers.ready:
-            return self.fail(task, 503, "prefill_stage_down",
+            return self.endings.fail(task, 503, "prefill_stage_down",
                              f"a pipeline stage of {self.rt.instance_id} is not up")
         if len(self.waiting) >= self.max_waiting:
-            return self.fail(task, 503, "prefill_queue_full",
+            return self.endings.fail(task, 503, "prefill_queue_full",
                              f"{self.max_waiting} prompts are queued on {self.rt.instance_id}")
         self.served.add(task.fence)  # a replay of it must never write again
         self.grammars.prefetch(task.sampling)  # compiled while it waits and computes
@@ -122,8 +115,7 @@ class PrefillWorker:
         """May a write under ``q.fence`` still land? A task admitting, computing or
         settling under it answers when its writes settle. Otherwise none can: a task queued
         under it is dropped, and the fence is remembered so a late task under it is too."""
-        if q.fence in self.settling or any(
-                j.task.fence == q.fence for j in self.jobs + self.reloading) or (
+        if any(j.task.fence == q.fence for j in self.jobs) or (
                 self.admitting is not None and self.admitting.fence == q.fence):
             return
         for task in [t for t in self.waiting if t.fence == q.fence]:
@@ -136,8 +128,7 @@ class PrefillWorker:
         conductor aborts one before it re-runs the request: the re-run, on this worker
         too after a decode worker's loss, queues while the old one settles)."""
         return any(t.request_id == request_id for t in self.waiting) or any(
-            j.task.request_id == request_id and not j.aborted
-            for j in self.jobs + self.reloading) or (
+            j.task.request_id == request_id and j.live for j in self.jobs) or (
             self.admitting is not None and self.admitting.request_id == request_id
             and not self.admitting_aborted)
 
@@ -151,35 +142,40 @@ class PrefillWorker:
         def named(rid: str, fence: Fence) -> bool:
             return rid == msg.request_id and msg.fence in (None, fence)
 
-        for job in self.jobs + self.reloading:
-            if named(job.task.request_id, job.task.fence):
+        for job in self.jobs:
+            if job.state is not JobState.ENDING and named(job.task.request_id, job.task.fence):
                 job.aborted = job.stream.aborted = True  # dropped between steps
         if self.admitting is not None and named(self.admitting.request_id,
                                                 self.admitting.fence):
             self.admitting_aborted = True
         for task in [t for t in self.waiting if named(t.request_id, t.fence)]:
             self.waiting.remove(task)  # nothing written yet: the decode side may free now
-            self.fail(task, 499, "aborted", "aborted before prefill")
+            self.endings.fail(task, 499, "aborted", "aborted before prefill")
 
     def idle(self) -> bool:
         """Nothing queued, computing, finishing or being put: every block is free."""
-        return not (self.waiting or self.jobs or self._finishing or self.prefix.busy)
+        return not (self.waiting or self.jobs or self._settling or self.prefix.busy)
 
     def load(self) -> WorkerLoad:
         tokens = sum(len(t.token_ids) for t in self.waiting)
-        tokens += sum(j.remaining for j in self.jobs)
-        return WorkerLoad(queued=len(self.waiting) + len(self.jobs), queued_tokens=tokens)
+        computing = self.computing
+        tokens += sum(j.remaining for j in computing)
+        return WorkerLoad(queued=len(self.waiting) + len(computing), queued_tokens=tokens)
+
+    @property
+    def computing(self) -> list[Job]:
+        return [j for j in self.jobs if j.state is JobState.COMPUTING]
 
     # ------------------------------------------------------------ admission
     async def admit(self) -> None:
         """Admit waiting prompts, oldest first, while the next step has room for them."""
-        while self.waiting and sum(j.remaining for j in self.jobs) < self.budget:
+        while self.waiting and sum(j.remaining for j in self.computing) < self.budget:
             task = self.admitting = self.waiting.popleft()
             self.admitting_aborted = False
             try:
                 job = await self._start(task)
             except PrefillFailure as exc:
-                self.fail(task, exc.status, exc.kind, str(exc))
+                self.endings.fail(task, exc.status, exc.kind, str(exc))
                 continue
             finally:
                 self.admitting = None
@@ -187,7 +183,7 @@ class PrefillWorker:
                 job.aborted = job.stream.aborted = self.admitting_aborted
                 self.jobs.append(job)
             elif self.admitting_aborted:
-                self.fail(task, 499, "aborted", "aborted before prefill")
+                self.endings.fail(task, 499, "aborted", "aborted before prefill")
             else:  # KV memory is full until a running prompt finishes
                 self.waiting.appendleft(task)
                 return
@@ -211,7 +207,7 @@ class PrefillWorker:
         plan = await self.prefix.acquire(tokens, keys, from_store=task.store_loads,
                                          reuse_prefix=not whole)
         if plan is None:
-            if self.jobs or self._finishing:
+            if self.jobs or self._settling:
                 return None
             raise PrefillFailure(503, "prefill_kv_full", "prefill KV memory is full")
         try:
@@ -230,14 +226,15 @@ class PrefillWorker:
         stream.send_prefix(plan.load_from if loads is not None else plan.cached_blocks,
                            plan.cached_blocks)
         done = min(plan.cached_blocks * self.engine.config.block_size, len(tokens) - 1)
-        return Job(task, keys, plan, stream, done, loads)
+        return Job(task=task, keys=keys, plan=plan, stream=stream, prompt_len=len(tokens),
+                   done=done, loads=loads)
 
     # ------------------------------------------------------------ steps
     async def serve(self) -> None:
         while True:
             await self.admit()
             self._drop_failed()
-            if self.jobs:
+            if self.computing:
                 await self.step()
                 continue
             self.wake.clear()
@@ -248,16 +245,17 @@ class PrefillWorker:
 
     async def step(self) -> None:
         """One forward over chunks of the admitted prompts; hand over those it ends."""
-        planned = plan_chunks(self.jobs, self.budget)
+        planned = plan_chunks(self.computing, self.budget)
         self.steps += 1
         asked = time.perf_counter()  # store grants for the chunks: a wait on the store
         parts = list(await asyncio.gather(*(self._part(job, n) for job, n in planned)))
         granted = time.perf_counter() - asked
         if self.store_writes is not None:  # the next step's grants arrive as this computes
-            self.store_writes.ask_ahead(self.jobs, self.budget, planned)
+            self.store_writes.ask_ahead(self.computing, self.budget, planned)
         chunks = [PrefillChunk(j.task.token_ids, j.done, j.done + n, j.plan.block_table)
                   for j, n in planned]
-        io = StepIO(parts, self.engine.kv, 0, self.mover, self.threads.store, self.layerwise)
+        io = StepIO(parts, self.engine.kv, 0, self.mover, self.threads.store,
+                    self.rt.config.kv_layerwise)
         started = time.perf_counter()
         try:
             hidden, rows = await asyncio.get_running_loop().run_in_executor(
@@ -280,9 +278,8 @@ class PrefillWorker:
         for (job, n), row in zip(planned, rows):
             job.done += n
             job.opened = True
-            if job.done == len(job.task.token_ids) and not job.aborted and job.failed is None:
-                self.jobs.remove(job)
-                self._spawn(job, self.finish(job, row))
+            if job.remaining == 0 and not job.aborted and job.failed is None:
+                self._spawn(job, JobState.ENDING, self.endings.finish(job, row))
 
     def _compute(self, planned: list[tuple[Job, int]], chunks: list[PrefillChunk],
                  io: StepIO) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
@@ -321,39 +318,41 @@ class PrefillWorker:
         for job, _ in planned:
             job.wait_s += waited
 
-    def _spawn(self, job: Job, coro: Coroutine[Any, Any, None]) -> None:
-        """Run ``coro`` (finish or give up) for a job whose writes are still settling."""
+    def _spawn(self, job: Job, state: JobState, coro: Coroutine[Any, Any, None]) -> None:
+        """Move ``job`` to ``state`` and run ``coro`` for it (recompute, finish or give
+        up): its writes are settling meanwhile, and it answers fence queries for them."""
+        job.move(state)
         task = asyncio.create_task(coro)
-        self._finishing.add(task)
-        self.settling.add(job.task.fence)
+        self._settling.add(task)
         task.add_done_callback(lambda done: self._ended(job, done))
 
     def _ended(self, job: Job, task: asyncio.Task) -> None:
-        self._finishing.discard(task)
-        self.settling.discard(job.task.fence)
+        """``job``'s coroutine ended: an ending job leaves the books (it reported)."""
+        self._settling.discard(task)
         exc = None if task.cancelled() else task.exception()
+        if job.state is JobState.ENDING or exc is not None:
+            self.jobs.remove(job)
         if exc is not None:  # a bug: say so, and let nobody wait for this request
             log.error("%s: ending the prefill failed", job.task.request_id, exc_info=exc)
-            self.fail(job.task, 500, "internal_error", f"prefill worker error: {exc!r}")
+            self.endings.fail(job.task, 500, "internal_error", f"prefill worker error: {exc!r}")
 
     def _drop_failed(self) -> None:
         """Aborted prompts and prompts past their deadline leave between steps."""
         now = time.time()
-        for job in [j for j in self.jobs if j.aborted or j.failed or now > j.task.deadline]:
-            self.jobs.remove(job)
+        for job in [j for j in self.computing if j.aborted or j.failed or
+                    now > j.task.deadline]:
             if self.store_writes is not None:
                 self.store_writes.forget(job.task.fence)
             if job.failed and not job.aborted and now <= job.task.deadline and (
                     self.group is None):
-                self.reloading.append(job)
-                self._spawn(job, self.recompute(job))
+                self._spawn(job, JobState.RELOADING, self.recompute(job))
                 continue
             failure = (PrefillFailure(499, "aborted", "aborted during prefill") if job.aborted
                        else PrefillFailure(503, "kv_load_failed", job.failed) if job.failed
                        else PrefillFailure(504, "timeout", "prefill missed its deadline"))
             if not job.aborted:
                 log.warning("%s failed: %s", job.task.request_id, failure)
-            self._spawn(job, self.give_up(job, failure))
+            self._spawn(job, JobState.ENDING, self.endings.give_up(job, failure))
 
     async def recompute(self, job: Job) -> None:
         """A layer-wise load failed (the store lost the blocks, or the copy outlived its
@@ -365,71 +364,10 @@ class PrefillWorker:
         log.warning("%s: %s; computing the prefix instead", job.task.request_id, job.failed)
         if job.loads is not None:
             await job.loads.settle()
-        self.reloading.remove(job)
         self.dropped["store_load"] += 1  # gave up a load: crescent_worker_dropped
         job.rewind_to_local_prefix(self.engine.config.block_size)
-        self.jobs.append(job)  # aborted or late meanwhile: given up between steps
+        job.move(JobState.COMPUTING)  # aborted or late meanwhile: given up between steps
         self.wake.set()
-
-    async def give_up(self, job: Job, failure: PrefillFailure) -> None:
-        """Stop the stream and wait until none of its writes can land (they read our
-        blocks and write the decode worker's), however long, on every stage: only then
-        free our blocks and send KVFailed, which lets the decode worker reuse its blocks."""
-        outcome = self.group.abort(job.task) if self.group is not None else None
-        await job.stream.settle()
-        await settle(job.put_futures)
-        if job.loads is not None:
-            await job.loads.settle()
-        if outcome is not None:
-            await self.group.settled(outcome)
-        self.pool.free(job.plan.block_table)
-        self.fail(job.task, failure.status, failure.kind, str(failure))
-
-    async def finish(self, job: Job, logits: Optional[torch.Tensor]) -> None:
-        """The prompt's last chunk ran: wait for its KV to land (on every stage), sample
-        (or take the last stage's token), hand over."""
-        task = job.task
-        outcome = self.group.expect(task) if self.group is not None else None
-        started = time.perf_counter()
-        try:
-            if not self.layerwise:  # the baseline: every block after the prefill
-                job.stream.send_rest()
-            await job.stream.wait(max(1.0, task.deadline - time.time()))
-            await settle(job.put_futures)
-            if outcome is not None:  # its wait for the later stages counts in wait_s
-                result = await self.group.result(outcome, task.deadline)
-            first = (sample_first(logits, task.sampling, self.grammars) if outcome is None
-                     else result.first)
-        except TransferError as exc:
-            return await self.give_up(job, PrefillFailure(503, "kv_transfer_failed", str(exc)))
-        except GrammarError as exc:
-            return await self.give_up(job, PrefillFailure(400, "invalid_request_error", str(exc)))
-        job.wait_s += time.perf_counter() - started
-        if job.aborted:
-            return await self.give_up(job, PrefillFailure(499, "aborted", "aborted"))
-        self.kv_paths.done(job.stream)
-        bs, prompt = self.engine.config.block_size, len(task.token_ids)
-        cached_tokens = job.plan.cached_blocks * bs
-        if job.loads is not None:
-            job.wait_s += job.loads.wait_s
-        self.rt.mail.send(task.decode_inbox, KVReady(
-            task.request_id, first, prompt, cached_tokens, task.fence,
-            join(job.prompt_parts) if job.prompt_logprobs is not None else None))
-        read = ((job.loads.nbytes, job.loads.read_s) if job.loads is not None
-                else (job.plan.read_bytes, job.plan.read_s))
-        self.rt.mail.send(self.rt.conductor, PrefillDone(
-            task.request_id, self.rt.instance_id, prompt, cached_tokens,
-            job.plan.global_blocks * bs, job.compute_s,
-            job.stream.bytes + (result.kv_bytes if outcome is not None else 0),  # the group's
-            job.stream.seconds, task.fence, wait_s=job.wait_s, store_read_bytes=read[0],
-            store_read_s=read[1]))
-        self.prefix.release(job.plan, job.keys)
-
-    def fail(self, task: PrefillTask, status: int, kind: str, message: str) -> None:
-        self.rt.mail.send(task.decode_inbox, KVFailed(task.request_id, kind, task.fence))
-        if kind != "aborted":
-            self.rt.mail.send(self.rt.conductor, RequestFailed(
-                task.request_id, status, kind, message, fence=task.fence))
 
 
 async def run(config: ClusterConfig, index: int = 0) -> None:

@@ -17,8 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -32,16 +31,16 @@ from services.prefill.hidden import HiddenInbox
 from common.mailbox import serve_inbox
 from common.recent import Recent
 from common.protocol import Fence
-from common.sampling_params import SampledToken
 from services.prefill.stage_protocol import (
     StageAbort, StageAck, StageBeat, StageHello, StagePart, StageReport, StageStep, StageStored,
 )
 from common.store.ranges import RangeMover
 from common.worker import WorkerRuntime
 from services.prefill.group import NextStage, StageLost
+from services.prefill.job import JobState, StageJob
 from services.prefill.lanes import PrefillThreads
 from services.prefill.layer_io import LayerLoads, PartIO, StepIO, settle
-from services.prefill.streaming import KVPaths, KVStream
+from services.prefill.streaming import KVPaths
 
 log = logging.getLogger("prefill.stage")
 
@@ -49,23 +48,6 @@ SLOTS = 2  # hidden-state slots: the previous stage computes step s+1 while we r
 ABORTED_MEMORY = 4096  # requests aborted here: a late chunk of one is never streamed
 
 Key = tuple[str, Fence]
-
-
-@dataclass
-class Held:
-    """A request on this stage: its stream and what it costs here."""
-
-    stream: KVStream
-    loads: Optional[LayerLoads]
-    zeros: list[int]  # token ids are the head's business: a placeholder of the length
-    put_futures: list[Future] = field(default_factory=list)
-    compute_s: float = 0.0
-    wait_s: float = 0.0  # blocked on transfers: loads, the next stage's slots, the stream
-    failed: str = ""
-    aborted: bool = False
-    finishing: bool = False  # its report is being prepared (``finish``)
-    first: list[SampledToken] = field(default_factory=list)  # sampled here (last stage)
-    invalid: bool = False  # ``failed`` by the request's own fault (its grammar): a 400
 
 
 class StageWorker:
@@ -99,7 +81,7 @@ class StageWorker:
         self.steps: dict[int, StageStep] = {}
         self.next_step = 1
         self.wake = asyncio.Event()
-        self.held: dict[Key, Held] = {}
+        self.jobs: dict[Key, StageJob] = {}
         self.current: set[Key] = set()  # in the step computing now
         self.aborted: Recent[Key] = Recent(ABORTED_MEMORY)
         self.tasks: set[asyncio.Task] = set()
@@ -178,13 +160,13 @@ class StageWorker:
         step_s = time.perf_counter() - started
         total = sum(p.end - p.start for p in msg.parts)
         for key, part, pio in zip(keys, msg.parts, ios):
-            held = self.held.get(key)
-            if held is None:
+            job = self.jobs.get(key)
+            if job is None:
                 continue
-            held.compute_s += step_s * (part.end - part.start) / total
-            held.put_futures += pio.put_futures
-            if pio.poisoned and not held.failed:
-                held.failed = held.loads.failed if held.loads and held.loads.failed else (
+            job.compute_s += step_s * (part.end - part.start) / total
+            job.put_futures += pio.put_futures
+            if pio.poisoned and not job.failed:
+                job.failed = job.loads.failed if job.loads and job.loads.failed else (
                     "computed from a failed load on an earlier stage")
         self._report_stored(msg, ios)
         if self.next is not None:
@@ -193,32 +175,32 @@ class StageWorker:
             waited = await self.next.ship(msg.head_epoch, msg.step, hidden, parts,
                                           2 * self.timeout_s)
             for key in keys:
-                if key in self.held:
-                    self.held[key].wait_s += waited
+                if key in self.jobs:
+                    self.jobs[key].wait_s += waited
         for key, part, row in zip(keys, msg.parts, rows):
-            held = self.held.get(key)
-            if held is None:
+            job = self.jobs.get(key)
+            if job is None:
                 continue
-            if row is not None and part.sampling is not None and not held.failed:
+            if row is not None and part.sampling is not None and not job.failed:
                 try:
-                    held.first = sample_first(row, part.sampling, self.grammars)
+                    job.first = sample_first(row, part.sampling, self.grammars)
                 except GrammarError as exc:  # the head fails it with a 400
-                    held.failed, held.invalid = str(exc), True
-            if (held.aborted or part.end == part.prompt_len) and not held.finishing:
-                self._spawn(self.finish(key, held, part.deadline))
+                    job.failed, job.invalid = str(exc), True
+            if (job.aborted or part.end == part.prompt_len) and job.state is not JobState.ENDING:
+                self._spawn(self.finish(key, job, part.deadline))
 
     def _part(self, part: StagePart) -> PartIO:
         key = (part.request_id, part.fence)
-        if part.opening is not None and key not in self.aborted and key not in self.held:
+        if part.opening is not None and key not in self.aborted and key not in self.jobs:
             self._open(key, part)
-        held = self.held.get(key)
-        if held is None:  # aborted here, or never opened: compute, write nothing
+        job = self.jobs.get(key)
+        if job is None:  # aborted here, or never opened: compute, write nothing
             return PartIO(None, part.start, part.end, poisoned=True)  # type: ignore[arg-type]
-        pio = PartIO(held.stream, part.start, part.end,
-                     poisoned=part.poisoned or bool(held.failed) or held.aborted)
-        if part.opening is not None and held.loads is not None:
+        pio = PartIO(job.stream, part.start, part.end,
+                     poisoned=part.poisoned or bool(job.failed) or job.aborted)
+        if part.opening is not None and job.loads is not None:
             bs = self.engine.config.block_size
-            pio.loads = held.loads
+            pio.loads = job.loads
             pio.load_tokens = (part.opening.load_from * bs, part.opening.cached_blocks * bs)
         if part.put is not None:
             pio.put = part.put
@@ -242,11 +224,12 @@ class StageWorker:
                                self.first_layer, self.threads.load)
         stream.send_prefix(opening.load_from if loads is not None else opening.cached_blocks,
                            opening.cached_blocks)
-        self.held[key] = Held(stream, loads, [0] * part.prompt_len)
+        self.jobs[key] = StageJob(prompt_len=part.prompt_len, stream=stream, loads=loads,
+                                  zeros=[0] * part.prompt_len)
 
     def _zeros(self, key: Key, part: StagePart) -> list[int]:
-        held = self.held.get(key)
-        return held.zeros if held is not None else [0] * part.prompt_len
+        job = self.jobs.get(key)
+        return job.zeros if job is not None else [0] * part.prompt_len
 
     def _report_stored(self, msg: StageStep, ios: list[PartIO]) -> None:
         with_put = [pio for pio in ios if pio.put is not None]
@@ -261,45 +244,46 @@ class StageWorker:
         self._spawn(report())
 
     # ------------------------------------------------------------ endings
-    async def finish(self, key: Key, held: Held, deadline: float) -> None:
+    async def finish(self, key: Key, job: StageJob, deadline: float) -> None:
         """The request's last chunk ran here (or it was aborted): report once none of its
-        writes can land any more. It stays held until then: an abort meanwhile marks it."""
-        held.finishing = True
+        writes can land any more. It stays in ``jobs`` until then: an abort meanwhile marks
+        it."""
+        job.move(JobState.ENDING)
         started = time.perf_counter()
-        error = held.failed
-        if not error and not held.aborted:
+        error = job.failed or ""
+        if not error and not job.aborted:
             try:
                 if not self.rt.config.kv_layerwise:
-                    held.stream.send_rest()
-                await held.stream.wait(max(1.0, deadline - time.time()))
+                    job.stream.send_rest()
+                await job.stream.wait(max(1.0, deadline - time.time()))
             except Exception as exc:  # TransferError: the stream failed or timed out
                 error = str(exc)
-        error = error or ("aborted" if held.aborted else "")
+        error = error or ("aborted" if job.aborted else "")
         if error:
-            await held.stream.settle()
-        await settle(held.put_futures)
-        if held.loads is not None:
-            await held.loads.settle()
+            await job.stream.settle()
+        await settle(job.put_futures)
+        if job.loads is not None:
+            await job.loads.settle()
         if not error:
-            self.kv_paths.done(held.stream)
-        held.wait_s += time.perf_counter() - started + (held.loads.wait_s if held.loads else 0)
-        self.held.pop(key, None)
-        self._report(key, ok=not error, error=error, kv_bytes=held.stream.bytes,
-                     compute_s=held.compute_s, wait_s=held.wait_s,
-                     first=held.first if self.last else [], invalid=held.invalid)
+            self.kv_paths.done(job.stream)
+        job.wait_s += time.perf_counter() - started + (job.loads.wait_s if job.loads else 0)
+        self.jobs.pop(key, None)
+        self._report(key, ok=not error, error=error, kv_bytes=job.stream.bytes,
+                     compute_s=job.compute_s, wait_s=job.wait_s,
+                     first=job.first if self.last else [], invalid=job.invalid)
 
     def on_abort(self, msg: StageAbort) -> None:
         if msg.head_epoch != self.head_epoch:
             return
         key = (msg.request_id, msg.fence)
         self.aborted.add(key)
-        held = self.held.get(key)
-        if held is None:  # nothing of it here (never came, or reported already)
+        job = self.jobs.get(key)
+        if job is None:  # nothing of it here (never came, or reported already)
             return self._report(key, ok=False, error="aborted")
-        held.aborted = True
-        held.stream.cancel()
-        if key not in self.current and not held.finishing:  # else that one reports
-            self._spawn(self.finish(key, held, 0.0))
+        job.aborted = True
+        job.stream.cancel()
+        if key not in self.current and job.state is not JobState.ENDING:  # else that one reports
+            self._spawn(self.finish(key, job, 0.0))
 
     def _report(self, key: Key, ok: bool, error: str = "", **fields) -> None:
         assert self.head_epoch is not None

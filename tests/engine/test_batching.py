@@ -14,7 +14,8 @@ def job(rid: str, n: int, done: int = 0, aborted: bool = False) -> Prefilling:
                        decode_inbox="tcp://c", decode_session="h:1", decode_kv_base=0,
                        decode_block_ids=[], deadline=0.0)
     r = Reservation(rid, [], n, None, "tcp://r", 0.0, Fence(1, 1))  # type: ignore[arg-type]
-    return Prefilling(task, r, [], done, done, 0, 0, aborted=aborted)
+    return Prefilling(task=task, reservation=r, keys=[], prompt_len=n, done=done,
+                      cached_tokens=done, global_tokens=0, stored_from=0, aborted=aborted)
 
 
 def test_oldest_first_and_the_last_one_is_chunked() -> None:

@@ -14,6 +14,7 @@ import pytest
 
 from common.sampling_params import SampledToken
 from common.protocol import AbortRequest, Fence, FenceQuery, KVFailed, KVReady, RequestFailed
+from services.prefill.job import JobState
 from services.prefill.lanes import Lanes
 from tests.prefill.conftest import Make, clean
 from tests.worker_fakes import (
@@ -179,7 +180,8 @@ def test_a_fence_query_is_answered_only_when_no_write_can_land(make: Make) -> No
         await until(rt.transfer.started.is_set)
         worker.on_fence_query(FenceQuery("a", fence_for("a"), DECODE_INBOX))  # computing
         await asyncio.sleep(1.5)  # past the stream's deadline: settling
-        assert fence_for("a") in worker.settling
+        assert [(j.task.fence, j.state) for j in worker.jobs] == [(fence_for("a"),
+                                                                  JobState.ENDING)]
         worker.on_fence_query(FenceQuery("a", fence_for("a"), DECODE_INBOX))
         assert rt.mail.sent == []  # a write still runs: nothing may be said
         gate.set()
@@ -188,7 +190,7 @@ def test_a_fence_query_is_answered_only_when_no_write_can_land(make: Make) -> No
 
     asyncio.run(go())
     assert rt.mail.of(KVFailed) == [KVFailed("a", "kv_transfer_failed", fence_for("a"))]
-    assert not worker.settling
+    assert not worker.jobs
     clean(worker)
 
 

@@ -211,7 +211,7 @@ def test_a_bug_in_a_prompts_ending_fails_it_instead_of_losing_it(make: Make) -> 
 
     worker.kv_paths.done = broken
     worker.on_task(prefill_task("a", list(range(1, 11))))
-    serve(worker, lambda: bool(rt.mail.of(RequestFailed)) and not worker._finishing)
+    serve(worker, lambda: bool(rt.mail.of(RequestFailed)) and not worker._settling)
     [failed] = rt.mail.of(RequestFailed, to=CONDUCTOR)
     assert (failed.status, failed.error_type) == (500, "internal_error")
     assert "boom" in failed.message
