@@ -41,6 +41,23 @@ def xdist_group(nodeid: str) -> str:
     return "e2e-shared-clusters" if path in SHARED_CLUSTER_MODULES else path
 
 
+# The longest groups on the CI box (2 cores), longest first: a worker starts them first,
+# and the short ones fill the other worker's time at the end (xdist's own order, most
+# tests first, left a worker idle for a minute while the other ran a late long group).
+LONGEST_GROUPS = ("e2e-shared-clusters", "e2e/test_pipeline.py",
+                  "launch/test_supervise_cluster.py", "multihost", "faults/test_faults.py",
+                  "faults/test_pipeline_faults.py", "e2e/test_kv_path.py",
+                  "model/test_smollm2.py", "model/test_triton_ops.py", "e2e/test_dashboard.py")
+
+
+def run_order(group: str, e2e: bool, first_seen: int) -> tuple[int, int]:
+    """Where a group runs: the longest (``LONGEST_GROUPS``), then the other groups that
+    boot clusters, then the rest, each in collection order."""
+    if group in LONGEST_GROUPS:
+        return 0, LONGEST_GROUPS.index(group)
+    return (1 if e2e else 2), first_seen
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
@@ -48,13 +65,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             return xdist_group(nodeid)
 
+    config.option.loadscopereorder = False  # the groups run in collection order: run_order
     return ByGroup(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Refuse a module that uses the shared clusters unlisted; then run each group's tests
-    as one block (in collection order otherwise), so a group's clusters are booted once
-    and stopped when it ends (tests/e2e/conftest.py ``SharedClusters``)."""
+    as one block, the groups in ``run_order``, so a group's clusters are booted once and
+    stopped when it ends (tests/e2e/conftest.py ``SharedClusters``)."""
     for item in items:
         path = Path(str(item.fspath)).relative_to(TESTS).as_posix()
         if "shared" in getattr(item, "fixturenames", ()) and path not in \
@@ -62,9 +80,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             raise pytest.UsageError(f"{path} uses the e2e package's shared clusters: list "
                                     f"it in tests/conftest.py SHARED_CLUSTER_MODULES")
     first: dict[str, int] = {}
+    e2e: set[str] = set()
     for i, item in enumerate(items):
-        first.setdefault(xdist_group(item.nodeid), i)
-    items.sort(key=lambda item: first[xdist_group(item.nodeid)])  # stable: order kept within
+        group = xdist_group(item.nodeid)
+        first.setdefault(group, i)
+        if item.get_closest_marker("e2e") is not None:
+            e2e.add(group)
+    order = {g: run_order(g, g in e2e, i) for g, i in first.items()}
+    items.sort(key=lambda item: order[xdist_group(item.nodeid)])  # stable: order kept within
 
 
 @pytest.fixture(scope="module")

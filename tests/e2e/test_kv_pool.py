@@ -28,11 +28,20 @@ def ask(url: str, question: str) -> dict:
     return r.json()
 
 
-def metric(cluster: LocalCluster, name: str) -> float:
-    text = httpx.get(f"http://{cluster.config.host}:{cluster.config.base_port + 3}/metrics",
+def metric(cluster: LocalCluster, name: str, role: str = "conductor") -> float:
+    c = cluster.config
+    text = httpx.get(f"http://{c.address(role)}:{c.port(role + '_http')}/metrics",
                      timeout=5).text
     m = re.search(rf"^{name}(?:_total)? ([0-9.e+]+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
+
+
+def wait_metric(cluster: LocalCluster, name: str, done, role: str = "conductor") -> None:
+    """Until ``done(value)`` of ``role``'s metric ``name`` (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while not done(metric(cluster, name, role)):
+        assert time.monotonic() < deadline, f"{name} never got there"
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +63,8 @@ def test_second_worker_loads_prefix_from_pool(two_prefill: LocalCluster,
                                               cold: LocalCluster) -> None:
     a = ask(two_prefill.url, "Where is the lamp?")
     assert a["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) == 0
-    time.sleep(1.0)  # the put of A's blocks completes after A's handover
+    # the put of A's blocks completes after A's handover: B comes once the store holds them
+    wait_metric(two_prefill, "crescent_conductor_global_index_keys", lambda n: n >= 20)
     b = ask(two_prefill.url, "Where is the coin?")
     cached = b["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= 16 * 20, "B should reuse the shared context from the pool"
@@ -71,7 +81,7 @@ def test_killed_store_node_means_recompute_not_errors(two_prefill: LocalCluster,
     for _ in range(4):  # across both prefill workers, before and after the master notices
         got = ask(two_prefill.url, "Where is the ring?")
         assert got["choices"][0]["message"]["content"] == want
-    time.sleep(two_prefill.config.heartbeat_timeout_s + 1)
+    wait_metric(two_prefill, "store_nodes", lambda n: n == 0, "store_master")  # noticed
     got = ask(two_prefill.url, "Where is the book? Answer briefly.")
     assert got["choices"][0]["finish_reason"] in ("stop", "length")
     wait_no_leaks(two_prefill)

@@ -1,5 +1,5 @@
 """Structured outputs (``response_format``) on real clusters: every answer parses and
-validates against its schema, whether twenty run at once through the same decode steps,
+validates against its schema, whether ten run at once through the same decode steps,
 greedy or sampled, on a disaggregated cluster (first token on the prefill worker, the
 rest on the decode worker), a pipeline group (first token on its last stage) or a
 colocated worker; the official ``openai`` client's ``chat.completions.parse`` gets its
@@ -35,9 +35,10 @@ CITY = {"type": "object", "additionalProperties": False,
 FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY,
                                                  "strict": True}}
 CITIES = ["Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Rome", "Delhi", "Sydney", "Nairobi",
-          "Toronto", "Berlin", "Seoul", "Madrid", "Lagos", "Hanoi", "Quito", "Dublin",
-          "Vienna", "Manila", "Santiago"]
+          "Toronto"]
 MAX_TOKENS = 200  # a CITY document is at most ~150 tokens (its strings are bounded)
+
+
 @pytest.fixture(scope="module")
 def cluster(shared: SharedClusters) -> LocalCluster:
     return shared.get("disaggregated")
@@ -68,7 +69,7 @@ def _documents(choices: list[dict], schema: dict) -> list[Any]:
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 7}],
                          ids=["greedy", "seeded"])
-def test_twenty_concurrent_answers_validate(cluster: LocalCluster, sampling: dict) -> None:
+def test_ten_concurrent_answers_validate(cluster: LocalCluster, sampling: dict) -> None:
     bodies = [{"messages": _ask(city), "response_format": FORMAT, "max_tokens": MAX_TOKENS,
                **sampling} for city in CITIES]
     docs = _documents(asyncio.run(_batch(cluster.url, bodies)), CITY)
