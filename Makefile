@@ -19,10 +19,13 @@ setup-bench: setup
 # The suite runs on TEST_WORKERS pytest-xdist workers (0: one process). A module, or the
 # set of e2e modules sharing one cluster a shape, runs whole on one worker (tests/conftest.py),
 # and shared clusters stop when their set ends: on the 2-core, 24 GiB CI box 2 workers
-# peaked at 14.5 GiB used and took the suite from 1,064 s to 636 s.
-# `make test-fast` boots no cluster (165 s → 119 s on 2 workers).
+# peaked at 14.5 GiB used and took the suite from 1,064 s to 636 s. A third worker (one
+# that ran only the groups booting no cluster) left it at 518 s against 523 s: the
+# cluster tests are CPU-bound, it only took their CPU.
+# `make test-fast` boots no cluster, so it runs on 3 workers (their tests wait on
+# subprocesses and sockets): 83 s against 89 s on 2.
 TEST_WORKERS ?= 2
-FAST_WORKERS ?= 2
+FAST_WORKERS ?= 3
 PYTEST := $(PY) -m pytest -q -ra --durations=20
 
 test: setup setup-bench  ## set up, then run the whole test suite
