@@ -100,10 +100,10 @@ class PrefillWorker:
             return self._drop("duplicate", task)  # a replay, or an older attempt running
         if self.group is not None and not self.group.followers.ready:
             return self.endings.fail(task, 503, "prefill_stage_down",
-                             f"a pipeline stage of {self.rt.instance_id} is not up")
+                                     f"a pipeline stage of {self.rt.instance_id} is not up")
         if len(self.waiting) >= self.max_waiting:
-            return self.endings.fail(task, 503, "prefill_queue_full",
-                             f"{self.max_waiting} prompts are queued on {self.rt.instance_id}")
+            return self.endings.fail(task, 503, "prefill_queue_full", f"{self.max_waiting} "
+                                     f"prompts are queued on {self.rt.instance_id}")
         self.served.add(task.fence)  # a replay of it must never write again
         self.grammars.prefetch(task.sampling)  # compiled while it waits and computes
         # a sender-chosen deadline reaches no further than this worker's own limit
@@ -153,8 +153,8 @@ class PrefillWorker:
             self.endings.fail(task, 499, "aborted", "aborted before prefill")
 
     def idle(self) -> bool:
-        """Nothing queued, computing, finishing or being put: every block is free."""
-        return not (self.waiting or self.jobs or self._settling or self.prefix.busy)
+        """Nothing queued, computing, ending (in ``jobs`` until settled) or being put."""
+        return not (self.waiting or self.jobs or self.prefix.busy)
 
     def load(self) -> WorkerLoad:
         tokens = sum(len(t.token_ids) for t in self.waiting)
@@ -207,7 +207,7 @@ class PrefillWorker:
         plan = await self.prefix.acquire(tokens, keys, from_store=task.store_loads,
                                          reuse_prefix=not whole)
         if plan is None:
-            if self.jobs or self._settling:
+            if self.jobs:  # a computing or ending one frees blocks
                 return None
             raise PrefillFailure(503, "prefill_kv_full", "prefill KV memory is full")
         try:

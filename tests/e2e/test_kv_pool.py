@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 import pytest
@@ -36,7 +36,8 @@ def metric(cluster: LocalCluster, name: str, role: str = "conductor") -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def wait_metric(cluster: LocalCluster, name: str, done, role: str = "conductor") -> None:
+def wait_metric(cluster: LocalCluster, name: str, done: Callable[[float], bool],
+                role: str = "conductor") -> None:
     """Until ``done(value)`` of ``role``'s metric ``name`` (30 s at most)."""
     deadline = time.monotonic() + 30
     while not done(metric(cluster, name, role)):
