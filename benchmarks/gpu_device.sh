@@ -94,19 +94,27 @@ prefill_bench() {
   tar czf "$OUT/prefill-logs.tgz" -C /tmp prefill-gpu 2>/dev/null
 }
 
+reap() {  # a step cut off by its timeout leaves no cluster holding the GPU
+  pkill -f "services\.(decode|prefill|store_node|router|conductor|store_master)" 2>/dev/null
+  sleep 1
+  rm -rf /dev/shm/crescent*
+}
+
 kv_issue() {  # issue 26: GPU KV on one host; the figures saved as $OUT/gpu-kv.json
-  log "CUDA IPC and pinned-memory tests"
-  timeout 60 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/kv/test_cuda_kv_paths.py \
-    2>&1 | grep -v "^[IWE][0-9]" | tail -12
-  log "KV paths side by side (benchmarks/kv_gpu.py)"
-  timeout 120 python3 benchmarks/kv_gpu.py --out "$OUT/kv.json" 2>&1 \
-    | grep -v "^[IWE][0-9]" | grep -v "^{" | tail -20
+  log "CUDA IPC, pinned-memory and launched-read tests"
+  timeout 90 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/kv/test_cuda_kv_paths.py \
+    2>&1 | tee "$OUT/kv-tests.log" | grep -v "^[IWE][0-9]" | tail -12
+  prefill_bench
+  reap
   log "live clusters: greedy outputs over TCP, CUDA IPC and pinned memory"
-  CRESCENT_TEST_DEVICE=cuda CRESCENT_TEST_MODEL=dummy-bench-prefill timeout 120 \
+  CRESCENT_TEST_DEVICE=cuda CRESCENT_TEST_MODEL=dummy-bench-prefill timeout 150 \
     python3 -m pytest -q -rs -p no:cacheprovider --basetemp=/tmp/kvpaths \
     tests/e2e/test_gpu_kv_paths.py 2>&1 | tee "$OUT/kv-e2e.log" | grep -v "^[IWE][0-9]" | tail -12
   tar czf "$OUT/kv-e2e-logs.tgz" -C /tmp kvpaths 2>/dev/null
-  prefill_bench
+  reap
+  log "KV paths side by side (benchmarks/kv_gpu.py)"
+  timeout 75 python3 benchmarks/kv_gpu.py --reps 3 --out "$OUT/kv.json" 2>&1 \
+    | grep -v "^[IWE][0-9]" | grep -v "^{" | tail -20
   python3 benchmarks/kv_gpu.py --merge "$OUT/kv.json" --prefill "$OUT/prefill.log" \
     --out "$OUT/gpu-kv.json" | grep -v "^{"
 }

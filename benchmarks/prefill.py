@@ -223,6 +223,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     ("compute_s", "own compute s", ".3f"), ("wait_s", "wait s", ".3f"),
                     ("extra_s", "extra s", "+.3f"), ("extra_pct", "extra %", "+.1f"),
                     ("on_core_s", "on core s", "+.3f"), ("outside_s", "outside s", ".3f"),
+                    ("admit_s", "admission s", ".3f"), ("around_s", "around s", ".3f"),
                     ("cpu_s", "prefill CPU s", ".2f"),
                     ("cpu_vs_after_pct", "CPU vs after %", "+.1f")]))
     print("\n(b) chunked pipeline: 2 stages (cores 0, 1) vs 1 worker (core 0)")
@@ -235,7 +236,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\n(c) TTFT with {CACHED_SHARE:.0%} of the prompt in the store vs cold")
     print(table(c, [("tokens", "tokens", "d"), ("mode", "mode", ""),
                     ("cold_ttft_s", "cold s", ".3f"),
-                    ("warm_ttft_s", "warm s", ".3f"), ("warm_wait_s", "warm wait s", ".3f"),
+                    ("warm_ttft_s", "warm s", ".3f"), ("warm_compute_s", "warm compute s", ".3f"),
+                    ("warm_wait_s", "warm wait s", ".3f"),
+                    ("warm_admit_s", "warm admission s", ".3f"),
+                    ("warm_around_s", "warm around s", ".3f"),
                     ("cached", "cached", ".0f"), ("global_hit", "from store", ".0f"),
                     ("cacheable", "cacheable", "d"), ("speedup", "speedup", ".2f"),
                     ("cpu_speedup", "CPU ratio", ".2f")]))

@@ -18,6 +18,8 @@ from launch.cluster import LocalCluster
 
 COMPUTE = "crescent_prefill_compute_seconds"
 WAIT = "crescent_prefill_transfer_wait_seconds"
+ADMIT = "crescent_prefill_admission_seconds"
+ACCEPTED = "crescent_conductor_actual_prefill_ttft_seconds"  # accept → KV on decode
 HITS = "crescent_global_cache_hit_tokens_total"
 INDEX_KEYS = "crescent_conductor_global_index_keys"
 PLACED = "crescent_conductor_placed_total"
@@ -139,7 +141,8 @@ class Run:
         return Sample(len(ids), ttft, diff(COMPUTE + "_sum"), diff(WAIT + "_sum"), cpu,
                       usage["prompt_tokens_details"]["cached_tokens"],
                       None if hits is None else round(hits),
-                      changed_label(before, after or self.scrape(), PLACED, "prefill") or "?")
+                      changed_label(before, after or self.scrape(), PLACED, "prefill") or "?",
+                      diff(ADMIT + "_sum"), diff(ACCEPTED + "_sum"))
 
     def _stream(self, ids: list[int]) -> tuple[float, dict]:
         ttft: Optional[float] = None

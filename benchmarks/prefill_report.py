@@ -29,6 +29,8 @@ class Sample:
     global_hit: Optional[int]  # of those, loaded from the store (conductor counter)
     instance: str
     # None: the conductor did not count this request's PrefillDone (it came too late)
+    admit_s: Optional[float] = None  # the prefill worker's admission (PrefillDone.admit_s)
+    accepted_s: Optional[float] = None  # the conductor's accept → KV on the decode worker
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -117,7 +119,11 @@ def part_a(res: dict[str, dict[str, list[Sample]]], lengths: list[int]) -> list[
     the after-prefill prefill's. The extra, roughly split (medians do not add exactly):
     ``on_core_s`` = own compute − compute alone (KV work on the compute core: copies,
     messages, the GIL) + ``wait_s`` (blocked on transfers) + ``outside_s`` = TTFT − own
-    compute − wait (router, conductor, reservation, admission, first-token hops)."""
+    compute − wait (router, conductor, reservation, admission, first-token hops). Of the
+    outside: ``admit_s``, the prefill worker's admission (store lookups, blocks, whole
+    blocks read from the store), and ``around_s`` = TTFT − the conductor's accept → KV on
+    the decode worker (the client, router and conductor before it, the first token's
+    hops after)."""
     rows = []
     for n in lengths:
         alone = med(res["after"]["cold"], n, "compute_s")
@@ -131,6 +137,8 @@ def part_a(res: dict[str, dict[str, list[Sample]]], lengths: list[int]) -> list[
                          "compute_s": compute, "wait_s": wait,
                          "on_core_s": difference(compute, alone),
                          "outside_s": difference(ttft, compute, wait),
+                         "admit_s": med(cold, n, "admit_s"),
+                         "around_s": difference(ttft, med(cold, n, "accepted_s")),
                          "cpu_s": cpu, "extra_s": extra, "extra_pct": pct(extra, alone),
                          "cpu_vs_after_pct": pct(None if cpu is None or after_cpu is None
                                                  else cpu - after_cpu, after_cpu)})
@@ -162,6 +170,10 @@ def part_c(res: dict[str, dict[str, list[Sample]]], lengths: list[int]) -> list[
             rows.append({"tokens": n, "mode": mode, "cold_ttft_s": med(cold, n, "ttft_s"),
                          "warm_ttft_s": med(warm, n, "ttft_s"),
                          "warm_wait_s": med(warm, n, "wait_s"),
+                         "warm_compute_s": med(warm, n, "compute_s"),
+                         "warm_admit_s": med(warm, n, "admit_s"),
+                         "warm_around_s": difference(med(warm, n, "ttft_s"),
+                                                     med(warm, n, "accepted_s")),
                          "cached": med(warm, n, "cached"), "global_hit": med(warm, n, "global_hit"),
                          "cacheable": cacheable_tokens(n, CACHED_SHARE),
                          "speedup": ratio(med(cold, n, "ttft_s"), med(warm, n, "ttft_s")),

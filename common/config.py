@@ -118,16 +118,18 @@ class PrefillPlace:
     head: int
 
 
-def default_layerwise(device: str, transfer_protocol: str, prefill_stages: int) -> bool:
-    """``kv_layerwise`` when a config leaves it out: true, except for KV in GPU memory over
-    TCP. There, through the transfer engine, whole blocks after the prefill reached the
-    first token 2.5-3.2x sooner than layer-wise on an H200 (BENCHMARKS.md, "GPU"); on one
-    host, where CUDA IPC and pinned memory move the KV at 48-505 GB/s, layer-wise hides
-    nothing and its per-layer launches still cost 5-8 % at 16k and 17-79 % at 1k
-    (BENCHMARKS.md, "GPU KV on one host"). RDMA is not measured; it keeps layer-wise. A
-    pipeline is always layer-wise."""
-    gpu_tcp = str(device).startswith("cuda") and transfer_protocol == "tcp"
-    return not gpu_tcp or prefill_stages > 1
+def default_layerwise(device: str, transfer_protocol: str, prefill_stages: int,
+                      kv_path: str = "auto") -> bool:
+    """``kv_layerwise`` when a config leaves it out: true, except for GPU KV that only the
+    transfer engine over TCP moves (``kv_path = "transfer_engine"``): there whole blocks
+    after the prefill reached the first token 2.5-3.2x sooner than layer-wise on an H200
+    (BENCHMARKS.md, "GPU"). On one host (CUDA IPC to the decode worker, the store's
+    segments pinned) a GPU's layer-wise I/O moves a chunk's blocks at once after the chunk
+    and loads a stored prefix per layer behind the compute (BENCHMARKS.md, "GPU KV on one
+    host"); across hosts over TCP it streams per layer. A pipeline is always layer-wise."""
+    gpu_tcp_only = (str(device).startswith("cuda") and transfer_protocol == "tcp"
+                    and kv_path == "transfer_engine")
+    return not gpu_tcp_only or prefill_stages > 1
 
 
 @dataclass
@@ -163,7 +165,8 @@ class ClusterConfig:
     # computed, a cached prefix loads from it layer by layer while the rest computes, and
     # KV streams to the decode worker per layer. False: whole blocks after the prefill (to
     # the decode worker and the store) and before it (from the store): the baseline.
-    # None (left out): ``default_layerwise`` (true, except GPU KV over TCP), resolved when
+    # None (left out): ``default_layerwise`` (true, except GPU KV through the transfer
+    # engine's TCP alone), resolved when
     # the config is made: every reader sees a bool.
     kv_layerwise: Optional[bool] = None
     decode_workers: int = 1
@@ -233,7 +236,7 @@ class ClusterConfig:
             raise ValueError(f"mode must be 'disaggregated' or 'colocated', not {self.mode!r}")
         if self.kv_layerwise is None:
             self.kv_layerwise = default_layerwise(self.device, self.transfer_protocol,
-                                                  self.prefill_stages)
+                                                  self.prefill_stages, self.kv_path)
         if not _is_address(self.host):
             raise ValueError(f"host must be an address (a non-empty string), not {self.host!r}")
         if not isinstance(self.bind_host, str) or self.bind_host != self.bind_host.strip():

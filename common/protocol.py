@@ -144,6 +144,7 @@ class PrefillDone:
     # last one's end (the conductor learns the store's read bandwidth from them)
     store_read_bytes: int = 0
     store_read_s: float = 0.0
+    admit_s: float = 0.0  # the worker's admission: store lookups, blocks, whole-block reads
 
 
 @message

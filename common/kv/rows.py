@@ -31,6 +31,9 @@ Piece = tuple[int, int, int]
 T = TypeVar("T")
 
 MAX_RUNS = 16  # at most this many runs after coalescing: a copy_ per run (DMA), no indices
+# ... or this many where every run is this long (whole blocks of an 8B model are 2 MiB): the
+# copy engine moves them without taking SMs from the compute they overlap
+MAX_DMA_RUNS, DMA_RUN_BYTES = 4096, 256 << 10
 MAX_TEMP_BYTES = 256 << 20  # the gather's temporary per launch pair
 
 
@@ -107,7 +110,7 @@ def copy_pieces(src: torch.Tensor, dst: torch.Tensor, pieces: Sequence[Piece],
     s, d, n = as_arrays(pieces)
     check(s, d, n, src.numel(), dst.numel())
     s, d, n = coalesce(s, d, n)
-    if len(n) <= MAX_RUNS:
+    if len(n) <= MAX_RUNS or (len(n) <= MAX_DMA_RUNS and int(n.min()) >= DMA_RUN_BYTES):
         a = src if src_dma is None else src_dma
         b = dst if dst_dma is None else dst_dma
         for x, y, k in zip(s.tolist(), d.tolist(), n.tolist()):

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+import numpy as np
+
+from common.kv import dma2d
 from common.kv.rows import copy_pieces, copy_rows, launch, on_stream, rows_view
 from common.store.shm import Segment
 from common.transfer import TransferError
@@ -27,6 +31,7 @@ from common.transfer import TransferError
 log = logging.getLogger(__name__)
 
 PINNED = "pinned"
+STAGING_BYTES = 256 << 20  # a launched read's staging buffer on the GPU, at most
 
 
 class _DeviceArray:
@@ -66,9 +71,10 @@ class DeviceCopies:
     """A GPU worker's copies between its KV (``memory``, flat uint8) and same-host store
     segments, for its ``RangeMover``: each segment pinned once (``pinned``), unpinned
     before its mapping closes (``unpin``); one stream per direction. ``copy`` moves a
-    call's pieces and waits (a lane thread); ``rows`` + ``launch_write`` write a put's
-    objects a layer at a time, launched from the compute thread behind the compute, the
-    lane only waiting. ``count`` / ``failed``: the mover's byte and failure accounts."""
+    call's pieces and waits (a lane thread); ``launch_reads`` queues a stored prefix's
+    reads a layer at a time, each with an event the compute waits for on the GPU, the
+    lane only waiting for the last. ``count`` / ``failed``: the mover's byte and failure
+    accounts."""
 
     def __init__(self, memory: torch.Tensor, count: Callable[[bool, str, int], None],
                  failed: Callable[[str, str], None]) -> None:
@@ -128,56 +134,111 @@ class DeviceCopies:
         self.count(write, PINNED, nbytes)
         return True
 
-    def rows(self, plan: Any, segment_of: Callable[[str], Any], local_rows: Sequence[int],
-             first_row: int, row_nbytes: int, layers: int) -> Optional[tuple[Any, list, int]]:
-        """For writing ``plan`` (a PutPlan) a row at a time: per replica node, its pinned
-        segment's rows, and on the GPU each key's local row (``local_rows[i]``, rows of
-        ``row_nbytes`` in the KV memory) and its object's row there (offset / row_nbytes +
-        ``first_row``), checked once for ``layers`` rows on; with the local rows and the
-        bytes one row of every object makes. None where the plan cannot go this way (a
-        node not pinnable here, an object not aligned to rows)."""
+    def launch_reads(self, plan: Any, segment_of: Callable[[str], Any],
+                     local_rows: Sequence[int], first_row: int, row_nbytes: int, layers: int,
+                     waiter: ThreadPoolExecutor) -> Optional["LaunchedReads"]:
+        """Queue the reads of ``plan`` (a GetPlan: each key's first replica) a row at a time
+        (a layer of every object) on the read stream, none waiting for anything: key i's
+        object row ``offset / row_nbytes + first_row + l`` → local row ``local_rows[i] + l``
+        for ``l < layers``. Per layer and node: the pieces by 2D DMA into a staging buffer
+        and one scatter into the KV memory (``dma2d``), or where 2D copies are not usable a
+        gather kernel over the pinned mapping. None where the plan cannot go this way (an
+        absent key, a node not pinnable here, a row outside either memory)."""
         by_node: dict[str, tuple[list[int], list[int]]] = {}
         for i, replicas in enumerate(plan.replicas):
-            for loc in replicas.locations:
-                if loc.offset % row_nbytes:
-                    return None
-                src, dst = by_node.setdefault(loc.node_id, ([], []))
-                src.append(local_rows[i])
-                dst.append(loc.offset // row_nbytes + first_row)
+            if not replicas.locations:
+                return None
+            loc = replicas.locations[0]
+            dst, src = by_node.setdefault(loc.node_id, ([], []))
+            dst.append(local_rows[i])
+            src.append(loc.offset + first_row * row_nbytes)
         local_total = self.memory.numel() // row_nbytes
-        device = self.memory.device
-        out = []
-        for node_id, (src, dst) in by_node.items():
+        parts = []
+        for node_id, (dst, src) in by_node.items():
             seg = segment_of(node_id)
-            if seg is None:
+            if seg is None or min(dst + src) < 0 or max(dst) + layers > local_total or (
+                    max(src) + layers * row_nbytes > seg.device.numel()):
                 return None
-            total = seg.device.numel() // row_nbytes
-            if min(src + dst) < 0 or max(src) + layers > local_total or max(dst) + layers > total:
-                return None
-            out.append((rows_view(seg.device[:total * row_nbytes], row_nbytes),
-                        torch.tensor(src).to(device, non_blocking=True),
-                        torch.tensor(dst).to(device, non_blocking=True)))
-        local = rows_view(self.memory[:local_total * row_nbytes], row_nbytes)
-        return local, out, sum(len(src) for src, _ in by_node.values()) * row_nbytes
+            parts.append((seg, dst, np.asarray(src, dtype=np.int64)))
+        stream = self._stream(False)
+        copier = dma2d.usable(self.memory.device) if stream is not None else None
+        if copier is None and any(src % row_nbytes for _, _, src in parts for src in src):
+            return None  # a kernel gathers whole rows of the segment
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            return self._launch_reads(parts, row_nbytes, layers, plan.deadline, stream,
+                                      copier, waiter)
 
-    def launch_write(self, rows: tuple[Any, list, int], row: int, deadline: float,
-                     waiter: ThreadPoolExecutor) -> Future:
-        """Queue row ``row`` on (a layer) of every object of ``rows``, behind the work
-        launched so far on this thread's stream (the compute that wrote it); ``waiter``
-        waits for it. The future fails once done past ``deadline``."""
-        local, parts, nbytes = rows
+    def _launch_reads(self, parts: list, row_nbytes: int, layers: int, deadline: float,
+                      stream: Optional[torch.cuda.Stream], copier: Optional[dma2d.Copier2D],
+                      waiter: ThreadPoolExecutor) -> "LaunchedReads":
+        """``launch_reads`` once checked, on the read stream: index tensors and staging are
+        made on it too, so nothing it runs waits for, or races, another stream."""
+        device = self.memory.device
+        local = rows_view(self.memory[:self.memory.numel() // row_nbytes * row_nbytes],
+                          row_nbytes)
+        reads = LaunchedReads(sum(len(dst) for _, dst, _ in parts) * row_nbytes * layers)
+        parts = [(seg, torch.tensor(dst).to(device, non_blocking=True), src)
+                 for seg, dst, src in parts]
+        if copier is not None:
+            assert stream is not None
+            batch = max(1, STAGING_BYTES // row_nbytes)
+            reads.staging = torch.empty(min(batch, max(len(src) for *_, src in parts))
+                                        * row_nbytes, dtype=torch.uint8, device=device)
+            staged = rows_view(reads.staging, row_nbytes)
+            plans = [(seg, dst[a:a + batch], dma2d.runs(src[a:a + batch], row_nbytes))
+                     for seg, dst, src in parts for a in range(0, len(src), batch)]
 
-        def copy() -> None:
-            for seg_rows, src, dst in parts:
-                copy_rows(local, seg_rows, src + row, dst + row)
-        _, done = launch(self._stream(True), copy)
-        return waiter.submit(self._written, done, nbytes, deadline)
+            def copy(layer: int) -> None:
+                for seg, dst, runs in plans:
+                    for first, count, offset, pitch in runs:
+                        copier.host_to_device(
+                            device.index or 0, reads.staging.data_ptr() + first * row_nbytes,
+                            row_nbytes, seg.address + offset + layer * row_nbytes, pitch,
+                            row_nbytes, count, stream.cuda_stream)
+                    local.index_copy_(0, dst + layer, staged[:dst.numel()])
+        else:
+            gathers = [(rows_view(seg.device[:seg.device.numel() // row_nbytes * row_nbytes],
+                                  row_nbytes), dst,
+                        torch.from_numpy(src // row_nbytes).to(device, non_blocking=True))
+                       for seg, dst, src in parts]
 
-    def _written(self, done: Optional[torch.cuda.Event], nbytes: int, deadline: float) -> int:
-        if done is not None:
-            done.synchronize()
+            def copy(layer: int) -> None:
+                for seg_rows, dst, src in gathers:
+                    copy_rows(seg_rows, local, src + layer, dst + layer)
+        try:
+            for layer in range(layers):
+                reads.events.append(launch(stream, lambda: copy(layer), after=False)[1])
+        except (IndexError, ValueError, RuntimeError) as exc:  # what was queued still runs
+            self.failed(PINNED, f"launched reads: {exc}")
+            deadline = 0.0  # the lane fails it once the queued part is done
+        reads.done = waiter.submit(self._landed, reads, deadline)
+        return reads
+
+    def _landed(self, reads: "LaunchedReads", deadline: float) -> int:
+        """In a lane: once the last layer landed (when, in ``reads.seconds``), whether it
+        did within the lease (a read that ended after it may hold bytes the store has
+        given to another object)."""
+        if reads.events and reads.events[-1] is not None:
+            reads.events[-1].synchronize()
+        reads.seconds = time.perf_counter() - reads.started
         if time.time() > deadline:
-            self.failed(PINNED, "a layer's store write ended past its deadline")
-            raise TransferError("store write: past the deadline")
-        self.count(True, PINNED, nbytes)
-        return nbytes
+            self.failed(PINNED, "a launched read ended past its lease" if deadline
+                        else "a launched read failed")
+            raise TransferError("store read: past the lease" if deadline
+                                else "store read: a launch failed")
+        self.count(False, PINNED, reads.nbytes)
+        return reads.nbytes
+
+
+class LaunchedReads:
+    """Reads queued by ``DeviceCopies.launch_reads``: ``events[l]`` fires once layer l
+    landed (None: host memory, copied already), ``done`` (a Future) once every layer did,
+    raising ``TransferError`` where they ended past the lease."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.started = time.perf_counter()
+        self.events: list[Optional[torch.cuda.Event]] = []
+        self.done: Optional[Future] = None
+        self.seconds = 0.0  # launched → the last layer landed (as the lane saw it)
+        self.staging: Optional[torch.Tensor] = None  # kept until the reads are done

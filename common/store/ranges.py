@@ -316,18 +316,18 @@ class RangeMover:
             return (seg.base, seg.view(0, seg.nbytes)) if seg is not None else None
 
     # ------------------------------------------------------ GPU KV (common/store/pinned.py)
-    def device_rows(self, plan: PutPlan, local_rows: Sequence[int], first_row: int,
-                    row_nbytes: int, layers: int) -> Optional[tuple[Any, list, int]]:
-        """A GPU mover's plan for writing ``plan`` one row (a layer of every object) at a
-        time from the compute thread (``DeviceCopies.rows``, ``device.launch_write``); None
-        where it cannot go that way: ``write`` then."""
+    def launch_reads(self, plan: GetPlan, local_rows: Sequence[int], first_row: int,
+                     row_nbytes: int, layers: int, waiter: ThreadPoolExecutor) -> Any:
+        """A GPU mover's reads of ``plan`` queued a row (a layer of every object) at a
+        time, from same-host pinned segments (``DeviceCopies.launch_reads``); None where
+        they cannot go that way: ``read`` then."""
         if self.device is None or time.time() >= plan.deadline:
             return None
         self.retain(plan.live)
         refs = {n.node_id: n for n in plan.nodes}
-        return self.device.rows(
+        return self.device.launch_reads(
             plan, lambda node_id: self._pinned_segment(refs[node_id]) if node_id in refs
-            else None, local_rows, first_row, row_nbytes, layers)
+            else None, local_rows, first_row, row_nbytes, layers, waiter)
 
     def _pinned_segment(self, node: NodeRef) -> Any:
         """The node's segment mapped here and registered as pinned memory; None: use the

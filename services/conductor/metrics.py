@@ -49,6 +49,10 @@ class ConductorMetrics:
             "crescent_prefill_transfer_wait_seconds", "time a prefill was blocked on transfers "
             "(store loads, the next pipeline stage, the last KV writes)", ["instance"],
             buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10), registry=r)
+        self.prefill_admission = Histogram(
+            "crescent_prefill_admission_seconds", "a prompt's admission on its prefill worker "
+            "(store lookups, blocks, a whole-block store read)", ["instance"],
+            buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10), registry=r)
         self.ttft_log = TTFTLog()
         self.prompt_tokens = Counter("crescent_prompt_tokens", "prompt tokens prefilled",
                                      registry=r)

@@ -233,6 +233,7 @@ class Conductor(FailurePaths):
         self.metrics.transfer_seconds.observe(msg.transfer_seconds)
         self.metrics.prefill_compute.labels(msg.instance_id).observe(msg.prefill_seconds)
         self.metrics.prefill_transfer_wait.labels(msg.instance_id).observe(msg.wait_s)
+        self.metrics.prefill_admission.labels(msg.instance_id).observe(msg.admit_s)
         self.prefilled.append(PrefillSummary(msg.request_id, msg.prefill_seconds, msg.wait_s,
                                              msg.transfer_seconds, msg.transfer_bytes))
         worker = self.registry.get(msg.instance_id)

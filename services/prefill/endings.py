@@ -59,7 +59,6 @@ class Endings:
             if not self.layerwise:  # the baseline: every block after the prefill
                 job.stream.send_rest()
             await job.stream.wait(max(1.0, task.deadline - time.time()))
-            await settle(job.put_futures)
             if outcome is not None:  # its wait for the later stages counts in wait_s
                 result = await self.group.result(outcome, task.deadline)
             first = (sample_first(logits, task.sampling, self.grammars) if outcome is None
@@ -86,7 +85,10 @@ class Endings:
             job.plan.global_blocks * bs, job.compute_s,
             job.stream.bytes + (result.kv_bytes if outcome is not None else 0),  # the group's
             job.stream.seconds, task.fence, wait_s=job.wait_s, store_read_bytes=read[0],
-            store_read_s=read[1]))
+            store_read_s=read[1], admit_s=job.admit_s))
+        # the new blocks' store writes read our blocks: they settle before the blocks are
+        # released, not before the first token (they are for later requests)
+        await settle(job.put_futures)
         self.prefix.release(job.plan, job.keys)
 
     def fail(self, task: PrefillTask, status: int, kind: str, message: str) -> None:

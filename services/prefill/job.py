@@ -16,7 +16,7 @@ from typing import Optional
 
 from common.protocol import PrefillTask
 from common.sampling_params import PromptLogprobs, SampledToken
-from services.prefill.layer_io import LayerLoads
+from services.prefill.layer_io import LaunchedLoads, LayerLoads
 from services.prefill.prefix import PrefixPlan
 from services.prefill.streaming import KVStream
 
@@ -48,7 +48,7 @@ class PromptJob:
     done: int = 0  # tokens whose KV is in its blocks: the cached prefix, then chunks
     state: JobState = JobState.COMPUTING
     stream: Optional[KVStream] = None  # its KV on its way to the decode worker
-    loads: Optional[LayerLoads] = None  # its store blocks, loading layer by layer
+    loads: Optional[LayerLoads | LaunchedLoads] = None  # its store blocks, loading per layer
     put_futures: list[Future] = field(default_factory=list)  # its layer-wise store writes
     compute_s: float = 0.0  # its share of the steps it was computed in
     wait_s: float = 0.0  # time blocked on transfers: loads, a full pipeline, the stream
@@ -79,6 +79,7 @@ class Job(PromptJob):
     keys: list[bytes]
     plan: PrefixPlan
     opened: bool = False  # its first chunk was computed (and, in a group, shipped)
+    admit_s: float = 0.0  # its admission: store lookups, blocks, a whole-block store read
     prompt_parts: list[PromptLogprobs] = field(default_factory=list)  # per chunk, if asked
 
     @property
@@ -93,7 +94,7 @@ class Job(PromptJob):
         self.loads, self.failed = None, None
         self.done = min(plan.load_from * block_size, self.prompt_len - 1)
         assert self.stream is not None
-        self.stream.prefix = plan.load_from
+        self.stream.rewind(plan.load_from)
 
 
 @dataclass(eq=False, kw_only=True)

@@ -2,7 +2,9 @@
 
 Before layer l reads the KV memory: wait until the blocks loaded from the store have
 layer l (``LayerLoads``: one read per layer, all queued at once on the load lane, so layer
-l+1 loads while layer l computes), then stream those blocks' layer l to the decode worker.
+l+1 loads while layer l computes; on a GPU ``LaunchedLoads``: every layer's read queued on
+the GPU at admission, the compute's stream waiting for each), then stream those blocks'
+layer l to the decode worker.
 After layer l wrote its tokens' K/V: stream them to the decode worker (``KVStream``) and
 write layer l of every store object the chunk completes (``PutPlan``) on the store lane.
 
@@ -22,6 +24,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+import torch
 
 from common.kv.memory import PagedKVMemory
 from common.store.ranges import GetPlan, PutPlan, RangeMover
@@ -78,12 +82,65 @@ class LayerLoads:
             self.wait_s += time.perf_counter() - started
         return self.failed is None
 
+    async def landed(self) -> bool:
+        """After the step that used them: every layer landed (``wait`` knew it then)."""
+        return self.failed is None
+
     async def settle(self) -> None:
         """Until none of its reads can land in its blocks any more: those queued and,
         after a failure, any native call of the mover that outlived its deadline."""
         await settle(self.futures)
         if self.failed is not None and self.mover.transfer is not None:
             await settle(self.mover.transfer.in_flight())
+
+
+class LaunchedLoads:
+    """A GPU's blocks read from same-host store segments with every layer queued at once
+    on the mover's read stream (``RangeMover.launch_reads``: 2D DMA per layer): the
+    compute's stream waits for layer l's event on the GPU, so neither the compute thread
+    nor a lane waits per layer, and the reads run under the compute of the layers before.
+    Whether every layer landed within the lease is known once the step ran (``landed``):
+    a late one poisons the request like a failed ``LayerLoads.wait``."""
+
+    def __init__(self, reads: Any, nbytes: int) -> None:
+        self.reads = reads
+        self.nbytes = nbytes
+        self.failed: Optional[str] = None
+        self.wait_s = 0.0  # the compute thread never waits
+        self.read_s = 0.0
+
+    def wait(self, layer: int) -> bool:
+        """In the compute thread: what it launches next runs after layer ``layer`` landed."""
+        if self.failed is None and self.reads.events[layer] is not None:
+            torch.cuda.current_stream().wait_event(self.reads.events[layer])
+        return self.failed is None
+
+    async def landed(self) -> bool:
+        if self.failed is None:
+            try:
+                await watched(self.reads.done)
+                self.read_s = self.reads.seconds
+            except Exception as exc:  # TransferError: past the lease, or a launch failed
+                self.failed = f"launched load failed: {exc}"
+        return self.failed is None
+
+    async def settle(self) -> None:
+        """Queued copies cannot be stopped: until the last one is done."""
+        await settle([self.reads.done])
+
+
+def start_loads(mover: RangeMover, plan: GetPlan, kv: PagedKVMemory, blocks: list[int],
+                first_layer: int, lane: ThreadPoolExecutor) -> "LayerLoads | LaunchedLoads":
+    """The reads of a stored prefix into ``blocks`` during the compute: on a GPU from
+    same-host segments launched at once (``LaunchedLoads``), else a read per layer on the
+    load lane (``LayerLoads``)."""
+    if not kv.in_host_memory:
+        layers = kv.num_layers
+        reads = mover.launch_reads(plan, [b * layers for b in blocks], first_layer,
+                                   kv.layer_nbytes, layers, lane)
+        if reads is not None:
+            return LaunchedLoads(reads, len(blocks) * kv.block_nbytes)
+    return LayerLoads(mover, plan, kv, blocks, first_layer, lane)
 
 
 @dataclass
@@ -93,13 +150,12 @@ class PartIO:
     stream: KVStream
     start: int
     end: int
-    loads: Optional[LayerLoads] = None
+    loads: Optional["LayerLoads | LaunchedLoads"] = None
     load_tokens: tuple[int, int] = (0, 0)  # the loaded blocks' tokens, streamed per layer
     put: Optional[PutPlan] = None
     put_local: list[int] = field(default_factory=list)  # local block of each put key
     put_blocks: list[int] = field(default_factory=list)  # its block index in the prompt
     put_futures: list[Future] = field(default_factory=list)
-    put_rows: Any = None  # GPU KV: RangeMover.device_rows of ``put`` (False: none)
     poisoned: bool = False  # computed from a failed load: streams and stores nothing
 
     def written(self) -> list[bool]:
@@ -130,33 +186,54 @@ class StepIO:
             if not part.loads.wait(layer):
                 part.poisoned = True
                 continue
-            self._stream(part, layer, *part.load_tokens)
+            if not part.stream.chunked:
+                self._stream(part, layer, *part.load_tokens)
+            elif layer == self.kv.num_layers - 1:  # every layer landed: the loaded blocks
+                self._send_chunk(part, part.load_tokens[1])  # go under the last layer
 
     def after(self, layer: int) -> None:
+        last = layer == self.kv.num_layers - 1
         for part in self.parts:
             if part.poisoned:
                 continue
-            if self.layerwise:
+            if self.layerwise and not part.stream.chunked:
                 self._stream(part, layer, part.start, part.end)
+            elif self.layerwise and last:
+                self._send_chunk(part, part.end)
             if part.put is not None and self.mover is not None and self.store_lane is not None:
-                part.put_futures.append(self._store(part, layer))
+                if not self.kv.in_host_memory:
+                    if last:  # GPU KV: whole objects after the chunk (see _store_chunk)
+                        part.put_futures.append(self._store_chunk(part))
+                else:
+                    part.put_futures.append(self._store(part, layer))
 
-    def _store(self, part: PartIO, layer: int) -> Future:
-        """Layer ``layer`` of the part's new objects to the store: on a GPU with the store
-        on this host, launched here behind the compute (the lane only waits); else the
-        store lane copies it."""
+    def _store_chunk(self, part: PartIO) -> Future:
+        """The part's new objects (this stage's layers of them) to the store, once the
+        chunk's last layer is computed: on a GPU a layer's store write costs the compute
+        thread its launches per layer, and its bytes are for later requests, not this
+        one's first token. The store lane launches the copy behind the compute (DMA from
+        a same-host segment, else the transfer engine) and waits for it."""
         assert part.put is not None and self.mover is not None and self.store_lane is not None
         ln, layers = self.kv.layer_nbytes, self.kv.num_layers
-        if part.put_rows is None:
-            part.put_rows = self.mover.device_rows(
-                part.put, [b * layers for b in part.put_local], self.first_layer, ln,
-                layers) or False
-        if part.put_rows:
-            return self.mover.device.launch_write(part.put_rows, layer, part.put.deadline,
-                                                  self.store_lane)
+        items = [(i, self.kv.block_address(b), self.first_layer * ln, ln * layers)
+                 for i, b in enumerate(part.put_local)]
+        return self.store_lane.submit(self.mover.write, part.put, items)
+
+    def _store(self, part: PartIO, layer: int) -> Future:
+        """Layer ``layer`` of the part's new objects to the store, on the store lane."""
+        assert part.put is not None and self.mover is not None and self.store_lane is not None
+        ln = self.kv.layer_nbytes
         items = [(i, self.kv.layer_address(b, layer), (self.first_layer + layer) * ln, ln)
                  for i, b in enumerate(part.put_local)]
         return self.store_lane.submit(self.mover.write, part.put, items)
+
+    @staticmethod
+    def _send_chunk(part: PartIO, end: int) -> None:
+        if not part.stream.aborted:
+            try:
+                part.stream.send_chunk(end)
+            except RequestAborted:
+                pass
 
     @staticmethod
     def _stream(part: PartIO, layer: int, start: int, end: int) -> None:
@@ -165,6 +242,14 @@ class StepIO:
                 part.stream.on_layer(layer, start, end)
             except RequestAborted:  # aborted this instant: dropped after the step
                 pass
+
+
+async def check_loads(parts: list[PartIO]) -> None:
+    """After a step: a part whose loads did not all land within their lease (launched on
+    a GPU, the step could not know) is poisoned, as a failed ``LayerLoads.wait`` would."""
+    for part in parts:
+        if part.loads is not None and not part.poisoned and not await part.loads.landed():
+            part.poisoned = True
 
 
 async def settle(futures: list[Future]) -> None:

@@ -51,12 +51,10 @@ class PrefixLoader:
     block pool and the store client: references, copies, caches and puts blocks."""
 
     def __init__(self, pool: BlockPool, kv: PagedKVMemory, store: Optional[StoreClient],
-                 layerwise: bool = False, object_nbytes: Optional[int] = None,
-                 layerwise_loads: Optional[bool] = None) -> None:
+                 layerwise: bool = False, object_nbytes: Optional[int] = None) -> None:
         self.pool = pool
-        self.layerwise = layerwise  # new blocks go to the store during compute
-        # store blocks load during compute, not before it (default: as ``layerwise``)
-        self.layerwise_loads = layerwise if layerwise_loads is None else layerwise_loads
+        # new blocks go to the store, and stored ones load, during the compute
+        self.layerwise = layerwise
         self.object_nbytes = object_nbytes or kv.block_nbytes  # a store object: every layer
         self.kv = kv
         self.bs = kv.block_size
@@ -75,14 +73,12 @@ class PrefixLoader:
             await store.start()
             store.register_local(rt.engine.kv.base_address, rt.engine.kv.nbytes)
         kv = rt.engine.kv
-        # A GPU's KV loads a store prefix in whole blocks before the compute even when
-        # layer-wise: from a same-host store that is one DMA of 48 GB/s where per-layer
-        # reads ran at 22 GB/s and the compute waited on each (an H200, issue 26: 90 % of
-        # 4k from the store in 0.040 s whole, 0.075 s layer-wise). A pipeline stage still
-        # reads only its layers, layer by layer.
-        loads = rt.config.kv_layerwise and (kv.in_host_memory or rt.stages > 1)
+        # Layer-wise, a stored prefix loads during the compute: on a GPU from a same-host
+        # store every layer's read is queued at once and the compute waits for each on
+        # the GPU (layer_io.LaunchedLoads); whole blocks before the compute were one DMA
+        # of 48 GB/s the compute waited for (an H200, issue 26: 38 ms of a 16k prompt).
         return cls(rt.engine.pool, kv, store, rt.config.kv_layerwise,
-                   kv.layer_nbytes * rt.engine.model_config.num_layers, layerwise_loads=loads)
+                   kv.layer_nbytes * rt.engine.model_config.num_layers)
 
     async def acquire(self, tokens: list[int], keys: list[bytes], from_store: bool = True,
                       reuse_prefix: bool = True) -> Optional[PrefixPlan]:
@@ -130,7 +126,7 @@ class PrefixLoader:
             if exists is not None:
                 found = leading(exists)
                 fetch = store_fetch(len(local), exists) if from_store else range(0)
-                if self.layerwise_loads and not whole:
+                if self.layerwise and not whole:
                     loaded, load = await self._plan_load(keys, fetch)
                 else:
                     started = time.perf_counter()

@@ -37,7 +37,7 @@ from common.worker import WorkerRuntime, fail_step
 from services.prefill.endings import Endings
 from services.prefill.group import HeadGroup
 from services.prefill.lanes import PrefillThreads
-from services.prefill.layer_io import LayerLoads, PartIO, StepIO
+from services.prefill.layer_io import PartIO, StepIO, check_loads, start_loads
 from services.prefill.job import Job, JobState, PrefillFailure
 from services.prefill.prefix import PrefixLoader
 from services.prefill.store_writes import StoreWrites
@@ -157,9 +157,8 @@ class PrefillWorker:
         return not (self.waiting or self.jobs or self.prefix.busy)
 
     def load(self) -> WorkerLoad:
-        tokens = sum(len(t.token_ids) for t in self.waiting)
         computing = self.computing
-        tokens += sum(j.remaining for j in computing)
+        tokens = sum(len(t.token_ids) for t in self.waiting) + sum(j.remaining for j in computing)
         return WorkerLoad(queued=len(self.waiting) + len(computing), queued_tokens=tokens)
 
     @property
@@ -189,6 +188,7 @@ class PrefillWorker:
                 return
 
     async def _start(self, task: PrefillTask) -> Optional[Job]:
+        started = time.perf_counter()
         if time.time() > task.deadline:
             raise PrefillFailure(504, "timeout", "deadline passed while queued")
         tokens = task.token_ids
@@ -217,17 +217,16 @@ class PrefillWorker:
         except ValueError as exc:  # the decode side reserved too few blocks
             self.pool.free(plan.block_table)
             raise PrefillFailure(500, "internal_error", str(exc)) from exc
-        loads = None
-        if plan.load is not None and self.mover is not None:  # reads start now
-            loads = LayerLoads(self.mover, plan.load, self.engine.kv,
-                               plan.block_table[plan.load_from:plan.cached_blocks], 0,
-                               self.threads.load)
+        loads = (start_loads(self.mover, plan.load, self.engine.kv,  # reads start now
+                             plan.block_table[plan.load_from:plan.cached_blocks], 0,
+                             self.threads.load)
+                 if plan.load is not None and self.mover is not None else None)
         # whole blocks present already; loaded ones stream per layer as they land
         stream.send_prefix(plan.load_from if loads is not None else plan.cached_blocks,
                            plan.cached_blocks)
         done = min(plan.cached_blocks * self.engine.config.block_size, len(tokens) - 1)
         return Job(task=task, keys=keys, plan=plan, stream=stream, prompt_len=len(tokens),
-                   done=done, loads=loads)
+                   done=done, loads=loads, admit_s=time.perf_counter() - started)
 
     # ------------------------------------------------------------ steps
     async def serve(self) -> None:
@@ -264,6 +263,7 @@ class PrefillWorker:
             fail_step(self.rt, planned, exc)
             return
         step_s = time.perf_counter() - started
+        await check_loads(parts)
         total = sum(n for _, n in planned)
         for (job, n), part in zip(planned, parts):
             job.compute_s += step_s * n / total

@@ -39,7 +39,7 @@ from common.worker import WorkerRuntime
 from services.prefill.group import NextStage, StageLost
 from services.prefill.job import JobState, StageJob
 from services.prefill.lanes import PrefillThreads
-from services.prefill.layer_io import LayerLoads, PartIO, StepIO, settle
+from services.prefill.layer_io import PartIO, StepIO, check_loads, settle, start_loads
 from services.prefill.streaming import KVPaths
 
 log = logging.getLogger("prefill.stage")
@@ -158,6 +158,7 @@ class StageWorker:
         finally:
             self.current = set()
         step_s = time.perf_counter() - started
+        await check_loads(ios)
         total = sum(p.end - p.start for p in msg.parts)
         for key, part, pio in zip(keys, msg.parts, ios):
             job = self.jobs.get(key)
@@ -219,9 +220,9 @@ class StageWorker:
             return
         loads = None
         if opening.load is not None and self.mover is not None:
-            loads = LayerLoads(self.mover, opening.load, self.kv,
-                               part.block_table[opening.load_from:opening.cached_blocks],
-                               self.first_layer, self.threads.load)
+            loads = start_loads(self.mover, opening.load, self.kv,
+                                part.block_table[opening.load_from:opening.cached_blocks],
+                                self.first_layer, self.threads.load)
         stream.send_prefix(opening.load_from if loads is not None else opening.cached_blocks,
                            opening.cached_blocks)
         self.jobs[key] = StageJob(prompt_len=part.prompt_len, stream=stream, loads=loads,

@@ -7,8 +7,15 @@ layer's compute and land in order. ``wait`` collects them under a deadline.
 Three paths, same semantics: the transfer engine (any host: one batch write of the layer's
 pieces); on the same host, shared memory (KV in host memory: one memmove per piece into the
 decode worker's mapped segment, common/kv/shm_kv.py) or CUDA IPC (KV on a GPU: one gather
-and one scatter kernel per layer into the decode worker's GPU memory, common/kv/cuda_ipc.py).
+and one scatter kernel into the decode worker's GPU memory, common/kv/cuda_ipc.py).
 ``KVPaths`` picks one per request.
+
+A CUDA IPC stream is ``chunked``: it moves a chunk's blocks, every layer at once, right
+after the chunk's last layer (``send_chunk``) instead of a layer at a time. Its copies run
+at 250-500 GB/s (a 2,048-token chunk of an 8B model in ~0.5 ms) while each layer's launches
+cost the compute thread more than the copy they would hide (an H200: layer-wise 1.2-1.8x
+the TTFT of whole blocks after the prefill at 1k tokens; BENCHMARKS.md, "GPU KV on one
+host").
 """
 from __future__ import annotations
 
@@ -64,6 +71,8 @@ class KVStream:
         self._started: Optional[float] = None
         self.aborted = False
         self.prefix = 0  # leading blocks sent at open or streamed as they load: never again
+        self.chunked = isinstance(peer, PeerKVCuda)  # whole blocks after each chunk
+        self.sent = 0  # chunked: leading blocks sent complete (the next chunk's start)
 
     def _remote_layer(self, block: int, layer: int) -> int:
         return (self.base + block * self.remote_block_nbytes
@@ -106,7 +115,24 @@ class KVStream:
         from the store; the first ``whole`` of them go now, all layers at once, the rest
         per layer as they land (layer_io.py). Either way they are sent once."""
         self.prefix = cached
+        self.sent = whole
         self._send_blocks(0, whole)
+
+    def rewind(self, blocks: int) -> None:
+        """Blocks from ``blocks`` on are computed again (their load failed): they are sent
+        again, whatever went before."""
+        self.prefix = blocks
+        self.sent = min(self.sent, blocks)
+
+    def send_chunk(self, end: int) -> None:
+        """A chunked stream: every layer of tokens [0, ``end``) is computed or loaded;
+        their blocks not sent complete yet go now, all layers at once. A last block only
+        partly filled goes again with the next chunk."""
+        if self.aborted:
+            raise RequestAborted()
+        bs = self.kv.block_size
+        self._send_blocks(self.sent, -(-end // bs))
+        self.sent = end // bs
 
     def send_rest(self) -> None:
         """The whole-block baseline (``kv_layerwise = false``), after the prefill: every

@@ -62,7 +62,8 @@ def test_bad_group_configs_are_refused(data, match) -> None:
 
 @pytest.mark.parametrize("data,layerwise", [
     ({}, True),
-    ({"device": "cuda"}, False),  # GPU KV over TCP: whole blocks
+    ({"device": "cuda"}, True),  # same-host GPU paths: chunks and launched loads
+    ({"device": "cuda", "kv_path": "transfer_engine"}, False),  # all over TCP: whole blocks
     ({"device": "cuda", "transfer_protocol": "rdma"}, True),
     ({"device": "cuda", "prefill_stages": 2}, True),  # a pipeline is always layer-wise
     ({"device": "cuda", "kv_layerwise": True}, True),  # said outright: kept
@@ -78,15 +79,19 @@ def test_a_removed_key_is_refused_with_what_to_do() -> None:
         ClusterConfig.from_dict({"prefill_chunk": 64})
 
 
-def test_kv_layerwise_defaults_off_for_gpu_kv_over_tcp() -> None:
-    """Left out, kv_layerwise is true except for GPU KV over TCP (one piece per layer of a
-    block, each copied out of the GPU alone); a pipeline and an explicit value win."""
+def test_kv_layerwise_defaults_off_for_gpu_kv_over_tcp_alone() -> None:
+    """Left out, kv_layerwise is true except for GPU KV that only the transfer engine's TCP
+    moves (one piece per layer of a block, each copied out of the GPU alone); a pipeline
+    and an explicit value win."""
     def layerwise(**kw) -> bool:
         return ClusterConfig.from_dict(kw).kv_layerwise
 
-    assert layerwise() and layerwise(device="cpu")
-    assert not layerwise(device="cuda") and not layerwise(device="cuda:1", transfer_protocol="tcp")
-    assert layerwise(device="cuda", transfer_protocol="rdma")
-    assert layerwise(device="cuda", prefill_stages=2)
-    assert layerwise(device="cuda", kv_layerwise=True)
+    assert layerwise() and layerwise(device="cpu") and layerwise(device="cuda")
+    te = {"kv_path": "transfer_engine"}
+    assert not layerwise(device="cuda", **te)
+    assert not layerwise(device="cuda:1", transfer_protocol="tcp", **te)
+    assert layerwise(device="cpu", **te)
+    assert layerwise(device="cuda", transfer_protocol="rdma", **te)
+    assert layerwise(device="cuda", prefill_stages=2, **te)
+    assert layerwise(device="cuda", kv_layerwise=True, **te)
     assert not layerwise(kv_layerwise=False)

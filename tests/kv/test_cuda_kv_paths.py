@@ -108,3 +108,55 @@ def test_a_gpu_worker_s_store_bytes_go_through_the_pinned_segment() -> None:
     mover.close()
     seg.close()
     shutil.rmtree(tmp_path)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("two_d", [True, False])
+def test_reads_launched_per_layer_land_behind_their_events(two_d, monkeypatch) -> None:
+    """A stored prefix's reads queued at once, a layer at a time (2D DMA into staging and a
+    scatter, or the gather kernel where 2D copies are not usable): after waiting on layer
+    l's event, the compute stream sees layer l; every byte lands; the lane confirms."""
+    import shutil
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from common.host import host_id
+    from common.kv import dma2d
+    from common.store.ranges import GetPlan, Location, NodeRef, PutPlan, RangeMover, Replicas
+    from common.store.shm import Segment, owned_path
+
+    if two_d:
+        assert dma2d.usable(torch.device("cuda")) is not None, "2D copies refused on this GPU"
+    else:
+        monkeypatch.setattr(dma2d, "usable", lambda device: None)
+    tmp_path = tempfile.mkdtemp(prefix="crescent-test-", dir="/dev/shm")
+    kv = PagedKVMemory(40, 4, 16, 2, 64, torch.bfloat16, "cuda")
+    kv.data.normal_()
+    obj = kv.block_nbytes
+    seg = Segment(64 * obj, owned_path(str(tmp_path), "store", "g"), create=True)
+    node = NodeRef("g", "nowhere:1", seg.base, seg.nbytes, seg.path, 1, "h", host_id())
+    mover = RangeMover(None, str(tmp_path), device_memory=kv.device_bytes)
+    slots = [10, 11, 12, 13, 40, 41, 3, 50, 52, 54]  # runs of one pitch, and strays
+    keys = [f"{i:064x}" for i in range(len(slots))]
+    reps = [Replicas([Location("g", s * obj)]) for s in slots]
+    src = list(range(len(slots)))
+    far = time.time() + 60
+    mover.write(PutPlan(obj, keys, src, reps, [node], far),
+                [(i, kv.block_address(b), 0, obj) for i, b in enumerate(src)])
+    want = kv.data[src].clone()
+    dst = [39, 20, 21, 22, 30, 25, 26, 27, 28, 15]
+    lane = ThreadPoolExecutor(1)
+    reads = mover.launch_reads(GetPlan(obj, keys, reps, [node], far), [b * 4 for b in dst],
+                               0, kv.layer_nbytes, 4, lane)
+    assert reads is not None and len(reads.events) == 4
+    for layer in range(4):
+        torch.cuda.current_stream().wait_event(reads.events[layer])
+        assert torch.equal(kv.data[dst, layer].clone(), want[:, layer])
+    assert reads.done.result(timeout=30) == len(slots) * obj
+    assert mover.moved()["store_read/pinned"] == len(slots) * obj
+    lane.shutdown()
+    mover.retain([])
+    mover.close()
+    seg.close()
+    shutil.rmtree(tmp_path)

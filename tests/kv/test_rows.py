@@ -1,12 +1,15 @@
 """common/kv/rows.py: pieces copied by a few runs or by row gathers land byte for byte where
-a copy per piece puts them, and no piece outside either tensor is ever launched."""
+a copy per piece puts them, and no piece outside either tensor is ever launched; and
+common/kv/dma2d.py's runs (one 2D copy each)."""
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
+from common.kv import dma2d
 from common.kv.rows import (MAX_RUNS, as_arrays, check, coalesce, copy_pieces, copy_rows,
                             on_stream, row_bytes, row_indices)
 
@@ -90,3 +93,36 @@ def test_rows_copy_in_bounded_gathers(monkeypatch) -> None:
     order = torch.tensor([4, 0, 9, 2, 7, 1, 3])
     copy_rows(src, dst, order, torch.arange(7))
     assert torch.equal(dst[:7], src[order]) and not dst[7:].any()
+
+
+@pytest.mark.parametrize("offsets,runs", [
+    ([], []),
+    ([0], [(0, 1, 0, 64)]),
+    ([0, 256, 512, 768], [(0, 4, 0, 256)]),  # objects one after another: one 2D copy
+    ([0, 256, 512, 2048, 2304], [(0, 3, 0, 256), (3, 2, 2048, 256)]),
+    ([512, 256, 0], [(0, 1, 512, 64), (1, 1, 256, 64), (2, 1, 0, 64)]),  # descending
+    ([0, 32, 64], [(0, 1, 0, 64), (1, 1, 32, 64), (2, 1, 64, 64)]),  # pitch below width
+    ([0, 100, 200, 250], [(0, 3, 0, 100), (3, 1, 250, 64)]),
+    ([0, 1 << 31, 1 << 32], [(0, 1, 0, 64), (1, 1, 1 << 31, 64), (2, 1, 1 << 32, 64)]),  # far
+])
+def test_2d_runs_group_pieces_at_one_pitch(offsets, runs) -> None:
+    """``dma2d.runs``: consecutive pieces at one constant pitch (at least the width) make a
+    run, i.e. one 2D copy; anything else starts a new one."""
+    assert dma2d.runs(np.asarray(offsets, dtype=np.int64), 64) == runs
+
+
+def test_long_runs_go_by_copy_engine_however_many() -> None:
+    """Past ``MAX_RUNS`` runs, pieces of at least ``DMA_RUN_BYTES`` still go a ``copy_`` per
+    run (through the DMA view, as the copy engine would), shorter ones by row gathers."""
+    from common.kv.rows import DMA_RUN_BYTES
+
+    for size, by_dma in ((DMA_RUN_BYTES, True), (DMA_RUN_BYTES // 64, False)):
+        count = MAX_RUNS + 4
+        src = torch.randint(0, 256, (2 * count * size,), dtype=torch.uint8)
+        dst = torch.zeros_like(src)
+        dma = torch.zeros_like(src)  # the same bytes' other view, in a GPU's case
+        pieces = [(2 * i * size, (2 * count - 2 - 2 * i) * size, size) for i in range(count)]
+        assert copy_pieces(src, dst, pieces, dst_dma=dma) == count * size
+        landed, untouched = (dma, dst) if by_dma else (dst, dma)
+        assert torch.equal(landed, reference(src, torch.zeros_like(src), pieces))
+        assert not untouched.any()

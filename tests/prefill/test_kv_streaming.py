@@ -51,10 +51,14 @@ def task(decode_path: str | None, host: str | None, decode_id: str = "decode-0",
 
 
 def stream_prompt(stream: KVStream, cached_blocks: int, n_tokens: int, chunk: int) -> int:
-    """What a prefill does: the cached prefix whole, then every layer of every chunk."""
+    """What a prefill does (layer_io.StepIO): the cached prefix whole, then every layer of
+    every chunk, or for a chunked stream (CUDA IPC) each chunk's blocks after it."""
     stream.send_prefix(cached_blocks, cached_blocks)
     start = cached_blocks * DIMS["block_size"]
     for s in range(start, n_tokens, chunk):
+        if stream.chunked:
+            stream.send_chunk(min(s + chunk, n_tokens))
+            continue
         for layer in range(DIMS["num_layers"]):
             stream.on_layer(layer, s, min(s + chunk, n_tokens))
     return asyncio.run(stream.wait(30.0))
@@ -111,9 +115,10 @@ def test_bfloat16_kv_streams_half_the_bytes_identically(shm_dir) -> None:
 
 def test_the_launched_path_of_a_gpu_peer_writes_what_shm_writes(shm_dir) -> None:
     """``PeerKVCuda``'s path (block rows once, copies launched from the compute thread, the
-    lane only waiting) over host memory, where it runs synchronously: the same bytes as
-    the shared-memory path, a pipeline stage's window included, and a bad remote block
-    fails the stream as a transfer failure."""
+    lane only waiting) over host memory, where it runs synchronously: a chunked stream,
+    one launch per chunk, writes the same bytes as the shared-memory path's per layer, a
+    pipeline stage's window included, and a bad remote block fails the stream as a
+    transfer failure."""
     from common.kv.cuda_ipc import PeerKVCuda
 
     src = prefill_memory()
@@ -127,9 +132,12 @@ def test_the_launched_path_of_a_gpu_peer_writes_what_shm_writes(shm_dir) -> None
                             peer=peer)
         shm = KVStream(None, pool, src, local, remote, "", 0,  # type: ignore[arg-type]
                        peer=PeerKV(d_shm.shm_path, src))
-        assert launched.path == "cuda_ipc"
+        assert launched.path == "cuda_ipc" and launched.chunked and not shm.chunked
+        launches = []
+        peer.launch = lambda *a, launch=peer.launch: launches.append(a[2]) or launch(*a)
         assert stream_prompt(launched, 2, 90, 20) == stream_prompt(shm, 2, 90, 20)
         assert torch.equal(target.data, d_shm.data)
+        assert launches == [range(4)] * 4  # the prefix, then 3 chunks: every layer at once
         # a stage holding layers 1-2 of a 4-layer model: its window of the blocks only
         stage = PagedKVMemory(10, **{**DIMS, "num_layers": 2})
         stage.data.normal_()

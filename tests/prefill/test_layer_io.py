@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
+from common.kv.cuda_ipc import PeerKVCuda
 from common.kv.memory import PagedKVMemory
 from common.kv.shm_kv import PeerKV
 from services.prefill.stage_protocol import StageStored
@@ -112,6 +113,28 @@ def test_a_stage_loads_streams_and_stores_its_layers(cluster, transfer, tmp_path
         assert part2.poisoned and "layer 0" in part2.loads.failed
         assert stream2.bytes == 0 and part2.put_futures == []
         assert part2.written() == [False]
+
+        # a chunked stream (a GPU peer through CUDA IPC; host memory here): the loaded
+        # blocks go under the stage's last layer, the computed one after it, every layer
+        # of each in one launch; the same bytes land in the window
+        target = PagedKVMemory(6, LAYERS, **DIMS)
+        gpu_peer = PeerKVCuda(target.data.view(-1).view(torch.uint8), stage, 2, LAYERS)
+        launched = []
+        gpu_peer.launch = lambda *a, launch=gpu_peer.launch: (
+            launched.append(a[0].numel()) or launch(*a))
+        stream3 = KVStream(transfer, lanes[1], stage, [0, 1, 2], [3, 4, 5], "", 0, gpu_peer,
+                           first_layer=2, total_layers=LAYERS)
+        stream3.send_prefix(0, 2)
+        part3 = PartIO(stream3, 2 * BS, 3 * BS, LayerLoads(mover, plan, stage, [0, 1], 2,
+                                                            lanes[0]), (0, 2 * BS))
+        io3 = StepIO([part3], stage, 2, mover, lanes[2])
+        for layer in range(2):
+            io3.before(layer)
+            io3.after(layer)
+        await stream3.wait(10)
+        assert launched == [2, 1] and stream3.sent == 3  # the chunk ended on a block edge
+        assert torch.equal(target.data[3:6, 2:], decode.data[3:6, 2:])
+        assert not target.data[3:6, :2].any()
         mover.close()
         await c.close()
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from common.host import host_id
 from common.store.ranges import GetPlan, Location, NodeRef, PutPlan, RangeMover, Replicas
 from common.store.shm import Segment, owned_path
+from common.transfer import TransferError
 
 OBJ = 256  # bytes per object: 4 "layers" of 64
 
@@ -87,9 +89,11 @@ def test_host_bytes_of_a_gpu_worker_take_the_host_path(tmp_path) -> None:
     seg.close()
 
 
-def test_rows_launched_layer_by_layer_land_in_each_object(tmp_path) -> None:
-    """``device_rows`` once per put, ``launch_write`` per layer (what a GPU prefill does
-    from its compute thread): each object gets its block's layers, bytes counted."""
+def test_reads_launched_layer_by_layer_land_in_each_block(tmp_path) -> None:
+    """``launch_reads`` queues a stored prefix's reads a layer at a time (what a GPU prefill
+    does at admission; on host tensors they run at once, with no events): each local
+    block gets its object's layers, the lane confirms them within the lease, bytes
+    counted; a plan that cannot go this way gets None (the caller reads otherwise)."""
     from concurrent.futures import ThreadPoolExecutor
 
     HostViews.opened.clear()
@@ -97,22 +101,36 @@ def test_rows_launched_layer_by_layer_land_in_each_object(tmp_path) -> None:
     keys = [f"{i:064x}" for i in range(3)]
     slots = [50, 7, 33]
     reps = [Replicas([Location("n0", s * OBJ)]) for s in slots]
-    put = PutPlan(OBJ, keys, [0, 1, 2], reps, [node], time.time() + 60)
-    blocks = [9, 2, 30]
-    rows = mover.device_rows(put, [b * 4 for b in blocks], 0, 64, 4)  # 4 rows of 64 a block
-    assert rows is not None
-    lane = ThreadPoolExecutor(1)
-    futures = [mover.device.launch_write(rows, layer, put.deadline, lane) for layer in range(4)]
-    assert [f.result() for f in futures] == [3 * 64] * 4
     stored = torch.frombuffer(seg.view(0, seg.nbytes), dtype=torch.uint8)
+    stored[:] = torch.randint(0, 256, (seg.nbytes,), dtype=torch.uint8)
+    get = GetPlan(OBJ, keys, reps, [node], time.time() + 60)
+    blocks = [9, 2, 30]
+    lane = ThreadPoolExecutor(1)
+    reads = mover.launch_reads(get, [b * 4 for b in blocks], 0, 64, 4, lane)  # 4 rows a block
+    assert reads is not None and reads.events == [None] * 4
+    assert reads.done.result() == reads.nbytes == 3 * OBJ
     for s, b in zip(slots, blocks):
-        assert torch.equal(stored[s * OBJ:(s + 1) * OBJ], memory[b * OBJ:(b + 1) * OBJ])
-    assert mover.moved() == {"store_write/pinned": 3 * OBJ}
-    # an object not aligned to rows, or rows past either memory: the lane's way instead
-    odd = PutPlan(OBJ, keys[:1], [0], [Replicas([Location("n0", 32)])], [node], put.deadline)
-    assert mover.device_rows(odd, [0], 0, 64, 4) is None
-    assert mover.device_rows(put, [b * 4 for b in blocks], 0, 64, 5) is not None
-    assert mover.device_rows(put, [31 * 4 + 1, 0, 0], 0, 64, 4) is None
+        assert torch.equal(memory[b * OBJ:(b + 1) * OBJ], stored[s * OBJ:(s + 1) * OBJ])
+    assert mover.moved() == {"store_read/pinned": 3 * OBJ}
+    # a pipeline stage's window: rows 2-3 of each object into a 2-row block
+    before = memory.clone()
+    assert mover.launch_reads(get, [0, 2, 4], 2, 64, 2, lane).done.result() == 3 * 128
+    for i, s in enumerate(slots):
+        assert torch.equal(memory[i * 128:(i + 1) * 128], stored[s * OBJ + 128:(s + 1) * OBJ])
+    assert torch.equal(memory[3 * 128:], before[3 * 128:])
+    # an absent key, an object not aligned to rows (a kernel's gather needs them), rows
+    # past either memory: None
+    absent = GetPlan(OBJ, keys[:1], [Replicas([])], [node], get.deadline)
+    odd = GetPlan(OBJ, keys[:1], [Replicas([Location("n0", 32)])], [node], get.deadline)
+    far = GetPlan(OBJ, keys[:1], [Replicas([Location("n0", 63 * OBJ)])], [node], get.deadline)
+    assert mover.launch_reads(absent, [0], 0, 64, 4, lane) is None
+    assert mover.launch_reads(odd, [0], 0, 64, 4, lane) is None
+    assert mover.launch_reads(get, [31 * 4 + 1, 0, 0], 0, 64, 4, lane) is None
+    assert mover.launch_reads(far, [0], 0, 64, 5, lane) is None
+    # landed past the lease: the lane says so, nothing more counted
+    with pytest.raises(TransferError, match="past the lease"):
+        mover.device._landed(reads, time.time() - 1)
+    assert mover.moved() == {"store_read/pinned": 3 * OBJ + 3 * 128}
     lane.shutdown()
     mover.close()
     seg.close()
