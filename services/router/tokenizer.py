@@ -142,8 +142,12 @@ class PromptTokenizer:
         return [self.tokenizer.id_to_token(t) for t in token_ids]
 
     def out_of_vocab(self, token_ids: Sequence[int]) -> Optional[int]:
-        """The first id outside ``[0, vocab_size)``, if any."""
-        return next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        """The first id outside ``[0, vocab_size)``, if any (``min``/``max`` first: a 16k
+        prompt is checked in C, not in a Python loop)."""
+        vocab = self.vocab_size
+        if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab):
+            return None
+        return next(t for t in token_ids if not 0 <= t < vocab)
 
 
 def with_tools_prompt(messages: list[dict[str, str]], tools: list[dict],

@@ -258,7 +258,7 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
 def _one_prompt(value: Any, param: str) -> Optional[Prompt]:
     """A string or a list of token ids (400 when empty); None for anything else."""
     if isinstance(value, str) or (isinstance(value, list) and
-                                  all(_is_int(t) for t in value)):
+                                  all(type(t) is int for t in value)):  # a bool is no id
         if not value:
             raise invalid(f"'{param}' must not be empty", param, "invalid_value")
         return value
