@@ -24,7 +24,7 @@ import torch
 import numpy as np
 
 from common.kv import dma2d
-from common.kv.rows import copy_pieces, copy_rows, launch, on_stream, rows_view
+from common.kv.rows import copy_pieces, copy_rows, on_stream, rows_view
 from common.store.shm import Segment
 from common.transfer import TransferError
 
@@ -177,37 +177,43 @@ class DeviceCopies:
         local = rows_view(self.memory[:self.memory.numel() // row_nbytes * row_nbytes],
                           row_nbytes)
         reads = LaunchedReads(sum(len(dst) for _, dst, _ in parts) * row_nbytes * layers)
-        parts = [(seg, torch.tensor(dst).to(device, non_blocking=True), src)
-                 for seg, dst, src in parts]
+        steps = torch.arange(layers, device=device)[:, None]  # row l of a block: + l
+        parts = [(seg, torch.tensor(dst).to(device, non_blocking=True) + steps, src)
+                 for seg, dst, src in parts]  # [layer, piece] local rows
         if copier is not None:
             assert stream is not None
             batch = max(1, STAGING_BYTES // row_nbytes)
             reads.staging = torch.empty(min(batch, max(len(src) for *_, src in parts))
                                         * row_nbytes, dtype=torch.uint8, device=device)
             staged = rows_view(reads.staging, row_nbytes)
-            plans = [(seg, dst[a:a + batch], dma2d.runs(src[a:a + batch], row_nbytes))
+            base, index = reads.staging.data_ptr(), device.index or 0
+            plans = [(seg.address, dst[:, a:a + batch], dma2d.runs(src[a:a + batch], row_nbytes))
                      for seg, dst, src in parts for a in range(0, len(src), batch)]
 
             def copy(layer: int) -> None:
-                for seg, dst, runs in plans:
+                shift = layer * row_nbytes
+                for address, dst, runs in plans:
                     for first, count, offset, pitch in runs:
-                        copier.host_to_device(
-                            device.index or 0, reads.staging.data_ptr() + first * row_nbytes,
-                            row_nbytes, seg.address + offset + layer * row_nbytes, pitch,
-                            row_nbytes, count, stream.cuda_stream)
-                    local.index_copy_(0, dst + layer, staged[:dst.numel()])
+                        copier.host_to_device(index, base + first * row_nbytes, row_nbytes,
+                                              address + offset + shift, pitch, row_nbytes,
+                                              count, stream.cuda_stream)
+                    local.index_copy_(0, dst[layer], staged[:dst.shape[1]])
         else:
             gathers = [(rows_view(seg.device[:seg.device.numel() // row_nbytes * row_nbytes],
                                   row_nbytes), dst,
-                        torch.from_numpy(src // row_nbytes).to(device, non_blocking=True))
-                       for seg, dst, src in parts]
+                        torch.from_numpy(src // row_nbytes).to(device, non_blocking=True)
+                        + steps) for seg, dst, src in parts]
 
             def copy(layer: int) -> None:
                 for seg_rows, dst, src in gathers:
-                    copy_rows(seg_rows, local, src + layer, dst + layer)
+                    copy_rows(seg_rows, local, src[layer], dst[layer])
         try:
-            for layer in range(layers):
-                reads.events.append(launch(stream, lambda: copy(layer), after=False)[1])
+            for layer in range(layers):  # on the read stream already (``launch_reads``)
+                copy(layer)
+                done = torch.cuda.Event() if stream is not None else None
+                if done is not None:
+                    done.record(stream)
+                reads.events.append(done)
         except (IndexError, ValueError, RuntimeError) as exc:  # what was queued still runs
             self.failed(PINNED, f"launched reads: {exc}")
             deadline = 0.0  # the lane fails it once the queued part is done

@@ -122,12 +122,16 @@ class PrefixLoader:
         load = None
         read = (0, 0.0)
         if ask_store(len(local), len(keys), self.store is not None):
-            exists = await self._exists(keys)
+            if self.layerwise and not whole and from_store:  # one round trip: where each
+                plan = await self._plan(keys)  # key is, leased (a miss has no place)
+                exists = plan.present() if plan is not None else None
+            else:
+                plan, exists = None, await self._exists(keys)
             if exists is not None:
                 found = leading(exists)
                 fetch = store_fetch(len(local), exists) if from_store else range(0)
-                if self.layerwise and not whole:
-                    loaded, load = await self._plan_load(keys, fetch)
+                if plan is not None:
+                    loaded, load = self._claim(plan, fetch)
                 else:
                     started = time.perf_counter()
                     loaded = await self._fetch(keys, fetch)
@@ -139,22 +143,25 @@ class PrefixLoader:
         self.pool.free(cached[reuse.kept:])  # tail first, like any sequence's blocks
         return cached[:reuse.kept], reuse, load, read
 
-    async def _plan_load(self, keys: list[bytes], fetch: range
-                         ) -> tuple[list[int], Optional["GetPlan"]]:
-        """Fresh blocks for the leading store blocks of ``fetch`` and the lease to read
-        them by: the reads run layer by layer during the compute (layer_io.LayerLoads);
-        the blocks join the local cache only once the prompt is done."""
-        if not fetch:
-            return [], None
+    async def _plan(self, keys: list[bytes]) -> Optional["GetPlan"]:
+        """Where the store holds each of ``keys``, leased (layer_io reads them during the
+        compute); None when it fails: those blocks are computed instead."""
         try:
-            plan = await self.store.plan_get(keys[fetch.start:fetch.stop], self.object_nbytes)
+            return await self.store.plan_get(keys, self.object_nbytes)
         except Exception as exc:
             log.warning("store lookup failed (%s); computing instead", exc)
+            return None
+
+    def _claim(self, plan: "GetPlan", fetch: range) -> tuple[list[int], Optional["GetPlan"]]:
+        """Fresh blocks for ``fetch`` (leading blocks the store holds) and the part of
+        ``plan`` that reads them: the reads run layer by layer during the compute
+        (layer_io.start_loads); the blocks join the local cache only once the prompt is
+        done."""
+        blocks = self.pool.try_allocate(len(fetch)) if fetch else None
+        if not blocks:
             return [], None
-        if plan is None:
-            return [], None
-        blocks = self.pool.try_allocate(leading(plan.present()))
-        return (blocks, plan) if blocks else ([], None)
+        return blocks, replace(plan, keys=plan.keys[fetch.start:fetch.stop],
+                               replicas=plan.replicas[fetch.start:fetch.stop])
 
     async def _exists(self, keys: list[bytes]) -> Optional[list[bool]]:
         """The store's answer for every key; None when it fails (the store is optional for

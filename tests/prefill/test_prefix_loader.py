@@ -3,12 +3,14 @@ exact block ids, references, cached keys and store calls (block size 4)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any, Optional
 
 from common.kv.block_pool import BlockPool
 from common.kv.memory import PagedKVMemory
+from common.store.ranges import GetPlan, Location, Replicas
 from services.prefill.prefix import PrefixLoader, PrefixPlan
 
 BS = 4
@@ -32,6 +34,14 @@ class Store:
             raise ConnectionError("store master unreachable")
         return [k in self.have for k in keys]
 
+    async def plan_get(self, keys: list[bytes], size: int) -> Optional[GetPlan]:
+        self.calls.append(("plan", len(keys)))
+        if self.down:
+            raise ConnectionError("store master unreachable")
+        return GetPlan(size, [k.hex() for k in keys],
+                       [Replicas([Location("n", i * size)] if k in self.have else [])
+                        for i, k in enumerate(keys)], [], time.time() + 60)
+
     async def batch_get_into(self, keys: list[bytes], addresses: list[int], size: int
                              ) -> list[bool]:
         self.calls.append(("get", len(keys)))
@@ -48,11 +58,12 @@ def keys(n: int) -> list[bytes]:
     return [bytes([i + 1]) * 16 for i in range(n)]
 
 
-def loader(store: Optional[Store], num_blocks: int = 12) -> PrefixLoader:
+def loader(store: Optional[Store], num_blocks: int = 12, layerwise: bool = False
+           ) -> PrefixLoader:
     kv = PagedKVMemory(num_blocks, num_layers=1, block_size=BS, num_kv_heads=1, head_dim=2)
     if store is not None:
         store.base = kv.base_address
-    return PrefixLoader(BlockPool(num_blocks), kv, store)  # type: ignore[arg-type]
+    return PrefixLoader(BlockPool(num_blocks), kv, store, layerwise)  # type: ignore[arg-type]
 
 
 def warm(pl: PrefixLoader, ks: list[bytes]) -> None:
@@ -98,6 +109,32 @@ def test_a_block_aligned_prompt_leaves_its_last_block_to_compute() -> None:
     assert (cached, from_store, stored_from) == ([0, 1], 2, 3)
     # The last block was copied too: it stays in the local cache, unreferenced.
     assert pl.pool.block_key(2) == ks[2] and pl.pool.ref_count(2) == 0
+
+
+def test_layer_wise_one_round_trip_plans_the_load() -> None:
+    """Layer-wise, the store is asked once (``plan_get`` of every key: where each is, and
+    so which exist); the blocks after the local hits up to the first miss get fresh blocks
+    and the part of the lease that reads them during the compute; a rerun without store
+    loads and a store that is down go by ``exists`` and compute."""
+    ks = keys(5)
+    store = Store({ks[0], ks[1], ks[2], ks[4]})  # a hole at 3: block 4 is not loaded
+    pl = loader(store, layerwise=True)
+    warm(pl, ks[:1])  # block 0
+    plan = asyncio.run(pl.acquire(list(range(21)), ks))
+    assert store.calls == [("plan", 5)]
+    assert plan.cached_blocks == 3 and plan.global_blocks == 2 and plan.stored_from == 3
+    assert plan.load_from == 1 and plan.load.keys == [k.hex() for k in ks[1:3]]
+    assert [r.locations[0].offset for r in plan.load.replicas] == [BLOCK_BYTES, 2 * BLOCK_BYTES]
+    assert plan.block_table[:3] == [0, 1, 2] and plan.read_bytes == 0  # read during compute
+    assert [pl.pool.block_key(b) for b in plan.block_table[1:3]] == [None, None]  # not yet
+    store.calls.clear()
+    again = loader(store, layerwise=True)
+    assert asyncio.run(again.acquire(list(range(21)), ks, from_store=False)).load is None
+    assert store.calls == [("exists", 5)]
+    store.down, store.calls = True, []
+    down = loader(store, layerwise=True)
+    assert asyncio.run(down.acquire(list(range(9)), ks[:2])) == PrefixPlan([0, 1, 2], 0, 0, 0)
+    assert store.calls == [("plan", 2)]  # asked once, not again by exists
 
 
 def test_the_store_down_or_off_means_computing() -> None:
