@@ -40,6 +40,7 @@ class Endings:
         blocks and write the decode worker's), however long, on every stage: only then
         free our blocks and send KVFailed, which lets the decode worker reuse its blocks."""
         outcome = self.group.abort(job.task) if self.group is not None else None
+        job.sampled.set()  # its held store writes go (or fail) now
         await job.stream.settle()
         await settle(job.put_futures)
         if job.loads is not None:
@@ -67,6 +68,7 @@ class Endings:
             return await self.give_up(job, PrefillFailure(503, "kv_transfer_failed", str(exc)))
         except GrammarError as exc:
             return await self.give_up(job, PrefillFailure(400, "invalid_request_error", str(exc)))
+        job.sampled.set()
         job.wait_s += time.perf_counter() - started
         if job.aborted:
             return await self.give_up(job, PrefillFailure(499, "aborted", "aborted"))

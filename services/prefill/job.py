@@ -9,6 +9,7 @@ from its local prefix; ENDING is its last state, while its writes settle and it 
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -80,6 +81,9 @@ class Job(PromptJob):
     plan: PrefixPlan
     opened: bool = False  # its first chunk was computed (and, in a group, shipped)
     admit_s: float = 0.0  # its admission: store lookups, blocks, a whole-block store read
+    # set once its first token is sampled, or it gives up: its last chunk's store write
+    # (GPU KV) waits for it (layer_io.PartIO.hold_puts)
+    sampled: threading.Event = field(default_factory=threading.Event)
     prompt_parts: list[PromptLogprobs] = field(default_factory=list)  # per chunk, if asked
 
     @property

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from common.transfer import watched
 from services.prefill.streaming import KVStream, RequestAborted
 
 log = logging.getLogger(__name__)
+
+HOLD_S = 0.5  # a held store write waits at most this for its prompt's first token
 
 
 class LayerLoads:
@@ -157,6 +160,9 @@ class PartIO:
     put_blocks: list[int] = field(default_factory=list)  # its block index in the prompt
     put_futures: list[Future] = field(default_factory=list)
     poisoned: bool = False  # computed from a failed load: streams and stores nothing
+    # GPU KV, the prompt's last chunk: its store write starts once this is set (the first
+    # token sampled): its DMA would hold up the sampled token's copy to the host
+    hold_puts: Optional[threading.Event] = None
 
     def written(self) -> list[bool]:
         """Per put key: every layer's write of it finished (call once they are done)."""
@@ -217,7 +223,13 @@ class StepIO:
         ln, layers = self.kv.layer_nbytes, self.kv.num_layers
         items = [(i, self.kv.block_address(b), self.first_layer * ln, ln * layers)
                  for i, b in enumerate(part.put_local)]
-        return self.store_lane.submit(self.mover.write, part.put, items)
+        put, mover, hold = part.put, self.mover, part.hold_puts
+
+        def write() -> None:
+            if hold is not None:  # bounded: a prompt that ends otherwise sets it too
+                hold.wait(max(0.0, min(HOLD_S, put.deadline - time.time() - HOLD_S)))
+            mover.write(put, items)
+        return self.store_lane.submit(write)
 
     def _store(self, part: PartIO, layer: int) -> Future:
         """Layer ``layer`` of the part's new objects to the store, on the store lane."""

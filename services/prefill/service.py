@@ -298,7 +298,7 @@ class PrefillWorker:
     async def _part(self, job: Job, n: int) -> PartIO:
         """A job's chunk in the next step: its loads (first chunk) and store puts."""
         start, end = job.done, job.done + n
-        part = PartIO(job.stream, start, end)
+        part = PartIO(job.stream, start, end, hold_puts=job.sampled if n == job.remaining else None)
         if not job.opened and job.loads is not None:
             bs = self.engine.config.block_size
             part.loads = job.loads

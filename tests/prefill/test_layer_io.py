@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -96,7 +97,6 @@ def test_a_stage_loads_streams_and_stores_its_layers(cluster, transfer, tmp_path
         transfer.register(got.base_address, got.nbytes)
         assert await c.batch_get_into(new, [got.block_address(0)], size) == [True]
         assert torch.equal(got.data[0, 2:], source.data[2, 2:])  # our layers in the object
-        transfer.unregister(got.base_address)
 
         # a load past its lease poisons the part: no more streaming, no store writes
         late = await c.plan_get(stored, size)
@@ -135,6 +135,22 @@ def test_a_stage_loads_streams_and_stores_its_layers(cluster, transfer, tmp_path
         assert launched == [2, 1] and stream3.sent == 3  # the chunk ended on a block edge
         assert torch.equal(target.data[3:6, 2:], decode.data[3:6, 2:])
         assert not target.data[3:6, :2].any()
+
+        # GPU KV writes a chunk's objects whole after it (called directly here: this host
+        # memory would go per layer); a prompt's last chunk waits for its first token
+        hold = threading.Event()
+        new4 = keys(1)
+        put4 = await StoreWrites(c, 0, BS, size).plan(new4, size)
+        part4 = PartIO(stream, 2 * BS, 3 * BS, put=put4, put_local=[2], hold_puts=hold)
+        held = io._store_chunk(part4)
+        await asyncio.sleep(0.05)
+        assert not held.done()
+        hold.set()
+        await asyncio.wrap_future(held)
+        assert await c.end_put(put4, [True]) == 1
+        assert await c.batch_get_into(new4, [got.block_address(0)], size) == [True]
+        assert torch.equal(got.data[0, 2:], stage.data[2])  # our layers of the object
+        transfer.unregister(got.base_address)
         mover.close()
         await c.close()
 
