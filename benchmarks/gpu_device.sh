@@ -100,16 +100,17 @@ reap() {  # a step cut off by its timeout leaves no cluster holding the GPU
   rm -rf /dev/shm/crescent*
 }
 
-kv_issue() {  # issue 26: GPU KV on one host; the figures saved as $OUT/gpu-kv.json
+kv_issue() {  # issue 26: GPU KV on one host; the figures saved as $OUT/gpu-kv.json (a call
+  # brings back 8 files from $OUT: keep it to these)
   log "CUDA IPC, pinned-memory and launched-read tests"
   timeout 90 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/kv/test_cuda_kv_paths.py \
-    2>&1 | tee "$OUT/kv-tests.log" | grep -v "^[IWE][0-9]" | tail -12
+    2>&1 | grep -v "^[IWE][0-9]" | tail -12
   prefill_bench
   reap
   log "live clusters: greedy outputs over TCP, CUDA IPC and pinned memory"
   CRESCENT_TEST_DEVICE=cuda CRESCENT_TEST_MODEL=dummy-bench-prefill timeout 150 \
     python3 -m pytest -q -rs -p no:cacheprovider --basetemp=/tmp/kvpaths \
-    tests/e2e/test_gpu_kv_paths.py 2>&1 | tee "$OUT/kv-e2e.log" | grep -v "^[IWE][0-9]" | tail -12
+    tests/e2e/test_gpu_kv_paths.py 2>&1 | grep -v "^[IWE][0-9]" | tail -12
   tar czf "$OUT/kv-e2e-logs.tgz" -C /tmp kvpaths 2>/dev/null
   reap
   log "KV paths side by side (benchmarks/kv_gpu.py)"

@@ -270,6 +270,16 @@ def prefill_goals(path: Optional[str]) -> dict:
             "layerwise_over_after": ratios, "prefill_failed_requests": failed}
 
 
+def prefill_rows(path: Optional[str]) -> Optional[dict]:
+    """benchmarks/prefill.py's medians (its JSON line less the samples), to keep with the
+    goals drawn from them."""
+    lines = [ln for ln in open(path).read().splitlines() if ln.startswith("{")] if path else []
+    if not lines:
+        return None
+    data = json.loads(lines[-1])
+    return {k: v for k, v in data.items() if k != "samples"}
+
+
 def goals(res: dict) -> dict:
     fast = "cuda_ipc" if "cuda_ipc" in res["p2d"] else "transfer_engine"
     store = "pinned" if "pinned" in res["store"] else "shm"
@@ -327,6 +337,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         res = json.loads(open(args.merge).read().splitlines()[-1])
         res["prefill_json"] = args.prefill
         res["goals"] = goals(res)
+        res["prefill"] = prefill_rows(args.prefill)
         return report(res, args.out)
     n = args.tokens // BLOCK
     args.local_blocks, args.peer_blocks = 2 * n + 64, n + 64
