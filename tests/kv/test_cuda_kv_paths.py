@@ -71,24 +71,33 @@ def test_a_prefill_writes_another_process_s_gpu_kv_layer_by_layer_and_whole() ->
         proc.join(30)
 
 
+def gpu_store(blocks: int, objects: int):
+    """A GPU worker's KV memory (4 layers, bfloat16, random), a same-host store node's
+    segment of ``objects`` blocks in /dev/shm (a disk file's pages do not pin) and the
+    worker's mover: (its directory, kv, segment, node, mover)."""
+    import tempfile
+
+    from common.host import host_id
+    from common.store.ranges import NodeRef, RangeMover
+    from common.store.shm import Segment, owned_path
+
+    tmp_path = tempfile.mkdtemp(prefix="crescent-test-", dir="/dev/shm")
+    kv = PagedKVMemory(blocks, 4, 16, 2, 64, torch.bfloat16, "cuda")
+    kv.data.normal_()
+    seg = Segment(objects * kv.block_nbytes, owned_path(tmp_path, "store", "g"), create=True)
+    node = NodeRef("g", "nowhere:1", seg.base, seg.nbytes, seg.path, 1, "h", host_id())
+    return tmp_path, kv, seg, node, RangeMover(None, tmp_path, device_memory=kv.device_bytes)
+
+
 @pytest.mark.gpu
 @gpu
 def test_a_gpu_worker_s_store_bytes_go_through_the_pinned_segment() -> None:
     import shutil
-    import tempfile
 
-    from common.host import host_id
-    from common.store.ranges import GetPlan, Location, NodeRef, PutPlan, RangeMover, Replicas
-    from common.store.shm import Segment, owned_path
+    from common.store.ranges import GetPlan, Location, PutPlan, Replicas
 
-    # a store node's segment lives in /dev/shm: a disk file's pages do not pin
-    tmp_path = tempfile.mkdtemp(prefix="crescent-test-", dir="/dev/shm")
-    kv = PagedKVMemory(16, 4, 16, 2, 64, torch.bfloat16, "cuda")
-    kv.data.normal_()
+    tmp_path, kv, seg, node, mover = gpu_store(16, 32)
     obj = kv.block_nbytes
-    seg = Segment(32 * obj, owned_path(str(tmp_path), "store", "g"), create=True)
-    node = NodeRef("g", "nowhere:1", seg.base, seg.nbytes, seg.path, 1, "h", host_id())
-    mover = RangeMover(None, str(tmp_path), device_memory=kv.device_bytes)
     keys = [f"{i:064x}" for i in range(20)]
     reps = [Replicas([Location("g", s * obj)]) for s in range(31, 11, -1)]  # scattered
     src = [3, 1, 7, 5, 0, 2, 4, 6]
@@ -118,25 +127,17 @@ def test_reads_launched_per_layer_land_behind_their_events(two_d, monkeypatch) -
     scatter, or the gather kernel where 2D copies are not usable): after waiting on layer
     l's event, the compute stream sees layer l; every byte lands; the lane confirms."""
     import shutil
-    import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
-    from common.host import host_id
     from common.kv import dma2d
-    from common.store.ranges import GetPlan, Location, NodeRef, PutPlan, RangeMover, Replicas
-    from common.store.shm import Segment, owned_path
+    from common.store.ranges import GetPlan, Location, PutPlan, Replicas
 
     if two_d:
         assert dma2d.usable(torch.device("cuda")) is not None, "2D copies refused on this GPU"
     else:
         monkeypatch.setattr(dma2d, "usable", lambda device: None)
-    tmp_path = tempfile.mkdtemp(prefix="crescent-test-", dir="/dev/shm")
-    kv = PagedKVMemory(40, 4, 16, 2, 64, torch.bfloat16, "cuda")
-    kv.data.normal_()
+    tmp_path, kv, seg, node, mover = gpu_store(40, 64)
     obj = kv.block_nbytes
-    seg = Segment(64 * obj, owned_path(str(tmp_path), "store", "g"), create=True)
-    node = NodeRef("g", "nowhere:1", seg.base, seg.nbytes, seg.path, 1, "h", host_id())
-    mover = RangeMover(None, str(tmp_path), device_memory=kv.device_bytes)
     slots = [10, 11, 12, 13, 40, 41, 3, 50, 52, 54]  # runs of one pitch, and strays
     keys = [f"{i:064x}" for i in range(len(slots))]
     reps = [Replicas([Location("g", s * obj)]) for s in slots]
