@@ -171,6 +171,14 @@ class Grammars:
         if params.response_format is not None:
             self._future(params.response_format)
 
+    async def ready(self, params: SamplingParams) -> None:
+        """Until a request's grammar is compiled (or failed: ``compiled`` says so), its
+        event loop free meanwhile: a worker that did not ``prefetch`` it (a pipeline's
+        last stage learns of it with the step) must not stop its heartbeats for a compile
+        (seconds for the first one on a loaded host)."""
+        if params.response_format is not None:
+            await asyncio.wait([asyncio.wrap_future(self._future(params.response_format))])
+
     def compiled(self, response_format: str) -> xgr.CompiledGrammar:
         """The grammar of ``response_format`` (waits for its compile if it is running);
         GrammarError if it cannot be compiled (the failure stays cached)."""

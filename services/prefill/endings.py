@@ -62,6 +62,8 @@ class Endings:
             await job.stream.wait(max(1.0, task.deadline - time.time()))
             if outcome is not None:  # its wait for the later stages counts in wait_s
                 result = await self.group.result(outcome, task.deadline)
+            else:
+                await self.grammars.ready(task.sampling)  # prefetched when the task came
             first = (sample_first(logits, task.sampling, self.grammars) if outcome is None
                      else result.first)
         except TransferError as exc:

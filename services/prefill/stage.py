@@ -125,6 +125,9 @@ class StageWorker:
         if self.head_epoch is None or msg.head_epoch != self.head_epoch:
             self.rt.dropped["epoch"] += 1
             return
+        for part in msg.parts:  # the first tokens' grammars compile while the step runs
+            if self.last and part.sampling is not None:
+                self.grammars.prefetch(part.sampling)
         self.steps[msg.step] = msg
         self.wake.set()
 
@@ -183,6 +186,7 @@ class StageWorker:
             if job is None:
                 continue
             if row is not None and part.sampling is not None and not job.failed:
+                await self.grammars.ready(part.sampling)
                 try:
                     job.first = sample_first(row, part.sampling, self.grammars)
                 except GrammarError as exc:  # the head fails it with a 400

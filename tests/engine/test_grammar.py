@@ -61,6 +61,35 @@ def test_compiled_once_per_schema_and_evicted_least_recent(grammars: Grammars) -
     assert grammars.compiles == 5
 
 
+def test_ready_waits_for_a_compile_with_the_event_loop_free(grammars: Grammars) -> None:
+    """``ready``: the loop keeps running while the grammar compiles (a pipeline stage's
+    heartbeats); afterwards it is compiled, once; a free request and a schema that does
+    not compile return at once (``compiled`` raises for the latter)."""
+    import asyncio
+
+    async def go() -> int:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        task = asyncio.create_task(ticker())
+        await grammars.ready(SamplingParams(4, response_format=_format(SCHEMA)))
+        await grammars.ready(SamplingParams(4))
+        bad = _format({"type": "object", "properties": {"a": {"type": "nope"}}})
+        await grammars.ready(SamplingParams(4, response_format=bad))
+        task.cancel()
+        return ticks
+
+    assert asyncio.run(go()) > 2
+    assert grammars.compiles == 2
+    grammars.compiled(_format(SCHEMA))
+    assert grammars.compiles == 2
+
+
 def test_a_mask_that_forbids_the_argmax_changes_the_greedy_choice() -> None:
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.5, -1.0]])
     greedy = SamplingParams(1, temperature=0, logprobs=True, top_logprobs=2)
