@@ -113,7 +113,10 @@ class LaunchedLoads:
         self.read_s = 0.0
 
     def wait(self, layer: int) -> bool:
-        """In the compute thread: what it launches next runs after layer ``layer`` landed."""
+        """In the compute thread: what it launches next runs after layer ``layer`` landed
+        (False: that layer was never queued, a launch failed)."""
+        if self.failed is None and layer >= len(self.reads.events):
+            self.failed = f"launched load failed: layer {layer} was not queued"
         if self.failed is None and self.reads.events[layer] is not None:
             torch.cuda.current_stream().wait_event(self.reads.events[layer])
         return self.failed is None

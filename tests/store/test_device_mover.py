@@ -134,3 +134,47 @@ def test_reads_launched_layer_by_layer_land_in_each_block(tmp_path) -> None:
     lane.shutdown()
     mover.close()
     seg.close()
+
+
+def test_a_launch_that_fails_midway_poisons_the_part(tmp_path) -> None:
+    """Reads whose launch failed after some layers: the lane fails them once the queued
+    ones are done, and a step that reaches a layer never queued is poisoned at once (no
+    event to wait for), naming the failure, so the prompt is computed instead."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from services.prefill.layer_io import LaunchedLoads, PartIO, StepIO
+
+    HostViews.opened.clear()
+    seg, node, memory, mover = setup(tmp_path)
+    keys = [f"{i:064x}" for i in range(2)]
+    get = GetPlan(OBJ, keys, [Replicas([Location("n0", s * OBJ)]) for s in (4, 9)], [node],
+                  time.time() + 60)
+    lane = ThreadPoolExecutor(1)
+    layers = iter(range(10))
+    real = torch.Tensor.index_copy_  # the gather path's scatter: fail at the third layer
+
+    def flaky(self, *args):
+        if next(layers) == 2:
+            raise RuntimeError("launch failed")
+        return real(self, *args)
+    torch.Tensor.index_copy_ = flaky
+    try:
+        reads = mover.launch_reads(get, [0, 4], 0, 64, 4, lane)
+    finally:
+        torch.Tensor.index_copy_ = real
+    assert len(reads.events) == 2
+    with pytest.raises(TransferError, match="launch failed"):
+        reads.done.result()
+    loads = LaunchedLoads(reads, 2 * OBJ)
+    stream = SimpleNamespace(chunked=False, aborted=True)  # streams nothing
+    part = PartIO(stream, 0, 8, loads, (0, 8))  # type: ignore[arg-type]
+    io = StepIO([part], SimpleNamespace(num_layers=4), 0, None, None)  # type: ignore
+    for layer in range(4):
+        io.before(layer)
+    assert part.poisoned and "layer 2 was not queued" in loads.failed
+    assert not asyncio.run(loads.landed())
+    lane.shutdown()
+    mover.close()
+    seg.close()
