@@ -171,6 +171,10 @@ class Grammars:
         if params.response_format is not None:
             self._future(params.response_format)
 
+    def is_ready(self, params: SamplingParams) -> bool:
+        """A free request, or one whose grammar has compiled (or failed to)."""
+        return params.response_format is None or self._future(params.response_format).done()
+
     async def ready(self, params: SamplingParams) -> None:
         """Until a request's grammar is compiled (or failed: ``compiled`` says so), its
         event loop free meanwhile: a worker that did not ``prefetch`` it (a pipeline's

@@ -333,6 +333,9 @@ class BrokenGrammars:
     def prefetch(self, params: SamplingParams) -> None:
         pass
 
+    def is_ready(self, params: SamplingParams) -> bool:
+        return True  # failed already
+
     def matcher(self, params: SamplingParams) -> None:
         if params.response_format is not None:
             raise GrammarError("'response_format' cannot be compiled here: boom")

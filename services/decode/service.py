@@ -23,7 +23,7 @@ from common.protocol import (
     KV_FAILED, AbortRequest, BlocksReserved, Fence, FenceQuery, KVFailed, KVReady, RequestFailed,
     RequestFinished, ReserveBlocks, ReserveFailed, TokenDelta, WorkerGone, WorkerLoad,
 )
-from common.sampling_params import PromptLogprobs, SampledToken, TopLogprobs
+from common.sampling_params import PromptLogprobs, SampledToken, SamplingParams, TopLogprobs
 from common.worker import WorkerRuntime
 from services.decode.detok import IncrementalText
 from services.decode.sequence import Reservation, Running
@@ -53,6 +53,7 @@ class DecodeWorker:
         self.running: dict[tuple[str, int], Running] = {}  # by (request id, choice)
         self.choices: dict[str, int] = {}  # request id → its choices still running
         self.wake = asyncio.Event()
+        self._compiling: set[asyncio.Task] = set()  # KVReady waiting for its grammar
         self.idle_check = IdleCheck(self.pool.check_idle, "KV block pool")
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="decode")
         self.grammars = Grammars.for_engine(self.engine)
@@ -113,10 +114,23 @@ class DecodeWorker:
         return None
 
     def on_kv_ready(self, msg: KVReady) -> None:
+        waiting = self.reserved.get(msg.request_id)
+        if (waiting is not None and waiting.fence == msg.fence
+                and not self.grammars.is_ready(waiting.params)):
+            # its grammar still compiles: it starts once compiled, the loop free meanwhile
+            # (an abort or expiry in between leaves this KVReady stale, as any other)
+            task = asyncio.create_task(self._when_compiled(waiting.params, msg))
+            self._compiling.add(task)
+            task.add_done_callback(self._compiling.discard)
+            return
         r = self._settled("KVReady", msg.request_id, msg.fence)
         if r is not None:
             self.start(r, msg.first, msg.prompt_tokens, msg.cached_tokens,
                        msg.prompt_logprobs)
+
+    async def _when_compiled(self, params: SamplingParams, msg: KVReady) -> None:
+        await self.grammars.ready(params)
+        self.on_kv_ready(msg)
 
     def start(self, r: Reservation, first: list[SampledToken], prompt_tokens: int,
               cached_tokens: int, prompt_logprobs: Optional[PromptLogprobs] = None) -> None:

@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 import pytest
 
 from common.engine.config import DecodeInput
-from common.sampling_params import SampledToken
+from common.sampling_params import SampledToken, SamplingParams
 from common.protocol import (
     AbortRequest, BlocksReserved, Fence, FenceQuery, KVFailed, KVReady, RequestFailed,
     RequestFinished, ReserveFailed, TokenDelta, WorkerGone, WorkerLoad,
@@ -292,6 +292,45 @@ def test_a_grammar_this_worker_cannot_compile_fails_the_request_alone(make: Make
     [failed] = rt.mail.of(RequestFailed, to=CONDUCTOR)
     assert (failed.request_id, failed.status, failed.fence) == ("a", 400, F1)
     assert "response_format" in failed.message and deltas(rt) == []
+    clean(worker)
+
+
+def test_kv_ready_waits_for_its_grammar_with_the_loop_free(make: Make) -> None:
+    """A KVReady whose grammar is still compiling starts the request once it compiled,
+    not on the event loop meanwhile (a compile of seconds would stop the heartbeats); the
+    reservation stays live until then."""
+    import asyncio
+
+    class Compiling(BrokenGrammars):
+        def __init__(self) -> None:
+            self.done = asyncio.Event()
+
+        def is_ready(self, params: SamplingParams) -> bool:
+            return self.done.is_set()
+
+        async def ready(self, params: SamplingParams) -> None:
+            await self.done.wait()
+
+        def matcher(self, params: SamplingParams) -> None:
+            return None  # compiled, unconstrained here
+
+    rt, worker = make()
+
+    async def go() -> None:
+        worker.grammars = grammars = Compiling()  # type: ignore[assignment]
+        worker.on_reserve(reserve("a", prompt_tokens=6, max_tokens=3,
+                                  response_format='{"type":"json_object"}'))
+        worker.on_kv_ready(KVReady("a", first=[SampledToken(7)], prompt_tokens=6,
+                                   cached_tokens=0, fence=F1))
+        await asyncio.sleep(0.01)
+        assert deltas(rt) == [] and "a" in worker.reserved  # still compiling
+        grammars.done.set()
+        await asyncio.sleep(0.01)
+        assert [d[0] for d in deltas(rt)] == [[7]] and "a" not in worker.reserved
+
+    asyncio.run(go())
+    decode(worker, lambda: bool(finished(rt)))
+    assert finished(rt) == [("a", "length")]
     clean(worker)
 
 
