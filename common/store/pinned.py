@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any, Callable, Optional, Sequence
 
-import torch
-
 import numpy as np
+import torch
 
 from common.kv import dma2d
 from common.kv.rows import copy_pieces, copy_rows, on_stream, rows_view
@@ -162,7 +161,7 @@ class DeviceCopies:
             parts.append((seg, dst, np.asarray(src, dtype=np.int64)))
         stream = self._stream(False)
         copier = dma2d.usable(self.memory.device) if stream is not None else None
-        if copier is None and any(src % row_nbytes for _, _, src in parts for src in src):
+        if copier is None and any((offsets % row_nbytes).any() for *_, offsets in parts):
             return None  # a kernel gathers whole rows of the segment
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             return self._launch_reads(parts, row_nbytes, layers, plan.deadline, stream,
@@ -173,9 +172,11 @@ class DeviceCopies:
                       waiter: ThreadPoolExecutor) -> "LaunchedReads":
         """``launch_reads`` once checked, on the read stream: index tensors and staging are
         made on it too, so nothing it runs waits for, or races, another stream."""
+        def whole_rows(flat: torch.Tensor) -> torch.Tensor:
+            return rows_view(flat[:flat.numel() // row_nbytes * row_nbytes], row_nbytes)
+
         device = self.memory.device
-        local = rows_view(self.memory[:self.memory.numel() // row_nbytes * row_nbytes],
-                          row_nbytes)
+        local = whole_rows(self.memory)
         reads = LaunchedReads(sum(len(dst) for _, dst, _ in parts) * row_nbytes * layers)
         steps = torch.arange(layers, device=device)[:, None]  # row l of a block: + l
         parts = [(seg, torch.tensor(dst).to(device, non_blocking=True) + steps, src)
@@ -199,8 +200,7 @@ class DeviceCopies:
                                               count, stream.cuda_stream)
                     local.index_copy_(0, dst[layer], staged[:dst.shape[1]])
         else:
-            gathers = [(rows_view(seg.device[:seg.device.numel() // row_nbytes * row_nbytes],
-                                  row_nbytes), dst,
+            gathers = [(whole_rows(seg.device), dst,
                         torch.from_numpy(src // row_nbytes).to(device, non_blocking=True)
                         + steps) for seg, dst, src in parts]
 
@@ -216,7 +216,7 @@ class DeviceCopies:
                 reads.events.append(done)
         except (IndexError, ValueError, RuntimeError) as exc:  # what was queued still runs
             self.failed(PINNED, f"launched reads: {exc}")
-            deadline = 0.0  # the lane fails it once the queued part is done
+            reads.launch_failed = True  # the lane fails it once the queued part is done
         reads.done = waiter.submit(self._landed, reads, deadline)
         return reads
 
@@ -227,11 +227,12 @@ class DeviceCopies:
         if reads.events and reads.events[-1] is not None:
             reads.events[-1].synchronize()
         reads.seconds = time.perf_counter() - reads.started
+        if reads.launch_failed:
+            self.failed(PINNED, "a launched read failed")
+            raise TransferError("store read: a launch failed")
         if time.time() > deadline:
-            self.failed(PINNED, "a launched read ended past its lease" if deadline
-                        else "a launched read failed")
-            raise TransferError("store read: past the lease" if deadline
-                                else "store read: a launch failed")
+            self.failed(PINNED, "a launched read ended past its lease")
+            raise TransferError("store read: past the lease")
         self.count(False, PINNED, reads.nbytes)
         return reads.nbytes
 
@@ -247,4 +248,5 @@ class LaunchedReads:
         self.events: list[Optional[torch.cuda.Event]] = []
         self.done: Optional[Future] = None
         self.seconds = 0.0  # launched → the last layer landed (as the lane saw it)
+        self.launch_failed = False  # some layers were never queued
         self.staging: Optional[torch.Tensor] = None  # kept until the reads are done

@@ -205,16 +205,16 @@ class StepIO:
         for part in self.parts:
             if part.poisoned:
                 continue
-            if self.layerwise and not part.stream.chunked:
-                self._stream(part, layer, part.start, part.end)
-            elif self.layerwise and last:
-                self._send_chunk(part, part.end)
+            if self.layerwise:
+                if not part.stream.chunked:
+                    self._stream(part, layer, part.start, part.end)
+                elif last:
+                    self._send_chunk(part, part.end)
             if part.put is not None and self.mover is not None and self.store_lane is not None:
-                if not self.kv.in_host_memory:
-                    if last:  # GPU KV: whole objects after the chunk (see _store_chunk)
-                        part.put_futures.append(self._store_chunk(part))
-                else:
+                if self.kv.in_host_memory:
                     part.put_futures.append(self._store(part, layer))
+                elif last:  # GPU KV: whole objects after the chunk (see _store_chunk)
+                    part.put_futures.append(self._store_chunk(part))
 
     def _store_chunk(self, part: PartIO) -> Future:
         """The part's new objects (this stage's layers of them) to the store, once the

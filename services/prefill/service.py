@@ -221,7 +221,7 @@ class PrefillWorker:
                              plan.block_table[plan.load_from:plan.cached_blocks], 0,
                              self.threads.load)
                  if plan.load is not None and self.mover is not None else None)
-        # whole blocks present already; loaded ones stream per layer as they land
+        # whole blocks present already; loaded ones follow as they land (layer_io)
         stream.send_prefix(plan.load_from if loads is not None else plan.cached_blocks,
                            plan.cached_blocks)
         done = min(plan.cached_blocks * self.engine.config.block_size, len(tokens) - 1)
