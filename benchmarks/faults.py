@@ -48,6 +48,7 @@ from benchmarks.fault_load import (  # noqa: E402
 from benchmarks.live_replay import to_toml  # noqa: E402
 from common.store.shm import pid_alive  # noqa: E402
 from launch.cluster import LocalCluster  # noqa: E402
+from launch.forkserver import ForkServer  # noqa: E402
 
 FAULTS = ["none", "decode", "prefill", "store_node", "store_master", "conductor"]
 # with prefill_stages > 1 also: a later stage of prefill group 0 (process 1)
@@ -203,14 +204,16 @@ async def run_fault(cluster: LocalCluster, fault: str, questions: list[str],
 
 def run(workdir: Path, http_port: int, faults: list[str], timing: Timing,
         concurrency: int = 4, max_tokens: int = 16, n_prompts: int = 16, prefill: int = 1,
-        decode: int = 1, scheduler: str = "kvcache_centric", stages: int = 1) -> "Run":
-    """Start a cluster, take the reference, inject ``faults`` in order, stop the cluster."""
+        decode: int = 1, scheduler: str = "kvcache_centric", stages: int = 1,
+        forkserver: Optional[ForkServer] = None) -> "Run":
+    """Start a cluster, take the reference, inject ``faults`` in order, stop the cluster.
+    ``forkserver``: fork the cluster's processes from it (the tests; launch/forkserver.py)."""
     for fault in faults:
         if fault not in FAULTS + [STAGE_FAULT]:
             raise ValueError(f"unknown fault {fault!r}; known: {', '.join(FAULTS)}")
     cfg = write_config(workdir, http_port, prefill, decode, scheduler,
                        router_timeout=timing.deadline * 2, stages=stages)
-    cluster = LocalCluster(str(cfg), workdir / "logs")
+    cluster = LocalCluster(str(cfg), workdir / "logs", forkserver=forkserver)
     questions = prompts(n_prompts)
     results: list[FaultResult] = []
     pids: set[int] = set()

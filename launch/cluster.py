@@ -27,6 +27,7 @@ from typing import Callable, Optional, Sequence
 from common.config import ClusterConfig
 from common.cpu import ENV_CPUS, ENV_THREADS, CpuPlan, plan_cores, plan_env
 from common.service import parse_overrides
+from launch.forkserver import ForkedProcess, ForkServer
 from launch.supervise import GiveUp, RestartPolicy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 class Child:
     role: str
     index: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     log_path: Path
     restart_at: Optional[float] = None  # monotonic time of its next start, once it exited
 
@@ -57,10 +58,13 @@ class ClusterError(RuntimeError):
 
 class LocalCluster:
     def __init__(self, config_path: Optional[str], log_dir: str | Path,
-                 overrides: Sequence[str] = ()) -> None:
+                 overrides: Sequence[str] = (), forkserver: Optional[ForkServer] = None,
+                 ) -> None:
         """``overrides``: ``KEY=VALUE`` settings laid over the config file, for every child
-        (each gets them as ``--set``)."""
+        (each gets them as ``--set``). ``forkserver``: fork the children from it
+        (launch/forkserver.py: the tests) instead of starting each with ``exec``."""
         self.config_path = config_path
+        self.forkserver = forkserver
         self.overrides = list(overrides)
         self.config = ClusterConfig.load(config_path, parse_overrides(self.overrides))
         plan_cores(self.plan(), self.config.cpu, os.sched_getaffinity(0))  # fail fast
@@ -118,7 +122,6 @@ class LocalCluster:
         """Start one child (again: it replaces the old entry, and its log goes on)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{role}-{index}.log"
-        cmd = self.command(role, index)
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         env.pop(ENV_CPUS, None)  # never inherit a plan from the launcher's own environment
@@ -126,12 +129,10 @@ class LocalCluster:
         plan = self.cpu_plan(role, index)
         if plan is not None:
             env.update(plan_env(plan))
-        with open(log_path, "ab") as log:
-            if note:
+        if note:
+            with open(log_path, "ab") as log:
                 log.write(f"--- crescent up: {note}\n".encode())
-                log.flush()
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    cwd=REPO, start_new_session=True)
+        proc = self._start(role, index, env, log_path)
         child = Child(role, index, proc, log_path)
         old = [i for i, c in enumerate(self.children) if (c.role, c.index) == (role, index)]
         if old:
@@ -139,6 +140,17 @@ class LocalCluster:
         else:
             self.children.append(child)
         return child
+
+    def _start(self, role: str, index: int, env: dict[str, str],
+               log_path: Path) -> subprocess.Popen | ForkedProcess:
+        """The child's process: forked by the fork server, or started with ``exec``."""
+        if self.forkserver is not None:
+            return self.forkserver.spawn(role, self.service_args(role, index), env, REPO,
+                                         log_path)
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(self.command(role, index), stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                    start_new_session=True)
 
     def start(self, timeout_s: float = 120.0) -> None:
         for role, index in self.plan():

@@ -24,27 +24,41 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 # the package's clusters on fixed addresses).
 ONE_GROUP_PACKAGES = ("multihost",)
 # The e2e modules whose tests share the package's clusters (tests/e2e/conftest.py
-# ``shared``); ``pytest_collection_modifyitems`` refuses a module that uses them unlisted.
-SHARED_CLUSTER_MODULES = ("e2e/test_api_fields.py", "e2e/test_choices.py",
-                          "e2e/test_colocated.py", "e2e/test_echo.py", "e2e/test_kv_pool.py",
-                          "e2e/test_serving.py", "e2e/test_structured_outputs.py",
-                          "e2e/test_tools.py", "e2e/test_top_logprobs.py")
+# ``shared``), by the group they run in. A group boots the shapes its tests ask for, on
+# ports of its own, so two groups run on two workers at once; the tests on the shapes of
+# ``OTHER_SHAPES`` (named by their test ids) make a group of their own.
+# ``pytest_collection_modifyitems`` refuses a module that uses the clusters unlisted.
+SHARED_CLUSTER_GROUPS = {
+    "e2e-shared-requests": ("e2e/test_api_fields.py", "e2e/test_choices.py",
+                            "e2e/test_echo.py", "e2e/test_kv_pool.py", "e2e/test_serving.py",
+                            "e2e/test_top_logprobs.py"),
+    "e2e-shared-grammars": ("e2e/test_structured_outputs.py", "e2e/test_tools.py"),
+    "e2e-shared-shapes": ("e2e/test_colocated.py",),
+}
+SHARED_CLUSTER_MODULES = tuple(m for group in SHARED_CLUSTER_GROUPS.values() for m in group)
+OTHER_SHAPES = ("pipeline", "colocated")
 
 
 def xdist_group(nodeid: str) -> str:
     """The tests that run whole on one xdist worker (``make test TEST_WORKERS=N``): a module
-    (its module-scoped clusters and its fixed ports are its own), the modules sharing the
-    e2e package's clusters, a package of ``ONE_GROUP_PACKAGES``."""
-    path = nodeid.split("::", 1)[0].removeprefix("tests/")
+    (its module-scoped clusters and its fixed ports are its own), a group of the modules
+    sharing the e2e package's clusters, a package of ``ONE_GROUP_PACKAGES``."""
+    path, _, name = nodeid.partition("::")
+    path = path.removeprefix("tests/")
     if path.split("/", 1)[0] in ONE_GROUP_PACKAGES:
         return path.split("/", 1)[0]
-    return "e2e-shared-clusters" if path in SHARED_CLUSTER_MODULES else path
+    for group, modules in SHARED_CLUSTER_GROUPS.items():
+        if path in modules:
+            ids = set(name.partition("[")[2].rstrip("]").split("-"))
+            return "e2e-shared-shapes" if ids & set(OTHER_SHAPES) else group
+    return path
 
 
 # The longest groups on the CI box (2 cores), longest first: a worker starts them first,
 # and the short ones fill the other worker's time at the end (xdist's own order, most
 # tests first, left a worker idle for a minute while the other ran a late long group).
-LONGEST_GROUPS = ("e2e-shared-clusters", "e2e/test_pipeline.py",
+LONGEST_GROUPS = ("e2e/test_pipeline.py", "e2e-shared-requests", "e2e-shared-grammars",
+                  "e2e-shared-shapes",
                   "launch/test_supervise_cluster.py", "multihost", "faults/test_faults.py",
                   "faults/test_pipeline_faults.py", "e2e/test_kv_path.py",
                   "model/test_smollm2.py", "model/test_triton_ops.py", "e2e/test_dashboard.py")

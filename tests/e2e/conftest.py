@@ -10,6 +10,8 @@ import httpx
 import pytest
 
 from launch.cluster import LocalCluster
+from launch import forkserver
+from tests.conftest import SHARED_CLUSTER_GROUPS, xdist_group
 
 # CRESCENT_TEST_DEVICE=cuda runs these clusters' workers on a GPU, and CRESCENT_TEST_MODEL
 # another model under the served name the tests ask for (benchmarks/gpu_device.sh: a dummy,
@@ -35,13 +37,19 @@ segment_bytes = 268435456
 [slo]
 ttft_s = {ttft}
 tbt_s = 30.0
+
+[cpu]
+affinity = {pinned}
 """
 
 
 def start_cluster(tmp: Path, http: int, base: int, prefill: int = 1, store: bool = True,
                   scheduler: str = "load_balance", ttft_slo_s: float = 120.0,
-                  extra: str = "") -> LocalCluster:
-    """``extra``: more top-level TOML lines (e.g. 'mode = "colocated"')."""
+                  extra: str = "", pinned: bool = False) -> LocalCluster:
+    """``extra``: more top-level TOML lines (e.g. 'mode = "colocated"'). ``pinned``: each
+    process on its role's cores (common/cpu.py); off by default, since the two xdist
+    workers' clusters would share the same plan (every decode worker on one core while
+    the other idles), and the operating system spreads them better."""
     cfg = tmp / "cluster.toml"
     if DEVICE:
         extra = f'device = "{DEVICE}"\n' + extra
@@ -49,8 +57,11 @@ def start_cluster(tmp: Path, http: int, base: int, prefill: int = 1, store: bool
         extra = 'served_model_name = "smollm2-135m"\n' + extra
     cfg.write_text(BASE_CONFIG.format(model=MODEL or "smollm2-135m", http=http, base=base,
                                       prefill=prefill, store=str(store).lower(),
-                                      scheduler=scheduler, ttft=ttft_slo_s, extra=extra))
-    cluster = LocalCluster(str(cfg), tmp / "logs")
+                                      scheduler=scheduler, ttft=ttft_slo_s, extra=extra,
+                                      pinned=str(pinned).lower()))
+    # forked from the worker's fork server, but for the pinned clusters of
+    # tests/e2e/test_cpu_affinity.py, which read each child's environment from /proc
+    cluster = LocalCluster(str(cfg), tmp / "logs", forkserver=None if pinned else forkserver.shared())
     try:
         cluster.start(timeout_s=180)
         assert_one_bootstrap(cluster)
@@ -79,11 +90,13 @@ SHAPES = {
 
 
 class SharedClusters:
-    """One cluster a shape, booted when a test first asks for it and stopped once no
-    later test of this process uses them (``pytest_runtest_teardown``: the modules sharing
-    them run as one block, tests/conftest.py), so their memory is not held meanwhile."""
+    """One cluster a shape for the tests of one group (tests/conftest.py
+    ``SHARED_CLUSTER_GROUPS``), booted when a test first asks for it, on the group's own
+    ports, and stopped once the group's last test ends (``pytest_runtest_teardown``: a
+    group's tests run as one block), so their memory is not held meanwhile."""
 
     live: Optional["SharedClusters"] = None  # this process's, while the package runs
+    group = ""  # the group of the test running now (``pytest_runtest_setup``)
 
     def __init__(self, tmp: pytest.TempPathFactory) -> None:
         self._tmp = tmp
@@ -92,6 +105,7 @@ class SharedClusters:
     def get(self, shape: str) -> LocalCluster:
         if shape not in self._up:
             port, store, extra = SHAPES[shape]
+            port += 100 * list(SHARED_CLUSTER_GROUPS).index(self.group)
             self._up[shape] = start_cluster(self._tmp.mktemp(shape), http=port,
                                             base=port + 5, store=store, extra=extra)
         return self._up[shape]
@@ -109,10 +123,16 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedClusters]
     SharedClusters.live = None
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    SharedClusters.group = xdist_group(item.nodeid)
+
+
 @pytest.hookimpl(trylast=True)  # after the test's own fixtures are torn down
 def pytest_runtest_teardown(item: pytest.Item, nextitem: Optional[pytest.Item]) -> None:
     if SharedClusters.live is not None and (
-            nextitem is None or "shared" not in nextitem.fixturenames):
+            nextitem is None or "shared" not in nextitem.fixturenames
+            or xdist_group(nextitem.nodeid) != xdist_group(item.nodeid)):
         SharedClusters.live.stop()
 
 

@@ -23,7 +23,7 @@ AVAILABLE = sorted(os.sched_getaffinity(0))
 def pinned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     if len(AVAILABLE) < 2:
         pytest.skip("one CPU core: there is nothing to isolate prefill from decode on")
-    c = start_cluster(tmp_path_factory.mktemp("cpu"), http=19900, base=19910)
+    c = start_cluster(tmp_path_factory.mktemp("cpu"), http=19900, base=19910, pinned=True)
     yield c
     c.stop()
 

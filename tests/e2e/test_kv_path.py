@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from launch import forkserver
 from launch.cluster import LocalCluster
 
 pytestmark = pytest.mark.e2e
@@ -32,6 +33,9 @@ segment_bytes = 67108864
 [slo]
 ttft_s = 120.0
 tbt_s = 30.0
+
+[cpu]
+affinity = false  # tests/e2e/conftest.py start_cluster: why
 """
 
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -61,7 +65,7 @@ def _serve(tmp: Path, kv_path: str, kv_dtype: str = "auto") -> tuple[list[str], 
     name = f"{kv_path}-{kv_dtype}"
     cfg = tmp / f"{name}.toml"
     cfg.write_text(CONFIG.format(http=HTTP, base=BASE, kv_path=kv_path, kv_dtype=kv_dtype))
-    cluster = LocalCluster(str(cfg), tmp / f"logs-{name}")
+    cluster = LocalCluster(str(cfg), tmp / f"logs-{name}", forkserver=forkserver.shared())
     try:
         cluster.start(timeout_s=180)
         story, n = _completion(cluster.url, STORY, 12)

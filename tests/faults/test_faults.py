@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.faults import FAULTS, FaultResult, Run, Timing, run, table
+from launch import forkserver
 
 pytestmark = pytest.mark.e2e
 HTTP_PORT = 20600  # this file's ports: 20600-20629
@@ -21,7 +22,7 @@ HTTP_PORT = 20600  # this file's ports: 20600-20629
 def measured(tmp_path_factory: pytest.TempPathFactory) -> Run:
     workdir: Path = tmp_path_factory.mktemp("faults")
     done = run(workdir, HTTP_PORT, FAULTS, Timing(warm=1.0, phase=1.0), concurrency=3,
-               max_tokens=12, n_prompts=12, prefill=2)
+               max_tokens=12, n_prompts=12, prefill=2, forkserver=forkserver.shared())
     print("\n" + table(done.results))
     return done
 

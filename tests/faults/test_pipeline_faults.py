@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.faults import STAGE_FAULT, Timing, run, table
+from launch import forkserver
 
 pytestmark = pytest.mark.e2e
 HTTP_PORT = 24400  # this file's ports: 24400-24429
@@ -18,7 +19,7 @@ HTTP_PORT = 24400  # this file's ports: 24400-24429
 def test_a_dead_stage_loses_nothing_and_leaks_nothing(tmp_path_factory) -> None:
     done = run(tmp_path_factory.mktemp("cpp-faults"), HTTP_PORT, [STAGE_FAULT, "prefill", "decode"],
                Timing(warm=1.0, phase=1.0), concurrency=3, max_tokens=12, n_prompts=12,
-               prefill=2, stages=2)
+               prefill=2, stages=2, forkserver=forkserver.shared())
     print("\n" + table(done.results))
     for r in done.results:
         if r.fault != "decode":

@@ -16,6 +16,7 @@ from typing import Iterator
 import httpx
 import pytest
 
+from launch import forkserver
 from launch.cluster import LocalCluster
 from tests.e2e.conftest import assert_one_bootstrap
 
@@ -35,6 +36,9 @@ enabled = false
 [supervise]
 backoff_s = 0.2
 drain_timeout_s = 30.0
+
+[cpu]
+affinity = false  # tests/e2e/conftest.py start_cluster: why
 """
 URL = "http://127.0.0.1:24300"
 
@@ -55,7 +59,7 @@ def long_body() -> dict:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     tmp = tmp_path_factory.mktemp("supervised")
     (tmp / "c.toml").write_text(CONFIG)
-    c = LocalCluster(str(tmp / "c.toml"), tmp / "logs")
+    c = LocalCluster(str(tmp / "c.toml"), tmp / "logs", forkserver=forkserver.shared())
     try:
         c.start(timeout_s=180)
         assert_one_bootstrap(c)
