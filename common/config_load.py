@@ -5,8 +5,9 @@ overrides over a file, table by table."""
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
-from typing import Any
+from typing import Any, Union
 
 # Keys that moved into a table, so an old config fails with the new name.
 MOVED_KEYS = {"use_store": "store.enabled", "store_nodes": "store.nodes",
@@ -43,10 +44,44 @@ def _build(cls: type, data: dict[str, Any], table: str) -> Any:
         where = f" in [{table}]" if table else ""
         raise ValueError(f"unknown config keys{where}: {sorted(unknown)}")
     kwargs = dict(data)
+    scalars = []
     for name, value in data.items():
+        key = f"{table}.{name}".lstrip(".")
         if dataclasses.is_dataclass(hints[name]):
-            kwargs[name] = _build(hints[name], value, f"{table}.{name}".lstrip("."))
-    return cls(**kwargs)
+            kwargs[name] = _build(hints[name], value, key)
+        else:
+            scalars.append((key, hints[name], value))
+    try:
+        built = cls(**kwargs)  # its own checks first: they say more than a type can
+    except TypeError:  # one of them tripped over a value of the wrong type
+        for scalar in scalars:
+            _check_scalar(*scalar)
+        raise
+    for scalar in scalars:
+        _check_scalar(*scalar)
+    return built
+
+
+SCALARS = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+           type(None): "left out"}
+
+
+def _check_scalar(key: str, hint: Any, value: Any) -> None:
+    """A key typed as a scalar (or an Optional one) holds one of its types: ``base_port =
+    "8000"`` fails here by name, not as a TypeError in whichever process adds to it. An
+    integer is a number; a bool is not. Other types (lists, tables) check themselves."""
+    kinds = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) \
+        else (hint,)
+    if not all(kind in SCALARS for kind in kinds):
+        return
+    if isinstance(value, bool):
+        ok = bool in kinds
+    else:
+        ok = any(isinstance(value, kind) for kind in kinds) or (
+            float in kinds and isinstance(value, int))
+    if not ok:
+        wanted = " or ".join(SCALARS[kind] for kind in kinds if kind is not type(None))
+        raise ValueError(f"config key {key} must be {wanted}, not {value!r}")
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
