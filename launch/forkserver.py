@@ -39,7 +39,8 @@ from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 PR_SET_CHILD_SUBREAPER = 36
-REPLY_S = 30.0  # a fork answers in milliseconds; the server's first preload takes seconds
+REPLY_S = 30.0  # a fork answers in milliseconds
+PRELOAD_S = 180.0  # the first answer waits for the imports (seconds; more on a busy box)
 
 
 class ForkServerError(RuntimeError):
@@ -85,6 +86,7 @@ class ForkServer:
         env.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's import starts no thread
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         self._lock = threading.Lock()
+        self._answered = False
         self.proc = subprocess.Popen([sys.executable, "-m", "launch.forkserver"], cwd=REPO,
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      start_new_session=True)
@@ -101,7 +103,8 @@ class ForkServer:
                 self.proc.stdin.flush()
             except BrokenPipeError:
                 raise ForkServerError(f"the fork server exited ({self.proc.poll()})") from None
-            reply = _read_reply(self.proc, REPLY_S)
+            reply = _read_reply(self.proc, REPLY_S if self._answered else PRELOAD_S)
+            self._answered = True
         if "error" in reply:
             raise ForkServerError(reply["error"])
         return ForkedProcess(reply["pid"], [sys.executable, "-m", f"services.{role}", *args])
