@@ -212,12 +212,9 @@ def _become(request: dict[str, Any]) -> None:
     except BaseException:
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
+        from common.service import leave
+
+        leave(code)  # what an exec'd service's exit would have run, then os._exit
 
 
 def _unbuffered(fd: int) -> io.TextIOWrapper:

@@ -61,7 +61,8 @@ def start_cluster(tmp: Path, http: int, base: int, prefill: int = 1, store: bool
                                       pinned=str(pinned).lower()))
     # forked from the worker's fork server, but for the pinned clusters of
     # tests/e2e/test_cpu_affinity.py, which read each child's environment from /proc
-    cluster = LocalCluster(str(cfg), tmp / "logs", forkserver=None if pinned else forkserver.shared())
+    cluster = LocalCluster(str(cfg), tmp / "logs",
+                           forkserver=None if pinned else forkserver.shared())
     try:
         cluster.start(timeout_s=180)
         assert_one_bootstrap(cluster)
