@@ -29,6 +29,7 @@ import io
 import json
 import os
 import random
+import select
 import subprocess
 import sys
 import threading
@@ -77,14 +78,13 @@ class ForkedProcess:
 class ForkServer:
     """The launcher's side: starts the server and asks it for services."""
 
-    def __init__(self, env: Optional[dict[str, str]] = None) -> None:
+    def __init__(self) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             raise ForkServerError(f"prctl(PR_SET_CHILD_SUBREAPER): "
                                   f"{os.strerror(ctypes.get_errno())}")
-        env = dict(os.environ if env is None else env)
+        env = dict(os.environ)  # a child's own comes with its request
         env.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's import starts no thread
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         self._lock = threading.Lock()
         self._answered = False
         self.proc = subprocess.Popen([sys.executable, "-m", "launch.forkserver"], cwd=REPO,
@@ -116,8 +116,6 @@ class ForkServer:
 
 
 def _read_reply(proc: subprocess.Popen, timeout_s: float) -> dict[str, Any]:
-    import select
-
     assert proc.stdout is not None
     ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
     line = proc.stdout.readline() if ready else b""
@@ -155,9 +153,8 @@ def threads() -> int:
 def fork_service(request: dict[str, Any]) -> int:
     """Fork the intermediate that forks the service; its pid once the intermediate has
     exited (the service is then the subreaper's child)."""
-    if threads() != 1:
-        raise ForkServerError(f"the fork server has {threads()} threads; it forks only "
-                              f"with one")
+    if (n := threads()) != 1:
+        raise ForkServerError(f"the fork server has {n} threads; it forks only with one")
     r, w = os.pipe()
     middle = os.fork()
     if middle == 0:

@@ -9,8 +9,8 @@ from typing import Iterator, Optional
 import httpx
 import pytest
 
-from launch.cluster import LocalCluster
 from launch import forkserver
+from launch.cluster import LocalCluster
 from tests.conftest import SHARED_CLUSTER_GROUPS, xdist_group
 
 # CRESCENT_TEST_DEVICE=cuda runs these clusters' workers on a GPU, and CRESCENT_TEST_MODEL
