@@ -24,6 +24,12 @@ Default split of the N cores the launcher may use (``os.sched_getaffinity(0)``):
 A worker's torch intra-op thread count defaults to the size of its core set; services get
 one thread (they do no tensor math). Explicit core lists ("0-3,8") and thread counts in
 the ``[cpu]`` table override one role each; the other roles keep their defaults.
+
+``affinity = false`` pins nothing (every process may run on every core the launcher may
+use, and the OS places its threads), but each process keeps its share's thread count:
+a prefill and a decode worker that each ran one thread per core of the host would
+oversubscribe it, and OpenMP's pools pay for that dearly (two decode loops on 2 cores, 2
+threads each: 2.7x the CPU per token of 1 thread each).
 """
 from __future__ import annotations
 
@@ -48,7 +54,7 @@ class CpuError(ValueError):
 class CpuConfig:
     """The ``[cpu]`` table of a cluster config. Core lists are "auto" or like "0-3,8"."""
 
-    affinity: bool = True  # False: no pinning; only explicit *_threads still apply
+    affinity: bool = True  # False: no pinning; the thread counts still apply
     prefill_cores: str = "auto"
     decode_cores: str = "auto"
     colocated_cores: str = "auto"
@@ -149,12 +155,11 @@ def share(pool: Sequence[int], position: int, count: int) -> tuple[int, ...]:
 
 def plan_cores(processes: Sequence[tuple[str, int]], cpu: CpuConfig,
                available: Iterable[int]) -> dict[tuple[str, int], CpuPlan]:
-    """The plan of every ``(role, index)`` in ``processes``; {} when affinity is off.
+    """The plan of every ``(role, index)`` in ``processes``; with affinity off, each on
+    every core of ``available``, with the thread count of its share.
 
     Raises CpuError when an explicit core list names cores outside ``available``.
     """
-    if not cpu.affinity:
-        return {}
     allowed = tuple(sorted(set(available)))
     pools = default_pools(allowed, (role for role, _ in processes))
     for key in pools:
@@ -176,6 +181,8 @@ def plan_cores(processes: Sequence[tuple[str, int]], cpu: CpuConfig,
         peers = sorted(i for r, i in processes if r == role)
         cores = share(pools[role], peers.index(index), len(peers))
         plans[(role, index)] = CpuPlan(cores, cpu.threads(role) or len(cores))
+    if not cpu.affinity:  # the same thread counts, each process on every core
+        plans = {key: CpuPlan(allowed, plan.threads) for key, plan in plans.items()}
     return plans
 
 

@@ -100,8 +100,8 @@ class LocalCluster:
         return order
 
     def cpu_plan(self, role: str, index: int) -> Optional[CpuPlan]:
-        """The cores and threads of one child (None: affinity off). The whole start plan is
-        divided at once, so a child spawned again later gets the same cores as before."""
+        """The cores and threads of one child. The whole start plan is divided at once, so
+        a child spawned again later gets the same cores as before."""
         processes = self.plan()
         if (role, index) not in processes:
             processes.append((role, index))

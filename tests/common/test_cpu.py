@@ -111,8 +111,14 @@ def test_unavailable_cores_are_a_clear_error() -> None:
         plan_cores(DISAGG, CpuConfig(decode_cores="2-5"), [0, 1])
 
 
-def test_affinity_off_plans_nothing() -> None:
-    assert plan_cores(DISAGG, CpuConfig(affinity=False), [0, 1]) == {}
+def test_affinity_off_pins_nothing_but_keeps_the_thread_counts() -> None:
+    plans = plan_cores(DISAGG, CpuConfig(affinity=False), [0, 1])
+    assert plans[("prefill", 0)] == plans[("decode", 0)] == CpuPlan((0, 1), 1)
+    assert plans[("router", 0)] == CpuPlan((0, 1), 1)
+    solo = plan_cores([("colocated", 0)], CpuConfig(affinity=False), range(4))
+    assert solo[("colocated", 0)] == CpuPlan((0, 1, 2, 3), 3)
+    explicit = plan_cores(DISAGG, CpuConfig(affinity=False, decode_threads=3), range(4))
+    assert explicit[("decode", 0)] == CpuPlan((0, 1, 2, 3), 3)
 
 
 def test_config_validation() -> None:
