@@ -1,8 +1,9 @@
 """Start service processes by forking one that has already imported what they import.
 
 A model worker spends about 2.5 s of CPU importing torch and the services' modules before
-it reads its config; the test suite starts some 190 processes. The fork server
-(``python -m launch.forkserver``) imports every role's module once (``preload``), then
+it reads its config, and 1.6 s building its engine; the test suite starts some 200
+processes. The fork server (``python -m launch.forkserver``) imports every role's module
+and builds the default model once (``preload``), then
 forks a process per request that runs the same bootstrap as ``python -m
 services.<role>`` (common/service.py), in its own session, with its own environment,
 working directory and log, and fresh random seeds.
@@ -138,12 +139,31 @@ def shared() -> ForkServer:
 
 
 # ------------------------------------------------------------------ the server's side
+_TORCH_THREADS = 0  # torch's default intra-op thread count, before preload set one
+
+
 def preload() -> None:
-    """Import what every role imports (common/service.py ``ROLES``)."""
+    """Import what every role imports (common/service.py ``ROLES``), and build the default
+    model (common/engine/engine.py ``prebuild``: float32 on the CPU, every layer), which
+    a worker of that model then shares instead of loading and packing its own (about 1.2 s
+    of CPU each). torch computes on one thread here, so that no OpenMP thread exists at a
+    fork; a forked service starts from torch's default count (``_become``)."""
     from common.service import ROLES
 
     for role in ROLES.values():
         importlib.import_module(role.module)
+    import torch
+
+    from common.engine import EngineConfig, UnknownModelError
+    from common.engine.engine import prebuild
+
+    global _TORCH_THREADS
+    _TORCH_THREADS = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prebuild(EngineConfig())
+    except UnknownModelError as exc:  # not installed: each worker says so itself
+        print(f"fork server: default model not built ahead ({exc})", file=sys.stderr)
 
 
 def threads() -> int:
@@ -197,6 +217,8 @@ def _become(request: dict[str, Any]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         random.seed()
+        if _TORCH_THREADS:
+            sys.modules["torch"].set_num_threads(_TORCH_THREADS)  # a CPU plan may set others
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
         role = request["role"]

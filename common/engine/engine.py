@@ -30,6 +30,42 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 LayerHookFn = Callable[[int, int, int], None]
 
 
+Built = tuple[ModelConfig, DecoderModel, Optional[dict]]  # + the tokenizer's spec
+# Models built ahead, by prebuild(): the fork server's (launch/forkserver.py), whose
+# forked workers share its weights instead of each loading and packing its own
+_PREBUILT: dict[tuple, Built] = {}
+
+
+def _model_key(config: EngineConfig) -> tuple:
+    return (config.model, config.num_layers, config.dtype, config.device, config.stage)
+
+
+def build_model(config: EngineConfig) -> Built:
+    """Load ``config``'s model and build its stage's layers in its dtype on its device."""
+    try:
+        model_config, weights, tok_spec = load_model_source(config.model, config.num_layers)
+    except (ModelNotFoundError, UnsupportedModelError) as e:
+        raise UnknownModelError(str(e)) from e
+    if not weights:
+        weights = random_weights(model_config, seed=0)
+    try:
+        layers = stage_layers(model_config.num_layers, config.stage[1], config.stage[0])
+        model = DecoderModel(model_config, weights, _DTYPES[config.dtype],
+                             torch.device(config.device), layers=layers)
+    except ValueError as exc:
+        raise EngineInputError(str(exc)) from exc
+    return model_config, model, tok_spec
+
+
+def prebuild(config: EngineConfig) -> None:
+    """Build ``config``'s model now, for every engine of the same model, dtype, device and
+    stage made later in this process or in a process forked from it (a CPU model only: a
+    fork does not carry CUDA memory). The model is read-only once built."""
+    if torch.device(config.device).type != "cpu":
+        raise ValueError(f"only a CPU model is built ahead, not one on {config.device}")
+    _PREBUILT[_model_key(config)] = build_model(config)
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         if config.dtype not in _DTYPES:
@@ -43,21 +79,10 @@ class Engine:
         except ValueError as exc:
             raise EngineInputError(str(exc)) from exc
         self.device = torch.device(config.device)
-        try:
-            model_config, weights, tok_spec = load_model_source(config.model, config.num_layers)
-        except (ModelNotFoundError, UnsupportedModelError) as e:
-            raise UnknownModelError(str(e)) from e
-        if not weights:
-            weights = random_weights(model_config, seed=0)
+        model_config, self.model, tok_spec = _PREBUILT.get(_model_key(config)) or \
+            build_model(config)
         self.model_config: ModelConfig = model_config
-        # a pipeline stage's layers [a, b) of the model (None: every layer)
-        try:
-            self.layers = stage_layers(model_config.num_layers, config.stage[1], config.stage[0])
-            self.model = DecoderModel(model_config, weights, self.dtype, self.device,
-                                      layers=self.layers)
-        except ValueError as exc:
-            raise EngineInputError(str(exc)) from exc
-        del weights
+        self.layers = self.model.layer_range  # a pipeline stage's layers [a, b) of the model
         self.tokenizer = (Tokenizer(tok_spec) if tok_spec is not None
                           else ByteTokenizer(model_config.vocab_size))
         self.fingerprint: bytes = model_fingerprint(model_config, self.kv_dtype)

@@ -123,3 +123,24 @@ def test_services_forked_at_once_each_get_their_own_pid(server: ForkServer,
         t.join(30)
     assert len({p.pid for p in procs}) == 4
     assert [p.wait(10) for p in procs] == [1] * 4
+
+
+def test_the_server_builds_the_default_model_once_for_the_workers_it_forks() -> None:
+    code = ("import os\n"
+            "from launch import forkserver\n"
+            "forkserver.preload()\n"
+            "from common.engine import Engine, EngineConfig\n"
+            "from common.engine.engine import _PREBUILT\n"
+            "[(_, model, _)] = _PREBUILT.values()\n"
+            "print('server threads', forkserver.threads())\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    same = Engine(EngineConfig(num_blocks=8)).model is model\n"
+            "    other = Engine(EngineConfig(num_blocks=8, dtype='bfloat16')).model is model\n"
+            "    print('shared', same, 'other dtype shared', other, flush=True)\n"
+            "    os._exit(0)\n"
+            "os.waitpid(pid, 0)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+    assert "server threads 1\n" in out.stdout, out.stdout + out.stderr
+    assert "shared True other dtype shared False" in out.stdout, out.stdout + out.stderr
