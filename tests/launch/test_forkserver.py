@@ -136,11 +136,11 @@ def test_the_server_builds_the_default_model_once_for_the_workers_it_forks() -> 
             "pid = os.fork()\n"
             "if pid == 0:\n"
             "    same = Engine(EngineConfig(num_blocks=8)).model is model\n"
-            "    other = Engine(EngineConfig(num_blocks=8, dtype='bfloat16')).model is model\n"
-            "    print('shared', same, 'other dtype shared', other, flush=True)\n"
+            "    other = Engine(EngineConfig(num_blocks=8, model='dummy-tiny')).model is model\n"
+            "    print('shared', same, 'another model shared', other, flush=True)\n"
             "    os._exit(0)\n"
             "os.waitpid(pid, 0)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, timeout=120, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
     assert "server threads 1\n" in out.stdout, out.stdout + out.stderr
-    assert "shared True other dtype shared False" in out.stdout, out.stdout + out.stderr
+    assert "shared True another model shared False" in out.stdout, out.stdout + out.stderr
