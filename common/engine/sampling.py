@@ -100,32 +100,48 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
 def _choose(choose: torch.Tensor, params: Sequence[SamplingParams],
             generators: Sequence[Optional[torch.Generator]]) -> list[int]:
     """A token per row, all copied to the host at once (a GPU worker's step waits on one
-    copy, not one per row): greedy rows by argmax, unseeded rows in one draw together, a
-    seeded row with its own generator (where that generator lives: the same draw on any
-    device)."""
+    copy, not one per row): greedy rows by argmax, the others by ``draw``, the unseeded
+    rows together, a seeded row with a uniform from its own generator (drawn where that
+    generator lives: the same token on any device)."""
     if all(p.greedy for p in params):
         return choose.argmax(-1).tolist()
     chosen = torch.empty(len(params), dtype=torch.long, device=choose.device)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if greedy_rows:
         chosen[greedy_rows] = choose[greedy_rows].argmax(-1)
-    free_rows, free_probs = [], []
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        probs = _filter(choose[i] / p.temperature, p.top_k, p.top_p).softmax(-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    probs = torch.stack([_filter(choose[i] / params[i].temperature, params[i].top_k,
+                                 params[i].top_p).softmax(-1) for i in rows])
+    uniforms = torch.empty(len(rows), dtype=torch.float64, device=choose.device)
+    free = [j for j, i in enumerate(rows) if generators[i] is None]
+    if free:
+        uniforms[free] = torch.rand(len(free), dtype=torch.float64, device=choose.device)
+    for j, i in enumerate(rows):
         gen = generators[i]
-        if gen is None:
-            free_rows.append(i)
-            free_probs.append(probs)
-            continue
-        if gen.device != probs.device:  # a CPU generator: the draw is on the CPU
-            chosen[i] = int(torch.multinomial(probs.to(gen.device), 1, generator=gen)[0])
-        else:
-            chosen[i] = torch.multinomial(probs, 1, generator=gen)[0]
-    if free_rows:
-        chosen[free_rows] = torch.multinomial(torch.stack(free_probs), 1)[:, 0]
+        if gen is not None:
+            uniforms[j] = torch.rand(1, dtype=torch.float64, generator=gen,
+                                     device=gen.device).to(choose.device)[0]
+    chosen[rows] = draw(probs, uniforms)
     return chosen.tolist()
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: for each row of ``probs`` [R, V] (each summing to about 1),
+    the first token whose cumulative probability exceeds its row's uniform in [0, 1)
+    times the row's total. The sums are float64, so a token's share of [0, 1) is its
+    probability to about 1e-16, and a token of probability 0 (filtered, or masked by a
+    grammar) is never drawn: the sum does not rise over it. One pass over the row, where
+    ``torch.multinomial`` draws an exponential per vocabulary entry: 0.07 vs 1.2 ms a row
+    of SmolLM2's 49,152 tokens on one CPU core, 12 ms of a 10-sequence decode step.
+
+    Raises ValueError for a row with no probability (all masked) or a NaN."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1]
+    if not bool(((total > 0) & torch.isfinite(total)).all()):
+        raise ValueError("no token can be sampled: every probability is 0 or not a number")
+    target = (uniforms.to(cdf.device, torch.float64) * total).unsqueeze(-1)
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return picked.clamp_(max=probs.shape[-1] - 1)
 
 
 def make_generator(params: SamplingParams, stream: int) -> Optional[torch.Generator]:

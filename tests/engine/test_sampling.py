@@ -165,3 +165,40 @@ def test_a_mixed_batch_draws_each_row_as_it_would_alone() -> None:
         assert out.top[0].token_ids == [1] and out.top[1].token_ids == [1, 3, 2]
         assert out.top[2] is None and out.top[3] is None
     assert drawn == {0, 4}
+
+
+def test_draw_follows_the_distribution_and_never_picks_a_zero() -> None:
+    """Inverse-CDF draws: each uniform's token is the first whose cumulative probability
+    exceeds it; the frequencies of many draws match the probabilities; a token of
+    probability 0 is never drawn, at either end of [0, 1); a row nothing can be drawn
+    from is refused."""
+    from common.engine.sampling import draw
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.25, 0.25, 0.0]])
+    edges = [0.0, 0.4999, 0.5, 0.7499, 0.75, 1 - 1e-12]
+    got = draw(probs.expand(len(edges), -1), torch.tensor(edges, dtype=torch.float64))
+    assert got.tolist() == [1, 1, 3, 3, 4, 4]
+    weights = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    n = 20_000
+    counts = torch.bincount(draw(weights.expand(n, -1), torch.rand(
+        n, dtype=torch.float64, generator=_gen(0))), minlength=4)
+    assert counts[1] == 0
+    assert torch.allclose(counts / n, weights, atol=0.015), counts
+    # not normalized (a float32 softmax's sum is only about 1): scaled by the row's total
+    assert draw(torch.tensor([[2.0, 2.0]]), torch.tensor([0.6], dtype=torch.float64)).tolist() == [1]
+    for bad in (torch.zeros(1, 3), torch.tensor([[float("nan"), 1.0]])):
+        with pytest.raises(ValueError, match="no token can be sampled"):
+            draw(bad, torch.tensor([0.5], dtype=torch.float64))
+
+
+def test_seeded_and_free_rows_in_one_batch() -> None:
+    """A seeded row draws the same token whatever else is in the batch (its uniform is
+    its own generator's); free rows draw from the global generator."""
+    logits = torch.randn(4, 300, generator=_gen(5))
+    seeded = SamplingParams(1, temperature=1.0, seed=11)
+    free = SamplingParams(1, temperature=1.0)
+    alone = sample(logits[:1], [seeded], [_gen(11)]).tokens[0]
+    mixed = sample(logits[[0, 1, 2, 3]], [seeded, free, SamplingParams(1, temperature=0), free],
+                   [_gen(11), None, None, None])
+    assert mixed.tokens[0] == alone and mixed.tokens[2] == int(logits[2].argmax())
+    assert all(0 <= t < 300 for t in mixed.tokens)
