@@ -11,6 +11,7 @@ from benchmarks.live_replay import (
     cluster_config_data, export_tokenizer, find_aiperf, run_aiperf, to_toml,
 )
 from benchmarks.replay_metrics import conversation_slice, scale_trace
+from launch import forkserver
 from launch.cluster import LocalCluster
 from traces.loader import default_trace_path
 
@@ -38,7 +39,7 @@ def test_short_live_replay_has_no_failed_requests(tmp_path: Path) -> None:
     assert (data["http_port"], data["base_port"]) == (24100, 24110)
     cfg = tmp_path / "cluster.toml"
     cfg.write_text(to_toml(data))
-    cluster = LocalCluster(str(cfg), tmp_path / "logs")
+    cluster = LocalCluster(str(cfg), tmp_path / "logs", forkserver=forkserver.shared())
     tok = export_tokenizer(cluster.config.model, cluster.config.model_name, tmp_path / "tok")
     try:
         cluster.start(timeout_s=180)

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks.fault_load import prompts, reference_answers
 from benchmarks.faults import config_data
 from benchmarks.live_replay import to_toml
+from launch import forkserver
 from launch.cluster import LocalCluster
 from launch.multihost import NetnsCluster
 from launch.netns import TestBed, available
@@ -64,7 +65,7 @@ def single_host(bed: TestBed, tmp_path_factory: pytest.TempPathFactory) -> dict:
     bytes by path its conductor reported."""
     tmp = tmp_path_factory.mktemp("single")
     cluster = LocalCluster(write_config(tmp / "cluster.toml", SINGLE_HTTP, 1, 1, {}),
-                           tmp / "logs")
+                           tmp / "logs", forkserver=forkserver.shared())
     with cluster:
         answers = reference_answers(cluster.url, QUESTIONS, MAX_TOKENS)
         text = wait_metrics(cluster, lambda t: ("prefill-0", "decode", "shm") in kv_bytes(t))
