@@ -18,15 +18,17 @@ setup-bench: setup
 
 # The suite runs on TEST_WORKERS pytest-xdist workers (0: one process). A module, or the
 # set of e2e modules sharing one cluster a shape, runs whole on one worker (tests/conftest.py),
-# and shared clusters stop when their set ends: on the 2-core, 24 GiB CI box 2 workers
-# peaked at 14.5 GiB used and took the suite from 1,064 s to 636 s. A third worker (one
-# that ran only the groups booting no cluster) left it at 518 s against 523 s: the
-# cluster tests are CPU-bound, it only took their CPU.
-# `make test-fast` boots no cluster, so it runs on 3 workers (their tests wait on
-# subprocesses and sockets): 83 s against 89 s on 2.
-TEST_WORKERS ?= 2
+# and shared clusters stop when their set ends. On the 2-core, 24 GiB CI box 2 workers
+# left the cores 12-15 % idle (a worker waiting on a restart, a timeout, a socket); 3
+# keep them busy: 538 s against 656-678 s (2026-11-28, this box).
+# `make test-fast` boots no cluster: 3 workers as well (their tests wait on subprocesses
+# and sockets).
+# PYTHONDONTWRITEBYTECODE (set on the CI image) would make every process compile this
+# repository's modules again, and pytest rewrite every test module's asserts again in each
+# worker: 13.6 -> 7 CPU-s a collection, 0.3 s a service started with exec.
+TEST_WORKERS ?= 3
 FAST_WORKERS ?= 3
-PYTEST := $(PY) -m pytest -q -ra --durations=20
+PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -ra --durations=20
 
 test: setup setup-bench  ## set up, then run the whole test suite
 	$(PYTEST) -n $(TEST_WORKERS)
