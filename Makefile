@@ -20,7 +20,8 @@ setup-bench: setup
 # set of e2e modules sharing one cluster a shape, runs whole on one worker (tests/conftest.py),
 # and shared clusters stop when their set ends. On the 2-core, 24 GiB CI box 2 workers
 # left the cores 12-15 % idle (a worker waiting on a restart, a timeout, a socket); 3
-# keep them busy: 538 s against 656-678 s (2026-11-28, this box).
+# keep them busy, at 13.1 GiB used at the peak: a fresh clone's pytest took 586 s against
+# 715 s on 2 (2026-11-28, this box).
 # `make test-fast` boots no cluster: 3 workers as well (their tests wait on subprocesses
 # and sockets).
 # PYTHONDONTWRITEBYTECODE (set on the CI image) would make every process compile this
