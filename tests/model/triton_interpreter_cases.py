@@ -155,7 +155,9 @@ def test_the_triton_path_serves_other_families(tmp_path) -> None:
     from tests.model.tiny_checkpoints import write_checkpoint
 
     write_checkpoint(model_type, tmp_path, **FAMILIES[model_type])
-    ids = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    # 12 and 10 tokens: past the window (8) on both rows, and few kernel launches to
+    # interpret (one RMSNorm program a row of every q/k head)
+    ids = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(2)).tolist()
     results = []
     for backend in ("sdpa", "triton"):
         e = Engine(EngineConfig(model=str(tmp_path), num_blocks=32, block_size=4,
@@ -164,8 +166,8 @@ def test_the_triton_path_serves_other_families(tmp_path) -> None:
             e.model.ops = TritonOps  # chosen on CUDA only
         a, b = e.pool.allocate(e.blocks_needed(24)), e.pool.allocate(e.blocks_needed(24))
         first = e.prefill(ids, a)
-        e.prefill(ids[:11], b)
-        results.append((first, e.decode_step([DecodeInput(5, 20, a), DecodeInput(9, 11, b)])))
+        e.prefill(ids[:10], b)
+        results.append((first, e.decode_step([DecodeInput(5, 12, a), DecodeInput(9, 10, b)])))
     (first, want), (got_first, got) = results
     assert torch.allclose(got_first, first, atol=1e-4)
     assert torch.allclose(got, want, atol=1e-4)
