@@ -96,13 +96,16 @@ class BlockPool:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > self.num_free:
             return None
-        out = []
-        for _ in range(n):
-            source = self._free_plain if self._free_plain else self._free_cached
-            block, _ = source.popitem(last=False)
+        plain = self._free_plain
+        take = min(n, len(plain))  # never-cached blocks first: no key to drop
+        out = [plain.popitem(last=False)[0] for _ in range(take)]
+        for _ in range(n - take):
+            block, _ = self._free_cached.popitem(last=False)
             self._drop_key(block)
-            self._ref[block] = 1
             out.append(block)
+        ref = self._ref
+        for block in out:
+            ref[block] = 1
         return out
 
     def allocate(self, n: int) -> list[int]:

@@ -210,12 +210,19 @@ class PrefillWorker:
             if self.jobs:  # a computing or ending one frees blocks
                 return None
             raise PrefillFailure(503, "prefill_kv_full", "prefill KV memory is full")
+        done = min(plan.cached_blocks * self.engine.config.block_size, len(tokens) - 1)
+        if self.store_writes is not None:  # the first chunk's grant, during what follows
+            ahead = sum(n for _, n in plan_chunks(self.computing, self.budget))
+            self.store_writes.ask_first(task.fence, keys, plan.stored_from, done,
+                                        done + min(len(tokens) - done, self.budget - ahead))
         try:
             lane = self.threads.peers.get(task.decode_id)
             stream = self.kv_paths.open(self.rt.transfer, lane, self.engine.kv,
                                         plan.block_table, task.target)
         except ValueError as exc:  # the decode side reserved too few blocks
             self.pool.free(plan.block_table)
+            if self.store_writes is not None:
+                self.store_writes.forget(task.fence)
             raise PrefillFailure(500, "internal_error", str(exc)) from exc
         loads = (start_loads(self.mover, plan.load, self.engine.kv,  # reads start now
                              plan.block_table[plan.load_from:plan.cached_blocks], 0,
@@ -224,7 +231,6 @@ class PrefillWorker:
         # whole blocks present already; loaded ones follow as they land (layer_io)
         stream.send_prefix(plan.load_from if loads is not None else plan.cached_blocks,
                            plan.cached_blocks)
-        done = min(plan.cached_blocks * self.engine.config.block_size, len(tokens) - 1)
         return Job(task=task, keys=keys, plan=plan, stream=stream, prompt_len=len(tokens),
                    done=done, loads=loads, admit_s=time.perf_counter() - started)
 

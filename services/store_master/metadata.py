@@ -165,26 +165,37 @@ class StoreMetadata:
         promotion grants a lease and refreshes the object's LRU position."""
         out: list[Optional[list[Location]]] = []
         promoting: list[int] = []
-        lease = self.grant_s(self.config.lease_s, self.complete_bytes(keys))
-        for i, key in enumerate(keys):
-            obj = self.objects.get(key)
+        objects = self.objects
+        objs = [objects.get(key) for key in keys]
+        nbytes = sum(o.size for o in objs if o is not None and o.complete)
+        until = now + self.grant_s(self.config.lease_s, nbytes)
+        # with one node no object can get another copy: reads need no counting
+        count_reads = self.config.hot_read_threshold > 0 and len(self.nodes) > 1
+        hits = 0
+        for i, (key, obj) in enumerate(zip(keys, objs)):
             if obj is None or not obj.complete:
                 out.append(None)
                 continue
             dram = obj.ready_dram()
-            started = not dram and promote and tiers.start_promotion(self, obj, now)
-            if started:
-                promoting.append(i)
-            if dram or started:
-                obj.lease_until = max(obj.lease_until, now + lease)
-                self.objects.move_to_end(key)
-            if dram:
+            if not dram:
+                started = promote and tiers.start_promotion(self, obj, now)
+                if started:
+                    promoting.append(i)
+                    obj.lease_until = max(obj.lease_until, until)
+                    objects.move_to_end(key)
+                out.append(None)
+                continue
+            hits += 1
+            if obj.lease_until < until:
+                obj.lease_until = until
+            objects.move_to_end(key)
+            if len(dram) > 1:  # round-robin: spread readers over copies
                 turn = obj.gets % len(dram)
-                obj.gets += 1
-                dram = dram[turn:] + dram[:turn]  # round-robin: spread readers over copies
+                dram = dram[turn:] + dram[:turn]
+            obj.gets += 1
+            if count_reads:
                 hot.count_read(self, obj, now)
-            out.append([(r.node_id, r.offset or 0) for r in dram] or None)
-        hits = sum(1 for x in out if x)
+            out.append([(r.node_id, r.offset or 0) for r in dram])
         self.counters["hits"] += hits
         self.counters["misses"] += len(out) - hits - len(promoting)
         return out, promoting

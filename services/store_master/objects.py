@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from services.store_master.allocator import OffsetAllocator
-from services.store_master.replica import DRAM, Replica, ReplicaState
+from services.store_master.replica import DRAM, READABLE, Replica, ReplicaState
 
 
 @dataclass
@@ -43,7 +43,7 @@ class StoreObject:
         return None
 
     def ready_dram(self) -> list[Replica]:
-        return [r for r in self.replicas if r.tier == DRAM and r.state.readable]
+        return [r for r in self.replicas if r.tier == DRAM and r.state in READABLE]
 
     def readable(self) -> bool:
         return self.complete and any(r.state.readable for r in self.replicas)

@@ -41,10 +41,11 @@ class ReplicaState(enum.Enum):
     @property
     def readable(self) -> bool:
         """Readers may be sent to (DRAM) or promote from (SSD) a replica in this state."""
-        return self in (ReplicaState.READY, ReplicaState.OFFLOADING)
+        return self in READABLE
 
 
 S = ReplicaState
+READABLE = frozenset({S.READY, S.OFFLOADING})
 
 # The states a new replica may be born in, per tier.
 BIRTHS: dict[str, frozenset[ReplicaState]] = {
