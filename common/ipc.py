@@ -118,13 +118,49 @@ def _plan(cls: type) -> list[_Field]:
     return plan
 
 
+# Per dataclass whose every field is a required JSON scalar (``BlockEventMsg``: a
+# heartbeat after a 16k prompt carries ~1,000): (field names, the types each accepts).
+_FLAT: dict[type, Optional[tuple[frozenset[str], list[tuple[str, set[type]]]]]] = {}
+
+
+def _flat(cls: type) -> Optional[tuple[frozenset[str], list[tuple[str, set[type]]]]]:
+    if cls not in _FLAT:
+        plan = _plan(cls)
+        scalar = all(required and plain and hint in _SCALAR_TYPES
+                     for _, hint, _, _, required, plain in plan)
+        _FLAT[cls] = (frozenset(f[0] for f in plan), [(f[0], _SCALAR_TYPES[f[1]]) for f in plan]
+                      ) if scalar else None
+    return _FLAT[cls]
+
+
+def _items(cls: type, value: list, where: str) -> list:
+    """A list of ``cls`` from JSON objects. Flat classes take a fast path per item (its
+    exact fields, each of an accepted type: 4.5 -> ~1.5 us an event); any other item, and
+    every item of other classes, the general one, which names what is wrong."""
+    flat = _flat(cls)
+    if flat is None:
+        return [_value(v, cls, None, cls, f"{where}[{i}]") for i, v in enumerate(value)]
+    names, fields = flat
+    items = []
+    for i, v in enumerate(value):
+        if type(v) is dict and v.keys() == names and all(
+                type(v[name]) in ok for name, ok in fields):
+            try:
+                items.append(cls(**v))
+                continue
+            except ValueError:  # its own checks: the general path words the error
+                pass
+        items.append(_value(v, cls, None, cls, f"{where}[{i}]"))
+    return items
+
+
 def _value(value: Any, hint: Any, origin: Any, inner: Optional[type], where: str) -> Any:
     """``value`` checked against ``hint``; a nested dataclass ``inner`` is built (and so
     validated by its own checks). ``where`` names the field in errors."""
     if inner is not None and origin in (list, tuple):
         if not isinstance(value, list):
             raise ProtocolError(f"{where} has the wrong type")
-        items = [_value(v, inner, None, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+        items = _items(inner, value, where)
         return tuple(items) if origin is tuple else items
     if inner is not None and not (value is None and _check(None, hint)):
         if not isinstance(value, dict):
