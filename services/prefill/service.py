@@ -24,6 +24,7 @@ from common.config import ClusterConfig
 from common.engine.batching import plan_chunks
 from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
+from common.engine.profiling import StepProfiler
 from common.engine.prompt_logprobs import chunk_logprobs
 from common.engine.sampling import Grammars
 from common.host import host_id
@@ -68,6 +69,7 @@ class PrefillWorker:
         self.idle_check = IdleCheck(self.pool.check_idle, "KV block pool")
         self.grammars = Grammars.for_engine(self.engine)  # response_format: first tokens
         self.threads = PrefillThreads()  # compute, store lanes, decode peers
+        self.profiler = StepProfiler.from_env(rt.instance_id)  # CRESCENT_PROFILE_DIR only
         self.kv_paths = KVPaths(rt.config.kv_path, self.engine.kv, host_id(),
                                 total_layers=self.engine.model_config.num_layers)
         self._settling: set[asyncio.Task] = set()  # jobs' recompute, finish or give_up
@@ -292,7 +294,13 @@ class PrefillWorker:
         """The step's forward (on the compute thread), and the prompt logprobs of the
         chunks of jobs that ask for them (``common/engine/prompt_logprobs.py``; a single
         worker holds every layer, so ``hidden`` is the last layer's)."""
-        hidden, rows = self.engine.stage_step(chunks, None, io.after, io.before)
+        if self.profiler is not None:  # a step over a cached or loaded prefix is warm
+            warm = any(job.plan.cached_blocks for job, _ in planned)
+            label = f"{'warm' if warm else 'cold'}-{sum(n for _, n in planned)}t"
+            with self.profiler.step(label, self.engine.device):
+                hidden, rows = self.engine.stage_step(chunks, None, io.after, io.before)
+        else:
+            hidden, rows = self.engine.stage_step(chunks, None, io.after, io.before)
         offset = 0
         for (job, n), chunk in zip(planned, chunks):
             if job.prompt_logprobs is not None:
