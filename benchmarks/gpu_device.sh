@@ -7,7 +7,7 @@
 # step has its own deadline.
 #
 #   bash benchmarks/gpu_device.sh [quick | prefill | pieces | check | engine | kv
-#                                  | live | open | pipeline [-k expr]]
+#                                  | live | open | pipeline [-k expr] | warm]
 #       (quick: no prefill benchmark; prefill: only it; pieces: only gpu.py's scattered
 #       pieces; check: the tests and the prefill benchmark, not gpu.py; live: the tests;
 #       open [-k expr]: the prefill benchmark, then the live tests; pipeline [-k expr]:
@@ -16,7 +16,9 @@
 #       CUDA tests, and the live tests, whose decode worker replays
 #       CUDA graphs; kv: issue 26's call: the CUDA IPC and pinned-memory tests,
 #       benchmarks/kv_gpu.py, live clusters over each KV path, the prefill benchmark, and
-#       the goals merged into $OUT/gpu-kv.json)
+#       the goals merged into $OUT/gpu-kv.json; warm: issue 26 goal 3: the prefill
+#       benchmark, kv_gpu.py, the goals merged, a profiled pass of the 4k and 16k prompts
+#       (step profiles in $OUT/profiles.tgz), the live KV-path tests)
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -120,6 +122,33 @@ kv_issue() {  # issue 26: GPU KV on one host; the figures saved as $OUT/gpu-kv.j
     --out "$OUT/gpu-kv.json" | grep -v "^{"
 }
 
+profiled_pass() {  # CRESCENT_PROFILE_DIR: where a warm prompt's step spends its time
+  log "profiled prefill steps at 4k and 16k (common/engine/profiling.py)"
+  CRESCENT_PROFILE_DIR=/tmp/prof CRESCENT_PROFILE_STEPS=3 timeout 200 python3 \
+    benchmarks/prefill.py --device cuda --model dummy-llama3-8b --dtype bfloat16 --reps 1 \
+    --lengths 4096,16384 --segment-mb 8192 --out /tmp/prefill-prof > "$OUT/prefill-prof.log" 2>&1
+  echo "rc=$?"
+  head -qn1 /tmp/prof/*.txt 2>/dev/null
+  tar czf "$OUT/profiles.tgz" -C /tmp prof 2>/dev/null
+}
+
+warm_issue() {  # issue 26 goal 3: the goals first, then profiles, then the checks (8 files)
+  prefill_bench
+  reap
+  log "KV paths side by side (benchmarks/kv_gpu.py)"
+  timeout 75 python3 benchmarks/kv_gpu.py --reps 3 --out "$OUT/kv.json" 2>&1 \
+    | grep -v "^[IWE][0-9]" | grep -v "^{" | tail -20
+  python3 benchmarks/kv_gpu.py --merge "$OUT/kv.json" --prefill "$OUT/prefill.log" \
+    --out "$OUT/gpu-kv.json" | grep -v "^{"
+  profiled_pass
+  reap
+  log "live clusters: greedy outputs over TCP, CUDA IPC and pinned memory"
+  CRESCENT_TEST_DEVICE=cuda CRESCENT_TEST_MODEL=dummy-bench-prefill timeout 150 \
+    python3 -m pytest -q -rs -p no:cacheprovider --basetemp=/tmp/kvpaths \
+    tests/e2e/test_gpu_kv_paths.py 2>&1 | grep -v "^[IWE][0-9]" | tail -12
+  tar czf "$OUT/kv-e2e-logs.tgz" -C /tmp kvpaths 2>/dev/null
+}
+
 case "${1:-all}" in
   quick) cuda_tests; live_pipeline; engine_figures ;;
   prefill) prefill_bench ;;
@@ -129,6 +158,7 @@ case "${1:-all}" in
   live) cuda_tests; live_pipeline "${2:-}" ;;  # [pytest -k expression]
   open) prefill_bench; live_pipeline "${2:-}" ;;  # [pytest -k expression]
   kv) kv_issue ;;
+  warm) warm_issue ;;
   pipeline) live_pipeline "${2:-}" ;;  # [pytest -k expression]
   *) cuda_tests; live_pipeline; engine_figures; prefill_bench ;;
 esac

@@ -156,8 +156,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    "shared memory on one host)")
     p.add_argument("--device", default="cpu",
                    help="cuda: no core pins and no pipeline (its stages would share one GPU)")
+    p.add_argument("--lengths", default=None,
+                   help="prompt lengths, comma-separated (default 1024,4096,16384; "
+                   "--quick 512,2048)")
     args = p.parse_args(argv)
-    args.lengths = [512, 2048] if args.quick else [1024, 4096, 16384]
+    args.lengths = ([int(n) for n in args.lengths.split(",")] if args.lengths
+                    else [512, 2048] if args.quick else [1024, 4096, 16384])
     args.cpp_lengths = args.lengths[-1:] if args.device == "cpu" else []
     args.cache_lengths = args.lengths[-1:] if args.quick else args.lengths[1:]
     args.reps = args.reps or (1 if args.quick else 3)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 import httpx
+import orjson
 
 from benchmarks.prefill_report import BLOCK, Sample, changed_label, total
 from launch.cluster import LocalCluster
@@ -150,7 +151,9 @@ class Run:
         body = {"model": self.model, "prompt": ids, "max_tokens": 2, "temperature": 0,
                 "logprobs": 0, "stream": True, "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
-        with self.http.stream("POST", self.cluster.url + "/v1/completions", json=body) as r:
+        content = orjson.dumps(body)  # 0.07 ms for 16k ids; httpx's json= took 1.6 ms here
+        with self.http.stream("POST", self.cluster.url + "/v1/completions", content=content,
+                              headers={"Content-Type": "application/json"}) as r:
             if r.status_code != 200:
                 raise RequestFailed(f"{self.name}: HTTP {r.status_code}: {r.read()[:300]!r}")
             for line in r.iter_lines():
