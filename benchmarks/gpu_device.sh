@@ -16,9 +16,10 @@
 #       CUDA tests, and the live tests, whose decode worker replays
 #       CUDA graphs; kv: issue 26's call: the CUDA IPC and pinned-memory tests,
 #       benchmarks/kv_gpu.py, live clusters over each KV path, the prefill benchmark, and
-#       the goals merged into $OUT/gpu-kv.json; warm: issue 26 goal 3: the prefill
-#       benchmark, kv_gpu.py, the goals merged, a profiled pass of the 4k and 16k prompts
-#       (step profiles in $OUT/profiles.tgz), the live KV-path tests)
+#       the goals merged into $OUT/gpu-kv.json; warm: issue 26 goal 3: the chunk
+#       attention tests and benchmark, the prefill benchmark, kv_gpu.py, the goals merged,
+#       a profiled pass (PROFILE_LENGTHS, default 1024,4096: the last one warm; step
+#       profiles in $OUT/profiles.tgz), the live KV-path tests)
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -91,7 +92,7 @@ prefill_bench() {
   timeout 250 python3 benchmarks/prefill.py --device cuda --model dummy-llama3-8b --dtype bfloat16 \
     --reps 2 --segment-mb 14336 --out /tmp/prefill-gpu > "$OUT/prefill.log" 2> "$OUT/prefill.err"
   echo "rc=$?"
-  tail -32 "$OUT/prefill.log"
+  grep -v "^{" "$OUT/prefill.log" | tail -32  # the JSON line stays in the file
   grep -v "^[IWE][0-9]" "$OUT/prefill.err" | tail -8
   tar czf "$OUT/prefill-logs.tgz" -C /tmp prefill-gpu 2>/dev/null
 }
@@ -122,25 +123,31 @@ kv_issue() {  # issue 26: GPU KV on one host; the figures saved as $OUT/gpu-kv.j
     --out "$OUT/gpu-kv.json" | grep -v "^{"
 }
 
-profiled_pass() {  # CRESCENT_PROFILE_DIR: where a warm prompt's step spends its time
-  log "profiled prefill steps at 4k and 16k (common/engine/profiling.py)"
+profiled_pass() {  # LENGTHS; CRESCENT_PROFILE_DIR: where a warm prompt's step spends its time
+  log "profiled prefill steps at $1 (common/engine/profiling.py; the last length warm)"
+  mkdir -p /tmp/prof
   CRESCENT_PROFILE_DIR=/tmp/prof CRESCENT_PROFILE_STEPS=3 timeout 200 python3 \
     benchmarks/prefill.py --device cuda --model dummy-llama3-8b --dtype bfloat16 --reps 1 \
-    --lengths 4096,16384 --segment-mb 8192 --out /tmp/prefill-prof > "$OUT/prefill-prof.log" 2>&1
+    --lengths "$1" --segment-mb 8192 --out /tmp/prefill-prof > /tmp/prof/prefill-prof.log 2>&1
   echo "rc=$?"
   head -qn1 /tmp/prof/*.txt 2>/dev/null
+  grep "^ *[0-9]* *\(layerwise\|after\) " /tmp/prof/prefill-prof.log | tail -4
   tar czf "$OUT/profiles.tgz" -C /tmp prof 2>/dev/null
 }
 
-warm_issue() {  # issue 26 goal 3: the goals first, then profiles, then the checks (8 files)
+warm_issue() {  # issue 26 goal 3: checks, the goals, then profiles (8 files back)
+  log "chunk attention after a prefix: GPU tests, then masked vs split (benchmarks/chunk_attention.py)"
+  { timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu -s \
+      tests/model/test_chunk_attention.py tests/model/test_cuda.py 2>&1 | grep -v "^[IWE][0-9]" | tail -15
+    timeout 60 python3 benchmarks/chunk_attention.py 2>&1 | grep -v "^{"; } | tee "$OUT/checks.log"
   prefill_bench
   reap
   log "KV paths side by side (benchmarks/kv_gpu.py)"
   timeout 75 python3 benchmarks/kv_gpu.py --reps 3 --out "$OUT/kv.json" 2>&1 \
     | grep -v "^[IWE][0-9]" | grep -v "^{" | tail -20
   python3 benchmarks/kv_gpu.py --merge "$OUT/kv.json" --prefill "$OUT/prefill.log" \
-    --out "$OUT/gpu-kv.json" | grep -v "^{"
-  profiled_pass
+    --out "$OUT/gpu-kv.json" | grep -v "^{" | tail -2
+  profiled_pass "${PROFILE_LENGTHS:-1024,4096}"
   reap
   log "live clusters: greedy outputs over TCP, CUDA IPC and pinned memory"
   CRESCENT_TEST_DEVICE=cuda CRESCENT_TEST_MODEL=dummy-bench-prefill timeout 150 \

@@ -265,8 +265,8 @@ class Engine:
         positions = torch.arange(start, end, device=self.device)
         nb = self.blocks_needed(end)
         # a chunk after a prefix needs a mask, except where attention splits it (several
-        # queries on the CPU: common/model/attention.py chunk_attention)
-        masked = start > 0 and not (end - start > 1 and splits_chunks(self.device))
+        # queries: common/model/attention.py chunk_attention)
+        masked = start > 0 and not (end - start > 1 and splits_chunks(self.device, self.dtype))
         mask = self._chunk_mask(start, end - start, nb * bs)[None, None] if masked else None
         return AttnMetadata(
             batch=1, q_len=end - start, positions=positions, slot_blocks=table[positions // bs],

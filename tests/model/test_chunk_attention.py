@@ -32,3 +32,33 @@ def test_equals_the_masked_softmax(heads: int, kv_heads: int, start: int, q_len:
     # keys past the chunk's end (block padding) are never seen
     k[:, :, end:], v[:, :, end:] = 1e4, 1e4
     assert torch.allclose(chunk_attention(q, k, v, start, end), want, atol=1e-5)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_chunks_attend_unmasked(dtype: torch.dtype) -> None:
+    """On a GPU a chunk after a prefix takes the unmasked split (cuDNN's or flash's op),
+    equal to the masked softmax at LLaMA-3-8B's heads, over the padding of whole blocks."""
+    from common.model.attention import _CUDA_SPLIT, splits_chunks
+
+    device = torch.device("cuda")
+    assert splits_chunks(device, dtype), "no unmasked attention with log-sum-exp here"
+    assert not splits_chunks(device, torch.float32)  # fp32: the masked path, as before
+    variant = _CUDA_SPLIT[(torch.device("cuda", 0), dtype)]
+    print(f"{dtype}: {variant}")
+    g = torch.Generator(device=device).manual_seed(1)
+    for start, q_len, padded in [(3680, 416, 4096), (14736, 1648, 16384), (2048, 2048, 4096)]:
+        q = torch.randn(1, 32, q_len, 128, generator=g, device=device, dtype=dtype)
+        k, v = (torch.randn(1, 8, padded, 128, generator=g, device=device, dtype=dtype)
+                for _ in range(2))
+        end = start + q_len
+        seen = (torch.arange(padded, device=device)[None, :]
+                <= torch.arange(start, end, device=device)[:, None])
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=seen[None, None],
+                                              enable_gqa=True).float()
+        got = chunk_attention(q, k, v, start, end).float()
+        assert (got - want).abs().max().item() < 1e-2, (start, q_len)
