@@ -7,7 +7,7 @@
 # step has its own deadline.
 #
 #   bash benchmarks/gpu_device.sh [quick | prefill | pieces | check | engine | kv
-#                                  | live | open | pipeline [-k expr] | warm]
+#                                  | live | open | pipeline [-k expr] | warm | goals]
 #       (quick: no prefill benchmark; prefill: only it; pieces: only gpu.py's scattered
 #       pieces; check: the tests and the prefill benchmark, not gpu.py; live: the tests;
 #       open [-k expr]: the prefill benchmark, then the live tests; pipeline [-k expr]:
@@ -19,7 +19,8 @@
 #       the goals merged into $OUT/gpu-kv.json; warm: issue 26 goal 3: the chunk
 #       attention tests and benchmark, the prefill benchmark, kv_gpu.py, the goals merged,
 #       a profiled pass (PROFILE_LENGTHS, default 1024,4096: the last one warm; step
-#       profiles in $OUT/profiles.tgz), the live KV-path tests)
+#       profiles in $OUT/profiles.tgz), the live KV-path tests; goals: the same without
+#       the profiles, the goals first)
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -135,25 +136,37 @@ profiled_pass() {  # LENGTHS; CRESCENT_PROFILE_DIR: where a warm prompt's step s
   tar czf "$OUT/profiles.tgz" -C /tmp prof 2>/dev/null
 }
 
-warm_issue() {  # issue 26 goal 3: checks, the goals, then profiles (8 files back)
+chunk_checks() {  # common/model/attention.py's split of a chunk after a prefix
   log "chunk attention after a prefix: GPU tests, then masked vs split (benchmarks/chunk_attention.py)"
   { timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu -s \
       tests/model/test_chunk_attention.py tests/model/test_cuda.py 2>&1 | grep -v "^[IWE][0-9]" | tail -15
     timeout 60 python3 benchmarks/chunk_attention.py 2>&1 | grep -v "^{"; } | tee "$OUT/checks.log"
-  prefill_bench
-  reap
+}
+
+kv_goals() {  # kv_gpu.py, then issue 26's goals merged with the prefill benchmark's
   log "KV paths side by side (benchmarks/kv_gpu.py)"
   timeout 75 python3 benchmarks/kv_gpu.py --reps 3 --out "$OUT/kv.json" 2>&1 \
     | grep -v "^[IWE][0-9]" | grep -v "^{" | tail -20
   python3 benchmarks/kv_gpu.py --merge "$OUT/kv.json" --prefill "$OUT/prefill.log" \
     --out "$OUT/gpu-kv.json" | grep -v "^{" | tail -2
-  profiled_pass "${PROFILE_LENGTHS:-1024,4096}"
-  reap
+}
+
+kv_e2e() {
   log "live clusters: greedy outputs over TCP, CUDA IPC and pinned memory"
   CRESCENT_TEST_DEVICE=cuda CRESCENT_TEST_MODEL=dummy-bench-prefill timeout 150 \
     python3 -m pytest -q -rs -p no:cacheprovider --basetemp=/tmp/kvpaths \
     tests/e2e/test_gpu_kv_paths.py 2>&1 | grep -v "^[IWE][0-9]" | tail -12
   tar czf "$OUT/kv-e2e-logs.tgz" -C /tmp kvpaths 2>/dev/null
+}
+
+warm_issue() {  # issue 26 goal 3: checks, the goals, then profiles (8 files back)
+  chunk_checks
+  prefill_bench
+  reap
+  kv_goals
+  profiled_pass "${PROFILE_LENGTHS:-1024,4096}"
+  reap
+  kv_e2e
 }
 
 case "${1:-all}" in
@@ -166,6 +179,7 @@ case "${1:-all}" in
   open) prefill_bench; live_pipeline "${2:-}" ;;  # [pytest -k expression]
   kv) kv_issue ;;
   warm) warm_issue ;;
+  goals) prefill_bench; reap; kv_goals; chunk_checks; kv_e2e ;;  # warm without profiles
   pipeline) live_pipeline "${2:-}" ;;  # [pytest -k expression]
   *) cuda_tests; live_pipeline; engine_figures; prefill_bench ;;
 esac

@@ -266,7 +266,7 @@ class Engine:
         nb = self.blocks_needed(end)
         # a chunk after a prefix needs a mask, except where attention splits it (several
         # queries: common/model/attention.py chunk_attention)
-        masked = start > 0 and not (end - start > 1 and splits_chunks(self.device, self.dtype))
+        masked = start > 0 and not splits_chunks(self.device, self.dtype, end - start, start)
         mask = self._chunk_mask(start, end - start, nb * bs)[None, None] if masked else None
         return AttnMetadata(
             batch=1, q_len=end - start, positions=positions, slot_blocks=table[positions // bs],

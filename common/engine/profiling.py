@@ -75,11 +75,14 @@ class StepProfiler:
         self._write(prof, label, wall, host)
 
     def _write(self, prof: "object", label: str, wall: float, host: float) -> None:
+        from torch.autograd import DeviceType
+
         events = prof.key_averages()  # type: ignore[attr-defined]
         key = "self_device_time_total"  # older torch: self_cuda_time_total
         if events and not hasattr(events[0], key):
             key = "self_cuda_time_total"
-        device = sum(getattr(e, key) for e in events) / 1e6  # us → s
+        # the card's own events (kernels, copies): an operator's row repeats its kernels'
+        device = sum(getattr(e, key) for e in events if e.device_type != DeviceType.CPU) / 1e6
         head = (f"{self.worker} step {self.written} ({label}): wall {wall * 1e3:.2f} ms, "
                 f"host thread {host * 1e3:.2f} ms, device {device * 1e3:.2f} ms "
                 f"(device / wall {device / wall:.2f})\n")

@@ -119,7 +119,7 @@ class SdpaAttention:
         elif meta.fresh:
             out = F.scaled_dot_product_attention(qb, kk, vv, is_causal=True, scale=spec.scale,
                                                  enable_gqa=True)
-        elif b == 1 and 1 < ql < end and splits_chunks(q.device, q.dtype):
+        elif b == 1 and splits_chunks(q.device, q.dtype, ql, end - ql):
             out = chunk_attention(qb, kk, vv, end - ql, end, spec.scale)  # after a prefix
         else:
             out = F.scaled_dot_product_attention(qb, kk, vv, attn_mask=meta.mask,
@@ -170,15 +170,27 @@ _CUDA_LSE = ("cudnn", "cudnn-expanded", "flash", "flash-expanded")
 _CUDA_SPLIT: dict[tuple[torch.device, torch.dtype], Optional[str]] = {}
 
 
-def splits_chunks(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether a chunk of several queries after a prefix attends by ``chunk_attention``
+# On a GPU the split pays only for large chunks: its second call and the merge are ~7
+# more launches a layer, and a warm 4k prompt's step (416 queries after 3,680 keys) is
+# bound by launches (13.7 ms on the card in a 33 ms step, an H200). Per layer (H200,
+# LLaMA-3-8B heads): 416 after 3,680 0.133 ms masked, 0.215 split; 2,048 after 2,048
+# 0.432 / 0.416; 1,648 after 14,736 1.637 / 0.988 (benchmarks/chunk_attention.py).
+SPLIT_MIN_PAIRS_CUDA = 2048 * 2048  # queries x prefix keys
+
+
+def splits_chunks(device: torch.device, dtype: torch.dtype = torch.float32,
+                  queries: int = 2, prefix: int = 1 << 30) -> bool:
+    """Whether a chunk of ``queries`` after ``prefix`` keys attends by ``chunk_attention``
     (no mask) on ``device`` in ``dtype``: on the CPU where torch has its flash op; on a
-    GPU in 16-bit dtypes where one of ``_CUDA_LSE`` gives the masked softmax's result on a
-    small case (checked once per device and dtype: a torch or card without it keeps the
-    mask)."""
+    GPU in 16-bit dtypes, for chunks of at least ``SPLIT_MIN_PAIRS_CUDA``, where one of
+    ``_CUDA_LSE`` gives the masked softmax's result on a small case (checked once per
+    device and dtype: a torch or card without it keeps the mask)."""
+    if queries < 2 or prefix < 1:
+        return False
     if device.type == "cpu":
         return _FLASH_CPU is not None
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or (
+            queries * prefix < SPLIT_MIN_PAIRS_CUDA):
         return False
     key = (torch.device(device.type, device.index or 0), dtype)
     if key not in _CUDA_SPLIT:

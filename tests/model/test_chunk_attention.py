@@ -34,6 +34,21 @@ def test_equals_the_masked_softmax(heads: int, kv_heads: int, start: int, q_len:
     assert torch.allclose(chunk_attention(q, k, v, start, end), want, atol=1e-5)
 
 
+def test_which_chunks_split() -> None:
+    """On the CPU every chunk of several queries after a prefix; on a GPU only 16-bit
+    chunks of at least SPLIT_MIN_PAIRS_CUDA (decided before any CUDA call)."""
+    from common.model.attention import SPLIT_MIN_PAIRS_CUDA, splits_chunks
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert splits_chunks(cpu, torch.float32, 2, 1) and splits_chunks(cpu, torch.bfloat16, 416, 3680)
+    assert not splits_chunks(cpu, torch.float32, 1, 100)  # one query: decode's path
+    assert not splits_chunks(cpu, torch.float32, 16, 0)  # no prefix: fresh causal
+    assert not splits_chunks(gpu, torch.bfloat16, 416, 3680)  # a warm 4k prompt's tenth
+    assert not splits_chunks(gpu, torch.bfloat16, 2048, SPLIT_MIN_PAIRS_CUDA // 2048 - 1)
+    assert not splits_chunks(gpu, torch.float32, 2048, 14336)
+    assert not splits_chunks(torch.device("meta"), torch.bfloat16, 2048, 14336)
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
