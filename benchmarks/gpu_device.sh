@@ -125,7 +125,7 @@ kv_issue() {  # issue 26: GPU KV on one host; the figures saved as $OUT/gpu-kv.j
 }
 
 profiled_pass() {  # LENGTHS; CRESCENT_PROFILE_DIR: where a warm prompt's step spends its time
-  log "profiled prefill steps at $1 (common/engine/profiling.py; the last length warm)"
+  log "profiled prefill steps at $1 (common/engine/profiling.py; the last length also warm)"
   mkdir -p /tmp/prof
   CRESCENT_PROFILE_DIR=/tmp/prof CRESCENT_PROFILE_STEPS=3 timeout 200 python3 \
     benchmarks/prefill.py --device cuda --model dummy-llama3-8b --dtype bfloat16 --reps 1 \

@@ -13,6 +13,7 @@ import torch
 from common.config import ClusterConfig
 from common.drain import current as current_drain
 from common.engine import Engine, EngineConfig, UnknownModelError
+from common.engine.profiling import StepProfiler
 from common.host import host_id
 from common.kv.cuda_ipc import export as export_ipc
 from common.kv.events import BlockEventMsg
@@ -82,6 +83,7 @@ class WorkerRuntime:
             log.info("prefill_dtype auto: computing in %s (native bfloat16 on this CPU: %s)",
                      self.engine.config.dtype, native_bfloat16())
         close_at_exit(self.engine.kv)
+        self.engine.profiler = StepProfiler.from_env(self.instance_id)  # CRESCENT_PROFILE_DIR
         self.mail = Mailbox(config.inbox(role, index, bind=True), self.instance_id)
         self.transfer = TransferAgent(TransferConfig(hostname=config.address(role, index),
                                                      protocol=config.transfer_protocol))

@@ -13,6 +13,7 @@ import torch
 
 from common.engine.config import DecodeInput, EngineConfig, PrefillChunk, stage_layers
 from common.engine.errors import EngineInputError, UnknownModelError
+from common.engine.profiling import StepProfiler
 from common.kv.block_keys import compute_block_keys, model_fingerprint
 from common.kv.block_pool import BlockPool
 from common.kv.dtypes import resolve_kv_dtype
@@ -91,6 +92,7 @@ class Engine:
                                 KV_DTYPES[self.kv_dtype], self.device, config.kv_shm_path)
         self.pool = BlockPool(config.num_blocks)
         self.attention = make_backend(config.attention_backend, self.kv)
+        self.profiler = StepProfiler(None, "engine", 0)  # off: a worker sets its own (env)
         self.graphs: Optional[DecodeGraphs] = None
         if (config.cuda_graphs and self.device.type == "cuda" and self.model.plain_attention
                 and len(self.layers) == model_config.num_layers
@@ -203,10 +205,12 @@ class Engine:
             got = None if hidden is None else tuple(hidden.shape)
             raise EngineInputError(f"stage at layer {self.layers.start} needs hidden states "
                                    f"[{tokens}, {self.model_config.hidden_size}], got {got}")
-        out, parts = self._hidden(chunks, (), layer_hook, hidden, before_layer)
-        if not self.model.last_stage:
-            return out, [None] * len(chunks)
-        return out, self._logits(out, parts, chunks, ())[0]
+        # CRESCENT_PROFILE_DIR only: a chunk after a cached prefix is labelled by where it starts
+        with self.profiler.step(f"{tokens}t-after{max(c.start for c in chunks)}", self.device):
+            out, parts = self._hidden(chunks, (), layer_hook, hidden, before_layer)
+            if not self.model.last_stage:
+                return out, [None] * len(chunks)
+            return out, self._logits(out, parts, chunks, ())[0]
 
     def _check_chunks(self, chunks: Sequence[PrefillChunk]) -> None:
         for c in chunks:

@@ -1,15 +1,17 @@
 """Opt-in profiles of a worker's engine steps with ``torch.profiler``: where a step's time
 goes on the card (kernels, copies) and on the host (launches, waits).
 
-Off unless ``CRESCENT_PROFILE_DIR`` names a directory. Then the first
-``CRESCENT_PROFILE_STEPS`` steps (default 12) of each kind a worker labels (a prefill
-worker: ``cold`` and ``warm``, a warm step being one that reuses a cached or loaded prefix)
-are profiled, and each writes ``<dir>/<worker>-<n>-<label>.txt``: one summary line (the
-step's wall time, the host time of the thread that ran it, the card's kernel and copy time,
-and their sum over the wall time: under 1 means the card waited for the host or for a
-copy on another stream) and the top operators by device time; the first two of each kind
-also their timeline, ``.json.gz`` in Chrome's trace format (chrome://tracing, Perfetto). A profiled step runs slower
-(the profiler's own cost): use it to see where the time goes, not to time the step.
+Off unless ``CRESCENT_PROFILE_DIR`` names a directory (``WorkerRuntime`` gives its engine
+``from_env``). Then the first ``CRESCENT_PROFILE_STEPS`` steps (default 12) of each label
+are profiled: ``Engine.stage_step`` labels a step by its tokens and where its chunks start
+(``1648t-after14736``: a 16k prompt's tenth after a prefix from the store). Each writes
+``<dir>/<worker>-<n>-<label>.txt``: one summary line (the step's wall time, the host time
+of the thread that ran it, the card's kernel and copy time, and their sum over the wall
+time: under 1 means the card waited for the host or for a copy on another stream) and the
+top operators by device time (a CPU worker: by host time); the first two of each label also
+their timeline, ``.json.gz`` in Chrome's trace format (chrome://tracing, Perfetto). A
+profiled step runs slower (the profiler's own cost): use it to see where the time goes,
+not to time the step.
 """
 from __future__ import annotations
 
@@ -30,31 +32,33 @@ log = logging.getLogger(__name__)
 
 
 class StepProfiler:
-    def __init__(self, directory: Path, worker: str, steps: int) -> None:
+    """A worker's step profiles (``from_env``); with no directory, a no-op."""
+
+    def __init__(self, directory: Optional[Path], worker: str, steps: int) -> None:
         self.directory = directory
         self.worker = worker
         self.steps = steps
         self.taken: dict[str, int] = {}
         self.written = 0
-        directory.mkdir(parents=True, exist_ok=True)
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
 
     @classmethod
-    def from_env(cls, worker: str) -> Optional["StepProfiler"]:
-        """The profiler ``CRESCENT_PROFILE_DIR`` asks for; None (no cost) without it."""
+    def from_env(cls, worker: str) -> "StepProfiler":
+        """The profiler ``CRESCENT_PROFILE_DIR`` asks for (without it, off: no cost)."""
         directory = os.environ.get(ENV_DIR)
-        if not directory:
-            return None
         steps = int(os.environ.get(ENV_STEPS, "12"))
-        log.warning("%s: profiling up to %d steps of each kind into %s (slower steps)",
-                    worker, steps, directory)
-        return cls(Path(directory), worker, steps)
+        if directory:
+            log.warning("%s: profiling up to %d steps of each kind into %s (slower steps)",
+                        worker, steps, directory)
+        return cls(Path(directory) if directory else None, worker, steps)
 
     @contextmanager
     def step(self, label: str, device: "object") -> Iterator[None]:
         """Profile the enclosed step (one run of the compute thread) if ``label`` has
         profiles left. The thread's stream is synchronized at both ends so that its work
         counts; other streams are not (reads queued before the step run on under it)."""
-        if self.taken.get(label, 0) >= self.steps:
+        if self.directory is None or self.taken.get(label, 0) >= self.steps:
             yield
             return
         import torch
@@ -86,6 +90,7 @@ class StepProfiler:
         head = (f"{self.worker} step {self.written} ({label}): wall {wall * 1e3:.2f} ms, "
                 f"host thread {host * 1e3:.2f} ms, device {device * 1e3:.2f} ms "
                 f"(device / wall {device / wall:.2f})\n")
+        assert self.directory is not None
         path = self.directory / f"{self.worker}-{self.written:02d}-{label}.txt"
         order = key if device > 0 else "self_cpu_time_total"  # a CPU worker: host time
         path.write_text(head + events.table(sort_by=order, row_limit=30) + "\n")

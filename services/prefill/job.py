@@ -65,6 +65,14 @@ class PromptJob:
         """Still computing or about to (not aborted, not ending)."""
         return self.state is not JobState.ENDING and not self.aborted
 
+    def failure(self) -> "PrefillFailure":
+        """Why it is given up between steps: aborted, a failed load, or its deadline."""
+        if self.aborted:
+            return PrefillFailure(499, "aborted", "aborted during prefill")
+        if self.failed:
+            return PrefillFailure(503, "kv_load_failed", self.failed)
+        return PrefillFailure(504, "timeout", "prefill missed its deadline")
+
     def move(self, to: JobState) -> None:
         if to not in MOVES[self.state]:
             raise RuntimeError(f"a prompt job cannot move from {self.state.value} to "

@@ -24,7 +24,6 @@ from common.config import ClusterConfig
 from common.engine.batching import plan_chunks
 from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
-from common.engine.profiling import StepProfiler
 from common.engine.prompt_logprobs import chunk_logprobs
 from common.engine.sampling import Grammars
 from common.host import host_id
@@ -69,7 +68,6 @@ class PrefillWorker:
         self.idle_check = IdleCheck(self.pool.check_idle, "KV block pool")
         self.grammars = Grammars.for_engine(self.engine)  # response_format: first tokens
         self.threads = PrefillThreads()  # compute, store lanes, decode peers
-        self.profiler = StepProfiler.from_env(rt.instance_id)  # CRESCENT_PROFILE_DIR only
         self.kv_paths = KVPaths(rt.config.kv_path, self.engine.kv, host_id(),
                                 total_layers=self.engine.model_config.num_layers)
         self._settling: set[asyncio.Task] = set()  # jobs' recompute, finish or give_up
@@ -212,20 +210,17 @@ class PrefillWorker:
             if self.jobs:  # a computing or ending one frees blocks
                 return None
             raise PrefillFailure(503, "prefill_kv_full", "prefill KV memory is full")
-        done = min(plan.cached_blocks * self.engine.config.block_size, len(tokens) - 1)
-        if self.store_writes is not None:  # the first chunk's grant, during what follows
-            ahead = sum(n for _, n in plan_chunks(self.computing, self.budget))
-            self.store_writes.ask_first(task.fence, keys, plan.stored_from, done,
-                                        done + min(len(tokens) - done, self.budget - ahead))
         try:
             lane = self.threads.peers.get(task.decode_id)
             stream = self.kv_paths.open(self.rt.transfer, lane, self.engine.kv,
                                         plan.block_table, task.target)
         except ValueError as exc:  # the decode side reserved too few blocks
             self.pool.free(plan.block_table)
-            if self.store_writes is not None:
-                self.store_writes.forget(task.fence)
             raise PrefillFailure(500, "internal_error", str(exc)) from exc
+        done = min(plan.cached_blocks * self.engine.config.block_size, len(tokens) - 1)
+        if self.store_writes is not None:  # the first chunk's grant, during what follows
+            left = self.budget - sum(n for _, n in plan_chunks(self.computing, self.budget))
+            self.store_writes.ask_first(task.fence, keys, plan.stored_from, done, len(tokens), left)
         loads = (start_loads(self.mover, plan.load, self.engine.kv,  # reads start now
                              plan.block_table[plan.load_from:plan.cached_blocks], 0,
                              self.threads.load)
@@ -294,13 +289,7 @@ class PrefillWorker:
         """The step's forward (on the compute thread), and the prompt logprobs of the
         chunks of jobs that ask for them (``common/engine/prompt_logprobs.py``; a single
         worker holds every layer, so ``hidden`` is the last layer's)."""
-        if self.profiler is not None:  # a step over a cached or loaded prefix is warm
-            warm = any(job.plan.cached_blocks for job, _ in planned)
-            label = f"{'warm' if warm else 'cold'}-{sum(n for _, n in planned)}t"
-            with self.profiler.step(label, self.engine.device):
-                hidden, rows = self.engine.stage_step(chunks, None, io.after, io.before)
-        else:
-            hidden, rows = self.engine.stage_step(chunks, None, io.after, io.before)
+        hidden, rows = self.engine.stage_step(chunks, None, io.after, io.before)
         offset = 0
         for (job, n), chunk in zip(planned, chunks):
             if job.prompt_logprobs is not None:
@@ -361,12 +350,9 @@ class PrefillWorker:
                     self.group is None):
                 self._spawn(job, JobState.RELOADING, self.recompute(job))
                 continue
-            failure = (PrefillFailure(499, "aborted", "aborted during prefill") if job.aborted
-                       else PrefillFailure(503, "kv_load_failed", job.failed) if job.failed
-                       else PrefillFailure(504, "timeout", "prefill missed its deadline"))
             if not job.aborted:
-                log.warning("%s failed: %s", job.task.request_id, failure)
-            self._spawn(job, JobState.ENDING, self.endings.give_up(job, failure))
+                log.warning("%s failed: %s", job.task.request_id, job.failure())
+            self._spawn(job, JobState.ENDING, self.endings.give_up(job, job.failure()))
 
     async def recompute(self, job: Job) -> None:
         """A layer-wise load failed (the store lost the blocks, or the copy outlived its
