@@ -18,25 +18,30 @@ if TYPE_CHECKING:
 
 
 def evict(md: StoreMetadata, node: NodeState, now: float,
-          spare: Optional[StoreObject] = None) -> None:
+          spare: Optional[StoreObject] = None) -> bool:
     """Free ``evict_fraction`` of the node's DRAM, LRU first; ``spare``: an object whose
-    SSD copy is about to be promoted, never pushed off the SSD to make room."""
+    SSD copy is about to be promoted, never pushed off the SSD to make room. False: fewer
+    unleased READY copies than that (until time passes or puts commit, a second scan finds
+    none more). The scan stops at its target and copies no key list: it is linear in the
+    objects it passes over, and only when the store is short of evictable copies."""
     target = md.config.evict_fraction * node.capacity
     freed = 0
-    for key in list(md.objects):
+    victims: list[tuple[StoreObject, Replica]] = []
+    for obj in md.objects.values():  # oldest use first; dropped after the scan
         if freed >= target:
             break
-        obj = md.objects.get(key)
-        if obj is None or not obj.complete or obj.leased(now):
+        if not obj.complete or obj.leased(now):
             continue
         rep = obj.replica(node.node_id, DRAM)
         if rep is None or rep.state is not S.READY:
             continue
         freed += node.allocator.round(obj.size)
+        victims.append((obj, rep))
+    for obj, rep in victims:
         md.counters["evicted"] += 1
-        if start_offload(md, node, obj, rep, now, spare):
-            continue
-        md.drop_replica(obj, rep)
+        if not start_offload(md, node, obj, rep, now, spare):
+            md.drop_replica(obj, rep)
+    return freed >= target
 
 
 def start_offload(md: StoreMetadata, node: NodeState, obj: StoreObject, rep: Replica,
@@ -60,15 +65,19 @@ def ssd_room(md: StoreMetadata, node: NodeState, size: int, now: float,
     """Make room on a node's SSD by dropping its least recently used SSD copies."""
     if size > node.ssd_capacity:
         return False
-    for key in list(md.objects):
-        if node.ssd_used + size <= node.ssd_capacity:
+    short = node.ssd_used + size - node.ssd_capacity
+    drops: list[tuple[StoreObject, Replica]] = []
+    for obj in md.objects.values():  # oldest use first; dropped after the scan
+        if short <= 0:
             break
-        obj = md.objects[key]
         rep = obj.replica(node.node_id, SSD)
         if rep is None or rep.state is not S.READY or obj.leased(now):
             continue
         if obj is spare or promoting_from(obj, node.node_id):
             continue  # being (or about to be) read in
+        drops.append((obj, rep))
+        short -= obj.size
+    for obj, rep in drops:
         md.drop_replica(obj, rep)
     return node.ssd_used + size <= node.ssd_capacity
 
