@@ -44,3 +44,29 @@ def test_a_repeated_registration_keeps_the_nodes_replicas_and_epoch() -> None:
             server.close()
 
     asyncio.run(go())
+
+
+def test_the_masters_process_freezes_what_each_full_collection_leaves():
+    """``freeze_after_full_collections`` (the master's process only: run in a child): after
+    a full collection its survivors are frozen; garbage cycles made later still go."""
+    import subprocess
+    import sys
+
+    code = """
+import gc, weakref
+from services.store_master.server import freeze_after_full_collections
+freeze_after_full_collections()
+keep = [[i] for i in range(1000)]
+gc.collect()
+assert gc.get_freeze_count() >= 1000, gc.get_freeze_count()
+class Node: pass
+a, b = Node(), Node(); a.peer, b.peer = b, a
+gone = weakref.ref(a)
+del a, b
+gc.collect(0)
+assert gone() is None
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=str(__import__("pathlib").Path(__file__).parents[2]))
+    assert out.stdout.strip() == "ok", out.stderr
