@@ -141,3 +141,27 @@ def test_optional_list_and_tuple_of_nested_dataclasses() -> None:
         decode(b'{"type":"_Shapes","one":{"x":1},"maybe":null,"many":[{"x":1},{"x":"a"}]}')
     with pytest.raises(ProtocolError, match="_Shapes.fixed has the wrong type"):
         decode(b'{"type":"_Shapes","one":{"x":1},"maybe":null,"many":[],"fixed":{"x":1}}')
+
+
+def _beat(events: bytes) -> bytes:
+    return (b'{"type":"WorkerHeartbeat","instance_id":"p","role":"prefill","load":{},'
+            b'"free_blocks":1,"used_blocks":0,"total_blocks":1,"event_seq":2,"events":'
+            + events + b'}')
+
+
+@pytest.mark.parametrize("events, reason", [
+    (b'[{"seq":1,"kind":"stored","key":"ab"},{"seq":true,"kind":"stored","key":"cd"}]',
+     r"WorkerHeartbeat.events\[1\].seq has the wrong type"),
+    (b'[{"seq":1,"kind":"stored","key":"ab","x":0}]', r"events\[0\] has unknown fields"),
+    (b'[{"seq":1,"kind":"stored"}]', r"events\[0\] lacks field key"),
+    (b'[{"seq":0,"kind":"stored","key":"ab"}]', r"events\[0\] is invalid: seq must be"),
+    (b'[{"seq":1,"kind":"moved","key":"ab"}]', r"events\[0\] is invalid: kind must be"),
+    (b'[["seq",1]]', r"events\[0\] has the wrong type"),
+])
+def test_a_heartbeats_events_are_checked_item_by_item(events: bytes, reason: str) -> None:
+    """Flat items (KV events) decode on a fast path; a bad one is named as before."""
+    with pytest.raises(ProtocolError, match=reason):
+        decode(_beat(events))
+    good = decode(_beat(b'[{"seq":1,"kind":"stored","key":"ab"},'
+                        b'{"seq":2,"kind":"removed","key":"ab"}]'))
+    assert good.events == [BlockEventMsg(1, "stored", "ab"), BlockEventMsg(2, "removed", "ab")]
