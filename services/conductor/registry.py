@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from common.protocol import KVSnapshot, RegisterWorker, WorkerHeartbeat, WorkerLoad
@@ -105,6 +105,14 @@ class Registry:
         for wid in {t.prefill_id, t.decode_id}:
             self.workers[wid].assigned.add(t.req.request_id)
         self.workers[t.prefill_id].pending_tokens += t.prefill_tokens
+
+    def hold_off(self, instance_id: str) -> None:
+        """Place nothing more on ``instance_id`` until its next heartbeat says otherwise,
+        as if it had said it drains (a group head refused a task: a stage of its group is
+        down, and the head exits or beats again once the stage is back)."""
+        w = self.workers.get(instance_id)
+        if w is not None and w.beat is not None:
+            w.beat = replace(w.beat, draining=True)
 
     def release_prefill(self, t: Tracked) -> None:
         """``t``'s prefill worker is done with it (again: nothing changes)."""

@@ -37,6 +37,9 @@ from services.conductor.ttft_log import TTFTRecord
 log = logging.getLogger("conductor")
 
 RESERVE_TIMEOUT_S = 10.0
+# A group head's refusal (``prefill_stage_down``) costs no work: a request re-runs after
+# it while it has had fewer attempts than this (a lost worker's re-run is attempt 1).
+STAGE_DOWN_RERUNS = 3
 
 
 class Conductor(FailurePaths):
@@ -271,6 +274,13 @@ class Conductor(FailurePaths):
             # a pipeline group's store load failed (a lone worker computes the prefix
             # itself): the cache cost the attempt, not the request; re-run it once
             return self.rerun(t, msg.message, msg.error_type, store_loads=False)
+        if msg.error_type == "prefill_stage_down" and t.attempt < STAGE_DOWN_RERUNS:
+            # a group head refused it, nothing computed: a stage of its group died (the
+            # head exits), or a restarted head registered before its stages came up
+            # (the re-run after a lost worker lands there); until its heartbeat says so,
+            # place nothing more on it, and re-run the request elsewhere
+            self.registry.hold_off(t.prefill_id)
+            return self.rerun(t, msg.message, msg.error_type)
         self.fail(t, msg.status, msg.error_type, msg.message, msg.retry_after_s)
 
     def on_abort(self, msg: AbortRequest) -> None:

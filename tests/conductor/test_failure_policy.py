@@ -14,7 +14,7 @@ from common.protocol import (
     RequestFailed, RequestFinished, ReserveBlocks, WorkerGone, WorkerHeartbeat,
 )
 from common.status_protocol import PrefillSummary
-from services.conductor.service import Conductor
+from services.conductor.service import STAGE_DOWN_RERUNS, Conductor
 from services.conductor.tracker import Phase
 from tests.conductor.test_conductor import RecordingMail, beat, started, submit, worker
 
@@ -135,6 +135,45 @@ def test_a_failed_store_load_reruns_the_request_once(conductor) -> None:
         (503, "kv_load_failed", "again")]
     assert c.tracker.requests == {}
     assert all(not w.assigned for w in c.registry.workers.values())
+
+
+def test_a_task_refused_by_a_group_head_whose_stage_died_reruns_elsewhere(conductor) -> None:
+    """A head whose later stage died refuses tasks (``prefill_stage_down``, nothing
+    computed) until it exits: the request re-runs once, on another instance, unseen by the
+    client, and the head takes nothing more until its next heartbeat."""
+    c, mail = conductor
+    prefilling(c, mail)
+    head = c.tracker.get("r").prefill_id
+    c.on_failed(RequestFailed("r", 503, "prefill_stage_down",
+                              f"a pipeline stage of {head} is not up", fence=F0))
+    sent = [m for _, m in mail.take()]
+    assert not any(isinstance(m, RequestFailed) for m in sent)
+    assert isinstance(sent[-1], ReserveBlocks) and sent[-1].attempt == 1
+    c.on_reserved(BlocksReserved("r", "decode-0", [4, 5, 6], F1, attempt=1))
+    [(address, _)] = mail.take()
+    assert c.tracker.get("r").prefill_id != head and not address.endswith(head[-1])
+    c.on_submit(submit("s"))  # placed elsewhere too, before the head's next beat
+    c.on_reserved(BlocksReserved("s", "decode-0", [7], Fence(20, 3)))
+    assert c.tracker.get("s").prefill_id != head
+    c.on_heartbeat(heartbeat("prefill", int(head[-1])))  # its stages are back
+    assert head in {w.instance_id for w in c.registry.by_role("prefill")}
+    # refused again (a restarted head whose stages are not up yet): re-run again, up to
+    # STAGE_DOWN_RERUNS attempts; past them the refusal reaches the client as it is
+    for attempt in range(2, STAGE_DOWN_RERUNS + 1):
+        fence = Fence(20, 10 + attempt)
+        for i in (0, 1):  # both heads beat again: only the refusing one is held off
+            c.on_heartbeat(heartbeat("prefill", i))
+        c.on_failed(RequestFailed("r", 503, "prefill_stage_down", "again",
+                                  fence=c.tracker.get("r").fence))
+        assert not any(isinstance(m, RequestFailed) for _, m in mail.take())
+        c.on_reserved(BlocksReserved("r", "decode-0", [8], fence, attempt=attempt))
+        mail.take()
+        assert c.tracker.get("r").attempt == attempt
+    c.on_failed(RequestFailed("r", 503, "prefill_stage_down", "again",
+                              fence=c.tracker.get("r").fence))
+    failed = [m for _, m in mail.take() if isinstance(m, RequestFailed)]
+    assert [(m.status, m.error_type, m.message) for m in failed] == [
+        (503, "prefill_stage_down", "again")]
 
 
 @pytest.mark.parametrize("kind", ["kv_load_failed", "kv_transfer_failed"])
