@@ -192,12 +192,16 @@ def splits_chunks(device: torch.device, dtype: torch.dtype = torch.float32,
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or (
             queries * prefix < SPLIT_MIN_PAIRS_CUDA):
         return False
-    key = (torch.device(device.type, device.index or 0), dtype)
+    key = _split_key(device, dtype)
     if key not in _CUDA_SPLIT:
         _CUDA_SPLIT[key] = _first_exact_variant(key[0], dtype)
         log.info("prompt chunks after a prefix on %s (%s): %s", key[0], dtype,
                  f"two unmasked {_CUDA_SPLIT[key]} calls" if _CUDA_SPLIT[key] else "masked")
     return _CUDA_SPLIT[key] is not None
+
+
+def _split_key(device: torch.device, dtype: torch.dtype) -> tuple[torch.device, torch.dtype]:
+    return torch.device(device.type, device.index or 0), dtype
 
 
 def _first_exact_variant(device: torch.device, dtype: torch.dtype) -> Optional[str]:
@@ -216,11 +220,11 @@ def _first_exact_variant(device: torch.device, dtype: torch.dtype) -> Optional[s
         except Exception as exc:  # not on this torch or card
             log.debug("chunk attention via %s: %r", variant, exc)
             continue
-        if got.shape == want.shape and (got - want).abs().max().item() < 2e-2:
+        err = (got - want).abs().max().item() if got.shape == want.shape else float("inf")
+        if err < 2e-2:
             return variant
         log.warning("chunk attention via %s differs from the masked softmax by %.3g",
-                    variant, (got - want).abs().max().item() if got.shape == want.shape
-                    else float("inf"))
+                    variant, err)
     return None
 
 
@@ -234,7 +238,7 @@ def _lse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         out, lse = _FLASH_CPU(q, k, v, is_causal=causal, scale=scale)[:2]
         return out, lse
     if variant is None:
-        variant = _CUDA_SPLIT.get((torch.device("cuda", q.device.index or 0), q.dtype))
+        variant = _CUDA_SPLIT.get(_split_key(q.device, q.dtype))
         if variant is None:
             raise RuntimeError(f"no unmasked attention with log-sum-exp for {q.dtype} here")
     if variant.endswith("-expanded") and k.shape[1] != q.shape[1]:
