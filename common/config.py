@@ -185,6 +185,12 @@ class ClusterConfig:
     # from the TBT SLO, but on a CPU small chunks waste weight reads (64 halved its prefill
     # throughput on 2 cores and doubled TTFT; benchmarks/live_replay.py, BENCHMARKS.md).
     token_budget: Optional[int] = None
+    # A greedy answer that does not depend on the load: a prompt is computed in chunks
+    # that end at multiples of its worker's token budget (common/engine/batching.py), and
+    # a cached prefix is reused up to such a multiple only. false: chunks take whatever
+    # budget is left and every cached block is reused (more cache hits and fuller steps;
+    # the same prompt may then answer differently alone and under load).
+    batch_invariant: bool = True
     max_batch_size: int = 64
     max_queue: int = 256  # admission: requests waiting for prefill, cluster-wide
     default_max_tokens: int = 256
@@ -232,6 +238,11 @@ class ClusterConfig:
         if self.prefill_stages > 1 and groups != 0 and self.kv_layerwise is False:
             raise ValueError("prefill_stages > 1 needs kv_layerwise = true: each stage moves "
                              "its own layers of a block, so store I/O is layer-wise")
+        budget = self.step_budget(self.mode == "colocated" and "colocated" or "prefill")
+        if self.batch_invariant and budget % self.block_size:
+            raise ValueError(f"token_budget ({budget}) must be a multiple of block_size "
+                             f"({self.block_size}) with batch_invariant (a cached prefix is "
+                             f"reused up to a multiple of it), or set batch_invariant = false")
         if not self.worker_wait_s >= 0:
             raise ValueError(f"worker_wait_s must be >= 0, not {self.worker_wait_s!r}")
         if self.mode not in ("disaggregated", "colocated"):
@@ -261,6 +272,11 @@ class ClusterConfig:
         if self.token_budget is not None:
             return max(1, self.token_budget)
         return 128 if role == "colocated" else 256
+
+    def chunk_align(self, role: str) -> int:
+        """Where a ``role`` worker's prompt chunks may end (a multiple of this many tokens,
+        or the prompt's end; a cached prefix is reused up to one); 0: anywhere."""
+        return self.step_budget(role) if self.batch_invariant else 0
 
     # --------------------------------------------------------------- topology
     def processes(self, role: str) -> int:

@@ -227,10 +227,14 @@ class Workers:
         self.made: list[Any] = []
 
     def build(self, cls: Callable[..., W], role: str, num_blocks: int = 16, budget: int = 16,
-              max_batch_size: int = 8) -> tuple[FakeRuntime, W]:
+              max_batch_size: int = 8, batch_invariant: bool = False) -> tuple[FakeRuntime, W]:
+        """``batch_invariant``: chunks and reused prefixes aligned to the budget (off by
+        default here: most cases pin where unaligned chunks end)."""
         engine = FakeEngine(num_blocks, max_batch_size=max_batch_size)
-        rt = FakeRuntime(role, engine, ClusterConfig(token_budget=budget))
-        prefix = PrefixLoader(engine.pool, engine.kv, None)
+        rt = FakeRuntime(role, engine, ClusterConfig(token_budget=budget,
+                                                     batch_invariant=batch_invariant))
+        prefix = PrefixLoader(engine.pool, engine.kv, None, align_blocks=max(
+            1, rt.config.chunk_align(role) // engine.kv.block_size))
         worker: Any = cls(rt) if role == "decode" else cls(rt, prefix)
         worker.idle_check = IdleCheck(engine.pool.check_idle, "KV block pool", interval_s=0,
                                       strict=True)

@@ -16,7 +16,7 @@ class EngineConfig:
     num_blocks: int = 1024
     prefill_chunk: int = 512
     max_batch_size: int = 64
-    attention_backend: str = "auto"   # auto | sdpa | triton | flash
+    attention_backend: str = "auto"   # auto | cpu | sdpa | triton | flash
     # On a GPU with the Triton backend, decode steps of up to max_batch_size sequences
     # replay CUDA graphs captured at start (common/engine/cuda_graphs.py).
     cuda_graphs: bool = True

@@ -1,5 +1,7 @@
-"""Attention over the paged KV memory. Backends: torch SDPA (the CPU's), Triton (the
-GPU's: decode reads the blocks in place) and flash-attn (where its wheel exists).
+"""Attention over the paged KV memory. Backends: a C kernel (the CPU's decode: reads the
+blocks in place), torch SDPA (the CPU's prompts, and its decode without a C compiler),
+Triton (the GPU's: decode reads the blocks in place) and flash-attn (where its wheel
+exists).
 
 Every backend first writes the new tokens' K/V into their slots, then attends over the
 sequence's blocks (SDPA gathers them through its block table).
@@ -16,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from common.kv.memory import PagedKVMemory
-from common.model import triton_ops
+from common.model import cpu_attention, triton_ops
 
 
 @dataclass
@@ -270,6 +272,28 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
     return torch.lerp(o1.float(), o2.float(), share).to(q.dtype)
 
 
+class CpuPagedAttention(SdpaAttention):
+    """The CPU's backend where common/model/cpu_attention.py's kernel builds: a decode
+    part (one new token per sequence) reads each sequence's blocks in place, with no
+    gather, no padding to the longest and no mask, every row alone (batch invariant).
+    Prompt chunks attend through SDPA as before."""
+
+    decode_mask = False
+
+    def __init__(self, kv: PagedKVMemory, kernel: "cpu_attention.PagedAttentionKernel"):
+        super().__init__(kv)
+        self.kernel = kernel
+
+    def attend_written(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       meta: AttnMetadata, spec: AttnSpec) -> torch.Tensor:
+        if meta.q_len == 1 and not meta.fresh and spec.plain_for(meta.longest):
+            rows = torch.arange(meta.batch)
+            out = self.kernel.attend(q, self.kv, layer, meta.block_tables, rows,
+                                     meta.kv_lens, spec.scale)
+            return out.to(q.dtype).view(q.shape[0], -1)
+        return super().attend_written(layer, q, k, v, meta, spec)
+
+
 class TritonAttention(SdpaAttention):
     """The GPU's backend (common/model/triton_ops.py): one launch writes a step's K/V, and
     a decode part (one new token per sequence) reads each sequence's blocks in place, with
@@ -338,15 +362,24 @@ class FlashAttention:
 
 
 def make_backend(name: str, kv: PagedKVMemory) -> AttentionBackend:
-    """``auto``: on a GPU flash-attn where installed, else Triton where installed; SDPA on
-    the CPU. ``triton`` runs on the CPU only in Triton's interpreter (tests)."""
+    """``auto``: on a GPU flash-attn where installed, else Triton where installed; on the
+    CPU its paged kernel where it builds, else SDPA. ``triton`` runs on the CPU only in
+    Triton's interpreter (tests)."""
     if name == "auto":
-        if kv.data.is_cuda and flash_available():
-            name = "flash"
+        if kv.data.is_cuda:
+            name = "flash" if flash_available() else (
+                "triton" if triton_ops.available() else "sdpa")
         else:
-            name = "triton" if kv.data.is_cuda and triton_ops.available() else "sdpa"
+            cpu = cpu_attention.kernel()
+            name = "cpu" if cpu is not None and cpu.supports(kv) else "sdpa"
     if name == "sdpa":
         return SdpaAttention(kv)
+    if name == "cpu":
+        cpu = cpu_attention.kernel()
+        if cpu is None or not cpu.supports(kv):
+            raise RuntimeError("attention_backend 'cpu' needs a C compiler and KV in host "
+                               f"memory as float32 or bfloat16 (here {kv.dtype})")
+        return CpuPagedAttention(kv, cpu)
     if name == "triton":
         if not triton_ops.usable_on(kv.data.device):
             raise RuntimeError("attention_backend 'triton' needs the triton package and a "
@@ -356,4 +389,4 @@ def make_backend(name: str, kv: PagedKVMemory) -> AttentionBackend:
         if not flash_available():
             raise RuntimeError("attention_backend 'flash' needs CUDA and the flash_attn package")
         return FlashAttention(kv)
-    raise ValueError(f"unknown attention_backend {name!r} (auto, sdpa, triton, flash)")
+    raise ValueError(f"unknown attention_backend {name!r} (auto, cpu, sdpa, triton, flash)")

@@ -59,6 +59,7 @@ class ColocatedWorker(DecodeWorker):
         self.prefix = prefix
         self.prefilling: list[Prefilling] = []  # arrival order
         self.budget = rt.config.step_budget(rt.role)
+        self.align = rt.config.chunk_align(rt.role)  # batch invariance: where chunks end
         self._admitting: set[asyncio.Task] = set()
         self.handlers[PrefillTask] = self.on_task
 
@@ -161,7 +162,7 @@ class ColocatedWorker(DecodeWorker):
                 await self.wake.wait()
                 continue
             batch = [self.running[rid] for rid in turns.next_batch(self.running, max_batch)]
-            planned = plan_chunks(self.prefilling, self.budget - len(batch))
+            planned = plan_chunks(self.prefilling, self.budget - len(batch), align=self.align)
             for p, _ in planned:
                 p.started = p.started or time.perf_counter()
             chunks = [PrefillChunk(p.task.token_ids, p.done, p.done + n, p.reservation.blocks)

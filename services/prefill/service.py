@@ -57,6 +57,7 @@ class PrefillWorker:
         self.pool = rt.engine.pool
         self.prefix = prefix
         self.budget = rt.config.step_budget(rt.role)
+        self.align = rt.config.chunk_align(rt.role)  # batch invariance: where chunks end
         self.waiting: deque[PrefillTask] = deque()
         self.max_waiting = rt.config.max_queue  # the conductor admits no more cluster-wide
         self.jobs: list[Job] = []  # admitted and not yet reported, oldest first (job.py)
@@ -219,7 +220,8 @@ class PrefillWorker:
             raise PrefillFailure(500, "internal_error", str(exc)) from exc
         done = min(plan.cached_blocks * self.engine.config.block_size, len(tokens) - 1)
         if self.store_writes is not None:  # the first chunk's grant, during what follows
-            left = self.budget - sum(n for _, n in plan_chunks(self.computing, self.budget))
+            left = self.budget - sum(n for _, n in plan_chunks(self.computing, self.budget,
+                                                               align=self.align))
             self.store_writes.ask_first(task.fence, keys, plan.stored_from, done, len(tokens), left)
         loads = (start_loads(self.mover, plan.load, self.engine.kv,  # reads start now
                              plan.block_table[plan.load_from:plan.cached_blocks], 0,
@@ -247,13 +249,13 @@ class PrefillWorker:
 
     async def step(self) -> None:
         """One forward over chunks of the admitted prompts; hand over those it ends."""
-        planned = plan_chunks(self.computing, self.budget)
+        planned = plan_chunks(self.computing, self.budget, align=self.align)
         self.steps += 1
         asked = time.perf_counter()  # store grants for the chunks: a wait on the store
         parts = list(await asyncio.gather(*(self._part(job, n) for job, n in planned)))
         granted = time.perf_counter() - asked
         if self.store_writes is not None:  # the next step's grants arrive as this computes
-            self.store_writes.ask_ahead(self.computing, self.budget, planned)
+            self.store_writes.ask_ahead(self.computing, self.budget, planned, self.align)
         chunks = [PrefillChunk(j.task.token_ids, j.done, j.done + n, j.plan.block_table)
                   for j, n in planned]
         io = StepIO(parts, self.engine.kv, 0, self.mover, self.threads.store,

@@ -111,14 +111,14 @@ class StoreWrites:
             part.put_blocks = [blocks.start + i for i in plan.index]
 
     def ask_ahead(self, jobs: Sequence[Job], budget: int,
-                  planned: Sequence[tuple[Job, int]]) -> None:
+                  planned: Sequence[tuple[Job, int]], align: int = 0) -> None:
         """Start asking now for the grants of the chunks the step after ``planned`` is
         predicted to compute (``plan_chunks``, if no prompt is admitted meanwhile)."""
         live = {job.task.fence for job in jobs}
         for gone in [owner for owner in self.ahead if owner not in live]:
             self.forget(gone)
         computing = {id(job): job.done + n for job, n in planned}
-        for job, n in plan_chunks(jobs, budget, planned):
+        for job, n in plan_chunks(jobs, budget, planned, align):
             start = computing.get(id(job), job.done)
             blocks = self._new_blocks(job, start, start + n)
             self._ask(job.task.fence, job.keys, blocks if job.failed is None else range(0))

@@ -38,6 +38,23 @@ def serve(worker: PrefillWorker, done: Callable[[], bool]) -> None:
     asyncio.run(run_until(worker.serve(), done))
 
 
+def test_batch_invariant_chunks_end_where_they_would_alone(make: Make) -> None:
+    """With batch_invariant a prompt's chunks end at multiples of the budget (or its end)
+    under load as alone: d after a waits for a step with room for its whole chunk."""
+    a, d = [1] + list(range(2, 11)), list(range(50, 70))
+    rt, worker = make(budget=16, batch_invariant=True)
+    worker.on_task(prefill_task("d", d))
+    serve(worker, lambda: len(rt.mail.of(PrefillDone)) == 1 and worker.idle())
+    assert chunks(rt.engine) == [[(50, 0, 16, [0, 1, 2, 3, 4])], [(50, 16, 20, [0, 1, 2, 3, 4])]]
+    rt, worker = make(budget=16, batch_invariant=True)
+    for rid, tokens in (("a", a), ("d", d)):
+        worker.on_task(prefill_task(rid, tokens))
+    serve(worker, lambda: len(rt.mail.of(PrefillDone)) == 2 and worker.idle())
+    assert chunks(rt.engine) == [[(1, 0, 10, [0, 1, 2])], [(50, 0, 16, [3, 4, 5, 6, 7])],
+                                 [(50, 16, 20, [3, 4, 5, 6, 7])]]
+    clean(worker)
+
+
 def test_prompts_batch_oldest_first_within_the_token_budget(make: Make) -> None:
     rt, worker = make(budget=16)
     a, b, c = [1] + list(range(2, 11)), list(range(20, 24)), list(range(30, 40))

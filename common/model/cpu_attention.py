@@ -1,0 +1,175 @@
+"""The CPU's paged attention (csrc/paged_attention.c): each query row reads its
+sequence's KV blocks in place, with no gather into a padded copy and no mask.
+
+The C file is compiled on this machine at first use (``FLAGS``, about half a second) into the cache directory, keyed by the source, the compiler and the CPU's flags,
+and loaded with ctypes, which lets go of the GIL during a call: with several torch threads
+(``POOL_MIN_THREADS``) the rows are split between them. Without a C compiler, or if the library fails its check
+against torch's attention, ``kernel()`` is None and the engine gathers as before
+(common/model/attention.py SdpaAttention).
+
+Each row is computed by the same code in the same key order whatever else is in the call,
+so a decode token's attention does not depend on the batch (tests/model/
+test_cpu_attention.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import torch
+import xxhash
+
+from common.kv.memory import PagedKVMemory
+from common.model.loader import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_attention.c")
+# -ffast-math's reassociation (the dot products vectorise), not all of it: linked with
+# -ffast-math a library sets flush-to-zero for its whole process as it loads.
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+         "-fno-signed-zeros", "-fPIC", "-shared")
+DTYPES = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
+# Rows split over a pool of threads only from POOL_MIN_THREADS torch threads and
+# ROWS_PER_THREAD rows a thread: with 2 threads on 2 cores the split was no faster (214 vs
+# 231 ms a step at batch 32, context 600), torch's OpenMP workers spinning beside it.
+POOL_MIN_THREADS = 4
+ROWS_PER_THREAD = 8
+
+_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+class _Layout(ctypes.Structure):
+    """The C ``Layout``: where a layer's keys and values are and which rows read them."""
+    _fields_ = [("tables", _P), ("table_width", _I64), ("rows", _P), ("lens", _P),
+                ("hq", _I), ("hkv", _I), ("d", _I), ("bs", _I), ("block_stride", _I64),
+                ("layer_off", _I64), ("v_off", _I64), ("token_stride", _I64),
+                ("scale", ctypes.c_float)]
+
+
+class PagedAttentionKernel:
+    """The loaded library: ``attend`` runs it over one layer of a ``PagedKVMemory``."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._fns = {}
+        for dtype, name in DTYPES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = [ctypes.POINTER(_Layout), _P, _P, _I64, _I64, _P, _P]
+            fn.restype = None
+            self._fns[dtype] = fn
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    def supports(self, kv: PagedKVMemory) -> bool:
+        return kv.data.device.type == "cpu" and kv.dtype in self._fns
+
+    def attend(self, q: torch.Tensor, kv: PagedKVMemory, layer: int, tables: torch.Tensor,
+               rows: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of query rows ``q`` [T, heads, d] over keys [0, lens[t]) of block
+        table row ``rows[t]`` of ``tables`` [R, width] (int64 everywhere): [T, heads, d]
+        float32. The caller keeps every table entry below ``kv``'s block count."""
+        t, hq, d = q.shape
+        data = kv.data
+        q = q.to(torch.float32).contiguous()
+        tables, rows, lens = (x.to(torch.int64).contiguous() for x in (tables, rows, lens))
+        out = torch.empty_like(q)
+        layout = _Layout(tables.data_ptr(), tables.shape[1], rows.data_ptr(), lens.data_ptr(),
+                         hq, kv.num_kv_heads, d, kv.block_size, data.stride(0),
+                         layer * data.stride(1), data.stride(2), data.stride(3), scale)
+        fn, longest = self._fns[kv.dtype], int(lens.max())
+
+        def run(first: int, last: int) -> None:
+            scratch = torch.empty(longest, dtype=torch.float32)
+            fn(ctypes.byref(layout), q.data_ptr(), data.data_ptr(), first, last,
+               out.data_ptr(), scratch.data_ptr())
+
+        threads = min(torch.get_num_threads(), t // ROWS_PER_THREAD)
+        if threads < max(2, POOL_MIN_THREADS):
+            run(0, t)
+            return out
+        if self._pool is None or self._pool._max_workers < threads:
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="paged-attention")
+        step = math.ceil(t / threads)
+        for f in [self._pool.submit(run, s, min(s + step, t)) for s in range(0, t, step)]:
+            f.result()
+        return out
+
+
+def _library_path() -> str:
+    cc = shutil.which(os.environ.get("CC", "cc")) or ""
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout if cc else ""
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    ident = xxhash.xxh3_64(b"|".join([source, version.encode(), " ".join(FLAGS).encode(),
+                                      _cpu_flags().encode(), platform.machine().encode()]))
+    return os.path.join(cache_dir(), "kernels", f"paged_attention-{ident.hexdigest()}.so")
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (``-march=native`` code runs only where they all are)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build(path: str) -> None:
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        raise OSError("no C compiler (cc) on PATH")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"  # workers may build at once; the rename is atomic
+    done = subprocess.run([cc, *FLAGS, "-o", tmp, SOURCE, "-lm"], capture_output=True,
+                          text=True, timeout=120)
+    if done.returncode != 0:
+        raise OSError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
+    os.replace(tmp, path)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel() -> Optional[PagedAttentionKernel]:
+    """The compiled kernel, built on first use; None where it cannot be (logged once)."""
+    if os.environ.get("CRESCENT_CPU_ATTENTION", "1") == "0":
+        return None
+    try:
+        path = _library_path()
+        if not os.path.isfile(path):
+            _build(path)
+        loaded = PagedAttentionKernel(ctypes.CDLL(path))
+        _self_check(loaded)
+    except (OSError, subprocess.SubprocessError, AssertionError, AttributeError) as exc:
+        log.warning("CPU paged attention unavailable (%s): decode gathers each sequence's "
+                    "KV into a padded copy instead (slower)", exc)
+        return None
+    return loaded
+
+
+def _self_check(k: PagedAttentionKernel) -> None:
+    """The library against torch's attention on a small case of each KV dtype."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in DTYPES:
+        kv = PagedKVMemory(6, 2, 4, 2, 8, dtype, torch.device("cpu"))
+        kv.data.copy_(torch.randn(kv.data.shape, generator=g))
+        q = torch.randn(2, 4, 8, generator=g)
+        tables = torch.tensor([[3, 1, 4], [5, 0, 2]])
+        lens = torch.tensor([9, 5])
+        got = k.attend(q, kv, 1, tables, torch.arange(2), lens, 0.3)
+        for t in range(2):
+            keys, values = (x[:lens[t]].float().transpose(0, 1)[None] for x in
+                            kv.gather(1, tables[t]))
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q[t][None, :, None], keys, values, scale=0.3, enable_gqa=True)[0, :, 0]
+            err = (got[t] - want).abs().max().item()
+            assert err < 1e-4, f"differs from torch's attention by {err:.3g} ({dtype})"

@@ -1,0 +1,88 @@
+"""Greedy answers that do not depend on the load (issue 27): on the default model in the
+default cluster's precisions (bfloat16 prefill where the CPU has it, float32 decode,
+bfloat16 KV), a prompt's KV and logits are the same bit for bit alone, beside other
+prompts in one step, and after a cached prefix, when its chunks end where
+``ClusterConfig.batch_invariant`` puts them (multiples of the step budget); a decode
+row's logits are the same alone and in a batch (common/model/cpu_attention.py, and
+common/model/decoder.py Linear's single row)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.engine import DecodeInput, Engine, EngineConfig
+from common.engine.config import PrefillChunk
+from common.model import cpu_attention
+from common.worker import native_bfloat16
+
+ALIGN = 64  # a step budget: chunks end at its multiples
+PREFILL_DTYPE = "bfloat16" if native_bfloat16() else "float32"  # prefill_dtype "auto"
+
+pytestmark = pytest.mark.skipif(cpu_attention.kernel() is None,
+                                reason="no C compiler: decode gathers (not batch invariant)")
+
+
+@pytest.fixture(scope="module")
+def engines() -> tuple[Engine, Engine]:
+    """A prefill engine and a decode engine sharing nothing, as in a cluster."""
+    config = dict(kv_dtype="bfloat16", num_blocks=160)
+    return (Engine(EngineConfig(dtype=PREFILL_DTYPE, **config)),
+            Engine(EngineConfig(dtype="float32", **config)))
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (150, 37, 90)]
+
+
+def _chunks(prompt: list[int], start: int, table: list[int]) -> list[PrefillChunk]:
+    """The prompt's chunks from ``start`` (a multiple of ALIGN), each to the next multiple."""
+    ends = list(range(start + ALIGN, len(prompt), ALIGN)) + [len(prompt)]
+    return [PrefillChunk(prompt, s, e, table) for s, e in zip([start] + ends, ends)]
+
+
+def _kv(engine: Engine, table: list[int], n: int) -> torch.Tensor:
+    return torch.stack([torch.stack(engine.kv.gather(layer, torch.tensor(table)))
+                        for layer in range(len(engine.layers))])[:, :, :n]
+
+
+def test_prefill_alone_beside_others_and_after_a_cached_prefix(engines) -> None:
+    prefill, _ = engines
+    target, *others = _prompts()
+    alone = prefill.pool.allocate(prefill.blocks_needed(len(target)))
+    for chunk in _chunks(target, 0, alone):
+        logits = prefill.step([chunk])[0][0]
+    want = _kv(prefill, alone, len(target))
+    # beside other prompts' chunks in the same steps (each step one mixed forward)
+    busy = prefill.pool.allocate(prefill.blocks_needed(len(target)))
+    tables = [prefill.pool.allocate(prefill.blocks_needed(len(p))) for p in others]
+    other_chunks = [_chunks(p, 0, t) for p, t in zip(others, tables)]
+    for i, chunk in enumerate(_chunks(target, 0, busy)):
+        step = [c[i] for c in other_chunks if i < len(c)] + [chunk]
+        busy_logits = prefill.step(step)[0][-1]
+    assert torch.equal(_kv(prefill, busy, len(target)), want)
+    assert torch.equal(busy_logits, logits)
+    # after a cached prefix of ALIGN tokens: its blocks, then the rest computed alone
+    cached = alone[:ALIGN // prefill.config.block_size]
+    rest = prefill.pool.allocate(len(alone) - len(cached))
+    for chunk in _chunks(target, ALIGN, cached + rest):
+        warm_logits = prefill.step([chunk])[0][0]
+    assert torch.equal(_kv(prefill, cached + rest, len(target)), want)
+    assert torch.equal(warm_logits, logits)
+    for t in (alone, busy, rest, *tables):
+        prefill.pool.free(t)
+
+
+def test_decode_rows_alone_and_in_batches(engines) -> None:
+    _, decode = engines
+    prompts = _prompts()
+    tables = [decode.pool.allocate(decode.blocks_needed(len(p) + 2)) for p in prompts]
+    for p, t in zip(prompts, tables):
+        decode.prefill(p, t)
+    rows = [DecodeInput(7, len(p), t) for p, t in zip(prompts, tables)]
+    batch = decode.decode_step(rows)
+    for i, row in enumerate(rows):
+        assert torch.equal(decode.decode_step([row])[0], batch[i]), i
+    assert torch.equal(decode.decode_step(rows[::-1])[0], batch[-1])
+    for t in tables:
+        decode.pool.free(t)

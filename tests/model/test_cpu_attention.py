@@ -1,0 +1,124 @@
+"""The CPU's paged decode attention (common/model/cpu_attention.py): equal to torch's
+attention over each sequence's own keys, read in place from scattered blocks, and every
+row independent of what else is in the call (batch invariance)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.engine import DecodeInput, Engine, EngineConfig
+from common.kv.memory import PagedKVMemory
+from common.model import cpu_attention
+from common.model.attention import CpuPagedAttention, SdpaAttention
+
+KERNEL = cpu_attention.kernel()
+pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the CPU's paged "
+                                "attention kernel did not build (decode gathers instead)")
+
+
+def _memory(dtype: torch.dtype, heads: int = 3, head_dim: int = 64) -> PagedKVMemory:
+    kv = PagedKVMemory(40, 3, 16, heads, head_dim, dtype, torch.device("cpu"))
+    kv.data.copy_(torch.randn(kv.data.shape, generator=torch.Generator().manual_seed(1)))
+    return kv
+
+
+def _reference(q: torch.Tensor, kv: PagedKVMemory, layer: int, table: list[int],
+               n: int, scale: float) -> torch.Tensor:
+    keys, values = (x[:n].float().transpose(0, 1)[None] for x in
+                    kv.gather(layer, torch.tensor(table)))
+    return F.scaled_dot_product_attention(q[None, :, None], keys, values, scale=scale,
+                                          enable_gqa=True)[0, :, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 24)])
+def test_equals_torch_attention(dtype: torch.dtype, heads: int, kv_heads: int,
+                                head_dim: int) -> None:
+    """Lengths of one key, of part of a block, of whole blocks; tables in any order; the
+    specialised head widths (64, 128) and the generic one."""
+    kv = _memory(dtype, kv_heads, head_dim)
+    g = torch.Generator().manual_seed(heads)
+    lens = [1, 7, 16, 33, 80]
+    tables = [torch.randperm(40, generator=g)[:6].tolist() for _ in lens]
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    got = KERNEL.attend(q, kv, 2, torch.tensor(tables), torch.arange(len(lens)),
+                        torch.tensor(lens), 0.125)
+    for t, n in enumerate(lens):
+        want = _reference(q[t], kv, 2, tables[t], n, 0.125)
+        assert torch.allclose(got[t], want, atol=2e-6), (n, (got[t] - want).abs().max())
+
+
+def test_rows_are_batch_invariant() -> None:
+    """A row's output is bit for bit the same alone, beside rows of other lengths, read
+    through another table row, and with the rows split over threads."""
+    kv = _memory(torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    tables = torch.stack([torch.randperm(40, generator=g)[:8] for _ in range(12)])
+    lens = torch.randint(1, 128, (12,), generator=g)
+    q = torch.randn(12, 9, 64, generator=g)
+    batch = KERNEL.attend(q, kv, 0, tables, torch.arange(12), lens, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(cpu_attention.POOL_MIN_THREADS)  # split over pool threads
+        rows = cpu_attention.ROWS_PER_THREAD * cpu_attention.POOL_MIN_THREADS
+        many = KERNEL.attend(q.repeat(rows // 12 + 1, 1, 1), kv, 0, tables,
+                             torch.arange(12).repeat(rows // 12 + 1), lens.repeat(rows // 12 + 1),
+                             0.125)
+        split = many[:12]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch, split) and torch.equal(many[12:24], batch)
+    for t in (0, 5, 11):
+        alone = KERNEL.attend(q[t:t + 1], kv, 0, tables[t:t + 1], torch.tensor([0]),
+                              lens[t:t + 1], 0.125)
+        assert torch.equal(alone[0], batch[t])
+        shifted = KERNEL.attend(q[t:t + 1], kv, 0, tables, torch.tensor([t]),
+                                lens[t:t + 1], 0.125)
+        assert torch.equal(shifted[0], batch[t])
+
+
+def test_auto_backend_and_refusals() -> None:
+    """``auto`` on the CPU takes the kernel for float32 and bfloat16 KV and SDPA for
+    float16, which the kernel does not read; asking for it there says why."""
+    from common.model.attention import make_backend
+
+    assert isinstance(make_backend("auto", _memory(torch.bfloat16)), CpuPagedAttention)
+    f16 = PagedKVMemory(4, 1, 16, 1, 8, torch.float16, torch.device("cpu"))
+    backend = make_backend("auto", f16)
+    assert type(backend) is SdpaAttention
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        make_backend("cpu", f16)
+
+
+def _greedy(engine: Engine, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Prefill each prompt alone, then decode them together for ``steps`` tokens."""
+    seqs = []
+    for ids in prompts:
+        blocks = engine.pool.allocate(engine.blocks_needed(len(ids) + steps))
+        first = int(engine.prefill(ids, blocks).argmax())
+        seqs.append([first, len(ids), blocks, [first]])
+    for _ in range(steps - 1):
+        logits = engine.decode_step([DecodeInput(t, p, b) for t, p, b, _ in seqs])
+        for s, tok in zip(seqs, logits.argmax(-1).tolist()):
+            s[0], s[1] = tok, s[1] + 1
+            s[3].append(tok)
+    for s in seqs:
+        engine.pool.free(s[2])
+    return [s[3] for s in seqs]
+
+
+def test_engine_decode_equals_the_gathering_path() -> None:
+    """dummy-tiny's greedy decode through the kernel equals SDPA's over gathered blocks
+    (logits within float rounding, the same tokens), and a sequence's tokens are the same
+    alone as in a batch of prompts of other lengths."""
+    config = dict(model="dummy-tiny", num_blocks=64, kv_dtype="bfloat16")
+    cpu = Engine(EngineConfig(attention_backend="cpu", **config))
+    sdpa = Engine(EngineConfig(attention_backend="sdpa", **config))
+    assert isinstance(cpu.attention, CpuPagedAttention)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (21, 5, 40, 17)]
+    together = _greedy(cpu, prompts, 12)
+    assert together == _greedy(sdpa, prompts, 12)
+    assert _greedy(cpu, prompts[:1], 12) == together[:1]
+    assert _greedy(cpu, prompts[2:3], 12) == together[2:3]
