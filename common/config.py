@@ -139,10 +139,16 @@ class ClusterConfig:
     dtype: str = "float32"
     # Compute dtype of prefill workers (None: ``dtype``). Disaggregation lets each phase run
     # the precision that pays for it: on a CPU with AVX-512 BF16 or AMX, bfloat16 prefill is
-    # ~1.35x faster while bfloat16 decode is slower; on one with AVX2 only it is ~7x slower.
+    # ~1.35x faster; on one with AVX2 only it is ~7x slower.
     # "auto": bfloat16 where the prefill worker's CPU computes it natively, else ``dtype``
     # (common/worker.py). The KV dtype stays the cluster's one.
     prefill_dtype: Optional[str] = None
+    # The dtype a decode or colocated worker's linear layers multiply in (weights stored in
+    # it, activations cast at each; norms, attention and the residual stay in ``dtype``).
+    # None: ``dtype``. "auto": bfloat16 where the worker's CPU computes it natively and its
+    # dtype is float32 (half the weight bytes a decode step reads: 1.3-1.7x faster decode
+    # on an AVX-512 BF16 CPU, common/model/decoder.py Linear), else ``dtype``.
+    linear_dtype: Optional[str] = None
     kv_dtype: str = "auto"  # paged KV storage: auto (= dtype) | float32 | bfloat16 | float16
     kv_path: str = "auto"  # prefill → decode KV: auto (shm on one host) | shm | transfer_engine
     device: str = "cpu"
@@ -222,9 +228,10 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         """Every check and derived default, however the config is made (``from_dict``, a
         TOML file, or ``ClusterConfig(...)`` in code)."""
-        if self.prefill_dtype not in (None, "auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"prefill_dtype must be auto, float32, bfloat16 or float16, not "
-                             f"{self.prefill_dtype!r}")
+        for name in ("prefill_dtype", "linear_dtype"):
+            if getattr(self, name) not in (None, "auto", "float32", "bfloat16", "float16"):
+                raise ValueError(f"{name} must be auto, float32, bfloat16 or float16, not "
+                                 f"{getattr(self, name)!r}")
         if not isinstance(self.prefill_stages, int) or self.prefill_stages < 1:
             raise ValueError(f"prefill_stages must be a positive integer, not "
                              f"{self.prefill_stages!r}")

@@ -44,6 +44,18 @@ def prefill_dtype(config: ClusterConfig) -> str:
     return config.dtype
 
 
+def linear_dtype(config: ClusterConfig, role: str) -> Optional[str]:
+    """A decode or colocated worker's ``linear_dtype``, resolved on its own host: for
+    ``auto`` bfloat16 on a CPU that computes it natively when the worker computes in
+    float32, else None (its dtype). A prefill worker's linears take its compute dtype."""
+    if role not in ("decode", "colocated") or config.linear_dtype is None:
+        return None
+    if config.linear_dtype != "auto":
+        return config.linear_dtype
+    native = config.device == "cpu" and config.dtype == "float32" and native_bfloat16()
+    return "bfloat16" if native else None
+
+
 def engine_config(config: ClusterConfig, role: str, index: int = 0) -> EngineConfig:
     stage = (0, 1)
     if role == "prefill":  # a group's stage holds its layers only
@@ -53,6 +65,7 @@ def engine_config(config: ClusterConfig, role: str, index: int = 0) -> EngineCon
         stage=stage,
         model=config.model,
         dtype=prefill_dtype(config) if role == "prefill" else config.dtype,
+        linear_dtype=linear_dtype(config, role),
         kv_dtype=config.kv_storage_dtype,  # one KV dtype for all
         device=config.device,
         block_size=config.block_size,
@@ -82,6 +95,10 @@ class WorkerRuntime:
         if role == "prefill" and config.prefill_dtype == "auto":
             log.info("prefill_dtype auto: computing in %s (native bfloat16 on this CPU: %s)",
                      self.engine.config.dtype, native_bfloat16())
+        if config.linear_dtype == "auto":
+            log.info("linear_dtype auto: linears in %s (native bfloat16 on this CPU: %s)",
+                     self.engine.config.linear_dtype or self.engine.config.dtype,
+                     native_bfloat16())
         close_at_exit(self.engine.kv)
         self.engine.profiler = StepProfiler.from_env(self.instance_id)  # CRESCENT_PROFILE_DIR
         self.mail = Mailbox(config.inbox(role, index, bind=True), self.instance_id)

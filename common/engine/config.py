@@ -9,6 +9,10 @@ from typing import Optional
 class EngineConfig:
     model: str = "smollm2-135m"   # or a .gguf path, an HF dir, "dummy-tiny", "dummy-llama3-8b", ...
     dtype: str = "float32"
+    # The dtype the linear layers multiply in, where it differs from ``dtype`` (weights
+    # stored in it, activations cast at each): "bfloat16" in a float32 decode engine on a
+    # CPU with AVX-512 BF16 or AMX (common/model/decoder.py Linear). None: ``dtype``.
+    linear_dtype: Optional[str] = None
     kv_dtype: str = "auto"  # paged KV storage dtype; auto = dtype (see common/kv/memory.py)
     kv_shm_path: Optional[str] = None  # back the paged KV with this new /dev/shm file
     device: str = "cpu"

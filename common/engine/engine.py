@@ -38,7 +38,8 @@ _PREBUILT: dict[tuple, Built] = {}
 
 
 def _model_key(config: EngineConfig) -> tuple:
-    return (config.model, config.num_layers, config.dtype, config.device, config.stage)
+    return (config.model, config.num_layers, config.dtype, config.linear_dtype, config.device,
+            config.stage)
 
 
 def build_model(config: EngineConfig) -> Built:
@@ -52,7 +53,9 @@ def build_model(config: EngineConfig) -> Built:
     try:
         layers = stage_layers(model_config.num_layers, config.stage[1], config.stage[0])
         model = DecoderModel(model_config, weights, _DTYPES[config.dtype],
-                             torch.device(config.device), layers=layers)
+                             torch.device(config.device), layers=layers,
+                             linear_dtype=_DTYPES[config.linear_dtype]
+                             if config.linear_dtype else None)
     except ValueError as exc:
         raise EngineInputError(str(exc)) from exc
     return model_config, model, tok_spec
@@ -69,8 +72,9 @@ def prebuild(config: EngineConfig) -> None:
 
 class Engine:
     def __init__(self, config: EngineConfig):
-        if config.dtype not in _DTYPES:
-            raise EngineInputError(f"unknown dtype {config.dtype!r} ({sorted(_DTYPES)})")
+        for name in (config.dtype, config.linear_dtype or config.dtype):
+            if name not in _DTYPES:
+                raise EngineInputError(f"unknown dtype {name!r} ({sorted(_DTYPES)})")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config

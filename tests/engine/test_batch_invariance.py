@@ -1,6 +1,6 @@
 """Greedy answers that do not depend on the load (issue 27): on the default model in the
-default cluster's precisions (bfloat16 prefill where the CPU has it, float32 decode,
-bfloat16 KV), a prompt's KV and logits are the same bit for bit alone, beside other
+default cluster's precisions (bfloat16 prefill where the CPU has it, float32 decode with
+bfloat16 linears where the CPU has them, bfloat16 KV), a prompt's KV and logits are the same bit for bit alone, beside other
 prompts in one step, and after a cached prefix, when its chunks end where
 ``ClusterConfig.batch_invariant`` puts them (multiples of the step budget); a decode
 row's logits are the same alone and in a batch (common/model/cpu_attention.py, and
@@ -16,7 +16,8 @@ from common.model import cpu_attention
 from common.worker import native_bfloat16
 
 ALIGN = 64  # a step budget: chunks end at its multiples
-PREFILL_DTYPE = "bfloat16" if native_bfloat16() else "float32"  # prefill_dtype "auto"
+# launch/configs/default.toml's prefill_dtype and linear_dtype "auto"
+PREFILL_DTYPE, LINEAR_DTYPE = ("bfloat16", "bfloat16") if native_bfloat16() else ("float32", None)
 
 pytestmark = pytest.mark.skipif(cpu_attention.kernel() is None,
                                 reason="no C compiler: decode gathers (not batch invariant)")
@@ -27,7 +28,7 @@ def engines() -> tuple[Engine, Engine]:
     """A prefill engine and a decode engine sharing nothing, as in a cluster."""
     config = dict(kv_dtype="bfloat16", num_blocks=160)
     return (Engine(EngineConfig(dtype=PREFILL_DTYPE, **config)),
-            Engine(EngineConfig(dtype="float32", **config)))
+            Engine(EngineConfig(dtype="float32", linear_dtype=LINEAR_DTYPE, **config)))
 
 
 def _prompts() -> list[list[int]]:
@@ -73,9 +74,21 @@ def test_prefill_alone_beside_others_and_after_a_cached_prefix(engines) -> None:
         prefill.pool.free(t)
 
 
+def test_every_linear_is_row_invariant(engines) -> None:
+    """Each linear layer's rows are the same bit for bit in any number of rows (a single
+    row computed as two where oneDNN takes another path for one)."""
+    for engine in engines:
+        model = engine.model
+        linears = [(f"layer {i} {name}", getattr(layer, name)) for i, layer in
+                   enumerate(model.layers) for name in ("wqkv", "wo", "w_gate_up", "w_down")]
+        bad = [name for name, linear in linears + [("lm_head", model.lm_head)]
+               if not linear.rows_invariant()]
+        assert not bad, f"{engine.config.dtype}/{engine.config.linear_dtype}: {bad}"
+
+
 def test_decode_rows_alone_and_in_batches(engines) -> None:
     _, decode = engines
-    prompts = _prompts()
+    prompts = [p[:n] for p, n in zip(_prompts(), (40, 9, 23))]
     tables = [decode.pool.allocate(decode.blocks_needed(len(p) + 2)) for p in prompts]
     for p, t in zip(prompts, tables):
         decode.prefill(p, t)
