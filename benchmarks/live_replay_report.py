@@ -8,6 +8,7 @@ from typing import Any
 COLUMNS = [("config", "config", "{}"), ("rate", "rate", "{:g}"),
            ("ttft_p50_s", "TTFT p50", "{:.2f}"), ("ttft_p90_s", "p90", "{:.2f}"),
            ("ttft_p99_s", "p99", "{:.2f}"), ("itl_mean_s", "ITL ms", "{:.0f}"),
+           ("itl_p50_s", "ITL p50", "{:.0f}"), ("output_tokens_per_s", "out tok/s", "{:.1f}"),
            ("tbt_p90_s", "TBT p90", "{:.2f}"), ("e2e_p50_s", "E2E p50", "{:.2f}"),
            ("e2e_p90_s", "p90", "{:.2f}"), ("e2e_p99_s", "p99", "{:.2f}"),
            ("goodput", "goodput", "{}"), ("rejected_429", "429", "{}"),
@@ -21,7 +22,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         v = row.get(key)
         if v is None:
             return "-"
-        return fmt.format(v * 1000 if key == "itl_mean_s" else v)
+        return fmt.format(v * 1000 if key in ("itl_mean_s", "itl_p50_s") else v)
     body = [[h for _, h, _ in COLUMNS]]
     for row in rows:
         body.append([cell(row, k, f) for k, _, f in COLUMNS] if "error" not in row

@@ -131,6 +131,8 @@ class RequestResult:
     output_tokens: int = 0
     error_code: Optional[int] = None
     error: str = ""
+    start_s: Optional[float] = None  # wall clock (AIPerf's request_start_ns), if known
+    end_s: Optional[float] = None
 
     @property
     def ok(self) -> bool:
@@ -157,11 +159,15 @@ def _seconds(metrics: dict, name: str) -> Optional[float]:
 def parse_record(rec: dict[str, Any]) -> RequestResult:
     """One line of AIPerf's ``profile_export.jsonl`` (``--export-level records``)."""
     metrics = rec.get("metrics") or {}
+    meta = rec.get("metadata") or {}
+    when = {f"{k}_s": meta[f"request_{k}_ns"] * 1e-9 for k in ("start", "end")
+            if meta.get(f"request_{k}_ns") is not None}
     err = rec.get("error")
     if err:
         code = err.get("code")
         return RequestResult(error_code=int(code) if code is not None else -1,
-                             error=str(err.get("type") or err.get("message") or "error"))
+                             error=str(err.get("type") or err.get("message") or "error"),
+                             **when)
     gaps = metrics.get("inter_chunk_latency", {})
     scale = 1e-3 if gaps.get("unit", "ms") == "ms" else 1.0
     out = metrics.get("output_token_count") or metrics.get("output_sequence_length") or {}
@@ -169,7 +175,7 @@ def parse_record(rec: dict[str, Any]) -> RequestResult:
                          e2e_s=_seconds(metrics, "request_latency"),
                          itl_s=_seconds(metrics, "inter_token_latency"),
                          gaps_s=tuple(float(g) * scale for g in gaps.get("value", [])),
-                         output_tokens=int(out.get("value", 0)))
+                         output_tokens=int(out.get("value", 0)), **when)
 
 
 # --------------------------------------------------------------------------- metrics
@@ -191,6 +197,17 @@ def goodput(results: Sequence[RequestResult], ttft_slo_s: float, tbt_slo_s: floa
     """Requests that succeeded with TTFT <= ``ttft_slo_s`` and TBT <= ``tbt_slo_s``."""
     return sum(1 for r in results
                if r.ok and r.ttft_s <= ttft_slo_s and r.tbt_s <= tbt_slo_s)
+
+
+def output_throughput(results: Sequence[RequestResult]) -> Optional[float]:
+    """Output tokens of the completed requests per second of the replay: from the first
+    request's start to the last one's end (every request, failed ones included); None
+    without AIPerf's timestamps."""
+    starts = [r.start_s for r in results if r.start_s is not None]
+    ends = [r.end_s for r in results if r.end_s is not None]
+    if not starts or not ends or max(ends) <= min(starts):
+        return None
+    return sum(r.output_tokens for r in results if r.ok) / (max(ends) - min(starts))
 
 
 @dataclass
@@ -223,7 +240,9 @@ def summarize(results: Sequence[RequestResult], ttft_slo_s: float,
         for q in (50, 90, 99):
             values[f"{name}_p{q}_s"] = percentile(xs, q)
     values["itl_mean_s"] = sum(itl) / len(itl) if itl else None
+    values["itl_p50_s"] = percentile(itl, 50)
     values["output_tokens_mean"] = (sum(r.output_tokens for r in ok) / len(ok)) if ok else None
+    values["output_tokens_per_s"] = output_throughput(results)
     n429 = sum(1 for r in results if r.error_code == 429)
     kinds = Counter(str(r.error_code) if r.error_code not in (None, -1) else r.error
                     for r in results if not r.ok)
