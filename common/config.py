@@ -28,6 +28,10 @@ FIXED_PORTS = {"router": 0, "conductor": 1, "store_master": 2, "conductor_http":
 FIRST_INSTANCE_PORT = 10
 
 
+# batch_invariant's unit (ClusterConfig.chunk_align): a 256-token step of one prompt
+# attends in 4 parts; a cached prefix loses at most 48 tokens (of 16-token blocks) to it.
+BATCH_INVARIANT_TOKENS = 64
+
 SINGLE_ROLES = ("router", "conductor", "store_master")
 INDEXED_ROLES = ("prefill", "decode", "store_node", "colocated")
 
@@ -191,11 +195,11 @@ class ClusterConfig:
     # from the TBT SLO, but on a CPU small chunks waste weight reads (64 halved its prefill
     # throughput on 2 cores and doubled TTFT; benchmarks/live_replay.py, BENCHMARKS.md).
     token_budget: Optional[int] = None
-    # A greedy answer that does not depend on the load: a prompt is computed in chunks
-    # that end at multiples of its worker's token budget (common/engine/batching.py), and
-    # a cached prefix is reused up to such a multiple only. false: chunks take whatever
-    # budget is left and every cached block is reused (more cache hits and fuller steps;
-    # the same prompt may then answer differently alone and under load).
+    # A greedy answer that does not depend on the load: a prompt's chunks end, attend in
+    # parts and reuse a cached prefix at multiples of ``chunk_align()`` tokens, wherever
+    # the load puts its steps (common/engine/batching.py). false: chunks end anywhere and
+    # every cached block is reused (up to 48 more cached tokens a prompt; the same prompt
+    # may then answer differently alone and under load).
     batch_invariant: bool = True
     max_batch_size: int = 64
     max_queue: int = 256  # admission: requests waiting for prefill, cluster-wide
@@ -245,11 +249,6 @@ class ClusterConfig:
         if self.prefill_stages > 1 and groups != 0 and self.kv_layerwise is False:
             raise ValueError("prefill_stages > 1 needs kv_layerwise = true: each stage moves "
                              "its own layers of a block, so store I/O is layer-wise")
-        budget = self.step_budget(self.mode == "colocated" and "colocated" or "prefill")
-        if self.batch_invariant and budget % self.block_size:
-            raise ValueError(f"token_budget ({budget}) must be a multiple of block_size "
-                             f"({self.block_size}) with batch_invariant (a cached prefix is "
-                             f"reused up to a multiple of it), or set batch_invariant = false")
         if not self.worker_wait_s >= 0:
             raise ValueError(f"worker_wait_s must be >= 0, not {self.worker_wait_s!r}")
         if self.mode not in ("disaggregated", "colocated"):
@@ -280,10 +279,14 @@ class ClusterConfig:
             return max(1, self.token_budget)
         return 128 if role == "colocated" else 256
 
-    def chunk_align(self, role: str) -> int:
-        """Where a ``role`` worker's prompt chunks may end (a multiple of this many tokens,
-        or the prompt's end; a cached prefix is reused up to one); 0: anywhere."""
-        return self.step_budget(role) if self.batch_invariant else 0
+    def chunk_align(self) -> int:
+        """With ``batch_invariant``: where prompt chunks may end (a multiple of this many
+        tokens, or the prompt's end), where they are cut into attention parts, and up to
+        where a cached prefix is reused: ``BATCH_INVARIANT_TOKENS`` in whole blocks. 0:
+        anywhere."""
+        if not self.batch_invariant:
+            return 0
+        return -(-BATCH_INVARIANT_TOKENS // self.block_size) * self.block_size
 
     # --------------------------------------------------------------- topology
     def processes(self, role: str) -> int:

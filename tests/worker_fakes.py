@@ -234,7 +234,7 @@ class Workers:
         rt = FakeRuntime(role, engine, ClusterConfig(token_budget=budget,
                                                      batch_invariant=batch_invariant))
         prefix = PrefixLoader(engine.pool, engine.kv, None, align_blocks=max(
-            1, rt.config.chunk_align(role) // engine.kv.block_size))
+            1, rt.config.chunk_align() // engine.kv.block_size))
         worker: Any = cls(rt) if role == "decode" else cls(rt, prefix)
         worker.idle_check = IdleCheck(engine.pool.check_idle, "KV block pool", interval_s=0,
                                       strict=True)

@@ -2,9 +2,10 @@
 worker's mixed steps and the prefill worker's batches use it).
 
 With ``align`` (``ClusterConfig.batch_invariant``) a prompt's chunks end only at
-multiples of ``align`` tokens or at the prompt's end, whatever else the step holds: a
-prompt is computed in the same pieces alone or under load, so its KV and first token do
-not depend on the load (the attention of a chunk depends on the chunk's bounds).
+multiples of ``align`` tokens or at the prompt's end, and the engine cuts them into
+attention parts at the same multiples (``EngineConfig.chunk_align``): a prompt's tokens
+are computed in the same pieces alone or under load, however the steps group them, so
+its KV and first token do not depend on the load.
 """
 from __future__ import annotations
 
@@ -27,12 +28,12 @@ def plan_chunks(prompts: Sequence[P], budget: int,
     """(prompt, tokens to compute) for one step: oldest prompts first, within ``budget``.
 
     A prompt that does not fit whole takes what is left of the budget (a chunk); the next
-    step continues it. With ``align`` a chunk runs to the prompt's next multiple of
-    ``align`` (or its end): a prompt whose chunk does not fit what is left waits for the
-    next step, except the step's first, which is taken whole (a step may exceed the
-    budget by less than ``align``). Aborted and finished prompts take nothing. ``after``:
-    plan the step that follows that one (a prediction, if no prompt is admitted
-    meanwhile)."""
+    step continues it. With ``align`` the chunk ends at the last multiple of ``align``
+    that fits (or the prompt's end); a prompt with no whole piece left to fit waits for
+    the next step, except the step's first, which takes its next piece (a step may
+    exceed the budget by less than ``align``). Aborted and finished prompts take nothing.
+    ``after``: plan the step that follows that one (a prediction, if no prompt is
+    admitted meanwhile)."""
     computing = {id(p): n for p, n in after}
     out: list[tuple[P, int]] = []
     for p in prompts:
@@ -42,12 +43,14 @@ def plan_chunks(prompts: Sequence[P], budget: int,
         remaining = p.remaining - ahead
         if p.aborted or remaining <= 0:
             continue
-        if align > 0:
-            n = min(remaining, align - (p.done + ahead) % align)
-            if n > budget and out:
-                continue
-        else:
-            n = min(remaining, budget)
+        n = min(remaining, budget)
+        if align > 0 and n < remaining:
+            at = p.done + ahead
+            n = (at + budget) // align * align - at
+            if n <= 0:
+                if out:
+                    continue
+                n = min(remaining, align - at % align)
         out.append((p, n))
         budget -= n
     return out

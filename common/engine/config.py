@@ -19,6 +19,10 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int = 1024
     prefill_chunk: int = 512
+    # Batch invariance (ClusterConfig.batch_invariant): a prompt chunk attends in parts cut
+    # at multiples of this many tokens, so a token's attention is computed the same
+    # however the load groups its prompt's pieces into steps. 0: one part a chunk.
+    chunk_align: int = 0
     max_batch_size: int = 64
     attention_backend: str = "auto"   # auto | cpu | sdpa | triton | flash
     # On a GPU with the Triton backend, decode steps of up to max_batch_size sequences

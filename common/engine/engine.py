@@ -6,6 +6,7 @@ token each in one forward pass. Both write K/V into the caller's blocks.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Callable, Optional, Sequence
 
@@ -211,10 +212,10 @@ class Engine:
                                    f"[{tokens}, {self.model_config.hidden_size}], got {got}")
         # CRESCENT_PROFILE_DIR only: a chunk after a cached prefix is labelled by where it starts
         with self.profiler.step(f"{tokens}t-after{max(c.start for c in chunks)}", self.device):
-            out, parts = self._hidden(chunks, (), layer_hook, hidden, before_layer)
+            out = self._hidden(chunks, (), layer_hook, hidden, before_layer)
             if not self.model.last_stage:
                 return out, [None] * len(chunks)
-            return out, self._logits(out, parts, chunks, ())[0]
+            return out, self._logits(out, chunks, ())[0]
 
     def _check_chunks(self, chunks: Sequence[PrefillChunk]) -> None:
         for c in chunks:
@@ -226,39 +227,42 @@ class Engine:
     def _forward(self, chunks: Sequence[PrefillChunk], decodes: Sequence[DecodeInput],
                  layer_hook: Optional[Callable[[int], None]],
                  ) -> tuple[list[Optional[torch.Tensor]], Optional[torch.Tensor]]:
-        hidden, parts = self._hidden(chunks, decodes, layer_hook)
-        return self._logits(hidden, parts, chunks, decodes)
+        hidden = self._hidden(chunks, decodes, layer_hook)
+        return self._logits(hidden, chunks, decodes)
 
     def _hidden(self, chunks: Sequence[PrefillChunk], decodes: Sequence[DecodeInput],
                 layer_hook: Optional[Callable[[int], None]],
                 hidden_in: Optional[torch.Tensor] = None,
-                before_layer: Optional[Callable[[int], None]] = None,
-                ) -> tuple[torch.Tensor, list[tuple[int, int, AttnMetadata]]]:
+                before_layer: Optional[Callable[[int], None]] = None) -> torch.Tensor:
+        """Hidden states out of this stage's last layer for the step's tokens: the chunks'
+        (each attending in ``_pieces``), then one of each decode."""
         ids: list[int] = []
         parts: list[tuple[int, int, AttnMetadata]] = []
         for c in chunks:
             table = torch.tensor(c.block_table[:self.blocks_needed(c.end)], dtype=torch.long,
                                  device=self.device)
-            parts.append((len(ids), len(ids) + c.end - c.start,
-                          self._prefill_meta(table, c.start, c.end)))
-            ids += c.token_ids[c.start:c.end]
+            for start, end in self._pieces(c.start, c.end):
+                parts.append((len(ids), len(ids) + end - start,
+                              self._prefill_meta(table, start, end)))
+                ids += c.token_ids[start:end]
         if decodes:
             parts.append((len(ids), len(ids) + len(decodes), self._decode_meta(decodes)))
             ids += [d.token_id for d in decodes]
         meta = parts[0][2] if len(parts) == 1 else _mixed_meta(parts)
         hidden = self.model.forward(torch.tensor(ids, dtype=torch.long, device=self.device),
                                     meta, self.attention, layer_hook, hidden_in, before_layer)
-        return hidden, parts
+        return hidden
 
-    def _logits(self, hidden: torch.Tensor, parts: list[tuple[int, int, AttnMetadata]],
-                chunks: Sequence[PrefillChunk], decodes: Sequence[DecodeInput],
+    def _logits(self, hidden: torch.Tensor, chunks: Sequence[PrefillChunk],
+                decodes: Sequence[DecodeInput],
                 ) -> tuple[list[Optional[torch.Tensor]], Optional[torch.Tensor]]:
         # Logits only where a token is sampled: the last token of finished prompts, and
         # every decode row; one lm_head call for all of them.
-        rows = [e - 1 for (_, e, _), c in zip(parts, chunks) if c.last]
+        ends = list(itertools.accumulate(c.end - c.start for c in chunks))
+        rows = [e - 1 for e, c in zip(ends, chunks) if c.last]
         first_decode = len(rows)
         if decodes:
-            start = parts[-1][0]
+            start = ends[-1] if ends else 0
             rows += range(start, start + len(decodes))
         logits = self.model.logits(hidden[rows]) if rows else None
         out: list[Optional[torch.Tensor]] = []
@@ -267,6 +271,13 @@ class Engine:
             out.append(logits[i] if c.last else None)
             i += c.last
         return out, (logits[first_decode:] if decodes else None)
+
+    def _pieces(self, start: int, end: int) -> list[tuple[int, int]]:
+        """A chunk's attention parts: [start, end) cut at multiples of ``chunk_align``."""
+        align = self.config.chunk_align
+        bounds = [start, *range((start // align + 1) * align, end, align), end] if align > 0 \
+            else [start, end]
+        return list(zip(bounds, bounds[1:]))
 
     def _prefill_meta(self, table: torch.Tensor, start: int, end: int) -> AttnMetadata:
         bs = self.config.block_size

@@ -59,7 +59,7 @@ class ColocatedWorker(DecodeWorker):
         self.prefix = prefix
         self.prefilling: list[Prefilling] = []  # arrival order
         self.budget = rt.config.step_budget(rt.role)
-        self.align = rt.config.chunk_align(rt.role)  # batch invariance: where chunks end
+        self.align = rt.config.chunk_align()  # batch invariance: where chunks end
         self._admitting: set[asyncio.Task] = set()
         self.handlers[PrefillTask] = self.on_task
 

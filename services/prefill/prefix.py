@@ -81,7 +81,7 @@ class PrefixLoader:
         # of 48 GB/s the compute waited for (an H200, issue 26: 38 ms of a 16k prompt).
         return cls(rt.engine.pool, kv, store, rt.config.kv_layerwise,
                    kv.layer_nbytes * rt.engine.model_config.num_layers,
-                   max(1, rt.config.chunk_align(rt.role) // kv.block_size))
+                   max(1, rt.config.chunk_align() // kv.block_size))
 
     async def acquire(self, tokens: list[int], keys: list[bytes], from_store: bool = True,
                       reuse_prefix: bool = True) -> Optional[PrefixPlan]:

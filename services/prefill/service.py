@@ -57,7 +57,7 @@ class PrefillWorker:
         self.pool = rt.engine.pool
         self.prefix = prefix
         self.budget = rt.config.step_budget(rt.role)
-        self.align = rt.config.chunk_align(rt.role)  # batch invariance: where chunks end
+        self.align = rt.config.chunk_align()  # batch invariance: where chunks end
         self.waiting: deque[PrefillTask] = deque()
         self.max_waiting = rt.config.max_queue  # the conductor admits no more cluster-wide
         self.jobs: list[Job] = []  # admitted and not yet reported, oldest first (job.py)

@@ -31,7 +31,8 @@ def test_colocated_fails_clearly_where_the_mode_is_missing() -> None:
             cluster_config_data("colocated", 19800)
     with pytest.raises(ReplayError, match="unknown configuration"):
         cluster_config_data("nonesuch", 19800)
-    assert set(CONFIGS) == {"disagg-store", "disagg-nostore", "colocated"}
+    assert set(CONFIGS) == {"disagg-store", "disagg-nostore", "colocated", "disagg-variant"}
+    assert cluster_config_data("disagg-variant", 19800)["batch_invariant"] is False
 
 
 def test_exported_tokenizer_loads_offline_and_matches_the_router(tmp_path: Path,

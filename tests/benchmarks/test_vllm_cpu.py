@@ -14,7 +14,7 @@ from benchmarks.replay_metrics import RequestResult, parse_record, summarize
 def test_vllm_cpu_is_a_config_name_beside_the_default_set() -> None:
     args = live_replay.parse_args(["--configs", "colocated,vllm-cpu", "--rates", "1"])
     assert args.config_names == ["colocated", "vllm-cpu"]
-    assert live_replay.parse_args([]).config_names == list(live_replay.CONFIGS)
+    assert live_replay.parse_args([]).config_names == ["disagg-store", "disagg-nostore", "colocated"]
     assert "vllm-cpu" not in live_replay.CONFIGS and "vllm-cpu" in live_replay.EXTERNAL
     with pytest.raises(SystemExit):
         live_replay.parse_args(["--configs", "vllm-gpu"])

@@ -1,8 +1,9 @@
-"""Greedy answers that do not depend on the load (issue 27): on the default model in the
+"""Greedy answers that do not depend on the load (issue 27), on the default model in the
 default cluster's precisions (bfloat16 prefill where the CPU has it, float32 decode with
-bfloat16 linears where the CPU has them, bfloat16 KV), a prompt's KV and logits are the same bit for bit alone, beside other
-prompts in one step, and after a cached prefix, when its chunks end where
-``ClusterConfig.batch_invariant`` puts them (multiples of the step budget); a decode
+bfloat16 linears where the CPU has them, bfloat16 KV): a prompt's KV and logits are the
+same bit for bit alone, beside other prompts in one step, after a cached prefix and in
+bigger chunks, when its chunks end and attend in parts where
+``ClusterConfig.batch_invariant`` puts them (multiples of ``chunk_align()``); a decode
 row's logits are the same alone and in a batch (common/model/cpu_attention.py, and
 common/model/decoder.py Linear's single row)."""
 from __future__ import annotations
@@ -11,12 +12,12 @@ import pytest
 import torch
 
 from common.engine import DecodeInput, Engine, EngineConfig
+from common.config import ClusterConfig
 from common.engine.config import PrefillChunk
 from common.model import cpu_attention
 from common.worker import native_bfloat16
 
-ALIGN = 64  # a step budget: chunks end at its multiples
-# launch/configs/default.toml's prefill_dtype and linear_dtype "auto"
+ALIGN = ClusterConfig().chunk_align()  # where chunks end and attention parts are cut
 PREFILL_DTYPE, LINEAR_DTYPE = ("bfloat16", "bfloat16") if native_bfloat16() else ("float32", None)
 
 pytestmark = pytest.mark.skipif(cpu_attention.kernel() is None,
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.skipif(cpu_attention.kernel() is None,
 @pytest.fixture(scope="module")
 def engines() -> tuple[Engine, Engine]:
     """A prefill engine and a decode engine sharing nothing, as in a cluster."""
-    config = dict(kv_dtype="bfloat16", num_blocks=160)
+    config = dict(kv_dtype="bfloat16", num_blocks=160, chunk_align=ALIGN)
     return (Engine(EngineConfig(dtype=PREFILL_DTYPE, **config)),
             Engine(EngineConfig(dtype="float32", linear_dtype=LINEAR_DTYPE, **config)))
 
@@ -36,9 +37,11 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (150, 37, 90)]
 
 
-def _chunks(prompt: list[int], start: int, table: list[int]) -> list[PrefillChunk]:
-    """The prompt's chunks from ``start`` (a multiple of ALIGN), each to the next multiple."""
-    ends = list(range(start + ALIGN, len(prompt), ALIGN)) + [len(prompt)]
+def _chunks(prompt: list[int], start: int, table: list[int],
+            pieces: int = 1) -> list[PrefillChunk]:
+    """The prompt's chunks from ``start`` (a multiple of ALIGN), each ``pieces`` x ALIGN
+    tokens (the last to the prompt's end): how a step's budget may group them."""
+    ends = list(range(start + pieces * ALIGN, len(prompt), pieces * ALIGN)) + [len(prompt)]
     return [PrefillChunk(prompt, s, e, table) for s, e in zip([start] + ends, ends)]
 
 
@@ -70,7 +73,13 @@ def test_prefill_alone_beside_others_and_after_a_cached_prefix(engines) -> None:
         warm_logits = prefill.step([chunk])[0][0]
     assert torch.equal(_kv(prefill, cached + rest, len(target)), want)
     assert torch.equal(warm_logits, logits)
-    for t in (alone, busy, rest, *tables):
+    # in bigger chunks (a step with more budget left): the engine cuts the same parts
+    whole = prefill.pool.allocate(len(alone))
+    for chunk in _chunks(target, 0, whole, pieces=2):
+        whole_logits = prefill.step([chunk])[0][0]
+    assert torch.equal(_kv(prefill, whole, len(target)), want)
+    assert torch.equal(whole_logits, logits)
+    for t in (alone, busy, rest, whole, *tables):
         prefill.pool.free(t)
 
 

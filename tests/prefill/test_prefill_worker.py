@@ -38,20 +38,25 @@ def serve(worker: PrefillWorker, done: Callable[[], bool]) -> None:
     asyncio.run(run_until(worker.serve(), done))
 
 
-def test_batch_invariant_chunks_end_where_they_would_alone(make: Make) -> None:
-    """With batch_invariant a prompt's chunks end at multiples of the budget (or its end)
-    under load as alone: d after a waits for a step with room for its whole chunk."""
-    a, d = [1] + list(range(2, 11)), list(range(50, 70))
-    rt, worker = make(budget=16, batch_invariant=True)
+def test_batch_invariant_chunks_end_at_multiples_of_the_align(make: Make) -> None:
+    """With batch_invariant a prompt's chunks end at multiples of ``chunk_align()`` (64
+    tokens) or its end, under load as alone: d behind a takes the last multiple that
+    fits (64 of the 86 tokens left), then its rest."""
+    a, d = [1] + list(range(2, 11)), list(range(50, 200))
+    rt, worker = make(num_blocks=48, budget=96, batch_invariant=True)
+    assert rt.config.chunk_align() == 64
     worker.on_task(prefill_task("d", d))
     serve(worker, lambda: len(rt.mail.of(PrefillDone)) == 1 and worker.idle())
-    assert chunks(rt.engine) == [[(50, 0, 16, [0, 1, 2, 3, 4])], [(50, 16, 20, [0, 1, 2, 3, 4])]]
-    rt, worker = make(budget=16, batch_invariant=True)
+    table = list(range(38))
+    assert chunks(rt.engine) == [[(50, 0, 64, table)], [(50, 64, 150, table)]]
+    clean(worker)
+    rt, worker = make(num_blocks=48, budget=96, batch_invariant=True)
     for rid, tokens in (("a", a), ("d", d)):
         worker.on_task(prefill_task(rid, tokens))
     serve(worker, lambda: len(rt.mail.of(PrefillDone)) == 2 and worker.idle())
-    assert chunks(rt.engine) == [[(1, 0, 10, [0, 1, 2])], [(50, 0, 16, [3, 4, 5, 6, 7])],
-                                 [(50, 16, 20, [3, 4, 5, 6, 7])]]
+    table = list(range(3, 41))
+    assert chunks(rt.engine) == [[(1, 0, 10, [0, 1, 2]), (50, 0, 64, table)],
+                                 [(50, 64, 150, table)]]
     clean(worker)
 
 
