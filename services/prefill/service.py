@@ -56,8 +56,7 @@ class PrefillWorker:
         self.engine = rt.engine
         self.pool = rt.engine.pool
         self.prefix = prefix
-        self.budget = rt.config.step_budget(rt.role)
-        self.align = rt.config.chunk_align()  # batch invariance: where chunks end
+        self.budget, self.align = rt.config.step_budget(rt.role), rt.config.chunk_align()
         self.waiting: deque[PrefillTask] = deque()
         self.max_waiting = rt.config.max_queue  # the conductor admits no more cluster-wide
         self.jobs: list[Job] = []  # admitted and not yet reported, oldest first (job.py)
@@ -220,13 +219,12 @@ class PrefillWorker:
             raise PrefillFailure(500, "internal_error", str(exc)) from exc
         done = min(plan.cached_blocks * self.engine.config.block_size, len(tokens) - 1)
         if self.store_writes is not None:  # the first chunk's grant, during what follows
-            left = self.budget - sum(n for _, n in plan_chunks(self.computing, self.budget,
-                                                               align=self.align))
+            planned = plan_chunks(self.computing, self.budget, align=self.align)
+            left = self.budget - sum(n for _, n in planned)
             self.store_writes.ask_first(task.fence, keys, plan.stored_from, done, len(tokens), left)
         loads = (start_loads(self.mover, plan.load, self.engine.kv,  # reads start now
                              plan.block_table[plan.load_from:plan.cached_blocks], 0,
-                             self.threads.load)
-                 if plan.load is not None and self.mover is not None else None)
+                             self.threads.load) if plan.load is not None and self.mover else None)
         # whole blocks present already; loaded ones follow as they land (layer_io)
         stream.send_prefix(plan.load_from if loads is not None else plan.cached_blocks,
                            plan.cached_blocks)

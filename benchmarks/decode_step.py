@@ -1,0 +1,73 @@
+"""One CPU decode step of the default model, side by side (issue 27): attention over
+gathered, padded K/V (SDPA, the old path) or read in place (the C kernel,
+common/model/cpu_attention.py), and the layers' linears in float32 or bfloat16
+(``linear_dtype``). One thread, as a decode worker has on 2 cores; bfloat16 KV; at each
+context and batch the variants run in turn, three rounds, the least step time of each.
+
+    python benchmarks/decode_step.py [--contexts 128,600] [--batches 1,8,32]
+
+Prints a table of milliseconds per step, then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common.engine import DecodeInput, Engine, EngineConfig  # noqa: E402
+
+VARIANTS = {"sdpa/f32": dict(attention_backend="sdpa"),
+            "kernel/f32": dict(attention_backend="cpu"),
+            "kernel/bf16": dict(attention_backend="cpu", linear_dtype="bfloat16")}
+
+
+def step_ms(engine: Engine, batch: int, context: int, steps: int = 6) -> float:
+    """Median step time of ``batch`` sequences around ``context`` tokens (their KV as the
+    memory holds it: the step's cost does not depend on the values)."""
+    seqs = [[5, context + (i * 7) % 50, engine.pool.allocate(engine.blocks_needed(
+        context + 60 + steps))] for i in range(batch)]
+    times = []
+    for s in range(steps):
+        step = [DecodeInput(t, p + s, b) for t, p, b in seqs]
+        started = time.perf_counter()
+        engine.decode_step(step)
+        times.append(time.perf_counter() - started)
+    for _, _, blocks in seqs:
+        engine.pool.free(blocks)
+    return statistics.median(times[1:]) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", default="128,600")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    blocks = max(batches) * (max(contexts) + 120) // 16 + 64
+    engines = {name: Engine(EngineConfig(kv_dtype="bfloat16", num_blocks=blocks, **kw))
+               for name, kw in VARIANTS.items()}
+    res: dict[str, dict[str, float]] = {}
+    print(f"{'context':>8}{'batch':>6}" + "".join(f"{n:>14}" for n in engines) + "  ms/step")
+    for context in contexts:
+        for batch in batches:
+            got: dict[str, list[float]] = {name: [] for name in engines}
+            for _ in range(args.rounds):
+                for name, engine in engines.items():
+                    got[name].append(step_ms(engine, batch, context))
+            row = res[f"ctx{context}_b{batch}"] = {n: round(min(v), 1) for n, v in got.items()}
+            print(f"{context:>8}{batch:>6}" + "".join(f"{row[n]:>14.1f}" for n in engines))
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
