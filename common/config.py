@@ -28,10 +28,6 @@ FIXED_PORTS = {"router": 0, "conductor": 1, "store_master": 2, "conductor_http":
 FIRST_INSTANCE_PORT = 10
 
 
-# batch_invariant's unit (ClusterConfig.chunk_align): a 256-token step of one prompt
-# attends in 4 parts; a cached prefix loses at most 48 tokens (of 16-token blocks) to it.
-BATCH_INVARIANT_TOKENS = 64
-
 SINGLE_ROLES = ("router", "conductor", "store_master")
 INDEXED_ROLES = ("prefill", "decode", "store_node", "colocated")
 
@@ -195,11 +191,11 @@ class ClusterConfig:
     # from the TBT SLO, but on a CPU small chunks waste weight reads (64 halved its prefill
     # throughput on 2 cores and doubled TTFT; benchmarks/live_replay.py, BENCHMARKS.md).
     token_budget: Optional[int] = None
-    # A greedy answer that does not depend on the load: a prompt's chunks end, attend in
-    # parts and reuse a cached prefix at multiples of ``chunk_align()`` tokens, wherever
-    # the load puts its steps (common/engine/batching.py). false: chunks end anywhere and
-    # every cached block is reused (up to 48 more cached tokens a prompt; the same prompt
-    # may then answer differently alone and under load).
+    # A greedy answer that does not depend on the load (on the CPU): a prompt's chunks end
+    # and attend in parts at block boundaries, wherever the load puts its steps
+    # (common/engine/batching.py). false: chunks end anywhere and attend whole (prefill
+    # compute 7-13 % lower; the same prompt may then answer differently alone and under
+    # load).
     batch_invariant: bool = True
     max_batch_size: int = 64
     max_queue: int = 256  # admission: requests waiting for prefill, cluster-wide
@@ -280,13 +276,11 @@ class ClusterConfig:
         return 128 if role == "colocated" else 256
 
     def chunk_align(self) -> int:
-        """With ``batch_invariant``: where prompt chunks may end (a multiple of this many
-        tokens, or the prompt's end), where they are cut into attention parts, and up to
-        where a cached prefix is reused: ``BATCH_INVARIANT_TOKENS`` in whole blocks. 0:
-        anywhere."""
-        if not self.batch_invariant:
-            return 0
-        return -(-BATCH_INVARIANT_TOKENS // self.block_size) * self.block_size
+        """With ``batch_invariant`` on the CPU: where prompt chunks may end (a multiple of
+        this many tokens, or the prompt's end) and where they are cut into attention
+        parts: the block size, where a cached prefix ends too. 0: anywhere (and on a GPU,
+        whose kernels batch invariance does not cover: parts would cost launches)."""
+        return self.block_size if self.batch_invariant and self.device == "cpu" else 0
 
     # --------------------------------------------------------------- topology
     def processes(self, role: str) -> int:

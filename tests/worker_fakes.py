@@ -228,13 +228,12 @@ class Workers:
 
     def build(self, cls: Callable[..., W], role: str, num_blocks: int = 16, budget: int = 16,
               max_batch_size: int = 8, batch_invariant: bool = False) -> tuple[FakeRuntime, W]:
-        """``batch_invariant``: chunks and reused prefixes aligned to the budget (off by
-        default here: most cases pin where unaligned chunks end)."""
+        """``batch_invariant``: chunks end at the config's block boundaries (off by default
+        here: most cases pin where unaligned chunks end)."""
         engine = FakeEngine(num_blocks, max_batch_size=max_batch_size)
         rt = FakeRuntime(role, engine, ClusterConfig(token_budget=budget,
                                                      batch_invariant=batch_invariant))
-        prefix = PrefixLoader(engine.pool, engine.kv, None, align_blocks=max(
-            1, rt.config.chunk_align() // engine.kv.block_size))
+        prefix = PrefixLoader(engine.pool, engine.kv, None)
         worker: Any = cls(rt) if role == "decode" else cls(rt, prefix)
         worker.idle_check = IdleCheck(engine.pool.check_idle, "KV block pool", interval_s=0,
                                       strict=True)

@@ -51,10 +51,8 @@ class PrefixLoader:
     block pool and the store client: references, copies, caches and puts blocks."""
 
     def __init__(self, pool: BlockPool, kv: PagedKVMemory, store: Optional[StoreClient],
-                 layerwise: bool = False, object_nbytes: Optional[int] = None,
-                 align_blocks: int = 1) -> None:
+                 layerwise: bool = False, object_nbytes: Optional[int] = None) -> None:
         self.pool = pool
-        self.align_blocks = align_blocks  # a kept prefix is a multiple of this many blocks
         # new blocks go to the store, and stored ones load, during the compute
         self.layerwise = layerwise
         self.object_nbytes = object_nbytes or kv.block_nbytes  # a store object: every layer
@@ -80,8 +78,7 @@ class PrefixLoader:
         # the GPU (layer_io.LaunchedLoads); whole blocks before the compute were one DMA
         # of 48 GB/s the compute waited for (an H200, issue 26: 38 ms of a 16k prompt).
         return cls(rt.engine.pool, kv, store, rt.config.kv_layerwise,
-                   kv.layer_nbytes * rt.engine.model_config.num_layers,
-                   max(1, rt.config.chunk_align() // kv.block_size))
+                   kv.layer_nbytes * rt.engine.model_config.num_layers)
 
     async def acquire(self, tokens: list[int], keys: list[bytes], from_store: bool = True,
                       reuse_prefix: bool = True) -> Optional[PrefixPlan]:
@@ -141,8 +138,7 @@ class PrefixLoader:
                     if loaded:
                         read = (len(loaded) * self.kv.block_nbytes,
                                 time.perf_counter() - started)
-        reuse = plan_reuse(len(tokens), self.bs, len(local), len(loaded), found,
-                           self.align_blocks)
+        reuse = plan_reuse(len(tokens), self.bs, len(local), len(loaded), found)
         cached = local + loaded
         self.pool.free(cached[reuse.kept:])  # tail first, like any sequence's blocks
         return cached[:reuse.kept], reuse, load, read

@@ -11,8 +11,7 @@ only full blocks have keys, so only they can be reused or stored. The steps:
    miss (a hole ends the prefix);
 3. ``plan_reuse`` — of the blocks present (local, then those fetched intact), the leading
    ones kept so that at least one token is left to compute (its logits give the first
-   token), a multiple of ``align`` blocks (batch invariance: the prompt's chunks then end
-   where they would without a cache); the rest of the prompt's blocks are fresh;
+   token); the rest of the prompt's blocks are fresh, computed into;
 4. after the prefill, ``put_back`` — the full blocks not known to be in the store.
 """
 from __future__ import annotations
@@ -69,10 +68,10 @@ class Reuse:
 
 
 def plan_reuse(num_tokens: int, block_size: int, local: int, loaded: int,
-               store_prefix: Optional[int], align: int = 1) -> Reuse:
+               store_prefix: Optional[int]) -> Reuse:
     """Which of the blocks found are reused. ``loaded``: leading blocks fetched intact from
     the store; ``store_prefix``: the store's answer (``leading(exists)``), None when it was
-    not asked or did not answer; ``align``: the blocks kept are a multiple of it."""
+    not asked or did not answer."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if num_tokens < 0 or local < 0 or loaded < 0:
@@ -85,7 +84,6 @@ def plan_reuse(num_tokens: int, block_size: int, local: int, loaded: int,
                          f"after {local} local hits")
     # At least one token must be computed to produce the first token's logits.
     kept = max(0, min(local + loaded, (num_tokens - 1) // block_size))
-    kept -= kept % max(1, align)
     total = -(-num_tokens // block_size)
     return Reuse(local, loaded, kept, total, stored_from=max(local, store_prefix or 0))
 

@@ -38,25 +38,19 @@ def serve(worker: PrefillWorker, done: Callable[[], bool]) -> None:
     asyncio.run(run_until(worker.serve(), done))
 
 
-def test_batch_invariant_chunks_end_at_multiples_of_the_align(make: Make) -> None:
-    """With batch_invariant a prompt's chunks end at multiples of ``chunk_align()`` (64
-    tokens) or its end, under load as alone: d behind a takes the last multiple that
-    fits (64 of the 86 tokens left), then its rest."""
+def test_batch_invariant_chunks_end_at_block_boundaries(make: Make) -> None:
+    """With batch_invariant a prompt's chunks end at multiples of ``chunk_align()`` (the
+    config's 16-token blocks) or at its end, where the engine cuts its attention parts
+    too: d behind a takes the last boundary that fits (80 of the 86 tokens left)."""
     a, d = [1] + list(range(2, 11)), list(range(50, 200))
     rt, worker = make(num_blocks=48, budget=96, batch_invariant=True)
-    assert rt.config.chunk_align() == 64
-    worker.on_task(prefill_task("d", d))
-    serve(worker, lambda: len(rt.mail.of(PrefillDone)) == 1 and worker.idle())
-    table = list(range(38))
-    assert chunks(rt.engine) == [[(50, 0, 64, table)], [(50, 64, 150, table)]]
-    clean(worker)
-    rt, worker = make(num_blocks=48, budget=96, batch_invariant=True)
+    assert rt.config.chunk_align() == 16
     for rid, tokens in (("a", a), ("d", d)):
         worker.on_task(prefill_task(rid, tokens))
     serve(worker, lambda: len(rt.mail.of(PrefillDone)) == 2 and worker.idle())
     table = list(range(3, 41))
-    assert chunks(rt.engine) == [[(1, 0, 10, [0, 1, 2]), (50, 0, 64, table)],
-                                 [(50, 64, 150, table)]]
+    assert chunks(rt.engine) == [[(1, 0, 10, [0, 1, 2]), (50, 0, 80, table)],
+                                 [(50, 80, 150, table)]]
     clean(worker)
 
 

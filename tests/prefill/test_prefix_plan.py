@@ -77,16 +77,6 @@ def test_derived_counts() -> None:
     assert plan_reuse(0, 4, 0, 0, None) == Reuse(0, 0, 0, 0, 0)
 
 
-def test_kept_prefix_is_a_multiple_of_align() -> None:
-    """Batch invariance: 7 blocks found of a 40-token prompt (blocks of 4), kept up to a
-    multiple of 3 blocks (6); a prompt whose every block was found keeps the multiple
-    below its last token's block."""
-    assert plan_reuse(40, 4, local=5, loaded=2, store_prefix=7, align=3) == Reuse(
-        5, 2, 6, 10, 7)
-    assert plan_reuse(24, 4, local=6, loaded=0, store_prefix=None, align=3).kept == 3
-    assert plan_reuse(40, 4, local=2, loaded=0, store_prefix=None, align=3).kept == 0
-
-
 def test_store_off_puts_nothing_back() -> None:
     assert put_back(0, 4, store_on=False) == range(0)
     assert put_back(5, 4, store_on=True) == range(5, 4)  # empty: all known stored
