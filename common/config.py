@@ -193,9 +193,9 @@ class ClusterConfig:
     token_budget: Optional[int] = None
     # A greedy answer that does not depend on the load (on the CPU): a prompt's chunks end
     # and attend in parts at block boundaries, wherever the load puts its steps
-    # (common/engine/batching.py). false: chunks end anywhere and attend whole (prefill
-    # compute 7-13 % lower; the same prompt may then answer differently alone and under
-    # load).
+    # (common/engine/batching.py). false: chunks end anywhere and attend whole (7-13 %
+    # less prefill compute, much shorter TTFT on a saturated prefill worker; the same
+    # prompt may then answer differently alone and under load).
     batch_invariant: bool = True
     max_batch_size: int = 64
     max_queue: int = 256  # admission: requests waiting for prefill, cluster-wide
