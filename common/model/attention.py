@@ -287,9 +287,8 @@ class CpuPagedAttention(SdpaAttention):
     def attend_written(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        meta: AttnMetadata, spec: AttnSpec) -> torch.Tensor:
         if meta.q_len == 1 and not meta.fresh and spec.plain_for(meta.longest):
-            rows = torch.arange(meta.batch)
-            out = self.kernel.attend(q, self.kv, layer, meta.block_tables, rows,
-                                     meta.kv_lens, spec.scale)
+            out = self.kernel.attend(q, self.kv, layer, meta.block_tables, None,
+                                     meta.kv_lens, spec.scale, meta.longest)
             return out.to(q.dtype).view(q.shape[0], -1)
         return super().attend_written(layer, q, k, v, meta, spec)
 

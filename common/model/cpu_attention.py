@@ -65,25 +65,33 @@ class PagedAttentionKernel:
             fn.argtypes = [ctypes.POINTER(_Layout), _P, _P, _I64, _I64, _P, _P]
             fn.restype = None
             self._fns[dtype] = fn
-        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pool: Optional[ThreadPoolExecutor] = None  # from the first split call
+        self._pool_size = 0
 
     def supports(self, kv: PagedKVMemory) -> bool:
         return kv.data.device.type == "cpu" and kv.dtype in self._fns
 
     def attend(self, q: torch.Tensor, kv: PagedKVMemory, layer: int, tables: torch.Tensor,
-               rows: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+               rows: Optional[torch.Tensor], lens: torch.Tensor, scale: float,
+               longest: Optional[int] = None) -> torch.Tensor:
         """Attention of query rows ``q`` [T, heads, d] over keys [0, lens[t]) of block
-        table row ``rows[t]`` of ``tables`` [R, width] (int64 everywhere): [T, heads, d]
-        float32. The caller keeps every table entry below ``kv``'s block count."""
+        table row ``rows[t]`` (None: row t) of ``tables`` [R, width]: [T, heads, d]
+        float32. ``longest``: max(lens), where the caller knows it. The caller keeps every
+        table entry below ``kv``'s block count."""
         t, hq, d = q.shape
         data = kv.data
         q = q.to(torch.float32).contiguous()
-        tables, rows, lens = (x.to(torch.int64).contiguous() for x in (tables, rows, lens))
+        tables = tables.to(torch.int64).contiguous()
+        lens = lens.to(torch.int32).contiguous()  # a decode step's kv_lens already are
+        if rows is not None:
+            rows = rows.to(torch.int64).contiguous()
         out = torch.empty_like(q)
-        layout = _Layout(tables.data_ptr(), tables.shape[1], rows.data_ptr(), lens.data_ptr(),
+        layout = _Layout(tables.data_ptr(), tables.shape[1],
+                         None if rows is None else rows.data_ptr(), lens.data_ptr(),
                          hq, kv.num_kv_heads, d, kv.block_size, data.stride(0),
                          layer * data.stride(1), data.stride(2), data.stride(3), scale)
-        fn, longest = self._fns[kv.dtype], int(lens.max())
+        fn = self._fns[kv.dtype]
+        longest = int(lens.max()) if longest is None else longest
 
         def run(first: int, last: int) -> None:
             scratch = torch.empty(longest, dtype=torch.float32)
@@ -94,8 +102,11 @@ class PagedAttentionKernel:
         if threads < max(2, POOL_MIN_THREADS):
             run(0, t)
             return out
-        if self._pool is None or self._pool._max_workers < threads:
+        if self._pool_size < threads:  # more torch threads than at the last split
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
             self._pool = ThreadPoolExecutor(threads, thread_name_prefix="paged-attention")
+            self._pool_size = threads
         step = math.ceil(t / threads)
         for f in [self._pool.submit(run, s, min(s + step, t)) for s in range(0, t, step)]:
             f.result()
@@ -138,7 +149,7 @@ def _build(path: str) -> None:
     os.replace(tmp, path)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel() -> Optional[PagedAttentionKernel]:
     """The compiled kernel, built on first use; None where it cannot be (logged once)."""
     if os.environ.get("CRESCENT_CPU_ATTENTION", "1") == "0":

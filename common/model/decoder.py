@@ -14,7 +14,7 @@ memory and to the hooks are local to the stage (0 is its first layer).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -81,16 +81,6 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
                                                       "none", [], "")
         return F.linear(x, self.weight, self.bias)
-
-    def rows_invariant(self, counts: Sequence[int] = (1, 2, 3, 5, 8, 13, 21, 34),
-                       rows: int = 40) -> bool:
-        """Whether each row's result is the same bit for bit whatever else is computed
-        with it (the first of ``rows`` random rows in each of ``counts``)."""
-        x = torch.randn(rows, self.in_features, generator=torch.Generator().manual_seed(1))
-        if self.weight is not None:
-            x = x.to(self.weight)  # its dtype and device
-        whole = self(x)
-        return all(torch.equal(self(x[:m]), whole[:m]) for m in counts)
 
 
 def _can_pack(weight: torch.Tensor, cast: bool = False) -> bool:

@@ -1,24 +1,22 @@
 /* Paged attention on the CPU that reads each sequence's KV blocks in place.
  *
  * Query row t (hq heads of d floats) attends the first lens[t] keys of block table row
- * rows[t]; kv head g serves query heads [g * group, (g + 1) * group). A work item is a
- * (query row, kv head) pair, computed by the same code in the same order whatever else
- * is in the call: a row's output does not depend on the batch, the padding, the thread
- * count or how a caller splits the items (the decode of common/model/cpu_attention.py
- * is batch invariant).
+ * rows[t] (row t without ``rows``); kv head g serves query heads [g * group, (g + 1) *
+ * group). A query row is computed by the same code in the same order whatever else is in
+ * the call: its output does not depend on the batch, the padding, the thread count or
+ * how a caller splits the rows (the decode of common/model/cpu_attention.py is batch
+ * invariant).
  *
- * Per item: the scores of every key (one read of each K row serves the group's heads),
- * their softmax (max, exp and sum in key order), then the V rows weighted in key order.
+ * Head by head: the scores of every key, their softmax (max, exp and sum in key order),
+ * then the V rows weighted in key order; a page read for the first head serves the rest
+ * from the cache (prefetching the next pages measured no faster).
+ *
  * The KV memory is common/kv/memory.py's [block, layer, K/V, slot, kv head, d] in
  * float32 or bfloat16; strides and offsets are in elements.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-
-#ifndef AHEAD
-#define AHEAD 2  /* pages prefetched ahead */
-#endif
 
 static inline float bf16_value(uint16_t x) {
     union { uint32_t u; float f; } c;
@@ -31,18 +29,12 @@ static inline float f32_value(float x) { return x; }
 typedef struct {
     const int64_t *tables;   /* [rows, table_width] block ids */
     int64_t table_width;
-    const int64_t *rows;     /* [T] the table row of each query row */
-    const int64_t *lens;     /* [T] keys each query row attends */
+    const int64_t *rows;     /* [T] the table row of each query row; NULL: row t */
+    const int32_t *lens;     /* [T] keys each query row attends */
     int hq, hkv, d, bs;
     int64_t block_stride, layer_off, v_off, token_stride;
     float scale;
 } Layout;
-
-/* Pull a page into the cache ahead of its use: a sequence's pages are scattered, and the
- * hardware prefetcher does not cross them. */
-static inline void prefetch_page(const char *page, int64_t nbytes) {
-    for (int64_t off = 0; off < nbytes; off += 64) __builtin_prefetch(page + off);
-}
 
 /* One query row for D-wide heads (a constant in the specialised copies: the loops unroll
  * and vectorise). Head by head, so that a head's query or output stays in registers over
@@ -52,8 +44,8 @@ static inline void prefetch_page(const char *page, int64_t nbytes) {
     static inline void NAME(const Layout *L, const float *q, const T *kv, int64_t t,        \
                             int D, float *out, float *scores) {                             \
         const int group = L->hq / L->hkv;                                                   \
-        const int64_t n = L->lens[t], page_bytes = L->bs * L->token_stride * sizeof(T);     \
-        const int64_t *table = L->tables + L->rows[t] * L->table_width;                     \
+        const int64_t n = L->lens[t];                                                       \
+        const int64_t *table = L->tables + (L->rows ? L->rows[t] : t) * L->table_width;     \
         const T *base = kv + L->layer_off;                                                  \
         for (int h = 0; h < L->hq; h++) {                                                   \
             const float *qh = q + (t * L->hq + h) * D;                                      \
@@ -61,9 +53,6 @@ static inline void prefetch_page(const char *page, int64_t nbytes) {
             float m = -INFINITY, total = 0.0f;                                              \
             for (int64_t first = 0, b = 0; first < n; first += L->bs, b++) {                \
                 const T *page = base + table[b] * L->block_stride + col;                    \
-                if (h == 0 && first + AHEAD * L->bs < n)                                    \
-                    prefetch_page((const char *)(base + table[b + AHEAD] * L->block_stride),\
-                                  page_bytes);                                              \
                 const int64_t slots = n - first < L->bs ? n - first : L->bs;                \
                 for (int64_t s = 0; s < slots; s++) {                                       \
                     const T *k = page + s * L->token_stride;                                \
@@ -80,9 +69,6 @@ static inline void prefetch_page(const char *page, int64_t nbytes) {
             for (int i = 0; i < D; i++) acc[i] = 0.0f;                                      \
             for (int64_t first = 0, b = 0; first < n; first += L->bs, b++) {                \
                 const T *page = base + table[b] * L->block_stride + L->v_off + col;         \
-                if (h == 0 && first + AHEAD * L->bs < n)                                    \
-                    prefetch_page((const char *)(base + table[b + AHEAD] * L->block_stride  \
-                                                 + L->v_off), page_bytes);                  \
                 const int64_t slots = n - first < L->bs ? n - first : L->bs;                \
                 for (int64_t s = 0; s < slots; s++) {                                       \
                     const T *v = page + s * L->token_stride;                                \
