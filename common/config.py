@@ -160,6 +160,9 @@ class ClusterConfig:
     # GET /health of every process (probes, healthchecks): health_port + n, n counting the
     # processes before it at its address (common/health.py). None: no health listeners.
     health_port: Optional[int] = None
+    # GET /metrics of every worker and store node (common/worker_metrics.py): metrics_port +
+    # n, n counted as for health_port. None: none (router, conductor, master: their own).
+    metrics_port: Optional[int] = None
     prefill_workers: int = 1  # prefill instances (with prefill_stages > 1: groups)
     # Chunked pipeline parallelism: each prefill instance is a group of this many processes,
     # each holding a contiguous range of layers (services/prefill/group.py). 1: no pipeline.

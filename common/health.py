@@ -41,13 +41,21 @@ def layout(config: ClusterConfig) -> Iterator[tuple[str, int]]:
 
 def health_port(config: ClusterConfig, role: str, index: int = 0) -> Optional[int]:
     """The ``/health`` port of process (role, index); None when ``health_port`` is unset."""
-    if config.health_port is None:
+    return nth_port(config, config.health_port, role, index)
+
+
+def nth_port(config: ClusterConfig, first: Optional[int], role: str,
+             index: int = 0) -> Optional[int]:
+    """``first + n``, n counting the processes before (role, index) in ``layout`` that
+    have its address (None when ``first`` is): the ``/health`` ports, and the workers'
+    ``/metrics`` ports (common/worker_metrics.py)."""
+    if first is None:
         return None
     here = config.address(role, index)
     before = 0
     for other in layout(config):
         if other == (role, index):
-            return config.health_port + before
+            return first + before
         before += config.address(*other) == here
     raise ValueError(f"no process {role}-{index} in this cluster")
 

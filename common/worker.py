@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from common import worker_metrics
 from common.config import ClusterConfig
 from common.drain import current as current_drain
 from common.engine import Engine, EngineConfig, UnknownModelError
@@ -102,6 +103,9 @@ class WorkerRuntime:
                      native_bfloat16())
         close_at_exit(self.engine.kv)
         self.engine.profiler = StepProfiler.from_env(self.instance_id)  # CRESCENT_PROFILE_DIR
+        self.metrics = worker_metrics.current()  # GET /metrics, with metrics_port set
+        self.engine.on_step = self.metrics.step
+        self.metrics_server = worker_metrics.serve(config, role, index)
         self.mail = Mailbox(config.inbox(role, index, bind=True), self.instance_id)
         self.transfer = TransferAgent(TransferConfig(hostname=config.address(role, index),
                                                      protocol=config.transfer_protocol))
@@ -177,11 +181,14 @@ class WorkerRuntime:
         while not self.left:
             if beats % 20 == 0:
                 self.mail.send(self.conductor, self.registration())
-            self.mail.send(self.conductor, self.heartbeat(load()))
+            beat = self.heartbeat(load())
+            self.metrics.load(beat.load.running, beat.load.queued)
+            self.mail.send(self.conductor, beat)
             beats += 1
             await drain.sleep(self.config.heartbeat_interval_s)
 
     def close(self) -> None:
+        worker_metrics.stop(self.metrics_server)
         self.mail.close()
         self.transfer.close()
         self.engine.kv.close()

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Callable, Optional, Sequence
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -98,6 +100,8 @@ class Engine:
         self.pool = BlockPool(config.num_blocks)
         self.attention = make_backend(config.attention_backend, self.kv)
         self.profiler = StepProfiler(None, "engine", 0)  # off: a worker sets its own (env)
+        # (kind, seconds, sequences, tokens) of each step: a worker's metrics (common/worker.py)
+        self.on_step: Optional[Callable[[str, float, int, int], None]] = None
         self.graphs: Optional[DecodeGraphs] = None
         if (config.cuda_graphs and self.device.type == "cuda" and self.model.plain_attention
                 and len(self.layers) == model_config.num_layers
@@ -190,7 +194,8 @@ class Engine:
                                    f"{self.layers.stop - 1}) runs stage_step, not step")
         self._check_chunks(chunks)
         self._check_decodes(decodes)
-        return self._forward(chunks, decodes, layer_hook)
+        with self._timed(chunks, decodes):
+            return self._forward(chunks, decodes, layer_hook)
 
     @torch.inference_mode()
     def stage_step(self, chunks: Sequence[PrefillChunk], hidden: Optional[torch.Tensor] = None,
@@ -211,11 +216,25 @@ class Engine:
             raise EngineInputError(f"stage at layer {self.layers.start} needs hidden states "
                                    f"[{tokens}, {self.model_config.hidden_size}], got {got}")
         # CRESCENT_PROFILE_DIR only: a chunk after a cached prefix is labelled by where it starts
-        with self.profiler.step(f"{tokens}t-after{max(c.start for c in chunks)}", self.device):
+        with self._timed(chunks, ()), self.profiler.step(
+                f"{tokens}t-after{max(c.start for c in chunks)}", self.device):
             out = self._hidden(chunks, (), layer_hook, hidden, before_layer)
             if not self.model.last_stage:
                 return out, [None] * len(chunks)
             return out, self._logits(out, chunks, ())[0]
+
+    @contextmanager
+    def _timed(self, chunks: Sequence[PrefillChunk], decodes: Sequence[DecodeInput]
+               ) -> Iterator[None]:
+        """Report the enclosed step to ``on_step``: a prefill, decode or mixed step, its
+        wall time (on a GPU: until its work is queued, or waited for), its sequences and
+        tokens. A step that raises is not reported."""
+        started = time.perf_counter()
+        yield
+        if self.on_step is not None:
+            kind = "mixed" if chunks and decodes else "prefill" if chunks else "decode"
+            self.on_step(kind, time.perf_counter() - started, len(chunks) + len(decodes),
+                         sum(c.end - c.start for c in chunks) + len(decodes))
 
     def _check_chunks(self, chunks: Sequence[PrefillChunk]) -> None:
         for c in chunks:
@@ -317,7 +336,8 @@ class Engine:
             raise EngineInputError("decode_step needs at least one sequence")
         if self.graphs is not None and len(batch) <= self.graphs.max_batch:
             self._check_decodes(batch)
-            return self.graphs.replay(batch)
+            with self._timed((), batch):
+                return self.graphs.replay(batch)
         logits = self.step(decodes=batch)[1]
         assert logits is not None
         return logits

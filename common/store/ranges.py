@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 from common.store.peers import SegmentMaps
 from common.store.shm import copy_many
 from common.transfer import TransferAgent, TransferError
+from common.worker_metrics import current as metrics
 
 if TYPE_CHECKING:
     import torch
@@ -346,9 +347,10 @@ class RangeMover:
         return True
 
     def _count(self, write: bool, path: str, nbytes: int) -> None:
-        key = f"store_{'write' if write else 'read'}/{path}"
+        flow = f"store_{'write' if write else 'read'}"
         with self._lock:
-            self._moved[key] = self._moved.get(key, 0) + nbytes
+            self._moved[f"{flow}/{path}"] = self._moved.get(f"{flow}/{path}", 0) + nbytes
+        metrics().moved(flow, path, nbytes)
 
     def moved(self) -> dict[str, int]:
         """Bytes copied so far by ``store_read/PATH`` and ``store_write/PATH``, PATH "shm",
@@ -359,6 +361,7 @@ class RangeMover:
     def _failed(self, where: str, why: str) -> None:
         with self._lock:
             self.errors += 1
+        metrics().error("store", "range_copy")
         log.warning("store range copy via %s failed: %s", where, why)
 
 

@@ -25,6 +25,7 @@ from common.protocol import (
 )
 from common.sampling_params import PromptLogprobs, SampledToken, SamplingParams, TopLogprobs
 from common.worker import WorkerRuntime
+from common.worker_metrics import current as metrics
 from services.decode.detok import IncrementalText
 from services.decode.sequence import Reservation, Running
 from services.decode.turns import Turns
@@ -354,6 +355,7 @@ class DecodeWorker:
 
     def load(self) -> WorkerLoad:
         context = sum(s.context_tokens for s in self.running.values())
+        metrics().quarantined_blocks.set(sum(len(q.owned) for q in self.quarantine.values()))
         return WorkerLoad(queued=len(self.reserved), running=len(self.running),
                           context_tokens=context, quarantined=len(self.quarantine))
 

@@ -34,6 +34,7 @@ from services.prefill.stage_protocol import (
     PartOpen, StageAbort, StageAck, StageBeat, StageHello, StagePart, StageReport, StageStep,
 )
 from common.transfer import TransferAgent, TransferError
+from common.worker_metrics import current as metrics
 
 if TYPE_CHECKING:
     from common.protocol import PrefillTask
@@ -107,8 +108,10 @@ class NextStage:
                 self.lane, self.sender.send, slot, hidden, timeout_s)
         except (TransferError, ValueError):
             self.free.add(slot)
+            metrics().error(self.sender.path, "hidden")
             raise
         self.sent[self.sender.path] = self.sent.get(self.sender.path, 0) + n
+        metrics().moved("hidden", self.sender.path, n)
         self.mail.send(self.inbox, StageStep(head_epoch, step, slot, hidden.shape[0],
                                              str(hidden.dtype).removeprefix("torch."), parts))
         return waited

@@ -31,6 +31,7 @@ from common.kv.shm_kv import KV_PATHS, SHM_DIR, Peer, PeerKVMaps
 from common.protocol import StreamTarget
 from common.store.ranges import RangeMover
 from common.transfer import TransferAgent, TransferError, watched
+from common.worker_metrics import current as metrics
 
 if TYPE_CHECKING:
     import torch
@@ -177,9 +178,16 @@ class KVStream:
                      [self.kv.layer_nbytes] * len(blocks))
 
     async def wait(self, timeout: float) -> int:
-        """All queued writes done; raises TransferError on failure or deadline.
+        """All queued writes done; raises TransferError on failure or deadline (counted:
+        ``crescent_worker_transfer_errors_total``)."""
+        try:
+            return await self._wait(timeout)
+        except TransferError:
+            metrics().error(self.path, "decode")
+            raise
 
-        The writes run in order on one thread, so the last one done means all are done:
+    async def _wait(self, timeout: float) -> int:
+        """The writes run in order on one thread, so the last one done means all are done:
         wait for the last pending one (one wake-up of the event loop, not one per layer),
         then for whatever a pool of several threads may still run."""
         if not self.futures:
@@ -298,6 +306,7 @@ class KVPaths:
         """Account a finished stream by path (what /debug and the logs report)."""
         self.bytes[stream.path] += stream.bytes
         self.streams[stream.path] += 1
+        metrics().moved("decode", stream.path, stream.bytes)
         if self.streams[stream.path] == 1:
             log.info("first KV stream via %s: %d bytes in %.3fs", stream.path, stream.bytes,
                      stream.seconds)

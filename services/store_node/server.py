@@ -1,4 +1,5 @@
-"""The node's loop: register, heartbeat, and run the master's tier commands.
+"""The node's loop: register, heartbeat, and run the master's tier commands (each timed,
+its bytes and failures counted: the node's ``/metrics``, common/worker_metrics.py).
 
 The segment is passive memory: clients read and write it through the transfer engine or a
 mapping of its file; this loop never touches KV bytes except to move them between tiers
@@ -24,6 +25,7 @@ from common.store import protocol as p
 from common.store.peers import SegmentMaps
 from common.store.shm import Segment, owned_path, sweep_dead
 from common.transfer import TransferAgent, TransferConfig
+from common import worker_metrics
 from services.store_node.ssd import SsdTier
 
 log = logging.getLogger("store_node")
@@ -59,6 +61,8 @@ class NodeServer:
         self.last_ack = time.monotonic()
         self.registered_at = 0.0  # when a registration was last sent from on_ack
         self.handlers = {p.NodeAck: self.on_ack, p.NodeCommandMsg: self.on_command}
+        self.metrics = worker_metrics.current()
+        self.metrics_server = worker_metrics.serve(config, "store_node", index)
 
     def _register_msg(self) -> p.NodeRegister:
         return p.NodeRegister(self.node_id, self.hostname, self.transfer.session_id,
@@ -116,13 +120,14 @@ class NodeServer:
 
     async def on_command(self, msg: p.NodeCommandMsg) -> None:
         loop = asyncio.get_running_loop()
+        started = time.perf_counter()
         if msg.op == "replicate":
             start_by = time.monotonic() + clamp_interval(  # never past the master's own
                 msg.start_within_s, 0.0, self.store.policy.put_timeout_s / 2)  # reclaim
             fut = loop.run_in_executor(self.copier, self._replicate, msg, start_by)
         else:
             fut = loop.run_in_executor(self.io, self._run_command, msg)
-        fut.add_done_callback(lambda f: self._done(msg, f))
+        fut.add_done_callback(lambda f: self._done(msg, f, started))
 
     def _replicate(self, msg: p.NodeCommandMsg, start_by: float) -> bool:
         """Copy a replica from the source node into this segment (blocking; copier thread).
@@ -140,11 +145,14 @@ class NodeServer:
             dst = self.segment.base + msg.offset
             if peer is not None:
                 ctypes.memmove(dst, peer.base + msg.source_offset, msg.size)
+                self.metrics.moved("replicate", "shm", msg.size)
                 return True
             self.transfer.read(src["session_id"], [dst], [src["base"] + msg.source_offset],
                                [msg.size])
+            self.metrics.moved("replicate", "transfer_engine", msg.size)
             return True
         except Exception as exc:  # TransferError, OSError, a malformed source
+            self.metrics.error("any", "replicate")
             log.warning("replicate %s from %s failed: %s", msg.key, src.get("node_id"), exc)
             return False
 
@@ -160,13 +168,19 @@ class NodeServer:
             log.warning("%s of %s failed: %s", msg.op, msg.key, exc)
         return False
 
-    def _done(self, msg: p.NodeCommandMsg, fut: Any) -> None:
+    def _done(self, msg: p.NodeCommandMsg, fut: Any, started: float) -> None:
         ok = not fut.cancelled() and fut.exception() is None and bool(fut.result())
         if msg.op == "drop_ssd":
             return
+        self.metrics.step(msg.op, time.perf_counter() - started, 0, 0)
+        if msg.op != "replicate" and ok:  # SSD ↔ DRAM (a replica's: counted as it moves)
+            self.metrics.moved(msg.op, "ssd", msg.size)
+        elif msg.op != "replicate":
+            self.metrics.error("ssd", msg.op)
         self.link.reply(None, p.NodeCommandDone(self.node_id, msg.op, msg.key, ok, msg.offset))
 
     def close(self) -> None:
+        worker_metrics.stop(self.metrics_server)
         self.io.shutdown(wait=True)
         self.copier.shutdown(wait=True)
         self.peers.close()
