@@ -8,8 +8,9 @@ output, that it survives Grafana's model unchanged, and that every metric a quer
 one Crescent exports.
 
 Rows follow a request's path: the router (TTFT, TBT, requests, 429s), the workers' KV
-blocks, the store (DRAM/SSD usage, hit rates), the KV transfers, and prefill compute
-against the time it waited on transfers.
+blocks, the store (DRAM/SSD usage, hit rates), the KV transfers, prefill compute against
+the time it waited on transfers, and each worker's own endpoint (step times, batch sizes,
+KV bytes by path, transfer errors, quarantined blocks; by its ``worker`` target label).
 """
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ def percentiles(histogram: str) -> list[prometheus.Dataquery]:
     """p50, p90 and p99 of a histogram, over all its series."""
     return [query(f"histogram_quantile({q}, sum by (le) (rate({histogram}_bucket{RATE})))",
                   f"p{round(q * 100)}") for q in QUANTILES]
+
+
+def mean(histogram: str, by: str) -> str:
+    """A histogram's mean per observation over the rate interval, per ``by`` labels."""
+    return (f"sum by ({by}) (rate({histogram}_sum{RATE})) / "
+            f"sum by ({by}) (rate({histogram}_count{RATE}))")
 
 
 def graph(title: str, unit: str, targets: list[prometheus.Dataquery],
@@ -131,15 +138,10 @@ def transfer_panels() -> list[Panel]:
 def prefill_panels() -> list[Panel]:
     compute = "crescent_prefill_compute_seconds"
     wait = "crescent_prefill_transfer_wait_seconds"
-
-    def per_prompt(histogram: str) -> str:
-        by = "sum by (instance) (rate"
-        return f"{by}({histogram}_sum{RATE})) / {by}({histogram}_count{RATE}))"
-
     return [
         graph("Prefill compute vs transfer wait (per prompt)", "s", [
-            query(per_prompt(compute), "{{instance}} compute"),
-            query(per_prompt(wait), "{{instance}} transfer wait")],
+            query(mean(compute, "instance"), "{{instance}} compute"),
+            query(mean(wait, "instance"), "{{instance}} transfer wait")],
             "Mean compute time of a prompt on each prefill instance, and the time it was "
             "blocked on transfers (store loads, the next pipeline stage, the last KV writes)."),
         graph("Prefill busy share", "percentunit", [
@@ -149,9 +151,44 @@ def prefill_panels() -> list[Panel]:
     ]
 
 
+def step_panels() -> list[Panel]:
+    """From each worker's and store node's own /metrics (common/worker_metrics.py)."""
+    steps = "crescent_worker_step_seconds_bucket"
+    return [
+        graph("Step time per worker", "s", [
+            query(f"histogram_quantile({q}, sum by (le, worker, step) (rate({steps}{RATE})))",
+                  f"{{{{worker}}}} {{{{step}}}} p{round(q * 100)}") for q in (0.5, 0.9)],
+              "p50 and p90 wall time of an engine step on each worker, by kind (prefill, "
+              "decode, mixed: a colocated step); a store node's tier commands."),
+        graph("Batch size per worker", "short", [
+            query(mean("crescent_worker_step_sequences", "worker, step"),
+                  "{{worker}} {{step}} sequences"),
+            query(mean("crescent_worker_step_tokens", "worker, step"),
+                  "{{worker}} {{step}} tokens")],
+              "Mean sequences and tokens per step: a decode step's batch, a prefill step's "
+              "prompt chunks and their tokens."),
+        graph("KV bytes by path per worker", "Bps", [
+            query(f"sum by (worker, flow, path) (rate(crescent_worker_kv_moved_bytes_total"
+                  f"{RATE}))", "{{worker}} {{flow}} via {{path}}")],
+              "KV bytes per second each process moved, counted where they moved: to decode "
+              "workers, hidden states to the next stage, to and from the store, a store "
+              "node's tier moves and replicas."),
+        graph("Transfer errors per worker", "short", [
+            query(f"sum by (worker, path, kind) (increase(crescent_worker_transfer_errors_total"
+                  f"{RATE}))", "{{worker}} {{kind}} via {{path}}")],
+              "Failed copies: KV streams to decode workers, hidden states, store range "
+              "copies, a store node's commands."),
+        graph("Quarantined blocks and sequences per worker", "short", [
+            query("crescent_worker_quarantined_blocks", "{{worker}} quarantined blocks"),
+            query("crescent_worker_sequences", "{{worker}} {{state}}")],
+              "Decode KV blocks held until their writer's word, and sequences running and "
+              "queued, as of each worker's last heartbeat."),
+    ]
+
+
 ROWS = (("Requests (router)", router_panels), ("Workers", worker_panels),
         ("KV store", store_panels), ("KV transfers", transfer_panels),
-        ("Prefill", prefill_panels))
+        ("Prefill", prefill_panels), ("Worker steps (each worker's /metrics)", step_panels))
 
 
 def build() -> str:

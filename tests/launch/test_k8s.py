@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 
 from common import health
-from common.config import ClusterConfig
+from common.config import INDEXED_ROLES, ClusterConfig
 from common.security import key_paths
 from common.service import ROLES, parse_args
+from common.worker_metrics import metrics_port
 from services.router.handlers import routes
 
 kv = pytest.importorskip("kubernetes_validate")
@@ -152,6 +153,9 @@ def test_ports_are_the_configs() -> None:
         ports = {p["name"]: p["containerPort"] for p in container(sts)["ports"]}
         health_ports = {health.health_port(c, role, i) for i in range(c.processes(role))}
         assert health_ports == {ports.pop("health")}  # one probe port fits every pod
+        if role in INDEXED_ROLES:  # a worker's own /metrics: one port fits every pod too
+            assert {metrics_port(c, role, i) for i in range(c.processes(role))} == {
+                ports.pop("metrics")}
         assert ports == fixed.get(role, {}), role
         service_ports = {p["name"]: p["port"] for p in
                          services[sts["spec"]["serviceName"]]["spec"]["ports"]}
@@ -174,7 +178,8 @@ def test_readiness_probes_hit_paths_that_exist() -> None:
                if a.get("prometheus.io/scrape") == "true"}
     c = config()
     assert scraped == {"router": c.http_port, "conductor": c.port("conductor_http"),
-                       "store_master": c.port("store_master_http")}
+                       "store_master": c.port("store_master_http"), "prefill": c.metrics_port,
+                       "decode": c.metrics_port, "store_node": c.metrics_port}
 
 
 def test_gpus_for_workers_only() -> None:

@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from common.config import ClusterConfig
+from common.worker_metrics import metrics_port, worker_processes
 
 yaml = pytest.importorskip("yaml")
 promql = pytest.importorskip("promql_parser")
@@ -29,6 +30,7 @@ from launch.grafana import dashboard as generator  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "launch" / "grafana" / "dashboards" / "crescent.json"
+WORKER_METRICS = REPO / "common" / "worker_metrics.py"
 GRAFANA = REPO / "launch" / "grafana" / "provisioning"
 # Sample names a metric family exposes, by type (the Prometheus text format).
 SUFFIXES = {"counter": ("_total", "_created"), "gauge": ("",),
@@ -38,9 +40,10 @@ SUFFIXES = {"counter": ("_total", "_created"), "gauge": ("",),
 
 def registries() -> dict[str, CollectorRegistry]:
     """role → the registry of every class that builds one, in every module of services/
-    that uses prometheus_client (services/<role>/...): the code's own metrics."""
+    that uses prometheus_client (services/<role>/...), and ``worker`` → the workers' and
+    store nodes' (common/worker_metrics.py): the code's own metrics."""
     found: dict[str, CollectorRegistry] = {}
-    for path in sorted((REPO / "services").rglob("*.py")):
+    for path in sorted((REPO / "services").rglob("*.py")) + [WORKER_METRICS]:
         if "prometheus_client" not in path.read_text():
             continue
         module = importlib.import_module(".".join(path.relative_to(REPO).with_suffix("").parts))
@@ -52,8 +55,21 @@ def registries() -> dict[str, CollectorRegistry]:
                 continue  # not a metrics holder (those take no required arguments)
             registry = getattr(cls(), "registry", None)
             if isinstance(registry, CollectorRegistry):
-                found[path.relative_to(REPO).parts[1]] = registry
+                found["worker" if path == WORKER_METRICS else
+                      path.relative_to(REPO).parts[1]] = registry
     return found
+
+
+def scrape_targets(config: ClusterConfig) -> dict[tuple[str, str], str]:
+    """(role, worker label) → the address:port Prometheus must scrape: the router, the
+    conductor, the store master, and every worker and store node the cluster runs."""
+    ports = {("router", ""): config.http_port, ("conductor", ""): config.port("conductor_http"),
+             ("store_master", ""): config.port("store_master_http")}
+    targets = {key: f"{config.address(key[0])}:{port}" for key, port in ports.items()}
+    for role, index in worker_processes(config):
+        targets[role, config.instance_id(role, index)] = \
+            f"{config.address(role, index)}:{metrics_port(config, role, index)}"
+    return targets
 
 
 def exported_names() -> set[str]:
@@ -111,26 +127,29 @@ def grafana_problems(doc: dict[str, Any]) -> list[str]:
 
 
 def test_exported_names_come_from_every_service_registry() -> None:
-    assert set(registries()) == {"router", "conductor", "store_master"}
+    assert set(registries()) == {"router", "conductor", "store_master", "worker"}
     names = exported_names()
     assert {"crescent_router_time_to_first_token_seconds_bucket",
             "crescent_conductor_rejected_total", "store_used_bytes",
-            "crescent_worker_kv_blocks"} <= names
+            "crescent_worker_kv_blocks", "crescent_worker_step_seconds_bucket",
+            "crescent_worker_kv_moved_bytes_total"} <= names
 
 
 def test_prometheus_scrapes_every_metrics_endpoint_of_compose() -> None:
     config = ClusterConfig.load(str(REPO / "launch" / "configs" / "compose.toml"))
-    ports = {"router": config.http_port, "conductor": config.port("conductor_http"),
-             "store_master": config.port("store_master_http")}
-    assert set(ports) == set(registries())  # each process that has metrics, and no other
+    expected = scrape_targets(config)
+    # each process that has metrics, and no other: the singletons, then every worker
+    assert {role for role, worker in expected if not worker} | {"worker"} == set(registries())
+    assert {role for role, worker in expected if worker} == {"prefill", "decode", "store_node"}
     scrape = yaml.safe_load((REPO / "launch" / "prometheus" / "prometheus.yml").read_text())
     targets = {}
     for job in scrape["scrape_configs"]:
-        (static,) = job["static_configs"]
-        (target,) = static["targets"]
-        targets[static["labels"]["role"]] = target
+        for static in job["static_configs"]:
+            (target,) = static["targets"]
+            labels = static["labels"]
+            targets[labels["role"], labels.get("worker", "")] = target
         assert job.get("metrics_path", "/metrics") == "/metrics"
-    assert targets == {role: f"{config.address(role)}:{port}" for role, port in ports.items()}
+    assert targets == expected
 
 
 def test_scrape_config_passes_promtool() -> None:
@@ -183,7 +202,10 @@ def test_every_query_names_only_exported_metrics() -> None:
             "crescent_worker_kv_blocks", "store_used_bytes", "store_policy_events_total",
             "crescent_global_cache_hit_tokens_total",
             "crescent_conductor_kv_transfer_bytes_total", "crescent_prefill_compute_seconds_sum",
-            "crescent_prefill_transfer_wait_seconds_sum"} <= used
+            "crescent_prefill_transfer_wait_seconds_sum", "crescent_worker_step_seconds_bucket",
+            "crescent_worker_step_sequences_sum", "crescent_worker_kv_moved_bytes_total",
+            "crescent_worker_transfer_errors_total",
+            "crescent_worker_quarantined_blocks"} <= used
     assert metric_names("rate(crescent_no_such_metric_total[$__rate_interval])") - exported
 
 

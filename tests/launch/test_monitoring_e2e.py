@@ -1,6 +1,7 @@
 """A real Prometheus (Debian's, unpacked by launch/setup.sh) scrapes a real cluster through
 the shipped scrape config's jobs, and every query of the shipped dashboard runs on it and
-shows data; every process of that cluster answers its /health port."""
+shows data; every process of that cluster answers its /health port, and every worker and
+store node is scraped on its own /metrics port."""
 from __future__ import annotations
 
 import subprocess
@@ -15,14 +16,15 @@ import pytest
 from common.health import health_port, layout
 from launch.cluster import LocalCluster
 from tests.e2e.conftest import start_cluster
-from tests.launch.test_monitoring import dashboard_json, panels
+from tests.launch.test_monitoring import dashboard_json, panels, scrape_targets
 
 yaml = pytest.importorskip("yaml")
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = Path(sys.prefix) / "tools" / "usr" / "bin"
-HTTP, BASE, HEALTH, PROMETHEUS = 21800, 21810, 21830, 21840  # this module's ports
-QUIET = {"Rejected: 429s"}  # empty in a healthy run: nothing was refused
+HTTP, BASE, HEALTH, PROMETHEUS, METRICS = 21800, 21810, 21830, 21840, 21850  # its ports
+# empty in a healthy run: nothing was refused, no copy failed
+QUIET = {"Rejected: 429s", "Transfer errors per worker"}
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
     not (TOOLS / "prometheus").is_file(),
@@ -31,15 +33,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(
 
 def scrape_config(cluster: LocalCluster, path: Path) -> Path:
     """The shipped config's jobs, each aimed at this cluster's process of its role."""
-    config = cluster.config
-    ports = {"router": config.http_port, "conductor": config.port("conductor_http"),
-             "store_master": config.port("store_master_http")}
+    targets = scrape_targets(cluster.config)
     doc = yaml.safe_load((REPO / "launch" / "prometheus" / "prometheus.yml").read_text())
     doc["global"]["scrape_interval"] = "1s"
     for job in doc["scrape_configs"]:
-        (static,) = job["static_configs"]
-        role = static["labels"]["role"]
-        static["targets"] = [f"{config.address(role)}:{ports[role]}"]
+        for static in job["static_configs"]:
+            labels = static["labels"]
+            static["targets"] = [targets.pop((labels["role"], labels.get("worker", "")))]
+    assert not targets, f"no job scrapes {sorted(targets)}"
     path.write_text(yaml.safe_dump(doc))
     subprocess.run([TOOLS / "promtool", "check", "config", path], check=True,
                    capture_output=True)
@@ -62,7 +63,8 @@ def wait_for(check: Any, what: str, timeout_s: float = 40.0) -> None:
 
 def test_prometheus_scrapes_a_cluster_and_every_dashboard_panel_shows_data(
         tmp_path: Path) -> None:
-    cluster = start_cluster(tmp_path, http=HTTP, base=BASE, extra=f"health_port = {HEALTH}")
+    cluster = start_cluster(tmp_path, http=HTTP, base=BASE,
+                            extra=f"health_port = {HEALTH}\nmetrics_port = {METRICS}")
     prometheus = None
     try:
         for role, index in layout(cluster.config):  # every process answers /health
@@ -79,8 +81,8 @@ def test_prometheus_scrapes_a_cluster_and_every_dashboard_panel_shows_data(
             [TOOLS / "prometheus", f"--config.file={config}",
              f"--storage.tsdb.path={tmp_path / 'data'}",
              f"--web.listen-address=127.0.0.1:{PROMETHEUS}"], stdout=log, stderr=log)
-        wait_for(lambda: len([r for r in _up() if r["value"][1] == "1"]) == 3,
-                 "all three targets up")
+        wait_for(lambda: len([r for r in _up() if r["value"][1] == "1"]) == 6,
+                 "all six targets up")
         # each target is scraped on its own schedule, and a rate needs two scrapes of it
         # after the requests: wait until every panel has data (or time runs out)
         def empty() -> set[str]:
