@@ -106,9 +106,13 @@ class SharedClusters:
     def get(self, shape: str) -> LocalCluster:
         if shape not in self._up:
             port, store, extra = SHAPES[shape]
-            port += 100 * list(SHARED_CLUSTER_GROUPS).index(self.group)
+            group = list(SHARED_CLUSTER_GROUPS).index(self.group)
+            port += 100 * group
+            # each worker's /metrics: the group's ports 60-89 (workers from + 3)
+            metrics = 22060 + 100 * group + 10 * list(SHAPES).index(shape)
             self._up[shape] = start_cluster(self._tmp.mktemp(shape), http=port,
-                                            base=port + 5, store=store, extra=extra)
+                                            base=port + 5, store=store,
+                                            extra=extra + f"metrics_port = {metrics}\n")
         return self._up[shape]
 
     def stop(self) -> None:
