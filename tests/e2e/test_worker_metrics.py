@@ -1,9 +1,10 @@
 """Each worker and store node of a real cluster serves its own /metrics (common/
 worker_metrics.py): after a request its step counts and KV bytes have grown, and the
-router's dashboard data shows the same numbers (services/router/worker_scrape.py)."""
+router's dashboard data shows the same numbers (services/router/worker_scrape.py). A
+colocated worker moves no KV (one process; layer-wise it puts nothing in the store), so
+there only its steps are checked."""
 from __future__ import annotations
 
-import time
 import uuid
 from collections import defaultdict
 
@@ -55,20 +56,14 @@ def test_every_worker_counts_its_steps_and_kv_bytes(shared, shape: str) -> None:
     def grew(after: dict[str, Series], name: str, worker: str, **labels: str) -> float:
         return total(after[worker], name, **labels) - total(before[worker], name, **labels)
 
-    deadline = time.monotonic() + 10  # the KV bytes of the store's puts land after the answer
-    while True:
-        after = scrape_all(cluster)
-        if shape == "disaggregated":
-            prefill, decode = "prefill-0", "decode-0"
-            moved = grew(after, "crescent_worker_kv_moved_bytes_total", prefill, flow="decode")
-        else:
-            prefill = decode = "colocated-0"
-            moved = grew(after, "crescent_worker_kv_moved_bytes_total", prefill,
-                         flow="store_write")
-        if moved > 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert moved > 0, after[prefill]["crescent_worker_kv_moved_bytes_total"]
+    after = scrape_all(cluster)
+    if shape == "disaggregated":  # the prompt's KV went to the decode worker, by one path
+        prefill, decode = "prefill-0", "decode-0"
+        moved = grew(after, "crescent_worker_kv_moved_bytes_total", prefill, flow="decode")
+        assert moved > 0, after[prefill]["crescent_worker_kv_moved_bytes_total"]
+    else:  # one process prefills and decodes: its KV moves nowhere
+        prefill = decode = "colocated-0"
+        moved = 0
     steps = "crescent_worker_step_seconds_count"
     prefilled = sum(grew(after, "crescent_worker_step_tokens_sum", prefill, step=kind)
                     for kind in ("prefill", "mixed"))
