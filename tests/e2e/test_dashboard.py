@@ -39,7 +39,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     # their own worker's cache (local hits). max_queue = 1: a request arriving while
     # another waits for its prefill is refused (429 queue_full).
     c = start_cluster(tmp_path_factory.mktemp("dashboard"), http=21200, base=21220,
-                      prefill=2, scheduler="round_robin", extra="max_queue = 1")
+                      prefill=2, scheduler="round_robin",
+                      extra="max_queue = 1\nmetrics_port = 21240")
     yield c
     c.stop()
 
@@ -245,6 +246,8 @@ return {
       .map((tr) => tr.dataset.request),
   rejected_429: text("rejected_429"), local: text("local_hit_rate"),
   global: text("global_hit_rate"),
+  steps: [...document.querySelectorAll("#worker_metrics tr[data-worker]")]
+      .map((tr) => [tr.dataset.worker, tr.dataset.step, cells(tr).steps]),
 };
 """
 
@@ -273,6 +276,10 @@ def test_page_in_headless_chromium(cluster: LocalCluster, served: Served,
     assert shown["local"] == f"{100 * cache['local_hit_rate']:.1f} %"
     assert shown["requests"] == [r["request_id"] for r in d["requests"]]
     assert shown["health"] == "ready"
+    # each worker's own /metrics: a row per step kind it ran (a store node: none, "–")
+    assert {w for w, _, _ in shown["steps"]} == {w["worker"] for w in d["worker_metrics"]}
+    assert {(w, kind) for w, kind, n in shown["steps"] if n not in ("–", "")} >= {
+        ("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode")}
     time.sleep(2.5)  # a few refreshes: none of them may log an error
     ARTIFACTS.mkdir(exist_ok=True)
     assert browser.save_screenshot(str(ARTIFACTS / "dashboard.png"))
