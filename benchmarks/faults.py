@@ -61,6 +61,7 @@ def config_data(http: int, prefill: int, decode: int, scheduler: str,
     return {"model": "smollm2-135m", "http_port": http, "base_port": http + 10,
             "prefill_workers": prefill, "prefill_stages": stages, "decode_workers": decode,
             "prefill_blocks": 256, "decode_blocks": 512, "scheduler": scheduler,
+            "cost_profile": "cpu-smollm2-135m",  # faults, not predictions: no calibration
             "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 2.0,
             "kv_wait_timeout_s": 10.0, "request_timeout_s": router_timeout,
             "supervise": {"backoff_s": 0.5, "max_restarts_per_minute": 20},

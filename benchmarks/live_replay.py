@@ -25,8 +25,7 @@ The model's tokenizer is exported as an HF hub cache entry so AIPerf loads it wi
         [--py-spy 30]   # also profile every service process for 30 s of each run
         [--kill decode@60 --kill prefill@120]   # SIGKILL roles during each replay
 
-Prints one table, saves TTFT/TBT CDF plots (PNG; benchmarks/live_replay_report.py) and ends
-with one JSON line.
+Prints one table, saves TTFT/TBT CDF plots (benchmarks/live_replay_report.py), one JSON line.
 """
 from __future__ import annotations
 
@@ -181,7 +180,8 @@ def cluster_config_data(name: str, http_port: int, base_toml: Optional[Path] = N
         raise ReplayError(f"unknown configuration {name!r}; known: {', '.join(CONFIGS)}")
     with open(base_toml or REPO / "launch" / "configs" / "default.toml", "rb") as fh:
         data = tomllib.load(fh)
-    data = merge(data, dict(CONFIGS[name], http_port=http_port, base_port=http_port + 10))
+    data = merge(data, dict(CONFIGS[name], http_port=http_port, base_port=http_port + 10,
+                            metrics_port=http_port + 50))  # workers' /metrics: + 53, ...
     try:
         ClusterConfig.from_dict(data)
     except (TypeError, ValueError) as exc:

@@ -20,6 +20,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.scheduling import CostModel, DecodeCoefficients, fit_prefill_cost  # noqa: E402
+from common.scheduling.cost import fit_decode_cost  # noqa: E402
 
 
 def _tokens(engine, n: int, seed: int) -> list[int]:
@@ -47,7 +48,7 @@ def profile_prefill(engine, news: Sequence[int], cacheds: Sequence[int], reps: i
 def profile_decode(engine, batches: Sequence[int], contexts: Sequence[int], reps: int) -> DecodeCoefficients:
     from common.engine.config import DecodeInput
 
-    rows, ys = [], []
+    samples = []
     for ctx in contexts:
         for b in batches:
             tables = [engine.pool.allocate(engine.blocks_needed(ctx + 1)) for _ in range(b)]
@@ -57,11 +58,9 @@ def profile_decode(engine, batches: Sequence[int], contexts: Sequence[int], reps
             finally:
                 for t in tables:
                     engine.pool.free(t)
-            rows.append([1.0, b, b * ctx])
-            ys.append(best)
+            samples.append((b, b * ctx, best))
             print(f"decode batch={b:3d} ctx={ctx:5d}: {best * 1000:8.2f} ms", flush=True)
-    coef, *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
-    return DecodeCoefficients(d0=float(coef[0]), d_batch=float(coef[1]), d_ctx=float(coef[2]))
+    return fit_decode_cost(samples)
 
 
 def _timed(fn) -> float:

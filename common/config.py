@@ -207,7 +207,9 @@ class ClusterConfig:
     admission: str = "early"  # none | early | predicted
     expected_decode_s: float = 10.0  # "predicted": typical decode time until 32 decodes finished
     kvcache_balancing_threshold: float = 2.0
-    cost_profile: str = "cpu-smollm2-135m"  # a named profile or a coefficients JSON file
+    # "auto": each worker's phases fitted on its machine at its first start there (cached;
+    # common/engine/calibrate.py), refitted online; or a named profile or a JSON file
+    cost_profile: str = "auto"
     # What the scheduler assumes a prefix moves at from the store to a prefill worker
     # (bytes/s). None: learned from the prefills' loads (services/conductor/calibration.py
     # ReadBandwidth), the cost profile's (1e9 for the shipped one) until then. TCP moved

@@ -16,6 +16,7 @@ from typing import Optional
 from common.ipc import message
 from common.kv.events import BlockEventMsg
 from common.sampling_params import PromptLogprobs, SampledToken, SamplingParams, TopLogprobs
+from common.scheduling.cost import DecodeCoefficients, PrefillCoefficients
 from common.scheduling.state import Rejection
 
 # ---------------------------------------------------------------- fencing
@@ -35,6 +36,16 @@ class Fence:
 # ---------------------------------------------------------------- to the conductor
 
 
+@dataclass(frozen=True)
+class MachineCost:
+    """A worker's own phases timed and fitted on its machine (common/engine/calibrate.py):
+    the conductor prices its work with them (``cost_profile = "auto"``)."""
+
+    key: str  # what was measured: machine, model, dtypes, threads (JSON)
+    prefill: Optional[PrefillCoefficients] = None
+    decode: Optional[DecodeCoefficients] = None
+
+
 @message
 class RegisterWorker:
     instance_id: str
@@ -51,6 +62,7 @@ class RegisterWorker:
     epoch: int = 0  # this incarnation (start time, ns): a higher one replaces it
     kv_ipc: Optional[str] = None  # GPU KV memory: its CUDA IPC handle (common/kv/cuda_ipc.py)
     stages: int = 1  # a prefill pipeline group's processes (its head registers the group)
+    cost: Optional[MachineCost] = None  # fitted on its machine ("auto" cost profile)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from common.kv.events import BlockEventMsg
 from common.kv.shm_kv import close_at_exit, worker_segment
 from common.mailbox import Mailbox
 from common.service import StartupError
-from common.protocol import (KVResync, KVSnapshot, ReRegister, RegisterWorker, RequestFailed,
+from common.protocol import (KVResync, KVSnapshot, MachineCost, ReRegister, RegisterWorker, RequestFailed,
                              WorkerHeartbeat, WorkerLeaving, WorkerLoad)
 from common.transfer import TransferAgent, TransferConfig
 
@@ -119,6 +119,17 @@ class WorkerRuntime:
         # False: no new work now (a prefill group missing a stage); beats say draining
         self.available: Callable[[], bool] = lambda: True
         self.kv_bytes: Callable[[], dict[str, int]] = dict  # KV bytes moved, by flow/path
+        self.cost = self._machine_cost()  # before registering: the conductor prices with it
+
+    def _machine_cost(self) -> Optional[MachineCost]:
+        """With ``cost_profile = "auto"``, this worker's phases fitted on this machine
+        (measured at the first start here, then cached: common/engine/calibrate.py). A
+        pipeline stage holds a share of the layers: its group is fitted online instead."""
+        if self.config.cost_profile != "auto" or self.stages > 1:
+            return None
+        from common.engine.calibrate import PHASES, machine_cost
+        return machine_cost(self.engine, PHASES[self.role],
+                            self.config.step_budget(self.role))
 
     def registration(self) -> RegisterWorker:
         kv = self.engine.kv
@@ -130,7 +141,7 @@ class WorkerRuntime:
             layer_nbytes=kv.layer_nbytes,
             num_blocks=kv.num_blocks, block_size=self.engine.config.block_size,
             kv_shm_path=kv.shm_path, host_id=host_id(), epoch=self.epoch, stages=self.stages,
-            kv_ipc=self.kv_ipc)
+            kv_ipc=self.kv_ipc, cost=self.cost)
 
     def heartbeat(self, load: WorkerLoad) -> WorkerHeartbeat:
         """Load and the pool's KV events since the last beat, in order, numbered."""

@@ -58,11 +58,40 @@ def fit_prefill_cost(samples: Sequence[tuple[int, int, float]]) -> PrefillCoeffi
         raise ValueError("fit_prefill_cost needs at least one sample")
     x = np.array([_prefill_features(n, c) for n, c, _ in samples], dtype=np.float64)
     y = np.array([s for _, _, s in samples], dtype=np.float64)
-    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)  # condition the columns
-    coef, *_ = np.linalg.lstsq(x / scale, y, rcond=None)
-    coef = coef / scale
-    return PrefillCoefficients(*(float(v) for v in coef))
+    return PrefillCoefficients(*_nonnegative_lstsq(x, y))
 
+
+def fit_decode_cost(samples: Sequence[tuple[int, int, float]]) -> DecodeCoefficients:
+    """Least-squares fit of ``d0 + d_batch*B + d_ctx*K`` to (batch B, context tokens of
+    the batch K, seconds per step) samples."""
+    if not samples:
+        raise ValueError("fit_decode_cost needs at least one sample")
+    x = np.array([[1.0, b, k] for b, k, _ in samples], dtype=np.float64)
+    y = np.array([s for _, _, s in samples], dtype=np.float64)
+    return DecodeCoefficients(*_nonnegative_lstsq(x, y))
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
+    """Least squares of the *relative* error (each sample weighted by 1/seconds: what a
+    TTFT prediction is judged by; plain least squares fits the longest prompts and lets a
+    short one's fixed cost go) with no negative coefficient: every term is a cost, and
+    noisy samples (a busy machine, few sizes) fit a negative one that predicts nonsense
+    away from them. The most negative term is dropped (0) and the others refitted, until
+    none is. Terms the samples cannot determine (an all-zero column) get 0."""
+    weight = 1.0 / np.maximum(y, 1e-4)
+    x, y = x * weight[:, None], y * weight
+    active = [j for j in range(x.shape[1]) if np.any(x[:, j])]
+    coef = np.zeros(x.shape[1])
+    while active:
+        cols = x[:, active]
+        scale = np.maximum(np.abs(cols).max(axis=0), 1e-12)  # condition the columns
+        fit, *_ = np.linalg.lstsq(cols / scale, y, rcond=None)
+        fit = fit / scale
+        if fit.min() >= 0:
+            coef[active] = fit
+            break
+        del active[int(np.argmin(fit))]
+    return [float(v) for v in coef]
 
 # LLaMA3-70B (80 layers, d_model 8192, 8 KV heads x 128, bf16) on one 8xA800-80GB node with
 # tensor parallelism 8. Derivation in docs/simulator.md.

@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Iterable, Optional, Union
 
 from common.config import ClusterConfig
 from common.kv.demand import kv_demand
-from common.protocol import PrefillDone, SubmitRequest
+from common.protocol import MachineCost, PrefillDone, SubmitRequest
 from common.scheduling import (
     CostModel, DecodeInstanceState, DecodeSlot, PipelineCost, PrefillInstanceState, PrefixIndex,
     Rejection, RequestInfo, SchedulerConfig, make_scheduler,
 )
 from services.conductor.calibration import PrefillCalibrator, ReadBandwidth
 from services.conductor.registry import Registry, WorkerState
-from services.conductor.tracker import Phase, Tracker
+from services.conductor.tracker import Phase, Tracked, Tracker
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,15 @@ class Placement:
 
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "launch" / "profiles"
+# ``cost_profile = "auto"`` prices with this shipped profile until the workers report the
+# coefficients they fitted on their machines (RegisterWorker.cost)
+AUTO_START = "cpu-smollm2-135m"
 
 
 def load_cost_model(name: str) -> CostModel:
-    """A named profile (common/scheduling), a JSON path, or launch/profiles/<name>.json."""
+    """A named profile (common/scheduling), a JSON path, or launch/profiles/<name>.json;
+    "auto": the profile the cluster starts from (``AUTO_START``)."""
+    name = AUTO_START if name == "auto" else name
     shipped = PROFILE_DIR / f"{name}.json"
     if name not in CostModel.profile_names() and shipped.is_file():
         return CostModel.from_json(shipped)
@@ -44,10 +49,18 @@ def load_cost_model(name: str) -> CostModel:
 
 
 class _KeySetIndex(PrefixIndex):
-    """A PrefixIndex view over a worker's live key set (no copy per decision)."""
+    """A PrefixIndex view over a worker's live key set (no copy per decision), and the
+    keys of the prompts queued on it: computed before a prompt placed now starts (a FIFO
+    worker), so they are as good as cached for its prediction. Without them a burst of
+    one conversation's turns was priced as if each recomputed the shared prefix: the
+    queue predicted 2-6x too long."""
 
-    def __init__(self, keys: set[str]) -> None:
+    def __init__(self, keys: set[str], queued: frozenset[str] = frozenset()) -> None:
         self._keys = keys
+        self.queued = queued
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._keys or key in self.queued
 
 
 class Placer:
@@ -66,6 +79,27 @@ class Placer:
         # a pipeline group's TTFT is not a single worker's (short prompts gain nothing)
         self.shapes: dict[int, PrefillCalibrator] = {1: PrefillCalibrator(self.cost)}
         self.store_reads = ReadBandwidth()
+        self.machine_keys: list[str] = []  # the workers' fitted coefficients adopted
+
+    def adopt(self, cost: MachineCost) -> bool:
+        """With ``cost_profile = "auto"``: price with what a worker fitted on its machine
+        (common/engine/calibrate.py) from now on, the first report of each key (a
+        restart's, the same key, keeps what the online refit learned since). A prefill
+        group's shape starts from it when first met. True if adopted."""
+        if self.config.cost_profile != "auto" or cost.key in self.machine_keys:
+            return False
+        self.machine_keys.append(cost.key)
+        if cost.prefill is not None:
+            self.cost.prefill = cost.prefill
+        if cost.decode is not None:
+            self.cost.decode = cost.decode
+        return True
+
+    def describe(self) -> dict:
+        """The cost model in use, for ``/debug/ttft``."""
+        return {"profile": self.config.cost_profile, "machine_keys": self.machine_keys,
+                "prefill": asdict(self.cost.prefill), "decode": asdict(self.cost.decode),
+                "refits": self.calibrator.refits}
 
     @property
     def calibrator(self) -> PrefillCalibrator:
@@ -80,7 +114,7 @@ class Placer:
         """The calibration of that shape; a group's model starts from the cluster's
         profile (PipelineCost) and is refitted from its own prefills."""
         if stages not in self.shapes:
-            pipeline = PipelineCost(load_cost_model(self.config.cost_profile), stages,
+            pipeline = PipelineCost(self.cost, stages,
                                     self.config.step_budget("prefill"))
             self.shapes[stages] = PrefillCalibrator(pipeline)
         return self.shapes[stages]
@@ -93,7 +127,8 @@ class Placer:
         else:  # no tracker (tests of the policy alone): the worker's reported queue
             tokens = max(w.beat.load.queued_tokens if w.beat else 0, w.pending_tokens)
             queue_s = cost.prefill_seconds(tokens, 0) if tokens else 0.0
-        return PrefillInstanceState(w.instance_id, queue_s, _KeySetIndex(w.cached_keys),
+        queued = frozenset(k for t in self._waiting(w, tracker) for k in t.req.block_keys)
+        return PrefillInstanceState(w.instance_id, queue_s, _KeySetIndex(w.cached_keys, queued),
                                     queued_requests=len(w.assigned),
                                     cost=cost if cost is not self.cost else None)
 
@@ -103,8 +138,7 @@ class Placer:
         long as all of them: attention is quadratic per prompt, and that overestimated a
         queue of ten prompts about twice), less what the first, probably computing now,
         has predictably done already."""
-        waiting = [t for t in map(tracker.get, w.assigned)
-                   if t is not None and t.phase is not Phase.DECODING]
+        waiting = self._waiting(w, tracker)
         if not waiting:
             return 0.0
         cost = self.cost_of(w.info.stages)
@@ -115,6 +149,14 @@ class Placer:
         starts = [t.accepted_at + t.predicted_ttft_s - c for t, c in zip(waiting, costs)]
         first = min(range(len(waiting)), key=starts.__getitem__)
         return sum(costs) - min(costs[first], max(0.0, now - starts[first]))
+
+    @staticmethod
+    def _waiting(w: WorkerState, tracker: Optional[Tracker]) -> list[Tracked]:
+        """The requests placed on prefill worker ``w`` whose KV has not landed yet."""
+        if tracker is None:
+            return []
+        return [t for t in map(tracker.get, w.assigned)
+                if t is not None and t.phase is not Phase.DECODING]
 
     def _decode_state(self, w: WorkerState, tracker: Optional[Tracker],
                       now: float) -> DecodeInstanceState:

@@ -54,6 +54,7 @@ class Conductor(FailurePaths):
         self.held = HeldRequests(config.worker_wait_s)  # waiting for a worker (place_held)
         self.placer = Placer(config)
         self.metrics = ConductorMetrics()
+        self.metrics.ttft_log.cost = self.placer.describe  # read by the metrics thread
         self.metrics.typical_decode.set(self.placer.policy.decode_durations.mean())
         self.router_inbox = config.inbox("router")
         self.store: Optional[StoreView] = None  # the store's usage, with a store (run)
@@ -84,6 +85,9 @@ class Conductor(FailurePaths):
         if self.registry.register(msg) is old:
             return  # the periodic registration of a known incarnation
         log.info("registered %s (%s, %d blocks)", msg.instance_id, msg.role, msg.num_blocks)
+        if msg.cost is not None and self.placer.adopt(msg.cost):
+            log.info("pricing with the cost %s fitted on its machine: %s %s",
+                     msg.instance_id, msg.cost.prefill or "", msg.cost.decode or "")
         if old is not None:  # a new incarnation replaced it: its requests are gone
             self.worker_lost(msg.instance_id, "restarted")
         self._announce(msg)
@@ -183,7 +187,7 @@ class Conductor(FailurePaths):
                 self.mail.send(worker.info.inbox,
                                AbortRequest(msg.request_id, "stale", msg.fence))
             return
-        t.fence = msg.fence
+        t.fence, t.reserved_at = msg.fence, self.clock()
         decode = self.registry.get(t.decode_id)
         prefill = self.registry.get(t.prefill_id)
         if decode is None or prefill is None:
@@ -226,7 +230,9 @@ class Conductor(FailurePaths):
         self.registry.release_prefill(t)
         self.metrics.observe_ttft(TTFTRecord(
             t.req.request_id, t.accepted_at, t.predicted_ttft_s,
-            t.decode_started_at - t.accepted_at, len(t.req.token_ids), t.prefill_tokens))
+            t.decode_started_at - t.accepted_at, len(t.req.token_ids), t.prefill_tokens,
+            reserve_s=(t.reserved_at or t.accepted_at) - t.accepted_at,
+            cached_tokens=msg.cached_tokens, compute_s=msg.prefill_seconds, wait_s=msg.wait_s, admit_s=msg.admit_s))
 
     def _observe_prefill(self, msg: PrefillDone) -> None:
         self.metrics.cached_tokens.inc(msg.cached_tokens)

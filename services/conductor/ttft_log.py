@@ -13,7 +13,7 @@ import statistics
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,13 @@ class TTFTRecord:
     actual_prefill_ttft_s: float  # accept → KV on the decode worker
     prompt_tokens: int
     prefill_tokens: int  # prompt tokens the prefill worker was predicted to compute
+    # where the actual time went: accept → the decode worker's blocks reserved (the prefill
+    # task sent then), and what the prefill worker reported (PrefillDone)
+    reserve_s: float = 0.0
+    cached_tokens: int = 0  # the prompt's tokens the worker found cached (or loaded)
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    admit_s: float = 0.0
 
     @property
     def rel_error(self) -> Optional[float]:
@@ -38,6 +45,7 @@ class TTFTLog:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self._ring: deque[TTFTRecord] = deque(maxlen=capacity)
         self._lock = threading.Lock()
+        self.cost: Callable[[], dict[str, Any]] = dict  # the cost model predicting now
 
     def record(self, rec: TTFTRecord) -> None:
         with self._lock:
@@ -51,7 +59,8 @@ class TTFTLog:
         return len(self._ring)
 
     def snapshot(self) -> dict[str, Any]:
-        """The JSON body of ``/debug/ttft``: a summary and every record, oldest first."""
+        """The JSON body of ``/debug/ttft``: a summary, the cost model in use and every
+        record, oldest first."""
         recs = self.records()
         errors = [e for e in (r.rel_error for r in recs) if e is not None]
         summary: dict[str, Any] = {"count": len(recs), "median_rel_error": None,
@@ -62,4 +71,4 @@ class TTFTLog:
                 median_abs_rel_error=statistics.median(abs(e) for e in errors),
                 within_25pct=sum(abs(e) <= 0.25 for e in errors) / len(errors))
         rows = [dict(asdict(r), rel_error=r.rel_error) for r in recs]
-        return {"summary": summary, "requests": rows}
+        return {"summary": summary, "cost": self.cost(), "requests": rows}

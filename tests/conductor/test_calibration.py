@@ -43,3 +43,36 @@ def test_invalid_samples_are_ignored() -> None:
     assert not cal.observe(0, 10, 1.0)
     assert not cal.observe(10, 0, 0.0)
     assert len(cal.samples) == 0
+
+
+def _placer(profile: str = "auto") -> "Placer":
+    from common.config import ClusterConfig
+    from services.conductor.placement import Placer
+    return Placer(ClusterConfig(cost_profile=profile))
+
+
+def test_auto_prices_with_what_the_workers_fitted_on_their_machines() -> None:
+    from common.protocol import MachineCost
+    placer = _placer()
+    shipped = placer.cost.prefill
+    fitted = MachineCost("prefill@here", PrefillCoefficients(c0=0.05, c_new=0.001))
+    assert placer.adopt(fitted)
+    assert placer.cost.prefill == fitted.prefill and placer.cost.prefill != shipped
+    assert placer.policy.cost is placer.cost  # the scheduler prices with it
+    decode = MachineCost("decode@here", decode=DecodeCoefficients(d0=0.03, d_ctx=1e-5))
+    assert placer.adopt(decode)
+    assert placer.cost.decode == decode.decode and placer.cost.prefill == fitted.prefill
+    # a restart reports the same key: what the online refit learned since is kept
+    placer.cost.prefill = TRUE
+    assert not placer.adopt(fitted) and placer.cost.prefill == TRUE
+    assert placer.describe()["machine_keys"] == ["prefill@here", "decode@here"]
+    # a pipeline group's shape starts from the cost in use
+    assert placer.cost_of(2).prefill == TRUE
+
+
+def test_a_pinned_profile_ignores_the_workers_fits() -> None:
+    from common.protocol import MachineCost
+    placer = _placer("cpu-smollm2-135m")
+    before = placer.cost.prefill
+    assert not placer.adopt(MachineCost("k", PrefillCoefficients(c0=9.0)))
+    assert placer.cost.prefill == before and placer.describe()["machine_keys"] == []

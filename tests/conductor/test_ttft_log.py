@@ -33,7 +33,7 @@ def test_snapshot_summary_exact() -> None:
     log = TTFTLog()
     assert log.snapshot() == {"summary": {"count": 0, "median_rel_error": None,
                                           "median_abs_rel_error": None, "within_25pct": None},
-                              "requests": []}
+                              "cost": {}, "requests": []}
     # rel errors: -0.5, +0.25, +1.0, and one without an actual (0 s: no error).
     for i, (p, a) in enumerate([(1.0, 2.0), (2.5, 2.0), (4.0, 2.0), (1.0, 0.0)]):
         log.record(rec(i, p, a))
@@ -43,7 +43,7 @@ def test_snapshot_summary_exact() -> None:
     assert snap["requests"][0] == {
         "request_id": "r0", "accepted_at": 100.0, "predicted_ttft_s": 1.0,
         "actual_prefill_ttft_s": 2.0, "prompt_tokens": 40, "prefill_tokens": 30,
-        "rel_error": -0.5}
+        "reserve_s": 0.0, "cached_tokens": 0, "compute_s": 0.0, "wait_s": 0.0, "admit_s": 0.0, "rel_error": -0.5}
     assert snap["requests"][3]["rel_error"] is None
 
 
@@ -73,11 +73,15 @@ def test_conductor_records_each_request_and_serves_json() -> None:
         c.on_heartbeat(WorkerHeartbeat(f"{role}-0", role, WorkerLoad(), 100, 0, 100, [], 0))
     c.on_submit(SubmitRequest("r1", list(range(40)), [], SamplingParams(max_tokens=8), 0.0))
     [accepted] = [m for m in mail.sent if isinstance(m, RequestAccepted)]
+    clock.t = 1000.05
     c.on_reserved(BlocksReserved("r1", "decode-0", [1, 2, 3]))
     clock.t = 1000.5
-    c.on_prefill_done(PrefillDone("r1", "decode-0", 40, 0, 0, 0.4, 1000, 0.01))
+    c.on_prefill_done(PrefillDone("r1", "decode-0", 40, 0, 0, 0.4, 1000, 0.01, wait_s=0.02,
+                                  admit_s=0.003))
     [r] = c.metrics.ttft_log.records()
-    assert r == TTFTRecord("r1", 1000.0, accepted.predicted_ttft_s, 0.5, 40, 40)
+    assert r == TTFTRecord("r1", 1000.0, accepted.predicted_ttft_s, 0.5, 40, 40,
+                           reserve_s=pytest.approx(0.05), compute_s=0.4, wait_s=0.02,
+                           admit_s=0.003)
     assert r.rel_error == pytest.approx((accepted.predicted_ttft_s - 0.5) / 0.5)
 
     server = c.metrics.serve(0, "127.0.0.1")
@@ -87,6 +91,7 @@ def test_conductor_records_each_request_and_serves_json() -> None:
         assert body["summary"]["count"] == 1
         assert body["requests"][0]["request_id"] == "r1"
         assert body["requests"][0]["actual_prefill_ttft_s"] == 0.5
+        assert body["cost"]["profile"] == "auto" and body["cost"]["refits"] == 0
         text = httpx.get(url + "/metrics", timeout=5).text
         assert "crescent_conductor_ttft_rel_error_count 1.0" in text
         assert "crescent_conductor_actual_prefill_ttft_seconds_count 1.0" in text

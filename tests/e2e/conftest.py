@@ -29,6 +29,9 @@ prefill_blocks = 256
 decode_blocks = 384
 scheduler = "{scheduler}"
 heartbeat_interval_s = 0.2
+# the shipped profile: no calibration at each new kind of cluster's first start (the
+# default config's clusters, tests/e2e/test_live_replay.py, do calibrate)
+cost_profile = "cpu-smollm2-135m"
 {extra}
 [store]
 enabled = {store}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
 from benchmarks.live_replay import (
@@ -46,6 +47,9 @@ def test_short_live_replay_has_no_failed_requests(tmp_path: Path) -> None:
         results = run_aiperf(aiperf, cluster.url, cluster.config.model_name, trace_path, tok,
                              tmp_path / "aiperf", seed=0, request_timeout_s=120,
                              extra_inputs=("temperature:0",))
+        c = cluster.config
+        ttft = httpx.get(f"http://{c.address('conductor')}:{c.port('conductor_http')}"
+                         "/debug/ttft", timeout=10).json()
     finally:
         cluster.stop()
 
@@ -55,3 +59,9 @@ def test_short_live_replay_has_no_failed_requests(tmp_path: Path) -> None:
     for r in results:
         assert 0 < r.ttft_s <= r.e2e_s
         assert r.output_tokens >= 1
+    # the default config's cost profile is "auto": each worker's phase fitted on this
+    # machine (at its first start here, or from the cache) prices the predictions
+    assert ttft["cost"]["profile"] == "auto"
+    phases = sorted(json.loads(k)["phase"] for k in ttft["cost"]["machine_keys"])
+    assert phases == ["decode", "prefill"], ttft["cost"]
+    assert ttft["summary"]["count"] == REQUESTS
