@@ -1,12 +1,18 @@
-"""``crescent``: bring up a local cluster, run one service, or run the simulator."""
+"""``crescent``: bring up a local cluster, run one service, fit the cost model of this
+machine, or run the simulator."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Optional
+
+REPO = Path(__file__).resolve().parent.parent
 
 if TYPE_CHECKING:
     from common.config import ClusterConfig
@@ -71,6 +77,33 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Measure each compute role's phases on this machine again, one role at a time, each
+    pinned as ``up`` pins that role's first worker, and replace the cached fits the
+    workers price with (``cost_profile = "auto"``; common/engine/calibrate.py)."""
+    from common.cpu import ENV_CPUS, ENV_THREADS, plan_env
+    from launch.cluster import LocalCluster
+
+    try:
+        cluster = LocalCluster(args.config, ".crescent/logs", args.set)
+    except ValueError as exc:
+        print(f"crescent: {exc}", file=sys.stderr)
+        return 2
+    roles = ["colocated"] if cluster.config.mode == "colocated" else ["prefill", "decode"]
+    for role in roles:
+        env = {k: v for k, v in os.environ.items() if k not in (ENV_CPUS, ENV_THREADS)}
+        plan = cluster.cpu_plan(role, 0)
+        env.update(plan_env(plan) if plan is not None else {})
+        command = [sys.executable, "-m", "common.engine.calibrate", "--role", role, "--force"]
+        command += ["--config", args.config] if args.config else []
+        command += [f"--set={item}" for item in args.set]
+        print(f"crescent: calibrating {role} ...", flush=True)
+        if subprocess.run(command, env=env, cwd=REPO).returncode != 0:
+            print(f"crescent: calibrating {role} failed", file=sys.stderr)
+            return 1
+    return 0
+
+
 def cmd_serve(argv: list[str]) -> int:
     """``crescent serve ROLE ARGS``: exactly ``python -m services.ROLE ARGS``."""
     from common.service import ROLES, bootstrap
@@ -125,6 +158,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     up.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a setting over the config file, for every process "
                          "(e.g. model=/models/Qwen3-0.6B); repeatable")
+    calibrate = sub.add_parser("calibrate", help="fit the cost model of this machine's "
+                               "workers again (cost_profile = \"auto\")")
+    calibrate.add_argument("--config", help="cluster config (TOML)")
+    calibrate.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                           help="a setting over the config file; repeatable")
     sub.add_parser("serve", help="run one service (multi-host deployments; "
                    "see crescent serve ROLE -h)")
     sub.add_parser("simulate", help="replay a Mooncake trace (see crescent simulate -h)")
@@ -147,6 +185,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return cmd_keygen(args)
     if args.command == "status":
         return cmd_status(args)
+    if args.command == "calibrate":
+        return cmd_calibrate(args)
     return cmd_up(args)
 
 

@@ -207,8 +207,9 @@ def measure(engine: Engine, phases: Sequence[str], budget: int) -> MachineCost:
 def machine_cost(engine: Engine, phases: Sequence[str], budget: int,
                  force: bool = False) -> MachineCost:
     """This engine's cost coefficients for ``phases``: from the cache, or measured now
-    (and cached) at the first start on this machine, or with ``force``. Workers of one
-    key starting together measure once: the others wait on the lock and read it."""
+    (and cached unless its cores were busy) at the first start on this machine, or with
+    ``force`` (cached however busy). Workers of one key starting together measure once:
+    the others wait on the lock and read it."""
     parts = [_cached_phase(engine, phase, budget, force) for phase in phases]
     return MachineCost(" / ".join(p.key for p in parts),
                        next((p.prefill for p in parts if p.prefill), None),
@@ -232,10 +233,11 @@ def _cached_phase(engine: Engine, phase: str, budget: int, force: bool) -> Machi
         coefficients = getattr(measured, phase)
         share = (time.process_time() - cpu) / (time.perf_counter() - wall) / key["threads"] \
             if key["threads"] else 1.0
-        if share < BUSY_SHARE:
+        if share < BUSY_SHARE:  # asked for (``crescent calibrate``): cached all the same
             log.warning("calibrating %s had %.0f %% of its cores' time (they were busy): "
-                        "used now, not cached", phase, 100 * share)
-            return MachineCost(key_text(key), **{phase: coefficients})
+                        "%s", phase, 100 * share, "cached" if force else "used, not cached")
+            if not force:
+                return MachineCost(key_text(key), **{phase: coefficients})
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"key": key, phase: asdict(coefficients) if coefficients
                                    else None}, indent=1))
@@ -266,16 +268,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     each pinned as the launcher pins that role)."""
     from common.config import ClusterConfig
     from common.cpu import apply_from_env
+    from common.service import parse_overrides
     from common.worker import engine_config
 
     ap = argparse.ArgumentParser(prog="python -m common.engine.calibrate")
     ap.add_argument("--config", help="cluster config (TOML)")
     ap.add_argument("--role", choices=sorted(PHASES), required=True)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--force", action="store_true", help="measure even if cached")
     args = ap.parse_args(argv)
     apply_from_env(args.role, torch_threads=True)
     logging.basicConfig(level="INFO", format="%(message)s")
-    config = ClusterConfig.load(args.config)
+    config = ClusterConfig.load(args.config, parse_overrides(args.set))
     engine = Engine(engine_config(config, args.role))
     budget = config.step_budget(args.role)
     cost = machine_cost(engine, PHASES[args.role], budget, force=args.force)
