@@ -14,7 +14,8 @@ COLUMNS = [("config", "config", "{}"), ("rate", "rate", "{:g}"),
            ("goodput", "goodput", "{}"), ("rejected_429", "429", "{}"),
            ("errors", "err", "{}"), ("prefix_hit", "hit", "{:.0%}"),
            ("pred_median_rel_err", "pred err p50", "{:+.0%}"),
-           ("pred_median_abs_rel_err", "|err| p50", "{:.0%}")]
+           ("pred_median_abs_rel_err", "|err| p50", "{:.0%}"),
+           ("pred_p90_abs_rel_err", "|err| p90", "{:.0%}")]
 
 
 def table(rows: list[dict[str, Any]]) -> str:

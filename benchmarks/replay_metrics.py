@@ -299,16 +299,17 @@ def server_side(router: str, conductor: str) -> dict[str, Optional[float]]:
 
 def prediction_errors(debug_ttft: str) -> dict[str, Optional[float]]:
     """Per-request predicted vs actual TTFT from the conductor's /debug/ttft: the median
-    relative error (predicted − actual) / actual, its median absolute value, and the share
-    of requests predicted within 25 %. "Actual" is accept → KV on the decode worker."""
+    relative error (predicted − actual) / actual, the median and the 90th percentile of
+    its absolute value, and the share of requests predicted within 25 %. "Actual" is
+    accept → KV on the decode worker."""
+    names = {"pred_median_rel_err": "median_rel_error",
+             "pred_median_abs_rel_err": "median_abs_rel_error",
+             "pred_p90_abs_rel_err": "p90_abs_rel_error", "pred_within_25pct": "within_25pct"}
     try:
         summary = json.loads(debug_ttft)["summary"]
     except (ValueError, KeyError, TypeError):
-        return {"pred_median_rel_err": None, "pred_median_abs_rel_err": None,
-                "pred_within_25pct": None}
-    return {"pred_median_rel_err": summary.get("median_rel_error"),
-            "pred_median_abs_rel_err": summary.get("median_abs_rel_error"),
-            "pred_within_25pct": summary.get("within_25pct")}
+        summary = {}
+    return {ours: summary.get(theirs) for ours, theirs in names.items()}
 
 
 def top_self_functions(collapsed: str, k: int = 10,

@@ -9,6 +9,7 @@ negative when the conductor was optimistic.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 from collections import deque
@@ -64,11 +65,14 @@ class TTFTLog:
         recs = self.records()
         errors = [e for e in (r.rel_error for r in recs) if e is not None]
         summary: dict[str, Any] = {"count": len(recs), "median_rel_error": None,
-                                   "median_abs_rel_error": None, "within_25pct": None}
+                                   "median_abs_rel_error": None, "p90_abs_rel_error": None,
+                                   "within_25pct": None}
         if errors:
+            absolute = sorted(abs(e) for e in errors)
             summary.update(
                 median_rel_error=statistics.median(errors),
-                median_abs_rel_error=statistics.median(abs(e) for e in errors),
-                within_25pct=sum(abs(e) <= 0.25 for e in errors) / len(errors))
+                median_abs_rel_error=statistics.median(absolute),
+                p90_abs_rel_error=absolute[math.ceil(0.9 * len(absolute)) - 1],
+                within_25pct=sum(e <= 0.25 for e in absolute) / len(absolute))
         rows = [dict(asdict(r), rel_error=r.rel_error) for r in recs]
         return {"summary": summary, "cost": self.cost(), "requests": rows}

@@ -182,3 +182,16 @@ def test_top_self_functions_merges_lines_and_finds_own_frames() -> None:
         ("(elsewhere)", 0.5), ("c (/repo/y.py)", 0.5)]
     assert top_self_functions(collapsed, within=("/repo/", "(x.py")) == [
         ("b (x.py)", 0.5), ("c (/repo/y.py)", 0.5)]
+
+
+def test_prediction_errors_from_debug_ttft() -> None:
+    import json
+
+    from benchmarks.replay_metrics import prediction_errors
+    body = json.dumps({"summary": {"count": 3, "median_rel_error": -0.1,
+                                   "median_abs_rel_error": 0.2, "p90_abs_rel_error": 0.6,
+                                   "within_25pct": 0.5}})
+    assert prediction_errors(body) == {"pred_median_rel_err": -0.1,
+                                       "pred_median_abs_rel_err": 0.2,
+                                       "pred_p90_abs_rel_err": 0.6, "pred_within_25pct": 0.5}
+    assert set(prediction_errors("not json").values()) == {None}

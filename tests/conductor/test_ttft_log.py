@@ -32,14 +32,16 @@ def test_ring_keeps_the_last_capacity_records_in_order() -> None:
 def test_snapshot_summary_exact() -> None:
     log = TTFTLog()
     assert log.snapshot() == {"summary": {"count": 0, "median_rel_error": None,
-                                          "median_abs_rel_error": None, "within_25pct": None},
+                                          "median_abs_rel_error": None,
+                                          "p90_abs_rel_error": None, "within_25pct": None},
                               "cost": {}, "requests": []}
     # rel errors: -0.5, +0.25, +1.0, and one without an actual (0 s: no error).
     for i, (p, a) in enumerate([(1.0, 2.0), (2.5, 2.0), (4.0, 2.0), (1.0, 0.0)]):
         log.record(rec(i, p, a))
     snap = log.snapshot()
     assert snap["summary"] == {"count": 4, "median_rel_error": 0.25,
-                               "median_abs_rel_error": 0.5, "within_25pct": 1 / 3}
+                               "median_abs_rel_error": 0.5, "p90_abs_rel_error": 1.0,
+                               "within_25pct": 1 / 3}
     assert snap["requests"][0] == {
         "request_id": "r0", "accepted_at": 100.0, "predicted_ttft_s": 1.0,
         "actual_prefill_ttft_s": 2.0, "prompt_tokens": 40, "prefill_tokens": 30,
