@@ -8,7 +8,8 @@ Every process of a cluster starts the same way, in this order:
    cluster key for CURVE if it names one (common/security.py), and log as ``<role>-<index>``;
 4. install uvloop; SIGINT cancels the main task, SIGTERM first drains (common/drain.py:
    a service that registered in-flight work finishes it, up to
-   ``supervise.drain_timeout_s``, taking nothing new) and then cancels it;
+   ``supervise.drain_timeout_s``, taking nothing new) and then cancels it; with
+   ``CRESCENT_TRACEMALLOC`` set, SIGUSR2 reports where Python memory grew (common/memtrace.py);
 5. import the role's module (``ROLES``) and await its ``run(config, index)`` until cancelled,
    answering ``GET /health`` meanwhile if the config sets ``health_port`` (common/health.py);
 6. once ``run`` has returned or failed to start, leave at once (``leave``): the service has
@@ -105,7 +106,7 @@ def setup_logging(name: str, index: int, level: str) -> None:
 def bootstrap(role: str, argv: Optional[list[str]] = None) -> int:
     """Start the ``role`` process of a cluster; returns its exit code if it cannot start
     (a bad config), and otherwise ends the process itself (``leave``; see the module doc)."""
-    from common import health
+    from common import health, memtrace
     from common.cpu import CpuError, apply_from_env
     from common.drain import install as install_drain
 
@@ -123,6 +124,7 @@ def bootstrap(role: str, argv: Optional[list[str]] = None) -> int:
     try:
         config = ClusterConfig.load(args.config, parse_overrides(args.overrides))
         install_security(config.security)  # the cluster key for every socket (CURVE)
+        trace = memtrace.start(f"{role}-{args.index}")  # None unless asked for
     except (OSError, ValueError, TypeError) as exc:
         log.error("bad config: %s", exc)
         return 2
@@ -142,6 +144,7 @@ def bootstrap(role: str, argv: Optional[list[str]] = None) -> int:
         drain = install_drain(config.supervise.drain_timeout_s)
         loop.add_signal_handler(signal.SIGINT, task.cancel)
         loop.add_signal_handler(signal.SIGTERM, drain.begin, task)
+        memtrace.install(trace, loop)
         async with health.serve(config, role, args.index):
             await run(config, args.index)
 
