@@ -2,7 +2,8 @@
 
 Every process of a cluster starts the same way, in this order:
 
-1. pin itself to the CPU plan in its environment (common/cpu.py), before any thread exists;
+1. pin itself to the CPU plan in its environment (common/cpu.py), before any thread exists,
+   and bound torch's per-shape oneDNN caches (common/native_caches.py);
 2. parse the same arguments: ``--config FILE --index N --set key=value ... --log-level L``;
 3. load the cluster config (the TOML file, then each ``--set`` laid over it), install its
    cluster key for CURVE if it names one (common/security.py), and log as ``<role>-<index>``;
@@ -106,11 +107,12 @@ def setup_logging(name: str, index: int, level: str) -> None:
 def bootstrap(role: str, argv: Optional[list[str]] = None) -> int:
     """Start the ``role`` process of a cluster; returns its exit code if it cannot start
     (a bad config), and otherwise ends the process itself (``leave``; see the module doc)."""
-    from common import health, memtrace
+    from common import health, memtrace, native_caches
     from common.cpu import CpuError, apply_from_env
     from common.drain import install as install_drain
 
     spec = ROLES[role]
+    native_caches.bound(role)  # before the first matmul
     try:
         apply_from_env(role, torch_threads=spec.computes)  # first: before any thread exists
     except CpuError as exc:
