@@ -137,17 +137,27 @@ class CostModel:
         self.transfer_bandwidth_bytes_per_s = transfer_bandwidth_bytes_per_s
         self.kv_capacity_tokens = kv_capacity_tokens
         self.name = name
+        # What a live cluster adds to the polynomial (services/conductor/calibration.py):
+        # a request's TTFT beyond its compute (reservation, messages, the KV handover,
+        # the worker's own work between steps) and the compute's speed against the profile
+        self.prefill_overhead_s = 0.0
+        self.prefill_scale = 1.0
 
     def prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
+        """A request's TTFT on an idle instance: its overhead and its compute."""
+        return self.prefill_overhead_s + self.prefill_compute_seconds(new_tokens, cached_tokens)
+
+    def prefill_compute_seconds(self, new_tokens: int, cached_tokens: int) -> float:
+        """The instance's compute for it: what a request queued behind it waits for (its
+        overhead overlaps the next one's compute)."""
+        return self.prefill_scale * self.profile_prefill_seconds(new_tokens, cached_tokens)
+
+    def profile_prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
+        """The polynomial alone (PipelineCost: the group's pipelined time of it)."""
         p = self.prefill
         n, c = float(new_tokens), float(cached_tokens)
         t = p.c0 + p.c_new * n + p.c_cached * c + p.c_new_cached * n * c + p.c_new_sq * n * n
         return max(t, 0.0)
-
-    def as_single(self, new_tokens: int, seconds: float) -> float:
-        """What a prefill that took ``seconds`` here would take on one whole-model worker
-        (what ``prefill`` predicts): the same for a worker; see PipelineCost."""
-        return seconds
 
     def decode_tbt_seconds(self, batch_size: float, total_context_tokens: float,
                            step_batch: Optional[int] = None) -> float:
@@ -233,8 +243,8 @@ class PipelineCost(CostModel):
         T_X = (C + X - 1) * (T_1 / (C X) + hop)
 
     One chunk (a short prompt) gains nothing and pays the hops: T_1 + X hop; a long
-    prompt tends to T_1 / X. The online calibration fits ``prefill`` from the group's own
-    prefills through ``as_single``."""
+    prompt tends to T_1 / X. The online calibration corrects it from the group's own
+    prefills (``prefill_overhead_s``, ``prefill_scale``)."""
 
     def __init__(self, base: CostModel, stages: int, chunk: int, hop_s: float = HOP_S) -> None:
         if stages < 2 or chunk < 1:
@@ -250,11 +260,7 @@ class PipelineCost(CostModel):
         chunks = max(1, math.ceil(new_tokens / self.chunk))
         return chunks, chunks + self.stages - 1
 
-    def prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
+    def profile_prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
         chunks, slots = self._shape(new_tokens)
-        whole = super().prefill_seconds(new_tokens, cached_tokens)
+        whole = super().profile_prefill_seconds(new_tokens, cached_tokens)
         return slots * (whole / (chunks * self.stages) + self.hop_s)
-
-    def as_single(self, new_tokens: int, seconds: float) -> float:
-        chunks, slots = self._shape(new_tokens)
-        return max(seconds / slots - self.hop_s, 0.0) * chunks * self.stages

@@ -99,7 +99,9 @@ class Placer:
         """The cost model in use, for ``/debug/ttft``."""
         return {"profile": self.config.cost_profile, "machine_keys": self.machine_keys,
                 "prefill": asdict(self.cost.prefill), "decode": asdict(self.cost.decode),
-                "refits": self.calibrator.refits}
+                "prefill_overhead_s": self.cost.prefill_overhead_s,
+                "prefill_scale": self.cost.prefill_scale, "refits": self.calibrator.refits,
+                "samples": self.calibrator.samples}
 
     @property
     def calibrator(self) -> PrefillCalibrator:
@@ -112,7 +114,7 @@ class Placer:
 
     def _shape(self, stages: int) -> PrefillCalibrator:
         """The calibration of that shape; a group's model starts from the cluster's
-        profile (PipelineCost) and is refitted from its own prefills."""
+        profile (PipelineCost) and is corrected from its own prefills."""
         if stages not in self.shapes:
             pipeline = PipelineCost(self.cost, stages,
                                     self.config.step_budget("prefill"))
@@ -127,7 +129,7 @@ class Placer:
         else:  # no tracker (tests of the policy alone): the worker's reported queue
             tokens = max(w.beat.load.queued_tokens if w.beat else 0, w.pending_tokens)
             queue_s = cost.prefill_seconds(tokens, 0) if tokens else 0.0
-        queued = frozenset(k for t in self._waiting(w, tracker) for k in t.req.block_keys)
+        queued = frozenset(k for t in self.waiting(w, tracker) for k in t.req.block_keys)
         return PrefillInstanceState(w.instance_id, queue_s, _KeySetIndex(w.cached_keys, queued),
                                     queued_requests=len(w.assigned),
                                     cost=cost if cost is not self.cost else None)
@@ -138,12 +140,12 @@ class Placer:
         long as all of them: attention is quadratic per prompt, and that overestimated a
         queue of ten prompts about twice), less what the first, probably computing now,
         has predictably done already."""
-        waiting = self._waiting(w, tracker)
+        waiting = self.waiting(w, tracker)
         if not waiting:
             return 0.0
         cost = self.cost_of(w.info.stages)
-        costs = [cost.prefill_seconds(t.prefill_tokens,
-                                           len(t.req.token_ids) - t.prefill_tokens)
+        costs = [cost.prefill_compute_seconds(t.prefill_tokens,
+                                              len(t.req.token_ids) - t.prefill_tokens)
                  for t in waiting]
         # The one predicted to start first is the one computing now (FIFO worker).
         starts = [t.accepted_at + t.predicted_ttft_s - c for t, c in zip(waiting, costs)]
@@ -151,7 +153,7 @@ class Placer:
         return sum(costs) - min(costs[first], max(0.0, now - starts[first]))
 
     @staticmethod
-    def _waiting(w: WorkerState, tracker: Optional[Tracker]) -> list[Tracked]:
+    def waiting(w: WorkerState, tracker: Optional[Tracker]) -> list[Tracked]:
         """The requests placed on prefill worker ``w`` whose KV has not landed yet."""
         if tracker is None:
             return []
@@ -205,15 +207,18 @@ class Placer:
             self.policy.set_transfer_bandwidth(estimate)
         return estimate
 
-    def observe_prefill(self, msg: PrefillDone, stages: int = 1) -> bool:
-        """Feed a real prefill time of an instance of ``stages`` processes to its shape's
-        online calibration; True if it refitted. The time TTFT sees is compute plus what
-        the prefill waited on transfers (store loads, a pipeline's later stages): both
-        are the instance's cost for that prompt."""
+    def observe_prefill(self, msg: PrefillDone, stages: int = 1,
+                        alone_ttft_s: Optional[float] = None) -> bool:
+        """Feed a prefill's reported time (compute and transfer waits) to the online
+        calibration of its instance's shape (``stages`` processes), and its TTFT (accept
+        → KV on the decode worker) if it had the instance to itself; True if it refitted."""
         calibrator = self._shape(stages)
         new = msg.prompt_tokens - msg.cached_tokens
-        seconds = calibrator.cost.as_single(new, msg.prefill_seconds + msg.wait_s)
-        return calibrator.observe(new, msg.cached_tokens, seconds)
+        changed = calibrator.observe_compute(new, msg.cached_tokens,
+                                             msg.prefill_seconds + msg.wait_s)
+        if alone_ttft_s is not None:
+            changed = calibrator.observe_alone(new, msg.cached_tokens, alone_ttft_s) or changed
+        return changed
 
 
 def decode_slots(w: WorkerState, tracker: Tracker,

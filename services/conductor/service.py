@@ -168,6 +168,10 @@ class Conductor(FailurePaths):
                           prefill_tokens=p.prefill_tokens,
                           decode_tokens=p.kv_tokens,
                           attempt=attempt, store_loads=store_loads)
+        waiting = self.placer.waiting(prefill, self.tracker)
+        for t in waiting:
+            t.alone = False
+        tracked.alone = not waiting and attempt == 0
         self.tracker.add(tracked)
         self.registry.assign(tracked)
         self.mail.send(decode.info.inbox, ReserveBlocks(
@@ -224,15 +228,21 @@ class Conductor(FailurePaths):
         # answer's RequestFinished can overtake its PrefillDone): count it either way.
         self._observe_prefill(msg)
         if t is None:
-            return
+            return self._calibrate(msg, None)
         self.tracker.set_phase(t, Phase.DECODING, t.phase_deadline)
         t.decode_started_at = self.clock()
         self.registry.release_prefill(t)
+        self._calibrate(msg, t.decode_started_at - t.accepted_at if t.alone else None)
         self.metrics.observe_ttft(TTFTRecord(
             t.req.request_id, t.accepted_at, t.predicted_ttft_s,
             t.decode_started_at - t.accepted_at, len(t.req.token_ids), t.prefill_tokens,
             reserve_s=(t.reserved_at or t.accepted_at) - t.accepted_at,
             cached_tokens=msg.cached_tokens, compute_s=msg.prefill_seconds, wait_s=msg.wait_s, admit_s=msg.admit_s))
+
+    def _calibrate(self, msg: PrefillDone, alone_ttft_s: Optional[float]) -> None:
+        worker = self.registry.get(msg.instance_id)
+        if self.placer.observe_prefill(msg, worker.info.stages if worker else 1, alone_ttft_s):
+            self.metrics.cost_refits.inc()
 
     def _observe_prefill(self, msg: PrefillDone) -> None:
         self.metrics.cached_tokens.inc(msg.cached_tokens)
@@ -245,9 +255,6 @@ class Conductor(FailurePaths):
         self.metrics.prefill_admission.labels(msg.instance_id).observe(msg.admit_s)
         self.prefilled.append(PrefillSummary(msg.request_id, msg.prefill_seconds, msg.wait_s,
                                              msg.transfer_seconds, msg.transfer_bytes))
-        worker = self.registry.get(msg.instance_id)
-        if self.placer.observe_prefill(msg, worker.info.stages if worker else 1):
-            self.metrics.cost_refits.inc()
         if msg.store_read_bytes:
             bandwidth = self.placer.observe_store_read(msg)
             if bandwidth is not None:

@@ -27,6 +27,9 @@ class Tracked:
     decode_tokens: int = 0  # the KV it may hold on its decode worker (Placement.kv_tokens)
     decode_started_at: Optional[float] = None  # wall clock of PrefillDone: decode began
     reserved_at: Optional[float] = None  # wall clock of BlocksReserved: the prefill sent
+    # nothing else was waiting on its prefill instance from its accept to its KV landing:
+    # its TTFT is its own (the online calibration learns from such requests)
+    alone: bool = False
     attempt: int = 0  # 1 once re-run after its prefill worker was lost (at most once)
     store_loads: bool = True  # False once re-run after its store load failed
     fence: Optional[Fence] = None  # the live reservation's, from BlocksReserved

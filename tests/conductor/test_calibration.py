@@ -1,4 +1,6 @@
-"""Online refit of the prefill cost model: converges to the true cost, refuses bad fits."""
+"""Online calibration of the prefill cost model, TTFT = overhead + scale * profile: the
+scale from the compute prefills report, the overhead from requests alone on their
+instance; the profile's shape is kept, implausible ratios refused."""
 from __future__ import annotations
 
 import pytest
@@ -11,38 +13,62 @@ TRUE = PrefillCoefficients(c0=0.01, c_new=0.002, c_cached=0.0001, c_new_cached=0
                            c_new_sq=1e-6)
 
 
-def wrong_model() -> CostModel:
-    return CostModel(PrefillCoefficients(c0=1.0, c_new=0.02), DecodeCoefficients(d0=0.02),
-                     46080, 1e9)
+def model() -> CostModel:
+    return CostModel(TRUE, DecodeCoefficients(d0=0.02), 46080, 1e9)
 
 
-def true_seconds(n: int, c: int) -> float:
-    return CostModel(TRUE, DecodeCoefficients(), 1, 1.0).prefill_seconds(n, c)
+SIZES = [(n, c) for n in (4, 20, 64, 300, 900) for c in (0, 500)]
 
 
-def test_refit_replaces_a_wrong_profile_with_the_observed_cost() -> None:
-    cost = wrong_model()
+def test_scale_from_reported_compute_and_overhead_from_requests_alone() -> None:
+    cost = model()
+    cal = PrefillCalibrator(cost, refit_every=5)
+    for n, c in SIZES:  # the machine computes 1.7x the profile's time
+        cal.observe_compute(n, c, 1.7 * model().prefill_seconds(n, c))
+    assert cost.prefill_scale == pytest.approx(1.7) and cost.prefill_overhead_s == 0.0
+    for n, c in SIZES[:5]:  # alone, a request takes 80 ms more than its compute
+        cal.observe_alone(n, c, 0.08 + 1.7 * model().prefill_seconds(n, c))
+    assert cost.prefill_overhead_s == pytest.approx(0.08)
+    assert cost.prefill == TRUE and cal.refits == 2  # the shape is the profile's
+    for n, c in [(100, 0), (2000, 256), (7, 1000)]:
+        live = 0.08 + 1.7 * model().prefill_seconds(n, c)
+        assert cost.prefill_seconds(n, c) == pytest.approx(live)
+        # a queue waits for the compute only: the overhead overlaps the next one's compute
+        assert cost.prefill_compute_seconds(n, c) == pytest.approx(live - 0.08)
+
+
+def test_long_prompts_weigh_most_in_the_scale() -> None:
+    cost = model()
     cal = PrefillCalibrator(cost, refit_every=8)
-    sizes = [(n, c) for n in (32, 64, 128, 256, 512, 1024) for c in (0, 256)]
-    replaced = [cal.observe(n, c, true_seconds(n, c)) for n, c in sizes]
-    assert replaced.count(True) >= 1 and cal.refits >= 1
-    for n, c in [(100, 0), (700, 256), (2000, 0)]:
-        assert cost.prefill_seconds(n, c) == pytest.approx(true_seconds(n, c), rel=1e-6)
+    for _ in range(7):  # short prompts: each 3x the profile (a fixed cost per step)
+        cal.observe_compute(4, 0, 3 * model().prefill_seconds(4, 0))
+    cal.observe_compute(2000, 0, model().prefill_seconds(2000, 0))
+    assert 1.0 < cost.prefill_scale < 1.1
 
 
-def test_too_few_distinct_sizes_keep_the_profile() -> None:
-    cost = wrong_model()
-    cal = PrefillCalibrator(cost, refit_every=4)
-    for _ in range(20):
-        assert not cal.observe(64, 0, 0.5)
-    assert cost.prefill.c0 == 1.0 and cal.refits == 0
+def test_too_few_samples_keep_the_correction() -> None:
+    cost = model()
+    cal = PrefillCalibrator(cost, refit_every=1, min_samples=8, min_alone=4)
+    for _ in range(7):
+        cal.observe_compute(64, 0, 0.5)
+    for _ in range(3):
+        cal.observe_alone(64, 0, 0.9)
+    assert (cost.prefill_overhead_s, cost.prefill_scale, cal.refits) == (0.0, 1.0, 0)
+
+
+def test_an_implausible_ratio_is_refused() -> None:
+    cost = model()
+    cal = PrefillCalibrator(cost, refit_every=len(SIZES))
+    for n, c in SIZES:  # 10x the profile: a broken sample set, not this machine
+        cal.observe_compute(n, c, 10 * model().prefill_seconds(n, c))
+    assert cal.refits == 0 and cost.prefill_scale == 1.0
 
 
 def test_invalid_samples_are_ignored() -> None:
-    cal = PrefillCalibrator(wrong_model(), refit_every=1)
-    assert not cal.observe(0, 10, 1.0)
-    assert not cal.observe(10, 0, 0.0)
-    assert len(cal.samples) == 0
+    cal = PrefillCalibrator(model(), refit_every=1)
+    assert not cal.observe_compute(0, 10, 1.0)
+    assert not cal.observe_alone(10, 0, 0.0)
+    assert cal.samples == 0
 
 
 def _placer(profile: str = "auto") -> "Placer":

@@ -101,14 +101,14 @@ def test_prefill_done_after_finish_still_counts(conductor) -> None:
     [(_, task)] = [(a, m) for a, m in mail.take() if isinstance(m, PrefillTask)]
     prefill_id = c.tracker.get("r1").prefill_id
     c.on_finished(RequestFinished("r1", "decode-0", "length", fence=task.fence))
-    seen = len(c.placer.calibrator.samples)
+    seen = len(c.placer.calibrator.computed)
     c.on_prefill_done(PrefillDone("r1", prefill_id, 40, 16, 16, 0.1, 1000, 0.01,
                                   task.fence, wait_s=0.02))
     assert c.tracker.requests == {}
     assert c.metrics.prompt_tokens._value.get() == 40
     assert c.metrics.global_hit_tokens._value.get() == 16
     assert c.metrics.prefill_transfer_wait.labels(prefill_id)._sum.get() == 0.02
-    assert len(c.placer.calibrator.samples) == seen + 1
+    assert len(c.placer.calibrator.computed) == seen + 1
 
 
 def test_cache_aware_placement_prefers_holder_of_prefix(conductor) -> None:

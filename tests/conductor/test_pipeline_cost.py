@@ -28,26 +28,24 @@ def test_one_chunk_gains_nothing_and_a_long_prompt_tends_to_one_over_x() -> None
     assert pipe.prefill_seconds(n, 0) == pytest.approx(
         65 * (WHOLE.prefill_seconds(n, 0) / 128 + 0.001))
     assert pipe.prefill_seconds(n, 0) / WHOLE.prefill_seconds(n, 0) < 0.52
-    for n, c in [(100, 0), (1000, 300), (9000, 0)]:
-        assert pipe.as_single(n, pipe.prefill_seconds(n, c)) == pytest.approx(
-            WHOLE.prefill_seconds(n, c))
-    assert WHOLE.as_single(1000, 1.5) == 1.5
+    pipe.prefill_overhead_s, pipe.prefill_scale = 0.05, 2.0  # the live correction
+    assert pipe.prefill_seconds(n, 0) == pytest.approx(
+        0.05 + 2 * 65 * (WHOLE.prefill_seconds(n, 0) / 128 + 0.001))
     with pytest.raises(ValueError, match="2 or more stages"):
         PipelineCost(WHOLE, stages=1, chunk=256)
 
 
 def test_a_group_is_calibrated_from_its_own_prefills() -> None:
-    """Samples of a group that is really twice as slow per token as the profile says:
-    the refit (through as_single) predicts the group's own times."""
-    truth = PipelineCost(CostModel(PrefillCoefficients(c0=0.02, c_new=0.004, c_new_sq=2e-7),
-                                   WHOLE.decode, 1, 1.0), stages=3, chunk=256)
+    """A group whose prefills take twice the compute its pipelined profile says: the
+    correction predicts the group's own times."""
     pipe = PipelineCost(WHOLE, stages=3, chunk=256)
     cal = PrefillCalibrator(pipe, refit_every=8)
     for n in (100, 300, 700, 1500, 3000, 6000, 9000, 12000):
-        cal.observe(n, 0, pipe.as_single(n, truth.prefill_seconds(n, 0)))
+        cal.observe_compute(n, 0, 2 * pipe.profile_prefill_seconds(n, 0))
     assert cal.refits == 1
     for n in (200, 5000, 20000):
-        assert pipe.prefill_seconds(n, 0) == pytest.approx(truth.prefill_seconds(n, 0), rel=1e-3)
+        assert pipe.prefill_seconds(n, 0) == pytest.approx(
+            2 * pipe.profile_prefill_seconds(n, 0), rel=1e-6)
 
 
 def mixed() -> tuple[Conductor, RecordingMail]:
@@ -83,10 +81,10 @@ def test_short_prompts_skip_the_pipeline_and_long_ones_take_it() -> None:
 
 def test_a_groups_prefill_feeds_its_own_calibration() -> None:
     c, _ = mixed()
-    c.placer.observe_prefill(PrefillDone("r", "prefill-0", 4000, 0, 0, 1.0, 0), stages=2)
-    c.placer.observe_prefill(PrefillDone("r", "prefill-1", 4000, 0, 0, 1.8, 0), stages=1)
-    [(n, _, group_as_single)] = c.placer.shapes[2].samples
-    [(_, _, single)] = c.placer.shapes[1].samples
-    assert n == 4000 and single == 1.8
-    assert group_as_single == pytest.approx(c.placer.cost_of(2).as_single(4000, 1.0))
-    assert group_as_single > 1.8  # 1.0 s on 2 stages is more than 1.0 s of one worker
+    c.placer.observe_prefill(PrefillDone("r", "prefill-0", 4000, 0, 0, 1.0, 0), 2, 1.2)
+    c.placer.observe_prefill(PrefillDone("r", "prefill-1", 4000, 96, 0, 1.8, 0), 1)
+    group, single = c.placer.shapes[2], c.placer.shapes[1]
+    assert [s for _, s in group.computed] == [1.0] and [s for _, s in group.alone] == [1.2]
+    assert [s for _, s in single.computed] == [1.8] and not single.alone
+    assert group.computed[0][0] == pytest.approx(c.placer.cost_of(2).profile_prefill_seconds(
+        4000, 0))

@@ -1,10 +1,16 @@
-"""A prompt whose prefix a request queued ahead of it on the same prefill worker computes
-is priced as cached there: the worker computes the earlier one first (FIFO)."""
+"""What the conductor predicts TTFT from: a prompt whose prefix a request queued ahead of
+it on the same prefill worker computes is priced as cached there (the worker computes the
+earlier one first), and only requests that had their prefill worker to themselves teach
+the online calibration."""
 from __future__ import annotations
 
+from typing import Optional
+
+import pytest
+
 from common.config import ClusterConfig, SLOConfig
-from common.protocol import (RegisterWorker, RequestAccepted, SubmitRequest, WorkerHeartbeat,
-                             WorkerLoad)
+from common.protocol import (BlocksReserved, PrefillDone, PrefillTask, RegisterWorker,
+                             RequestAccepted, SubmitRequest, WorkerHeartbeat, WorkerLoad)
 from common.sampling_params import SamplingParams
 from services.conductor.service import Conductor
 
@@ -18,11 +24,18 @@ class Mail:
         return True
 
 
-def conductor() -> tuple[Conductor, Mail]:
-    mail = Mail()
+class Clock:
+    t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def conductor(clock: Optional[Clock] = None) -> tuple[Conductor, Mail]:
+    mail, clock = Mail(), clock or Clock()
     cfg = ClusterConfig(slo=SLOConfig(ttft_s=1000, tbt_s=1000), block_size=16,
                         cost_profile="cpu-smollm2-135m")
-    c = Conductor(cfg, mail, clock=lambda: 1000.0)  # type: ignore[arg-type]
+    c = Conductor(cfg, mail, clock=clock)  # type: ignore[arg-type]
     for role in ("prefill", "decode"):
         c.on_register(RegisterWorker(f"{role}-0", role, f"tcp://w/{role}", "h:0", 4096, 1024,
                                      32, 1000, 16))
@@ -57,3 +70,32 @@ def test_done_prompts_no_longer_count_unless_the_worker_reports_them() -> None:
     c.tracker.pop("first")
     submit(c, "later", blocks=10, tail=5)  # no KV event said the worker kept the blocks
     assert c.tracker.get("later").prefill_tokens == 10 * 16 + 5
+
+
+def done(c: Conductor, mail: Mail, rid: str, cached: int = 0) -> None:
+    """Its blocks reserved, then its KV landed (PrefillDone)."""
+    c.on_reserved(BlocksReserved(rid, "decode-0", [1, 2]))
+    [task] = [m for m in mail.sent if isinstance(m, PrefillTask) and m.request_id == rid]
+    t = c.tracker.get(rid)
+    c.on_prefill_done(PrefillDone(rid, "prefill-0", len(t.req.token_ids), cached, 0, 0.1, 0,
+                                  fence=task.fence))
+
+
+def test_only_requests_alone_on_their_prefill_worker_are_calibration_samples() -> None:
+    clock = Clock()
+    c, mail = conductor(clock)
+    submit(c, "alone", blocks=2, tail=3)
+    clock.t += 0.4
+    done(c, mail, "alone", cached=16)
+    cal = c.placer.calibrator
+    assert [s for _, s in cal.alone] == [pytest.approx(0.4)] and len(cal.computed) == 1
+    assert cal.alone[0][0] == cal.cost.profile_prefill_seconds(35 - 16, 16)
+    submit(c, "a", blocks=1, tail=1)
+    submit(c, "b", blocks=3, tail=1)  # queued behind a: neither TTFT is its own
+    assert not c.tracker.get("a").alone and not c.tracker.get("b").alone
+    clock.t += 1.0
+    done(c, mail, "a")
+    done(c, mail, "b")
+    submit(c, "c", blocks=1, tail=2)  # a and b are decoding: c is alone again
+    assert c.tracker.get("c").alone
+    assert len(cal.alone) == 1 and len(cal.computed) == 3
