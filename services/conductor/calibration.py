@@ -32,8 +32,8 @@ SCALES = (0.25, 4.0)  # a ratio outside these is a broken sample set, not the ma
 
 
 class PrefillCalibrator:
-    def __init__(self, cost: CostModel, window: int = 64, refit_every: int = 8,
-                 min_samples: int = 8, min_alone: int = 4) -> None:
+    def __init__(self, cost: CostModel, window: int = 64, refit_every: int = 4,
+                 min_samples: int = 4, min_alone: int = 4) -> None:
         self.cost = cost
         self.computed: deque[tuple[float, float]] = deque(maxlen=window)  # (profile, s)
         self.alone: deque[tuple[float, float]] = deque(maxlen=window // 2)  # (profile, s)

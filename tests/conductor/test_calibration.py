@@ -29,7 +29,7 @@ def test_scale_from_reported_compute_and_overhead_from_requests_alone() -> None:
     for n, c in SIZES[:5]:  # alone, a request takes 80 ms more than its compute
         cal.observe_alone(n, c, 0.08 + 1.7 * model().prefill_seconds(n, c))
     assert cost.prefill_overhead_s == pytest.approx(0.08)
-    assert cost.prefill == TRUE and cal.refits == 2  # the shape is the profile's
+    assert cost.prefill == TRUE and cal.refits >= 2  # the shape is the profile's
     for n, c in [(100, 0), (2000, 256), (7, 1000)]:
         live = 0.08 + 1.7 * model().prefill_seconds(n, c)
         assert cost.prefill_seconds(n, c) == pytest.approx(live)
