@@ -44,18 +44,17 @@ class PrefillCalibrator:
 
     def observe_compute(self, new_tokens: int, cached_tokens: int, seconds: float) -> bool:
         """A prefill's reported compute and transfer waits; True if the model changed."""
-        if seconds <= 0 or new_tokens <= 0:
-            return False
-        self.computed.append((self.cost.profile_prefill_seconds(new_tokens, cached_tokens),
-                              seconds))
-        return self._refit()
+        return self._add(self.computed, new_tokens, cached_tokens, seconds)
 
     def observe_alone(self, new_tokens: int, cached_tokens: int, ttft_s: float) -> bool:
         """The TTFT of a request alone on its instance; True if the model changed."""
-        if ttft_s <= 0 or new_tokens <= 0:
+        return self._add(self.alone, new_tokens, cached_tokens, ttft_s)
+
+    def _add(self, into: deque[tuple[float, float]], new_tokens: int, cached_tokens: int,
+             seconds: float) -> bool:
+        if seconds <= 0 or new_tokens <= 0:
             return False
-        self.alone.append((self.cost.profile_prefill_seconds(new_tokens, cached_tokens),
-                           ttft_s))
+        into.append((self.cost.profile_prefill_seconds(new_tokens, cached_tokens), seconds))
         return self._refit()
 
     def _refit(self) -> bool:

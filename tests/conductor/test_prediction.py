@@ -13,22 +13,7 @@ from common.protocol import (BlocksReserved, PrefillDone, PrefillTask, RegisterW
                              RequestAccepted, SubmitRequest, WorkerHeartbeat, WorkerLoad)
 from common.sampling_params import SamplingParams
 from services.conductor.service import Conductor
-
-
-class Mail:
-    def __init__(self) -> None:
-        self.sent: list = []
-
-    def send(self, address: str, msg: object) -> bool:
-        self.sent.append(msg)
-        return True
-
-
-class Clock:
-    t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.conductor.test_ttft_log import Clock, Mail
 
 
 def conductor(clock: Optional[Clock] = None) -> tuple[Conductor, Mail]:
