@@ -53,7 +53,7 @@ REPEATS = 2  # the fastest (noise only adds time), after one warm-up
 # test suite's other clusters) it fits fewer points rather than hold the start for minutes
 TIME_LIMIT_S = 15.0
 # Below this share of its cores' time (CPU time / wall time / threads) the process was
-# sharing its cores: the fit is used, not cached (measured again at the next start)
+# sharing its cores while it measured: said in the log and the cached file
 BUSY_SHARE = 0.8
 
 
@@ -207,9 +207,8 @@ def measure(engine: Engine, phases: Sequence[str], budget: int) -> MachineCost:
 def machine_cost(engine: Engine, phases: Sequence[str], budget: int,
                  force: bool = False) -> MachineCost:
     """This engine's cost coefficients for ``phases``: from the cache, or measured now
-    (and cached unless its cores were busy) at the first start on this machine, or with
-    ``force`` (cached however busy). Workers of one key starting together measure once:
-    the others wait on the lock and read it."""
+    (and cached) at the first start on this machine, or with ``force``. Workers of one
+    key starting together measure once: the others wait on the lock and read it."""
     parts = [_cached_phase(engine, phase, budget, force) for phase in phases]
     return MachineCost(" / ".join(p.key for p in parts),
                        next((p.prefill for p in parts if p.prefill), None),
@@ -233,14 +232,15 @@ def _cached_phase(engine: Engine, phase: str, budget: int, force: bool) -> Machi
         coefficients = getattr(measured, phase)
         share = (time.process_time() - cpu) / (time.perf_counter() - wall) / key["threads"] \
             if key["threads"] else 1.0
-        if share < BUSY_SHARE:  # asked for (``crescent calibrate``): cached all the same
-            log.warning("calibrating %s had %.0f %% of its cores' time (they were busy): "
-                        "%s", phase, 100 * share, "cached" if force else "used, not cached")
-            if not force:
-                return MachineCost(key_text(key), **{phase: coefficients})
+        if share < BUSY_SHARE:  # cached all the same: a restart must not pay it again
+            log.warning("calibrating %s had %.0f %% of its cores' time: they were busy, "
+                        "so the fit may be slow (the online calibration scales it); "
+                        "'crescent calibrate' on a quiet machine measures again",
+                        phase, 100 * share)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, phase: asdict(coefficients) if coefficients
-                                   else None}, indent=1))
+        tmp.write_text(json.dumps({"key": key, "cpu_share": round(share, 3),
+                                   phase: asdict(coefficients) if coefficients else None},
+                                  indent=1))
         tmp.replace(path)
         return MachineCost(key_text(key), **{phase: coefficients})
 

@@ -26,6 +26,7 @@ decode_blocks = 512
 heartbeat_interval_s = 0.2
 kv_path = "{kv_path}"
 kv_dtype = "{kv_dtype}"
+cost_profile = "cpu-smollm2-135m"  # no calibration (tests/e2e/conftest.py)
 
 [store]
 segment_bytes = 67108864

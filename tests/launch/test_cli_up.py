@@ -21,6 +21,7 @@ http_port = 24200
 base_port = 24210
 decode_blocks = 256
 prefill_blocks = 256
+cost_profile = "cpu-smollm2-135m"  # no calibration (tests/e2e/conftest.py)
 
 [store]
 enabled = false

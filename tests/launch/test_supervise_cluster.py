@@ -29,6 +29,7 @@ decode_blocks = 256
 prefill_blocks = 256
 heartbeat_interval_s = 0.2
 heartbeat_timeout_s = 2.0
+cost_profile = "cpu-smollm2-135m"  # no calibration (tests/e2e/conftest.py)
 
 [store]
 enabled = false
