@@ -5,9 +5,9 @@ samples the first token and hands the request over.
 Several prompts are computed together: each step is one forward pass over chunks of the
 admitted prompts, oldest first, up to ``token_budget`` tokens (``Engine.step``). A prompt
 is admitted (its blocks referenced, its cached prefix streamed) while those admitted leave
-room in the next step, so a short prompt behind a long one's last chunk starts in the same
-step. Each chunk's KV streams to its decode worker layer by layer as the next computes.
-How a prompt ends (handed over, or given up) is services/prefill/endings.py.
+room in the next step (a short prompt behind a long one's last chunk starts in the same
+step). Each chunk's KV streams to its decode worker layer by layer as the next computes;
+how a prompt ends (handed over, or given up) is services/prefill/endings.py.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from services.prefill.endings import Endings
 from services.prefill.group import HeadGroup
 from services.prefill.lanes import PrefillThreads
 from services.prefill.layer_io import PartIO, StepIO, check_loads, start_loads
-from services.prefill.job import Job, JobState, PrefillFailure
+from services.prefill.job import Job, JobState, PrefillFailure, computes_its_prefix
 from services.prefill.prefix import PrefixLoader
 from services.prefill.store_writes import StoreWrites
 from services.prefill.streaming import KVPaths
@@ -57,6 +57,7 @@ class PrefillWorker:
         self.pool = rt.engine.pool
         self.prefix = prefix
         self.budget, self.align = rt.config.step_budget(rt.role), rt.config.chunk_align()
+        self.block_size = self.engine.config.block_size
         self.waiting: deque[PrefillTask] = deque()
         self.max_waiting = rt.config.max_queue  # the conductor admits no more cluster-wide
         self.jobs: list[Job] = []  # admitted and not yet reported, oldest first (job.py)
@@ -76,8 +77,8 @@ class PrefillWorker:
                                else self.kv_paths.moved(self.mover))
         stages = rt.config.prefill_place(index).stages
         self.group = HeadGroup(rt, index) if stages > 1 else None
-        self.store_writes = (StoreWrites(prefix.store, stages - 1,
-                                         self.engine.config.block_size, prefix.object_nbytes)
+        self.store_writes = (StoreWrites(prefix.store, stages - 1, self.block_size,
+                                         prefix.object_nbytes)
                              if prefix.store is not None and rt.config.kv_layerwise else None)
         self.endings = Endings(rt, prefix, self.kv_paths, self.group, self.grammars)
         self.steps = 0
@@ -124,9 +125,8 @@ class PrefillWorker:
         self.rt.mail.send(q.decode_inbox, KVFailed(q.request_id, "released", q.fence))
 
     def _live(self, request_id: str) -> bool:
-        """An attempt of ``request_id`` is queued or running here, not aborted (the
-        conductor aborts one before it re-runs the request: the re-run, on this worker
-        too after a decode worker's loss, queues while the old one settles)."""
+        """An attempt of ``request_id`` is queued or running here, not aborted (a re-run,
+        here too after a decode worker's loss, queues while the aborted old one settles)."""
         return any(t.request_id == request_id for t in self.waiting) or any(
             j.task.request_id == request_id and j.live for j in self.jobs) or (
             self.admitting is not None and self.admitting.request_id == request_id
@@ -168,7 +168,8 @@ class PrefillWorker:
     # ------------------------------------------------------------ admission
     async def admit(self) -> None:
         """Admit waiting prompts, oldest first, while the next step has room for them."""
-        while self.waiting and sum(j.remaining for j in self.computing) < self.budget:
+        while self.waiting and sum(j.remaining for j in self.computing) < self.budget and \
+                not computes_its_prefix(self.waiting[0], self.pool, self.jobs, self.block_size):
             task = self.admitting = self.waiting.popleft()
             self.admitting_aborted = False
             try:
@@ -197,7 +198,7 @@ class PrefillWorker:
         except EngineInputError as exc:
             raise PrefillFailure(400, "invalid_request_error", str(exc)) from exc
         try:
-            keys = task.keys(self.engine.config.block_size)
+            keys = task.keys(self.block_size)
         except ValueError as exc:  # the router's keys do not fit the prompt: a bug
             raise PrefillFailure(500, "internal_error", str(exc)) from exc
         whole = task.sampling.prompt_logprobs is not None  # every row's logits: no prefix
@@ -217,7 +218,7 @@ class PrefillWorker:
         except ValueError as exc:  # the decode side reserved too few blocks
             self.pool.free(plan.block_table)
             raise PrefillFailure(500, "internal_error", str(exc)) from exc
-        done = min(plan.cached_blocks * self.engine.config.block_size, len(tokens) - 1)
+        done = min(plan.cached_blocks * self.block_size, len(tokens) - 1)
         if self.store_writes is not None:  # the first chunk's grant, during what follows
             planned = plan_chunks(self.computing, self.budget, align=self.align)
             left = self.budget - sum(n for _, n in planned)
@@ -303,8 +304,7 @@ class PrefillWorker:
         start, end = job.done, job.done + n
         part = PartIO(job.stream, start, end, hold_puts=job.sampled if n == job.remaining else None)
         if not job.opened and job.loads is not None:
-            bs = self.engine.config.block_size
-            part.loads = job.loads
+            part.loads, bs = job.loads, self.block_size
             part.load_tokens = (job.plan.load_from * bs, job.plan.cached_blocks * bs)
         if self.store_writes is not None and job.failed is None:
             await self.store_writes.grant_part(job, part)
@@ -365,7 +365,7 @@ class PrefillWorker:
         if job.loads is not None:
             await job.loads.settle()
         self.dropped["store_load"] += 1  # gave up a load: crescent_worker_dropped
-        job.rewind_to_local_prefix(self.engine.config.block_size)
+        job.rewind_to_local_prefix(self.block_size)
         job.move(JobState.COMPUTING)  # aborted or late meanwhile: given up between steps
         self.wake.set()
 

@@ -96,6 +96,21 @@ def test_a_cached_prefix_is_reused_and_sent_whole(make: Make) -> None:
     clean(worker)
 
 
+def test_a_prefix_being_computed_here_is_waited_for_not_computed_twice(make: Make) -> None:
+    """b shares a's first 8 tokens (2 blocks) and arrives while a computes: it starts once
+    a published them and computes its own tail only; c, behind b, waits its turn (FIFO)."""
+    rt, worker = make(budget=64)
+    first = list(range(1, 11))
+    for rid, tokens in (("a", first), ("b", first[:8] + [50, 51, 52]), ("c", [60, 61])):
+        worker.on_task(prefill_task(rid, tokens))
+    serve(worker, lambda: len(rt.mail.of(PrefillDone)) == 3 and worker.idle())
+    assert chunks(rt.engine) == [[(1, 0, 10, [0, 1, 2])], [(1, 8, 11, [0, 1, 3]),
+                                                           (60, 0, 2, [4])]]
+    done = {m.request_id: m for m in rt.mail.of(PrefillDone)}
+    assert (done["b"].cached_tokens, done["c"].cached_tokens) == (8, 0)
+    clean(worker)
+
+
 def test_a_prompt_waits_for_kv_memory_held_by_a_running_one(make: Make) -> None:
     rt, worker = make(num_blocks=8, budget=64)
     worker.on_task(prefill_task("a", list(range(1, 21))))  # 5 blocks
