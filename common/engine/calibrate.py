@@ -46,7 +46,7 @@ VERSION = 1  # of what is measured and how: a change re-measures every machine
 # reads the KV one untimed prefill of the longest prefix wrote
 PREFILL_GRID = ((8, 0), (32, 0), (96, 0), (192, 0), (384, 0), (640, 0),
                 (32, 256), (128, 256), (64, 640), (16, 960))
-# (batch, context per sequence) of a decode step; the whole grid fits 300 blocks of 16
+# (batch, context per sequence) of a decode step; each fits 300 blocks of 16
 DECODE_GRID = ((1, 128), (8, 128), (32, 128), (1, 1024), (8, 512), (16, 256))
 REPEATS = 2  # the fastest (noise only adds time), after one warm-up
 # A phase measures its grid in order until this much time is spent: on a busy machine (a
