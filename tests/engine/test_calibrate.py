@@ -159,3 +159,26 @@ def test_a_calibration_on_busy_cores_is_cached_with_its_share(
     assert saved["cpu_share"] < 0.5
     machine_cost(engine, ["decode"], 256)
     assert len(runs) == 1  # a restart reads it: it does not pay the calibration again
+
+
+def test_a_worker_calibrates_its_own_phases_only_with_the_auto_profile(
+        engine: Engine, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from common.config import ClusterConfig
+    from common.worker import WorkerRuntime
+
+    monkeypatch.setattr(calibrate, "measure", lambda e, phases, b: MachineCost(
+        "k", PrefillCoefficients(c0=1.0), DecodeCoefficients(d0=2.0)))
+
+    def cost(role: str, stages: int = 1, profile: str = "auto") -> MachineCost | None:
+        rt = SimpleNamespace(config=ClusterConfig(cost_profile=profile), engine=engine,
+                             role=role, stages=stages)
+        return WorkerRuntime._machine_cost(rt)  # type: ignore[arg-type]
+
+    prefill, decode, both = cost("prefill"), cost("decode"), cost("colocated")
+    assert (prefill.prefill, prefill.decode) == (PrefillCoefficients(c0=1.0), None)
+    assert (decode.prefill, decode.decode) == (None, DecodeCoefficients(d0=2.0))
+    assert both.prefill and both.decode
+    assert cost("prefill", stages=2) is None  # a pipeline stage holds a share of the layers
+    assert cost("prefill", profile="cpu-smollm2-135m") is None  # a pinned profile
