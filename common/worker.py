@@ -21,8 +21,8 @@ from common.kv.events import BlockEventMsg
 from common.kv.shm_kv import close_at_exit, worker_segment
 from common.mailbox import Mailbox
 from common.service import StartupError
-from common.protocol import (KVResync, KVSnapshot, MachineCost, ReRegister, RegisterWorker, RequestFailed,
-                             WorkerHeartbeat, WorkerLeaving, WorkerLoad)
+from common.protocol import (KVResync, KVSnapshot, MachineCost, ReRegister, RegisterWorker,
+                             RequestFailed, WorkerHeartbeat, WorkerLeaving, WorkerLoad)
 from common.transfer import TransferAgent, TransferConfig
 
 log = logging.getLogger(__name__)

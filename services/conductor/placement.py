@@ -124,23 +124,25 @@ class Placer:
     def _prefill_state(self, w: WorkerState, tracker: Optional[Tracker],
                        now: float) -> PrefillInstanceState:
         cost = self.cost_of(w.info.stages)
+        waiting = self.waiting(w, tracker)
         if tracker is not None:
-            queue_s = self.queue_seconds(w, tracker, now)
+            queue_s = self.queue_seconds(w, tracker, now, waiting)
         else:  # no tracker (tests of the policy alone): the worker's reported queue
             tokens = max(w.beat.load.queued_tokens if w.beat else 0, w.pending_tokens)
             queue_s = cost.prefill_seconds(tokens, 0) if tokens else 0.0
-        queued = frozenset(k for t in self.waiting(w, tracker) for k in t.req.block_keys)
+        queued = frozenset(k for t in waiting for k in t.req.block_keys)
         return PrefillInstanceState(w.instance_id, queue_s, _KeySetIndex(w.cached_keys, queued),
                                     queued_requests=len(w.assigned),
                                     cost=cost if cost is not self.cost else None)
 
-    def queue_seconds(self, w: WorkerState, tracker: Tracker, now: float) -> float:
+    def queue_seconds(self, w: WorkerState, tracker: Tracker, now: float,
+                      waiting: Optional[list[Tracked]] = None) -> float:
         """Predicted time until prefill worker ``w`` has computed what it was given: the
         sum of each waiting request's own prefill time (not the time of one prompt as
         long as all of them: attention is quadratic per prompt, and that overestimated a
         queue of ten prompts about twice), less what the first, probably computing now,
         has predictably done already."""
-        waiting = self.waiting(w, tracker)
+        waiting = self.waiting(w, tracker) if waiting is None else waiting
         if not waiting:
             return 0.0
         cost = self.cost_of(w.info.stages)

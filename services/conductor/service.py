@@ -237,7 +237,8 @@ class Conductor(FailurePaths):
             t.req.request_id, t.accepted_at, t.predicted_ttft_s,
             t.decode_started_at - t.accepted_at, len(t.req.token_ids), t.prefill_tokens,
             reserve_s=(t.reserved_at or t.accepted_at) - t.accepted_at,
-            cached_tokens=msg.cached_tokens, compute_s=msg.prefill_seconds, wait_s=msg.wait_s, admit_s=msg.admit_s))
+            cached_tokens=msg.cached_tokens, compute_s=msg.prefill_seconds,
+            wait_s=msg.wait_s, admit_s=msg.admit_s))
 
     def _calibrate(self, msg: PrefillDone, alone_ttft_s: Optional[float]) -> None:
         worker = self.registry.get(msg.instance_id)
