@@ -72,12 +72,17 @@ class BlockPool:
     # ---- verbs --------------------------------------------------------------------
     def peek_prefix(self, keys: Sequence[bytes]) -> int:
         """Number of leading keys cached here, without taking references."""
-        n = 0
+        return len(self.cached_prefix(keys))
+
+    def cached_prefix(self, keys: Sequence[bytes]) -> list[int]:
+        """Blocks of the longest cached prefix of `keys`, without taking references."""
+        blocks: list[int] = []
         for key in keys:
-            if key not in self._by_key:
+            block = self._by_key.get(key)
+            if block is None:
                 break
-            n += 1
-        return n
+            blocks.append(block)
+        return blocks
 
     def match_prefix(self, keys: Sequence[bytes]) -> list[int]:
         """Blocks of the longest cached prefix of `keys`; takes one reference on each."""

@@ -13,9 +13,8 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Iterable, Optional
+from typing import Optional
 
-from common.kv.block_pool import BlockPool
 from common.protocol import PrefillTask
 from common.sampling_params import PromptLogprobs, SampledToken
 from services.prefill.layer_io import LaunchedLoads, LayerLoads
@@ -108,24 +107,6 @@ class Job(PromptJob):
         self.done = min(plan.load_from * block_size, self.prompt_len - 1)
         assert self.stream is not None
         self.stream.rewind(plan.load_from)
-
-
-def computes_its_prefix(task: PrefillTask, pool: BlockPool, jobs: Iterable[Job],
-                        block_size: int) -> bool:
-    """Whether a job of ``jobs`` (admitted, its blocks not yet published) computes the
-    first block of ``task``'s prompt that ``pool`` does not hold. Then ``task`` waits for
-    it rather than computing that prefix twice (one system prompt arriving twice at once:
-    a replay at 2 req/s recomputed 7 such prefixes, 15 s of a 25 s queue, and the conductor
-    prices them as cached). Keys are chained: the same key is the same prefix."""
-    if task.sampling.prompt_logprobs is not None:  # it reuses no prefix
-        return False
-    try:
-        keys = task.keys(block_size)
-    except ValueError:  # its admission says so
-        return False
-    first = pool.peek_prefix(keys)
-    return first < len(keys) and any(
-        first < len(j.keys) and j.keys[first] == keys[first] for j in jobs)
 
 
 @dataclass(eq=False, kw_only=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from dataclasses import replace
 from typing import Any, Callable, Coroutine, Optional
 
@@ -38,8 +37,9 @@ from services.prefill.endings import Endings
 from services.prefill.group import HeadGroup
 from services.prefill.lanes import PrefillThreads
 from services.prefill.layer_io import PartIO, StepIO, check_loads, start_loads
-from services.prefill.job import Job, JobState, PrefillFailure, computes_its_prefix
+from services.prefill.job import Job, JobState, PrefillFailure
 from services.prefill.prefix import PrefixLoader
+from services.prefill.queue import PromptQueue
 from services.prefill.store_writes import StoreWrites
 from services.prefill.streaming import KVPaths
 
@@ -58,7 +58,7 @@ class PrefillWorker:
         self.prefix = prefix
         self.budget, self.align = rt.config.step_budget(rt.role), rt.config.chunk_align()
         self.block_size = self.engine.config.block_size
-        self.waiting: deque[PrefillTask] = deque()
+        self.waiting = PromptQueue(self.pool, self.block_size)  # queue.py: holds prefixes
         self.max_waiting = rt.config.max_queue  # the conductor admits no more cluster-wide
         self.jobs: list[Job] = []  # admitted and not yet reported, oldest first (job.py)
         self.admitting: Optional[PrefillTask] = None  # out of ``waiting``, not a job yet
@@ -119,8 +119,7 @@ class PrefillWorker:
         if any(j.task.fence == q.fence for j in self.jobs) or (
                 self.admitting is not None and self.admitting.fence == q.fence):
             return
-        for task in [t for t in self.waiting if t.fence == q.fence]:
-            self.waiting.remove(task)
+        self.waiting.drop(lambda t: t.fence == q.fence)
         self.served.add(q.fence)
         self.rt.mail.send(q.decode_inbox, KVFailed(q.request_id, "released", q.fence))
 
@@ -148,9 +147,8 @@ class PrefillWorker:
         if self.admitting is not None and named(self.admitting.request_id,
                                                 self.admitting.fence):
             self.admitting_aborted = True
-        for task in [t for t in self.waiting if named(t.request_id, t.fence)]:
-            self.waiting.remove(task)  # nothing written yet: the decode side may free now
-            self.endings.fail(task, 499, "aborted", "aborted before prefill")
+        for task in self.waiting.drop(lambda t: named(t.request_id, t.fence)):
+            self.endings.fail(task, 499, "aborted", "aborted before prefill")  # none written
 
     def idle(self) -> bool:
         """Nothing queued, computing, ending (in ``jobs`` until settled) or being put."""
@@ -168,8 +166,8 @@ class PrefillWorker:
     # ------------------------------------------------------------ admission
     async def admit(self) -> None:
         """Admit waiting prompts, oldest first, while the next step has room for them."""
-        while self.waiting and sum(j.remaining for j in self.computing) < self.budget and \
-                not computes_its_prefix(self.waiting[0], self.pool, self.jobs, self.block_size):
+        while self.waiting.ready(self.jobs) and sum(
+                j.remaining for j in self.computing) < self.budget:
             task = self.admitting = self.waiting.popleft()
             self.admitting_aborted = False
             try:
@@ -179,7 +177,9 @@ class PrefillWorker:
                 continue
             finally:
                 self.admitting = None
+                self.waiting.release(task)  # its plan referenced its prefix, or needs none
             if job is not None:
+                self.waiting.resume()
                 job.aborted = job.stream.aborted = self.admitting_aborted
                 self.jobs.append(job)
             elif self.admitting_aborted:
@@ -208,7 +208,7 @@ class PrefillWorker:
         plan = await self.prefix.acquire(tokens, keys, from_store=task.store_loads,
                                          reuse_prefix=not whole)
         if plan is None:
-            if self.jobs:  # a computing or ending one frees blocks
+            if self.jobs or self.waiting.release_all():  # ending jobs free blocks; holds do
                 return None
             raise PrefillFailure(503, "prefill_kv_full", "prefill KV memory is full")
         try:

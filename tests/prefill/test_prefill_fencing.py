@@ -56,7 +56,7 @@ def test_the_queue_is_bounded_with_a_clear_error(make: Make) -> None:
         (DECODE_INBOX, KVFailed("c", "prefill_queue_full", fence_for("c"))),
         (CONDUCTOR, RequestFailed("c", 503, "prefill_queue_full",
                                   "2 prompts are queued on worker-0", fence=fence_for("c")))]
-    worker.waiting.clear()
+    worker.waiting.drop(lambda t: True)
     clean(worker)
 
 
