@@ -41,9 +41,6 @@ class PromptQueue:
     def __iter__(self) -> Iterator[PrefillTask]:
         return iter(self._tasks)
 
-    def __getitem__(self, i: int) -> PrefillTask:
-        return self._tasks[i]
-
     def append(self, task: PrefillTask) -> None:
         """Queue ``task`` last, holding its cached prefix (within the cap)."""
         self._hold(task)
