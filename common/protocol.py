@@ -76,6 +76,21 @@ class WorkerLoad:
     quarantined: int = 0  # decode: reservations held until their writer's word
 
 
+@dataclass(frozen=True)
+class StepTotals:
+    """A decode worker's steps so far, this incarnation (cumulative: a lost beat loses
+    none): the conductor scales its decode profile by what they really took."""
+
+    steps: int = 0
+    sequences: int = 0  # summed over the steps
+    context_tokens: int = 0  # summed over the steps
+    seconds: float = 0.0  # each a token's interval: compute, sampling, streaming, inbox
+
+    def add(self, sequences: int, context_tokens: int, seconds: float) -> "StepTotals":
+        return StepTotals(self.steps + 1, self.sequences + sequences,
+                          self.context_tokens + context_tokens, self.seconds + seconds)
+
+
 @message
 class WorkerHeartbeat:
     instance_id: str
@@ -97,6 +112,7 @@ class WorkerHeartbeat:
     # workers), hidden (to the next pipeline stage), store_read or store_write; PATH shm
     # or transfer_engine.
     kv_bytes: dict[str, int] = field(default_factory=dict)
+    decode_steps: StepTotals = field(default_factory=StepTotals)  # a decode worker's
 
 
 @message

@@ -22,7 +22,8 @@ from common.kv.shm_kv import close_at_exit, worker_segment
 from common.mailbox import Mailbox
 from common.service import StartupError
 from common.protocol import (KVResync, KVSnapshot, MachineCost, ReRegister, RegisterWorker,
-                             RequestFailed, WorkerHeartbeat, WorkerLeaving, WorkerLoad)
+                             RequestFailed, StepTotals, WorkerHeartbeat, WorkerLeaving,
+                             WorkerLoad)
 from common.transfer import TransferAgent, TransferConfig
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ class WorkerRuntime:
         # False: no new work now (a prefill group missing a stage); beats say draining
         self.available: Callable[[], bool] = lambda: True
         self.kv_bytes: Callable[[], dict[str, int]] = dict  # KV bytes moved, by flow/path
+        self.decode_steps: Callable[[], StepTotals] = StepTotals  # a decode worker's steps
         self.cost = self._machine_cost()  # before registering: the conductor prices with it
 
     def _machine_cost(self) -> Optional[MachineCost]:
@@ -153,7 +155,8 @@ class WorkerRuntime:
             total_blocks=pool.num_blocks, events=events, event_seq=pool.last_seq,
             epoch=self.epoch, inbox=self.inbox_address,
             draining=current_drain().active or not self.available(),
-            dropped=drop_counts(self.dropped, self.mail), kv_bytes=self.kv_bytes())
+            dropped=drop_counts(self.dropped, self.mail), kv_bytes=self.kv_bytes(),
+            decode_steps=self.decode_steps())
 
     @property
     def handlers(self) -> dict[type, Callable[[Any], None]]:

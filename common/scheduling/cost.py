@@ -11,9 +11,10 @@ step is ``d0 + d_batch*B + d_ctx*K`` for batch size ``B`` and ``K`` context toke
 batch (weights read once per step, KV read per token, per-sequence compute). A worker that
 steps at most ``M`` sequences at once serves a larger batch in ``R = ceil(B/M)`` turns, so a
 sequence waits ``R*d0 + d_batch*B + d_ctx*K`` between tokens (the per-step cost is paid R
-times; the per-sequence and per-token costs once). Transfer time
-is ``bytes / bandwidth``. Formulas and the named profiles are written down in
-docs/simulator.md.
+times; the per-sequence and per-token costs once). A live cluster corrects both online
+(services/conductor/calibration.py): TTFT = ``prefill_overhead_s + prefill_scale *
+T_prefill``, TBT = ``decode_scale *`` the above. Transfer time is ``bytes / bandwidth``.
+Formulas and the named profiles are written down in docs/simulator.md.
 """
 from __future__ import annotations
 
@@ -142,6 +143,9 @@ class CostModel:
         # the worker's own work between steps) and the compute's speed against the profile
         self.prefill_overhead_s = 0.0
         self.prefill_scale = 1.0
+        # a live decode step against the profile's (sampling, streaming, the inbox
+        # between steps, a busier or quieter machine)
+        self.decode_scale = 1.0
 
     def prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
         """A request's TTFT on an idle instance: its overhead and its compute."""
@@ -167,7 +171,14 @@ class CostModel:
         turns = 1
         if step_batch is not None and batch_size > step_batch:
             turns = math.ceil(batch_size / step_batch)
-        return max(turns * d.d0 + d.d_batch * batch_size + d.d_ctx * total_context_tokens, 0.0)
+        return self.decode_scale * max(
+            turns * d.d0 + d.d_batch * batch_size + d.d_ctx * total_context_tokens, 0.0)
+
+    def profile_decode_seconds(self, steps: int, sequences: int, context_tokens: int) -> float:
+        """The profile's time of ``steps`` decode steps of ``sequences`` and
+        ``context_tokens`` in all (each step within the largest batch: one turn each)."""
+        d = self.decode
+        return max(d.d0 * steps + d.d_batch * sequences + d.d_ctx * context_tokens, 0.0)
 
     def with_decode_slowdown(self, factor: float) -> "CostModel":
         """The same model with every decode step ``factor`` times slower (a decode pool of

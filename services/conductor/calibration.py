@@ -1,4 +1,5 @@
-"""Online calibration of the prefill cost model from the requests the cluster really ran.
+"""Online calibration of the cost model from what the cluster really ran: prefills (their
+requests), decode steps (``DecodeCalibrator``) and store reads (``ReadBandwidth``).
 
 The profile (fitted on this machine at a worker's first start, common/engine/calibrate.py,
 or a shipped one) times the bare engine; a live request's TTFT adds the reservation, the
@@ -22,11 +23,15 @@ Pure Python: no zmq, no torch.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from statistics import median
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from common.scheduling import CostModel
+
+if TYPE_CHECKING:
+    from common.protocol import StepTotals  # a type only: common.protocol imports zmq
 
 SCALES = (0.25, 4.0)  # a ratio outside these is a broken sample set, not the machine
 
@@ -79,6 +84,68 @@ class PrefillCalibrator:
     @property
     def samples(self) -> int:
         return len(self.computed) + len(self.alone)
+
+
+class DecodeCalibrator:
+    """Online calibration of the decode profile from the steps decode workers report.
+
+    A token's interval on a live worker is its step and what the worker does around it
+    (sampling, streaming the token, its inbox between steps), on a machine maybe busier
+    than when the profile was measured; the profile keeps its shape::
+
+        TBT(B, K) = scale * profile(B, K)
+
+    ``scale``: the seconds the steps took over what the profile predicts for the same
+    steps, summed over the last ``window`` heartbeats' worth of steps (each beat carries
+    a worker's cumulative totals, ``StepTotals``; the difference since its previous beat
+    is one sample, dropped if its own ratio is implausible), refitted every
+    ``refit_every`` samples."""
+
+    def __init__(self, cost: CostModel, window: int = 32, refit_every: int = 4,
+                 min_samples: int = 4) -> None:
+        self.cost = cost
+        self.samples: deque[tuple[float, float]] = deque(maxlen=window)  # (profile, s)
+        self.refit_every, self.min_samples = refit_every, min_samples
+        self.refits = 0
+        self._since = 0
+        # instance -> (epoch, totals): one entry per worker name, replaced on restart
+        self._last: dict[str, tuple[int, StepTotals]] = {}
+
+    def observe(self, instance_id: str, epoch: int, totals: StepTotals) -> bool:
+        """A decode worker's beat; True if the model changed."""
+        last = self._last.get(instance_id)
+        self._last[instance_id] = (epoch, totals)
+        if last is None or last[0] != epoch or totals.steps <= last[1].steps:
+            return False  # its first beat, a new incarnation, or no step since
+        was = last[1]
+        seconds = totals.seconds - was.seconds
+        profile = self.cost.profile_decode_seconds(
+            totals.steps - was.steps, totals.sequences - was.sequences,
+            totals.context_tokens - was.context_tokens)
+        if profile <= 0 or not SCALES[0] <= seconds / profile <= SCALES[1]:
+            return False  # a broken sample (a stalled worker), not the machine
+        self.samples.append((profile, seconds))
+        self._since += 1
+        if self._since < self.refit_every or len(self.samples) < self.min_samples:
+            return False
+        self._since = 0
+        ratio = sum(s for _, s in self.samples) / sum(p for p, _ in self.samples)
+        if ratio == self.cost.decode_scale:
+            return False
+        self.cost.decode_scale = ratio
+        self.refits += 1
+        return True
+
+    def describe(self) -> dict:
+        """The scale in use and how far it predicts the samples' steps: the absolute
+        relative error, (predicted − measured) / measured, of each beat's steps."""
+        scale = self.cost.decode_scale
+        errors = sorted(abs(scale * p - s) / s for p, s in self.samples)
+        return {"decode_scale": scale, "decode_refits": self.refits,
+                "decode_samples": len(errors),
+                "decode_p50_abs_rel_error": errors[len(errors) // 2] if errors else None,
+                "decode_p90_abs_rel_error": (errors[math.ceil(0.9 * len(errors)) - 1]
+                                             if errors else None)}
 
 
 class ReadBandwidth:

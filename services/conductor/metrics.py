@@ -69,8 +69,8 @@ class ConductorMetrics:
             "crescent_conductor_store_read_bytes_per_s", "the store's read bandwidth learned "
             "from prefills' loads (what a prefix fetch is priced at, unless "
             "transfer_bandwidth_bytes_per_s pins it)", registry=r)
-        self.cost_refits = Counter("crescent_conductor_cost_refits", "prefill cost "
-                                   "correction (overhead, scale) refitted online", registry=r)
+        self.cost_refits = Counter("crescent_conductor_cost_refits", "cost correction "
+                                   "(prefill overhead and scale, decode scale) refitted online", registry=r)
         self.workers = Gauge("crescent_workers", "live workers", ["role"], registry=r)
         self.typical_decode = Gauge("crescent_conductor_typical_decode_seconds",
                                     "typical decode time the admission predicts with",

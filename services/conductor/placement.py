@@ -18,7 +18,7 @@ from common.scheduling import (
     CostModel, DecodeInstanceState, DecodeSlot, PipelineCost, PrefillInstanceState, PrefixIndex,
     Rejection, RequestInfo, SchedulerConfig, make_scheduler,
 )
-from services.conductor.calibration import PrefillCalibrator, ReadBandwidth
+from services.conductor.calibration import DecodeCalibrator, PrefillCalibrator, ReadBandwidth
 from services.conductor.registry import Registry, WorkerState
 from services.conductor.tracker import Phase, Tracked, Tracker
 
@@ -79,6 +79,7 @@ class Placer:
         # a pipeline group's TTFT is not a single worker's (short prompts gain nothing)
         self.shapes: dict[int, PrefillCalibrator] = {1: PrefillCalibrator(self.cost)}
         self.store_reads = ReadBandwidth()
+        self.decode_steps = DecodeCalibrator(self.cost)
         self.machine_keys: list[str] = []  # the workers' fitted coefficients adopted
 
     def adopt(self, cost: MachineCost) -> bool:
@@ -101,7 +102,7 @@ class Placer:
                 "prefill": asdict(self.cost.prefill), "decode": asdict(self.cost.decode),
                 "prefill_overhead_s": self.cost.prefill_overhead_s,
                 "prefill_scale": self.cost.prefill_scale, "refits": self.calibrator.refits,
-                "samples": self.calibrator.samples}
+                "samples": self.calibrator.samples, **self.decode_steps.describe()}
 
     @property
     def calibrator(self) -> PrefillCalibrator:

@@ -113,6 +113,8 @@ class Conductor(FailurePaths):
             return
         self.metrics.observe_worker(msg.instance_id, msg.dropped, msg.load.quarantined,
                                     msg.kv_bytes)
+        if self.placer.decode_steps.observe(msg.instance_id, msg.epoch, msg.decode_steps):
+            self.metrics.cost_refits.inc()
 
     def on_kv_snapshot(self, msg: KVSnapshot) -> None:
         if not self.registry.kv_snapshot(msg):

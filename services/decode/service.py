@@ -21,7 +21,8 @@ from common.kv.demand import kv_demand
 from common.security import clamp_deadline
 from common.protocol import (
     KV_FAILED, AbortRequest, BlocksReserved, Fence, FenceQuery, KVFailed, KVReady, RequestFailed,
-    RequestFinished, ReserveBlocks, ReserveFailed, TokenDelta, WorkerGone, WorkerLoad,
+    RequestFinished, ReserveBlocks, ReserveFailed, StepTotals, TokenDelta, WorkerGone,
+    WorkerLoad,
 )
 from common.sampling_params import PromptLogprobs, SampledToken, SamplingParams, TopLogprobs
 from common.worker import WorkerRuntime
@@ -58,6 +59,8 @@ class DecodeWorker:
         self.idle_check = IdleCheck(self.pool.check_idle, "KV block pool")
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="decode")
         self.grammars = Grammars.for_engine(self.engine)
+        self.steps = StepTotals()  # the step loop's, for the conductor's decode refit
+        rt.decode_steps = lambda: self.steps
         self.handlers: dict[type, Callable[[Any], None]] = {
             **rt.handlers,  # ReRegister
             ReserveBlocks: self.on_reserve,
@@ -329,12 +332,15 @@ class DecodeWorker:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
+            started = time.perf_counter()
             batch = [self.running[rid] for rid in turns.next_batch(self.running, max_batch)]
             inputs = [DecodeInput(s.last_token, s.position, s.blocks) for s in batch]
+            context = sum(s.context_tokens for s in batch)
             step = loop.run_in_executor(self.compute, self.engine.decode_step, inputs)
             bitmask = self.grammars.bitmask([s.matcher for s in batch])  # while it runs
             self.advance(batch, await step, bitmask)
             await asyncio.sleep(0)  # let the inbox in between steps
+            self.steps = self.steps.add(len(batch), context, time.perf_counter() - started)
 
     def advance(self, batch: list[Running], logits: torch.Tensor,
                 bitmask: Optional[torch.Tensor]) -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from common.scheduling import CostModel
 from common.scheduling.cost import DecodeCoefficients, PrefillCoefficients
-from services.conductor.calibration import PrefillCalibrator
+from services.conductor.calibration import DecodeCalibrator, PrefillCalibrator
 
 TRUE = PrefillCoefficients(c0=0.01, c_new=0.002, c_cached=0.0001, c_new_cached=0.0,
                            c_new_sq=1e-6)
@@ -102,3 +102,43 @@ def test_a_pinned_profile_ignores_the_workers_fits() -> None:
     before = placer.cost.prefill
     assert not placer.adopt(MachineCost("k", PrefillCoefficients(c0=9.0)))
     assert placer.cost.prefill == before and placer.describe()["machine_keys"] == []
+
+
+# ---------------------------------------------------------------- decode
+
+def totals(steps: int, batch: int, context: int, seconds_each: float) -> "StepTotals":
+    """``steps`` steps of ``batch`` sequences and ``context`` tokens in all, each
+    ``seconds_each``."""
+    from common.protocol import StepTotals
+    return StepTotals(steps, steps * batch, steps * context, steps * seconds_each)
+
+
+def test_decode_scale_from_the_steps_the_workers_report() -> None:
+    """Each beat's totals less the previous beat's are one sample: steps of batch 8 and
+    4,000 tokens of context taking 1.5x the profile's time (0.02 + 0.001 * 8 + 1e-5 *
+    4000 = 68 ms) make the scale 1.5; TBT predictions follow, in turns too."""
+    cost = CostModel(TRUE, DecodeCoefficients(d0=0.02, d_batch=0.001, d_ctx=1e-5), 46080, 1e9)
+    cal = DecodeCalibrator(cost, refit_every=2, min_samples=2)
+    assert not cal.observe("decode-0", 7, totals(0, 8, 4000, 0.102))  # its first beat
+    assert not cal.observe("decode-0", 7, totals(10, 8, 4000, 0.102))
+    assert cal.observe("decode-0", 7, totals(25, 8, 4000, 0.102))
+    assert cost.decode_scale == pytest.approx(1.5) and cal.refits == 1
+    assert cost.decode_tbt_seconds(8, 4000) == pytest.approx(0.102)
+    assert cost.decode_tbt_seconds(16, 8000, step_batch=8) == pytest.approx(
+        1.5 * (2 * 0.02 + 0.016 + 0.08))
+    described = cal.describe()
+    assert described["decode_samples"] == 2 and described["decode_p90_abs_rel_error"] == \
+        pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_restart_a_quiet_beat_or_a_broken_ratio_teaches_nothing() -> None:
+    cost = CostModel(TRUE, DecodeCoefficients(d0=0.02), 46080, 1e9)
+    cal = DecodeCalibrator(cost, refit_every=1, min_samples=1)
+    cal.observe("decode-0", 1, totals(50, 1, 100, 0.02))
+    assert not cal.observe("decode-0", 2, totals(5, 1, 100, 0.04))  # a new incarnation
+    assert not cal.observe("decode-0", 2, totals(5, 1, 100, 0.04))  # no step since
+    assert not cal.observe("decode-0", 2, totals(10, 1, 100, 0.2))  # 10x: dropped
+    assert cost.decode_scale == 1.0 and cal.refits == 0 and not cal.samples
+    assert cal.observe("decode-1", 3, totals(1, 1, 100, 0.03)) is False  # first of another
+    assert cal.observe("decode-1", 3, totals(3, 1, 100, 0.03))
+    assert cost.decode_scale == pytest.approx(1.5)

@@ -12,7 +12,9 @@ from common.config import ClusterConfig
 from common.ipc import ProtocolError, decode, encode
 from common.kv.block_pool import BlockPool
 from common.kv.events import BlockEventMsg
-from common.protocol import KVResync, KVSnapshot, RegisterWorker, WorkerHeartbeat, WorkerLoad
+from common.protocol import (
+    KVResync, KVSnapshot, RegisterWorker, StepTotals, WorkerHeartbeat, WorkerLoad,
+)
 from common.worker import WorkerRuntime
 from services.conductor.service import Conductor
 from services.conductor.worker_kv import WorkerKV
@@ -88,7 +90,8 @@ class Worker:
             instance_id="prefill-0", role="prefill", epoch=epoch, inbox_address=INBOX,
             conductor="tcp://conductor", engine=SimpleNamespace(pool=BlockPool(8)),
             mail=SimpleNamespace(send=lambda address, msg: self.sent.append(msg) or True,
-                                 dropped={}), dropped={}, available=lambda: True, kv_bytes=dict)
+                                 dropped={}), dropped={}, available=lambda: True, kv_bytes=dict,
+            decode_steps=StepTotals)
         self.pool: BlockPool = self.rt.engine.pool
 
     def registration(self) -> RegisterWorker:

@@ -1,10 +1,12 @@
 """Each worker and store node of a real cluster serves its own /metrics (common/
 worker_metrics.py): after a request its step counts and KV bytes have grown, and the
-router's dashboard data shows the same numbers (services/router/worker_scrape.py). A
+router's dashboard data shows the same numbers (services/router/worker_scrape.py); the
+decode worker's steps reach the conductor's decode calibration. A
 colocated worker moves no KV (one process; layer-wise it puts nothing in the store), so
 there only its steps are checked."""
 from __future__ import annotations
 
+import time
 import uuid
 from collections import defaultdict
 
@@ -74,6 +76,8 @@ def test_every_worker_counts_its_steps_and_kv_bytes(shared, shape: str) -> None:
     assert grew(after, steps, decode, step="decode") + grew(
         after, steps, decode, step="mixed") >= max_tokens - 1
     assert total(after[decode], "crescent_worker_quarantined_blocks") == 0
+    if shape == "disaggregated":
+        assert_decode_steps_reach_the_conductor(cluster)
     assert ("store_node-0" in after) == cluster.config.store.enabled  # it answered too
 
     data = httpx.get(cluster.url + "/debug/dashboard", timeout=10).json()
@@ -81,3 +85,18 @@ def test_every_worker_counts_its_steps_and_kv_bytes(shared, shape: str) -> None:
     assert set(shown) == set(after) and all(w["up"] for w in shown.values())
     assert shown[decode]["total_steps"] >= total(before[decode], steps) + max_tokens - 1
     assert sum(shown[prefill]["kv_bytes"].values()) >= moved
+
+
+def assert_decode_steps_reach_the_conductor(cluster: LocalCluster) -> None:
+    """The decode worker's beats carry its step totals; the conductor scales its decode
+    profile by them (services/conductor/calibration.py DecodeCalibrator)."""
+    c = cluster.config
+    url = f"http://{c.address('conductor')}:{c.port('conductor_http')}/debug/ttft"
+    deadline = time.monotonic() + 10
+    while True:  # the beat after the last step comes within a heartbeat interval
+        cost = httpx.get(url, timeout=5).json()["cost"]
+        if cost["decode_samples"] or time.monotonic() > deadline:
+            break
+        time.sleep(c.heartbeat_interval_s)
+    assert cost["decode_samples"] >= 1, cost
+    assert 0.25 <= cost["decode_scale"] <= 4.0 and cost["decode_p90_abs_rel_error"] >= 0
