@@ -201,6 +201,17 @@ def test_curve_keys_come_from_a_secret() -> None:
     assert f"--from-file={secret.name}=" in docs
 
 
+def test_a_workers_cache_outlives_its_container() -> None:
+    """A worker's first start on a machine fits its cost profile (seconds, on a GPU
+    minutes of kernels and weights); a restarted container starts from the image, so the
+    cache directory is a pod's emptyDir, kept across container restarts."""
+    for role in ("prefill", "decode"):
+        sts = statefulsets()[role]
+        env = {e["name"]: e.get("value") for e in container(sts)["env"]}
+        cache = volume_of(sts, env["CRESCENT_CACHE_DIR"])
+        assert cache["emptyDir"] == {} and not cache["readOnly"], role
+
+
 def test_shared_memory_fits_the_store_segment_and_nothing_persists() -> None:
     """A pod's /dev/shm is 64 MiB unless mounted: the store node's segment lives there.
     No PersistentVolumeClaim: the store master keeps its metadata in memory (a restart is
