@@ -105,7 +105,6 @@ class WorkerRuntime:
         close_at_exit(self.engine.kv)
         self.engine.profiler = StepProfiler.from_env(self.instance_id)  # CRESCENT_PROFILE_DIR
         self.metrics = worker_metrics.current()  # GET /metrics, with metrics_port set
-        self.engine.on_step = self.metrics.step
         self.metrics_server = worker_metrics.serve(config, role, index)
         self.mail = Mailbox(config.inbox(role, index, bind=True), self.instance_id)
         self.transfer = TransferAgent(TransferConfig(hostname=config.address(role, index),
@@ -122,6 +121,7 @@ class WorkerRuntime:
         self.kv_bytes: Callable[[], dict[str, int]] = dict  # KV bytes moved, by flow/path
         self.decode_steps: Callable[[], StepTotals] = StepTotals  # a decode worker's steps
         self.cost = self._machine_cost()  # before registering: the conductor prices with it
+        self.engine.on_step = self.metrics.step  # served steps only, not the calibration's
 
     def _machine_cost(self) -> Optional[MachineCost]:
         """With ``cost_profile = "auto"``, this worker's phases fitted on this machine
