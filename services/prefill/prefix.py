@@ -77,7 +77,9 @@ class PrefixLoader:
         # store every layer's read is queued at once and the compute waits for each on
         # the GPU (layer_io.LaunchedLoads); whole blocks before the compute were one DMA
         # of 48 GB/s the compute waited for (an H200, issue 26: 38 ms of a 16k prompt).
-        return cls(rt.engine.pool, kv, store, rt.config.kv_layerwise,
+        # Layer-wise store I/O is the prefill worker's (store_writes.py, layer_io.py): a
+        # colocated worker reads and puts whole blocks (layer-wise, it put none).
+        return cls(rt.engine.pool, kv, store, rt.config.kv_layerwise and rt.role == "prefill",
                    kv.layer_nbytes * rt.engine.model_config.num_layers)
 
     async def acquire(self, tokens: list[int], keys: list[bytes], from_store: bool = True,

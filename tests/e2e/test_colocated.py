@@ -1,8 +1,11 @@
 """The colocated mode: one worker prefills and decodes in the same steps, behind the same
 router and conductor. Its greedy outputs equal the engine run alone and the
-disaggregated cluster's; aborts and bad input leave no block behind."""
+disaggregated cluster's; aborts and bad input leave no block behind; its new blocks go
+to the store."""
 from __future__ import annotations
 
+import time
+import uuid
 
 import httpx
 import pytest
@@ -64,3 +67,26 @@ def test_disconnect_and_bad_input_free_every_block(colocated: LocalCluster) -> N
     assert r.status_code == 400, r.text
     wait_no_leaks(colocated, timeout_s=15)
     assert "Paris" in chunk_text(stream_chat(colocated.url, PARIS, 16))
+
+
+def test_a_new_prompts_blocks_go_to_the_store(colocated: LocalCluster) -> None:
+    """Its full blocks are put in the store after its prefill, as a prefill worker's are
+    (layer-wise I/O is the prefill worker's: the colocated worker puts whole blocks)."""
+    c = colocated.config
+    url = f"http://{c.address('store_master')}:{c.port('store_master_http')}/metrics"
+
+    def objects() -> float:
+        line = next(ln for ln in httpx.get(url, timeout=5).text.splitlines()
+                    if ln.startswith("store_objects "))
+        return float(line.split()[1])
+
+    before = objects()
+    prompt = f"{uuid.uuid4()} " + "a story of rivers and bridges, " * 12  # ~100 tokens
+    r = httpx.post(colocated.url + "/v1/completions", timeout=60, json={
+        "model": "smollm2-135m", "prompt": prompt, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    full_blocks = r.json()["usage"]["prompt_tokens"] // c.block_size
+    deadline = time.monotonic() + 15
+    while objects() < before + full_blocks and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert objects() >= before + full_blocks
