@@ -151,9 +151,10 @@ class Conductor(FailurePaths):
         self.dispatch(req, decision)
 
     def dispatch(self, req: SubmitRequest, p: Placement) -> None:
+        """Place ``req``: the router hears it accepted once its decode blocks are reserved
+        (``on_reserved``), so a reservation that fails is a plain 429, not an error event
+        in a stream already answered 200."""
         self._reserve(req, p, attempt=0, accepted_at=self.clock())
-        self.mail.send(self.router_inbox, RequestAccepted(
-            req.request_id, p.prefill_id, p.decode_id, p.predicted_ttft_s))
         self.metrics.placed.labels(prefill=p.prefill_id, decode=p.decode_id).inc()
         self.metrics.predicted_ttft.observe(p.predicted_ttft_s)
 
@@ -206,6 +207,8 @@ class Conductor(FailurePaths):
                 "and kv_dtype"))
         self.tracker.set_phase(t, Phase.PREFILLING,
                                time.monotonic() + self.config.kv_wait_timeout_s)
+        self.mail.send(self.router_inbox, RequestAccepted(  # a re-run's too: the router
+            t.req.request_id, t.prefill_id, t.decode_id, t.predicted_ttft_s))  # keeps one
         self.mail.send(prefill.info.inbox, PrefillTask(
             request_id=t.req.request_id, token_ids=t.req.token_ids,
             block_keys=t.req.block_keys, sampling=t.req.sampling,

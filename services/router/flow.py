@@ -53,6 +53,7 @@ class RequestRun:
         self.open_choices = req.sampling.n  # each ends with a delta with a finish reason
         self.status = 500  # the HTTP status counted at the end
         self._pending: Optional[TokenDelta] = None
+        self.accepted = False
         self._last_token: Optional[float] = None
         self._last_word = time.monotonic()  # the last event about this request
         state.requests.arrived(self.request_id, endpoint, self.arrival)
@@ -126,6 +127,10 @@ class RequestRun:
                        code="timeout")
 
     def _accepted(self, msg: RequestAccepted) -> None:
+        """The first acceptance of this run (a re-run's or a continuation's come again)."""
+        if self.accepted:
+            return
+        self.accepted = True
         now = time.time()
         self.state.metrics.queue_time.observe(max(0.0, now - self.arrival))
         self.state.requests.accepted(msg, now)

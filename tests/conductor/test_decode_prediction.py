@@ -8,8 +8,8 @@ import pytest
 
 from common.config import ClusterConfig, SLOConfig
 from common.protocol import (
-    BlocksReserved, PrefillDone, RegisterWorker, RequestAccepted, RequestFinished,
-    RequestRejected, SubmitRequest, WorkerHeartbeat, WorkerLoad,
+    BlocksReserved, PrefillDone, RegisterWorker, RequestFinished, RequestRejected,
+    ReserveBlocks, SubmitRequest, WorkerHeartbeat, WorkerLoad,
 )
 from common.status_protocol import ClusterStatus
 from common.sampling_params import SamplingParams
@@ -90,8 +90,8 @@ def test_running_decode_predicted_gone_frees_room(admission: str, accepted: bool
     clock.t = 1021.0
     submit(c, "r2")
     msg = mail.last("r2")
-    if accepted:
-        assert isinstance(msg, RequestAccepted) and msg.decode_id == "decode-0"
+    if accepted:  # placed: its decode blocks asked for (accepted once they are reserved)
+        assert isinstance(msg, ReserveBlocks) and c.tracker.get("r2").decode_id == "decode-0"
     else:
         assert msg == RequestRejected("r2", FULL)
 
@@ -102,8 +102,8 @@ def test_incoming_request_counts_when_its_prefill_ends_first(admission: str,
     c, mail, clock = make(admission)
     register(c, "decode", free=4)  # room for 64 tokens, nothing running
     submit(c, "r1")
-    r1 = mail.last("r1")
-    assert isinstance(r1, RequestAccepted) and r1.predicted_ttft_s < 1
+    assert isinstance(mail.last("r1"), ReserveBlocks)
+    assert c.tracker.get("r1").predicted_ttft_s < 1
     # r1 (still reserving) joins decode before r2's prefill (queued behind r1's) ends,
     # and is still decoding then (TTFTs < 1 s, far below the 10 s prior): 48 + 48 > 64.
     # The current load has no context yet.
@@ -111,7 +111,7 @@ def test_incoming_request_counts_when_its_prefill_ends_first(admission: str,
     submit(c, "r2")
     msg = mail.last("r2")
     if accepted:
-        assert isinstance(msg, RequestAccepted)
+        assert isinstance(msg, ReserveBlocks)
     else:
         assert msg == RequestRejected("r2", FULL)
 

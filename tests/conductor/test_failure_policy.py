@@ -11,7 +11,7 @@ import pytest
 
 from common.protocol import (
     KV_FAILED, AbortRequest, BlocksReserved, Fence, PrefillDone, PrefillTask, RegisterWorker,
-    RequestFailed, RequestFinished, ReserveBlocks, WorkerGone, WorkerHeartbeat,
+    RequestAccepted, RequestFailed, RequestFinished, ReserveBlocks, WorkerGone, WorkerHeartbeat,
 )
 from common.status_protocol import PrefillSummary
 from services.conductor.service import STAGE_DOWN_RERUNS, Conductor
@@ -42,8 +42,8 @@ def prefilling(c: Conductor, mail: RecordingMail, rid: str = "r") -> PrefillTask
     c.on_submit(submit(rid))
     mail.take()
     c.on_reserved(BlocksReserved(rid, "decode-0", [1, 2, 3], F0))
-    [(_, task)] = mail.take()
-    assert isinstance(task, PrefillTask)
+    (_, accepted), (_, task) = mail.take()  # the router hears it accepted now
+    assert isinstance(accepted, RequestAccepted) and isinstance(task, PrefillTask)
     return task
 
 
@@ -77,7 +77,7 @@ def test_a_prefill_lost_before_the_first_token_reruns_the_request_once(conductor
     assert c.metrics.reruns._value.get() == 1
     # The new reservation: the task goes to the other prefill worker under its fence.
     c.on_reserved(BlocksReserved("r", "decode-0", [4, 5, 6], F1, attempt=1))
-    [(addr, rerun)] = mail.take()
+    [(addr, rerun)] = [(a, m) for a, m in mail.take() if isinstance(m, PrefillTask)]
     assert addr == f"tcp://w/prefill{other[-1]}"
     assert (rerun.fence, rerun.decode_block_ids, rerun.prefill_epoch, rerun.store_loads) == (
         F1, [4, 5, 6], EPOCHS[other], True)  # a lost worker's re-run may load from the store
@@ -127,7 +127,7 @@ def test_a_failed_store_load_reruns_the_request_once(conductor) -> None:
     assert sent[-1][1].attempt == 1 and c.metrics.reruns._value.get() == 1
     assert c.tracker.get("r").phase is Phase.RESERVING
     c.on_reserved(BlocksReserved("r", "decode-0", [4, 5, 6], F1, attempt=1))
-    [(_, task)] = mail.take()
+    [task] = [m for _, m in mail.take() if isinstance(m, PrefillTask)]
     assert not task.store_loads  # the re-run computes what it failed to load
     c.on_failed(RequestFailed("r", 503, "kv_load_failed", "again", fence=F1))
     failed = [m for _, m in mail.take() if isinstance(m, RequestFailed)]
@@ -150,7 +150,7 @@ def test_a_task_refused_by_a_group_head_whose_stage_died_reruns_elsewhere(conduc
     assert not any(isinstance(m, RequestFailed) for m in sent)
     assert isinstance(sent[-1], ReserveBlocks) and sent[-1].attempt == 1
     c.on_reserved(BlocksReserved("r", "decode-0", [4, 5, 6], F1, attempt=1))
-    [(address, _)] = mail.take()
+    [address] = [a for a, m in mail.take() if isinstance(m, PrefillTask)]
     assert c.tracker.get("r").prefill_id != head and not address.endswith(head[-1])
     c.on_submit(submit("s"))  # placed elsewhere too, before the head's next beat
     c.on_reserved(BlocksReserved("s", "decode-0", [7], Fence(20, 3)))
@@ -315,7 +315,8 @@ def test_a_lost_lone_prefill_worker_s_requests_wait_for_its_restart(lone) -> Non
     c.on_register(reg("prefill", 0, epoch=12))  # the supervisor's restart
     sent = [m for _, m in mail.take() if not isinstance(m, WorkerGone)]
     assert [(type(m), m.writer, m.writer_epoch, m.attempt) for m in sent] == [
-        (ReserveBlocks, "prefill-0", 12, 1)]  # no second RequestAccepted
+        (ReserveBlocks, "prefill-0", 12, 1)]  # accepted again once reserved (the router
+    # keeps the first acceptance)
     assert c.held.requests == {} and c.tracker.get("r").phase is Phase.RESERVING
     assert c.metrics.reruns._value.get() == 1
 
@@ -333,8 +334,6 @@ def test_a_request_waits_at_most_worker_wait_s(lone) -> None:
 
 
 def test_a_request_sent_while_no_worker_lives_waits_or_is_aborted() -> None:
-    from common.protocol import RequestAccepted
-
     c, mail = started(8, [])
     c.on_submit(submit("a"))
     c.on_submit(submit("b"))
@@ -344,5 +343,5 @@ def test_a_request_sent_while_no_worker_lives_waits_or_is_aborted() -> None:
         c.on_register(reg(r, 0))
         c.on_heartbeat(heartbeat(r, 0))
     sent = [type(m) for _, m in mail.take() if not isinstance(m, WorkerGone)]
-    assert sent == [ReserveBlocks, RequestAccepted] and c.held.requests == {}
+    assert sent == [ReserveBlocks] and c.held.requests == {}
     assert list(c.tracker.requests) == ["a"]

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from common.config import ClusterConfig, SLOConfig
-from common.protocol import PrefillDone, RequestAccepted, SubmitRequest
+from common.protocol import PrefillDone, SubmitRequest
 from common.sampling_params import SamplingParams
 from common.scheduling import CostModel, PipelineCost
 from common.scheduling.cost import DecodeCoefficients, PrefillCoefficients
@@ -66,8 +66,8 @@ def mixed() -> tuple[Conductor, RecordingMail]:
 def placed(c: Conductor, mail: RecordingMail, rid: str, n: int) -> str:
     c.on_submit(SubmitRequest(rid, list(range(n)), [], SamplingParams(max_tokens=1),
                               time.time()))
-    [accepted] = [m for _, m in mail.take() if isinstance(m, RequestAccepted)]
-    return accepted.prefill_id
+    mail.take()
+    return c.tracker.get(rid).prefill_id
 
 
 def test_short_prompts_skip_the_pipeline_and_long_ones_take_it() -> None:

@@ -74,9 +74,9 @@ def test_conductor_records_each_request_and_serves_json() -> None:
                                      32, 100, 16))
         c.on_heartbeat(WorkerHeartbeat(f"{role}-0", role, WorkerLoad(), 100, 0, 100, [], 0))
     c.on_submit(SubmitRequest("r1", list(range(40)), [], SamplingParams(max_tokens=8), 0.0))
-    [accepted] = [m for m in mail.sent if isinstance(m, RequestAccepted)]
     clock.t = 1000.05
     c.on_reserved(BlocksReserved("r1", "decode-0", [1, 2, 3]))
+    [accepted] = [m for m in mail.sent if isinstance(m, RequestAccepted)]  # once reserved
     clock.t = 1000.5
     c.on_prefill_done(PrefillDone("r1", "decode-0", 40, 0, 0, 0.4, 1000, 0.01, wait_s=0.02,
                                   admit_s=0.003))

@@ -102,6 +102,21 @@ def test_metrics(router: str) -> None:
         in text
 
 
+def test_a_rerun_accepted_again_counts_its_queue_time_once(router: str,
+                                                          fake: FakeCluster) -> None:
+    """The conductor says accepted at each reservation, a re-run's too: one request
+    waited in the queue once."""
+    def queued() -> float:
+        text = get(router, "/metrics").body.decode()
+        return float(next(line.split()[-1] for line in text.splitlines()
+                          if line.startswith("crescent_router_queue_time_seconds_count")))
+
+    before = queued()
+    fake.script = lambda req: [(0, accepted(req)), (0, accepted(req))] + deltas(req, ["a"])
+    assert post(router, "/v1/completions", {"prompt": "x"}).json()["choices"][0]["text"] == "a"
+    assert queued() == before + 1
+
+
 def test_official_openai_client(router: str, fake: FakeCluster) -> None:
     client = openai.OpenAI(base_url=router + "/v1", api_key="none", max_retries=0)
     reply = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8)
