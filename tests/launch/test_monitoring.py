@@ -7,10 +7,11 @@ import copy
 import importlib
 import inspect
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -152,7 +153,56 @@ def test_prometheus_scrapes_every_metrics_endpoint_of_compose() -> None:
     assert targets == expected
 
 
+def relabel(rules: list[dict[str, Any]], labels: dict[str, str]) -> Optional[dict[str, str]]:
+    """Prometheus's relabelling (the keep and replace actions) of one target's labels;
+    None when a rule drops it."""
+    labels = dict(labels)
+    for rule in rules:
+        value = rule.get("separator", ";").join(labels.get(name, "")
+                                                for name in rule.get("source_labels", []))
+        match = re.fullmatch(rule.get("regex", "(.*)"), value)
+        if rule.get("action", "replace") == "keep":
+            if match is None:
+                return None
+        elif match is not None:
+            labels[rule["target_label"]] = re.sub(
+                r"\$\{?(\d+)\}?", lambda g: match.group(int(g.group(1))) or "",
+                rule.get("replacement", "$1"))
+    return labels
+
+
+def test_the_k8s_scrape_config_labels_every_pod_as_compose_does() -> None:
+    """Every pod of launch/k8s/ that serves metrics is scraped at its annotated port with
+    the `role` and `worker` labels the dashboard groups by: the targets of k8s.toml."""
+    from tests.launch.test_k8s import statefulsets
+
+    config = ClusterConfig.load(str(REPO / "launch" / "configs" / "k8s.toml"))
+    scrape = yaml.safe_load((REPO / "launch" / "prometheus" / "prometheus-k8s.yml").read_text())
+    (job,) = scrape["scrape_configs"]
+    found, names = {}, {}
+    for sts in statefulsets().values():
+        template = sts["spec"]["template"]["metadata"]
+        for i in range(sts["spec"]["replicas"]):
+            pod = f"{sts['metadata']['name']}-{i}"
+            ip = f"10.0.0.{len(names) + 1}"
+            names[ip] = f"{pod}.{sts['spec']['serviceName']}"  # its headless Service name
+            meta = {"__address__": ip, "__meta_kubernetes_pod_name": pod,
+                    "__meta_kubernetes_pod_ip": ip}
+            meta.update({"__meta_kubernetes_pod_label_" + re.sub(r"[^a-z0-9]", "_", k): v
+                         for k, v in template["labels"].items()})
+            meta.update({"__meta_kubernetes_pod_annotation_" + re.sub(r"[^a-z0-9]", "_", k): v
+                         for k, v in template.get("annotations", {}).items()})
+            target = relabel(job["relabel_configs"], meta)
+            if target is not None:
+                assert target.get("__metrics_path__") == "/metrics", target
+                host, port = target["__address__"].split(":")
+                found[target["role"], target.get("worker", "")] = f"{names[host]}:{port}"
+    assert found == scrape_targets(config)
+
+
 def test_scrape_config_passes_promtool() -> None:
+    """(Debian's promtool is built without Kubernetes discovery: it refuses
+    prometheus-k8s.yml's kubernetes_sd_configs, which the test above checks instead.)"""
     promtool = Path(sys.prefix) / "tools" / "usr" / "bin" / "promtool"
     if not promtool.is_file():
         pytest.skip(f"no {promtool} (launch/setup.sh unpacks Debian's prometheus)")
