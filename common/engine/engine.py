@@ -260,9 +260,11 @@ class Engine:
         for c in chunks:
             table = torch.tensor(c.block_table[:self.blocks_needed(c.end)], dtype=torch.long,
                                  device=self.device)
-            for start, end in self._pieces(c.start, c.end):
-                parts.append((len(ids), len(ids) + end - start,
-                              self._prefill_meta(table, start, end)))
+            pieces = self._pieces(c.start, c.end)
+            for start, end in pieces:
+                meta = self._prefill_meta(table, start, end)
+                meta.chunk_table = table if len(pieces) > 1 else None  # gathered once
+                parts.append((len(ids), len(ids) + end - start, meta))
                 ids += c.token_ids[start:end]
         if decodes:
             parts.append((len(ids), len(ids) + len(decodes), self._decode_meta(decodes)))

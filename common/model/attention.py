@@ -42,6 +42,11 @@ class AttnMetadata:
     # one forward): ``parts`` are (first token, end token, metadata of that part). The
     # linear layers run once over all T tokens; attention runs once per part.
     parts: Optional[list[tuple[int, int, "AttnMetadata"]]] = None
+    # One piece of a prompt chunk cut in several (batch invariance: EngineConfig.
+    # chunk_align): the whole chunk's block table, one tensor for all its pieces, whose K/V
+    # SdpaAttention gathers once per layer for them all (per piece it gathered the chunk's
+    # prefix again for each: 16 times for a 256-token chunk in 16-token pieces).
+    chunk_table: Optional[torch.Tensor] = None
 
     @functools.cached_property
     def longest(self) -> int:
@@ -95,26 +100,46 @@ class SdpaAttention:
             self.kv.write_tokens(layer, meta.slot_blocks, meta.positions, k, v)
         if meta.parts is None:
             return self.attend_written(layer, q, k, v, meta, spec)
-        return torch.cat([self.attend_written(layer, q[s:e], k[s:e], v[s:e], part, spec)
-                          for s, e, part in meta.parts])
+        out, chunk, gathered = [], None, None
+        for s, e, part in meta.parts:
+            context = None
+            if part.chunk_table is not None and not part.fresh:
+                if part.chunk_table is not chunk:  # the chunk's first piece after a prefix
+                    chunk = part.chunk_table
+                    gathered = self._gathered(layer, chunk[None], q.dtype)
+                n = part.block_tables.shape[1] * self.kv.block_size  # this piece's keys:
+                context = (gathered[0][:, :n], gathered[1][:, :n])  # what it would gather
+            out.append(self.attend_written(layer, q[s:e], k[s:e], v[s:e], part, spec, context))
+        return torch.cat(out)
 
     def write_rows(self, layer: int, rows: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor) -> None:
         self.kv.write_rows(layer, rows, k, v)
 
+    def _gathered(self, layer: int, tables: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of the blocks of ``tables`` [B, n], [B, n * block_size, kv heads, hd] in
+        ``dtype`` (one buffer pair, reused by the next gather)."""
+        kv = self.kv
+        numel = tables.numel() * kv.block_size * kv.num_kv_heads * kv.head_dim
+        kk, vv = kv.gather(layer, tables, self._gather_buffers(numel))
+        return kk.to(dtype), vv.to(dtype)
+
     def attend_written(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       meta: AttnMetadata, spec: AttnSpec) -> torch.Tensor:
-        """Attention of one uniform part whose new K/V are already in the paged memory."""
+                       meta: AttnMetadata, spec: AttnSpec,
+                       context: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                       ) -> torch.Tensor:
+        """Attention of one uniform part whose new K/V are already in the paged memory;
+        ``context``: its keys and values gathered already (``_gathered``'s, a prefix of
+        its chunk's: the same bytes in the same layout as its own gather)."""
         t, heads, hd = q.shape
         b, ql = meta.batch, meta.q_len
         qb = q.view(b, ql, heads, hd).transpose(1, 2)
         if meta.fresh:
             kk, vv = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)
         else:
-            kv = self.kv
-            numel = meta.block_tables.numel() * kv.block_size * kv.num_kv_heads * kv.head_dim
-            kk, vv = kv.gather(layer, meta.block_tables, self._gather_buffers(numel))
-            kk, vv = kk.to(q.dtype).transpose(1, 2), vv.to(q.dtype).transpose(1, 2)
+            kk, vv = context or self._gathered(layer, meta.block_tables, q.dtype)
+            kk, vv = kk.transpose(1, 2), vv.transpose(1, 2)
         end = meta.longest
         if not spec.plain_for(end):
             out = masked_attention(qb, kk, vv, meta.positions.view(b, ql), spec)
@@ -285,12 +310,14 @@ class CpuPagedAttention(SdpaAttention):
         self.kernel = kernel
 
     def attend_written(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       meta: AttnMetadata, spec: AttnSpec) -> torch.Tensor:
+                       meta: AttnMetadata, spec: AttnSpec,
+                       context: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                       ) -> torch.Tensor:
         if meta.q_len == 1 and not meta.fresh and spec.plain_for(meta.longest):
             out = self.kernel.attend(q, self.kv, layer, meta.block_tables, None,
                                      meta.kv_lens, spec.scale, meta.longest)
             return out.to(q.dtype).view(q.shape[0], -1)
-        return super().attend_written(layer, q, k, v, meta, spec)
+        return super().attend_written(layer, q, k, v, meta, spec, context)
 
 
 class TritonAttention(SdpaAttention):
@@ -306,64 +333,22 @@ class TritonAttention(SdpaAttention):
         triton_ops.write_kv(self.kv.data, layer, rows, k, v)
 
     def attend_written(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       meta: AttnMetadata, spec: AttnSpec) -> torch.Tensor:
+                       meta: AttnMetadata, spec: AttnSpec,
+                       context: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                       ) -> torch.Tensor:
         if meta.q_len == 1 and not meta.fresh and spec.plain_for(meta.longest):
             return triton_ops.paged_decode_attention(
                 q, self.kv.layer_view(layer), meta.block_tables, meta.kv_lens,
                 table_stride=meta.table_stride, scale=spec.scale)
-        return super().attend_written(layer, q, k, v, meta, spec)
-
-
-def flash_available() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-class FlashAttention:
-    """flash_attn_with_kvcache on the paged memory (CUDA + flash_attn only).
-
-    flash-attn wants per-layer caches shaped [num_blocks, block_size, kv_heads, head_dim];
-    our layer views are strided slices of the one big tensor, which flash-attn accepts as
-    long as the last dim is contiguous and block_size is a multiple of 256 for paged mode
-    (older versions); otherwise we fall back to SDPA.
-    """
-
-    decode_mask = True  # its SDPA fallback's
-
-    def __init__(self, kv: PagedKVMemory):
-        from flash_attn import flash_attn_with_kvcache
-
-        self.kv = kv
-        self._fn = flash_attn_with_kvcache
-        self._fallback = SdpaAttention(kv)
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 meta: AttnMetadata, spec: AttnSpec) -> torch.Tensor:
-        t, heads, hd = q.shape
-        if (q.dtype not in (torch.float16, torch.bfloat16) or self.kv.block_size % 256
-                or not spec.plain_for(meta.longest)):
-            return self._fallback(layer, q, k, v, meta, spec)
-        if meta.parts is not None:
-            return torch.cat([self(layer, q[s:e], k[s:e], v[s:e], part, spec)
-                              for s, e, part in meta.parts])
-        self.kv.write_tokens(layer, meta.slot_blocks, meta.positions, k, v)
-        layer_kv = self.kv.layer_view(layer)
-        out = self._fn(
-            q.view(meta.batch, meta.q_len, heads, hd), layer_kv[:, 0], layer_kv[:, 1],
-            cache_seqlens=meta.kv_lens, block_table=meta.block_tables.to(torch.int32),
-            softmax_scale=spec.scale, causal=True)
-        return out.reshape(t, heads * hd)
+        return super().attend_written(layer, q, k, v, meta, spec, context)
 
 
 def make_backend(name: str, kv: PagedKVMemory) -> AttentionBackend:
     """``auto``: on a GPU flash-attn where installed, else Triton where installed; on the
     CPU its paged kernel where it builds, else SDPA. ``triton`` runs on the CPU only in
     Triton's interpreter (tests)."""
+    from common.model.flash_attention import FlashAttention, flash_available
+
     if name == "auto":
         if kv.data.is_cuda:
             name = "flash" if flash_available() else (

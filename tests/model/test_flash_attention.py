@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from common.engine import DecodeInput, Engine, EngineConfig
-from common.model.attention import flash_available
+from common.model.flash_attention import flash_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not flash_available(), reason="flash-attn path needs a CUDA GPU and the flash_attn package")]
