@@ -34,6 +34,10 @@ cost_profile = "cpu-smollm2-135m"  # no calibration (tests/e2e/conftest.py)
 [store]
 enabled = false
 
+[slo]  # restarts under test, not admission: the conductor's decode refit learns how slow
+ttft_s = 120.0  # a busy CI box's steps are, and the 0.3 s default TBT SLO then rejected
+tbt_s = 30.0  # two of four queued prompts (predicted 301 ms)
+
 [supervise]
 backoff_s = 0.2
 drain_timeout_s = 30.0
