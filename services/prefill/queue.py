@@ -76,12 +76,8 @@ class PromptQueue:
         Keys are chained: the same key is the same prefix."""
         if not self._tasks:
             return False
-        task = self._tasks[0]
-        if task.sampling.prompt_logprobs is not None:  # it reuses no prefix
-            return True
-        try:
-            keys = task.keys(self.block_size)
-        except ValueError:  # its admission says so
+        keys = self._prefix_keys(self._tasks[0])
+        if keys is None:
             return True
         first = self.pool.peek_prefix(keys)
         return first >= len(keys) or not any(
@@ -106,9 +102,9 @@ class PromptQueue:
     def release_all(self) -> bool:
         """Drop every hold and take none until ``resume``; whether there was any."""
         held, self.holding = bool(self._held), False
-        for fence in list(self._held):
-            blocks = self._held.pop(fence)
+        for blocks in self._held.values():
             self.pool.free(blocks)
+        self._held.clear()
         self._holders.clear()
         return held
 
@@ -116,14 +112,20 @@ class PromptQueue:
         """A prompt was admitted: prompts arriving from now on hold their prefixes."""
         self.holding = True
 
-    def _hold(self, task: PrefillTask) -> None:
-        if not self.holding or task.fence in self._held or (
-                task.sampling.prompt_logprobs is not None):
-            return  # the pool is short, held already, or it reuses no prefix
+    def _prefix_keys(self, task: PrefillTask) -> Optional[list[bytes]]:
+        """The block keys whose cached prefix ``task`` reuses; None if it reuses none
+        (prompt logprobs need every row) or its keys do not fit (its admission says so)."""
+        if task.sampling.prompt_logprobs is not None:
+            return None
         try:
-            keys = task.keys(self.block_size)
-        except ValueError:  # its admission says so
-            return
+            return task.keys(self.block_size)
+        except ValueError:
+            return None
+
+    def _hold(self, task: PrefillTask) -> None:
+        keys = self._prefix_keys(task)
+        if not self.holding or task.fence in self._held or keys is None:
+            return  # the pool is short, held already, or it reuses no prefix
         cached = self.pool.cached_prefix(keys)
         new = sum(1 for block in cached if block not in self._holders)
         if not cached or self.held_blocks + new > self.cap:

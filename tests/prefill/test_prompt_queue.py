@@ -9,8 +9,9 @@ from dataclasses import replace
 from common.kv.block_pool import BlockPool
 from common.protocol import PrefillDone, RequestFailed
 from services.prefill.queue import PromptQueue
+from services.prefill.service import PrefillWorker
 from tests.prefill.conftest import Make, clean
-from tests.worker_fakes import FAKE_BLOCK, fake_keys, prefill_task, run_until
+from tests.worker_fakes import FAKE_BLOCK, FakeRuntime, fake_keys, prefill_task, run_until
 
 A = list(range(1, 11))  # 2 full blocks and a partial one
 
@@ -99,6 +100,11 @@ def test_a_prompt_needing_no_prefix_holds_none() -> None:
     pool.check_idle()
 
 
+async def served(rt: FakeRuntime, worker: PrefillWorker, n: int) -> None:
+    """Run the worker until ``n`` prompts have reported and it is idle."""
+    await run_until(worker.serve(), lambda: len(rt.mail.of(PrefillDone)) == n and worker.idle())
+
+
 def test_the_worker_keeps_a_queued_prompts_prefix_while_the_one_ahead_fills_the_pool(
         make: Make) -> None:
     """a and c are cached (a's blocks least recently freed); x, queued first, needs every
@@ -109,12 +115,10 @@ def test_the_worker_keeps_a_queued_prompts_prefix_while_the_one_ahead_fills_the_
     async def go() -> None:  # one event loop for all: the worker's Event binds to it
         for n, (rid, tokens) in enumerate((("a", A), ("c", list(range(100, 109))))):
             worker.on_task(prefill_task(rid, tokens))
-            await run_until(worker.serve(),
-                            lambda: len(rt.mail.of(PrefillDone)) == n + 1 and worker.idle())
+            await served(rt, worker, n + 1)
         worker.on_task(prefill_task("x", list(range(200, 228))))  # 7 blocks: 6 never used
         worker.on_task(prefill_task("b", A[:8] + [50, 51, 52]))
-        await run_until(worker.serve(),
-                        lambda: len(rt.mail.of(PrefillDone)) == 4 and worker.idle())
+        await served(rt, worker, 4)
 
     asyncio.run(go())
     done = {m.request_id: m for m in rt.mail.of(PrefillDone)}
@@ -129,12 +133,11 @@ def test_holds_give_way_when_the_oldest_prompt_needs_their_blocks(make: Make) ->
 
     async def go() -> None:
         worker.on_task(prefill_task("a", A))
-        await run_until(worker.serve(), lambda: bool(rt.mail.of(PrefillDone)) and worker.idle())
+        await served(rt, worker, 1)
         worker.on_task(prefill_task("x", list(range(200, 232))))
         worker.on_task(prefill_task("b", A[:8] + [50, 51, 52]))
         assert worker.waiting.held_blocks == 2
-        await run_until(worker.serve(),
-                        lambda: len(rt.mail.of(PrefillDone)) == 3 and worker.idle())
+        await served(rt, worker, 3)
 
     asyncio.run(go())
     assert not rt.mail.of(RequestFailed)
