@@ -64,6 +64,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "disagg-nostore": {"store": {"enabled": False}},
     "colocated": {"mode": "colocated"},
     "disagg-variant": {"batch_invariant": False},  # what batch invariance costs
+    "disagg-arrival": {"prefill_order": "arrival"},  # prefill in arrival order, not shortest
 }
 EXTERNAL = (vllm_cpu.CONFIG_NAME,)  # other servers, same replay (bench_vllm)
 BENCH_VENV = REPO / ".venv-bench"
@@ -317,8 +318,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--rates", default="0.5,1,2", help="requests/s, comma-separated")
     p.add_argument("--requests", type=int, default=100)
     p.add_argument("--seed", type=int, default=0, help="arrivals and AIPerf's prompts")
-    p.add_argument("--base-port", type=int, default=19800,
-                   help="router HTTP port; the cluster's inboxes start at +10")
+    p.add_argument("--base-port", type=int, default=19800, help="router HTTP port (inboxes: +10)")
     p.add_argument("--trace", default=str(default_trace_path(REPO)))
     p.add_argument("--arrivals", choices=("poisson", "trace"), default="poisson",
                    help="poisson: redrawn at the rate; trace: the slice's own, stretched")

@@ -177,8 +177,7 @@ class ClusterConfig:
     # KV streams to the decode worker per layer. False: whole blocks after the prefill (to
     # the decode worker and the store) and before it (from the store): the baseline.
     # None (left out): ``default_layerwise`` (true, except GPU KV through the transfer
-    # engine's TCP alone), resolved when
-    # the config is made: every reader sees a bool.
+    # engine's TCP alone), resolved when the config is made: every reader sees a bool.
     kv_layerwise: Optional[bool] = None
     decode_workers: int = 1
     block_size: int = 16
@@ -200,6 +199,10 @@ class ClusterConfig:
     # less prefill compute, much shorter TTFT on a saturated prefill worker; the same
     # prompt may then answer differently alone and under load).
     batch_invariant: bool = True
+    # A prefill worker's order (services/prefill/queue.py): "shortest" (fewest tokens left
+    # to compute first; one that waited prefill_max_wait_s before younger ones) or "arrival"
+    prefill_order: str = "shortest"
+    prefill_max_wait_s: float = 15.0
     max_batch_size: int = 64
     max_queue: int = 256  # admission: requests waiting for prefill, cluster-wide
     default_max_tokens: int = 256
@@ -252,6 +255,9 @@ class ClusterConfig:
                              "its own layers of a block, so store I/O is layer-wise")
         if not self.worker_wait_s >= 0:
             raise ValueError(f"worker_wait_s must be >= 0, not {self.worker_wait_s!r}")
+        if self.prefill_order not in ("shortest", "arrival") or not self.prefill_max_wait_s > 0:
+            raise ValueError("prefill_order must be 'shortest' or 'arrival' and prefill_max_"
+                             f"wait_s > 0, not {self.prefill_order!r}, {self.prefill_max_wait_s!r}")
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be 'disaggregated' or 'colocated', not {self.mode!r}")
         if self.kv_layerwise is None:

@@ -227,11 +227,13 @@ class Workers:
         self.made: list[Any] = []
 
     def build(self, cls: Callable[..., W], role: str, num_blocks: int = 16, budget: int = 16,
-              max_batch_size: int = 8, batch_invariant: bool = False) -> tuple[FakeRuntime, W]:
+              max_batch_size: int = 8, batch_invariant: bool = False,
+              prefill_order: str = "shortest") -> tuple[FakeRuntime, W]:
         """``batch_invariant``: chunks end at the config's block boundaries (off by default
         here: most cases pin where unaligned chunks end)."""
         engine = FakeEngine(num_blocks, max_batch_size=max_batch_size)
-        rt = FakeRuntime(role, engine, ClusterConfig(token_budget=budget,
+        rt = FakeRuntime(role, engine, ClusterConfig(token_budget=budget, prefill_order=
+                                                     prefill_order,
                                                      batch_invariant=batch_invariant))
         prefix = PrefixLoader(engine.pool, engine.kv, None)
         worker: Any = cls(rt) if role == "decode" else cls(rt, prefix)

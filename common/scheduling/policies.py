@@ -70,17 +70,21 @@ class Scheduler(ABC):
     def transfer_seconds(self, blocks: int) -> float:
         return blocks * self._block_bytes / self._bandwidth if blocks > 0 else 0.0
 
+    def new_tokens(self, req: RequestInfo, cached_blocks: int) -> int:
+        """The tokens ``req`` computes after ``cached_blocks`` of its prompt."""
+        return max(req.prompt_tokens - cached_blocks * self.config.block_size, 1)
+
     def prefill_seconds(self, req: RequestInfo, cached_blocks: int,
                         cost: Optional[CostModel] = None) -> float:
         """On an instance whose own cost model is ``cost`` (None: the scheduler's)."""
-        cached = min(cached_blocks * self.config.block_size, req.prompt_tokens)
-        new = max(req.prompt_tokens - cached, 1)
+        new = self.new_tokens(req, cached_blocks)
         return (cost or self.cost).prefill_seconds(new, req.prompt_tokens - new)
 
     def estimate(self, req: RequestInfo, p: PrefillInstanceState, index: int,
                  local: int, fetch: int) -> PrefillChoice:
-        ttft = (p.queue_seconds + self.transfer_seconds(fetch)
-                + self.prefill_seconds(req, local + fetch, p.cost))
+        behind = p.prefix_index.queued_within(req.block_keys[:local])
+        ttft = (p.wait_s(self.new_tokens(req, local + fetch), behind)
+                + self.transfer_seconds(fetch) + self.prefill_seconds(req, local + fetch, p.cost))
         return PrefillChoice(index, local, fetch, ttft)
 
     # --- the contract ---------------------------------------------------------------

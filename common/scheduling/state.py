@@ -41,6 +41,11 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._keys)
 
+    def queued_within(self, keys: Sequence[BlockKey]) -> bool:
+        """Whether some of ``keys`` count as present only because a prompt queued on the
+        instance computes them (a view that counts those: services/conductor/placement.py)."""
+        return False
+
     def prefix_len(self, keys: Sequence[BlockKey]) -> int:
         n = 0
         for k in keys:
@@ -97,6 +102,11 @@ class PrefillInstanceState:
 
     ``queue_seconds``: predicted seconds until a new request could start (remaining time
     of the running prefill plus the predicted prefill times of the queued ones).
+    ``queued``: where the instance computes the shortest prompts first (``prefill_order``),
+    each placed prompt's (tokens to compute, predicted seconds left), one that has waited
+    ``prefill_max_wait_s`` with 0 tokens: a new prompt waits for those no longer than it.
+    None: arrival order (a new prompt waits ``queue_seconds``), as does a prompt whose
+    prefix a queued prompt computes (it waits for that one: bounded by them all).
     """
 
     instance_id: str
@@ -104,6 +114,14 @@ class PrefillInstanceState:
     prefix_index: PrefixIndex
     queued_requests: int = 0
     cost: Optional["CostModel"] = None  # its own prefill cost (a group's); None: the scheduler's
+    queued: Optional[tuple[tuple[int, float], ...]] = None
+
+    def wait_s(self, new_tokens: int, behind_queued: bool = False) -> float:
+        """Predicted seconds before a prompt of ``new_tokens`` to compute starts;
+        ``behind_queued``: its prefix is a queued prompt's."""
+        if self.queued is None or behind_queued:
+            return self.queue_seconds
+        return sum(seconds for tokens, seconds in self.queued if tokens <= new_tokens)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from dataclasses import asdict, dataclass
-from typing import Iterable, Optional, Union
+from typing import Iterable, Optional, Sequence, Union
 
 from common.config import ClusterConfig
 from common.kv.demand import kv_demand
@@ -50,10 +50,10 @@ def load_cost_model(name: str) -> CostModel:
 
 class _KeySetIndex(PrefixIndex):
     """A PrefixIndex view over a worker's live key set (no copy per decision), and the
-    keys of the prompts queued on it: computed before a prompt placed now starts (a FIFO
-    worker), so they are as good as cached for its prediction. Without them a burst of
-    one conversation's turns was priced as if each recomputed the shared prefix: the
-    queue predicted 2-6x too long."""
+    keys of the prompts queued on it: a prompt whose prefix one of them computes waits
+    for it (services/prefill/queue.py) and reuses the prefix, so those keys are as good
+    as cached for its prediction. Without them a burst of one conversation's turns was
+    priced as if each recomputed the shared prefix: the queue predicted 2-6x too long."""
 
     def __init__(self, keys: set[str], queued: frozenset[str] = frozenset()) -> None:
         self._keys = keys
@@ -61,6 +61,9 @@ class _KeySetIndex(PrefixIndex):
 
     def __contains__(self, key: str) -> bool:
         return key in self._keys or key in self.queued
+
+    def queued_within(self, keys: Sequence[str]) -> bool:
+        return any(k in self.queued and k not in self._keys for k in keys)
 
 
 class Placer:
@@ -126,34 +129,42 @@ class Placer:
                        now: float) -> PrefillInstanceState:
         cost = self.cost_of(w.info.stages)
         waiting = self.waiting(w, tracker)
+        queued = None
         if tracker is not None:
-            queue_s = self.queue_seconds(w, tracker, now, waiting)
+            left = self.seconds_left(w, now, waiting)
+            queue_s = sum(left)
+            if self.config.prefill_order == "shortest":
+                aged = now - self.config.prefill_max_wait_s
+                queued = tuple((0 if t.accepted_at <= aged else t.prefill_tokens, s)
+                               for t, s in zip(waiting, left))
         else:  # no tracker (tests of the policy alone): the worker's reported queue
             tokens = max(w.beat.load.queued_tokens if w.beat else 0, w.pending_tokens)
             queue_s = cost.prefill_seconds(tokens, 0) if tokens else 0.0
-        queued = frozenset(k for t in waiting for k in t.req.block_keys)
-        return PrefillInstanceState(w.instance_id, queue_s, _KeySetIndex(w.cached_keys, queued),
+        keys = frozenset(k for t in waiting for k in t.req.block_keys)
+        return PrefillInstanceState(w.instance_id, queue_s, _KeySetIndex(w.cached_keys, keys),
                                     queued_requests=len(w.assigned),
-                                    cost=cost if cost is not self.cost else None)
+                                    cost=cost if cost is not self.cost else None, queued=queued)
 
-    def queue_seconds(self, w: WorkerState, tracker: Tracker, now: float,
-                      waiting: Optional[list[Tracked]] = None) -> float:
-        """Predicted time until prefill worker ``w`` has computed what it was given: the
-        sum of each waiting request's own prefill time (not the time of one prompt as
-        long as all of them: attention is quadratic per prompt, and that overestimated a
-        queue of ten prompts about twice), less what the first, probably computing now,
-        has predictably done already."""
-        waiting = self.waiting(w, tracker) if waiting is None else waiting
+    def queue_seconds(self, w: WorkerState, tracker: Tracker, now: float) -> float:
+        """Predicted time until prefill worker ``w`` has computed what it was given."""
+        return sum(self.seconds_left(w, now, self.waiting(w, tracker)))
+
+    def seconds_left(self, w: WorkerState, now: float, waiting: list[Tracked]) -> list[float]:
+        """Of each of ``waiting`` (placed on prefill worker ``w``), its predicted compute
+        still to do: its own prefill time (summed, not the time of one prompt as long as
+        all of them: attention is quadratic per prompt, and that overestimated a queue of
+        ten prompts about twice), less, for the one predicted to have started first
+        (probably computing now), what it has predictably done already."""
         if not waiting:
-            return 0.0
+            return []
         cost = self.cost_of(w.info.stages)
-        costs = [cost.prefill_compute_seconds(t.prefill_tokens,
-                                              len(t.req.token_ids) - t.prefill_tokens)
-                 for t in waiting]
-        # The one predicted to start first is the one computing now (FIFO worker).
-        starts = [t.accepted_at + t.predicted_ttft_s - c for t, c in zip(waiting, costs)]
+        left = [cost.prefill_compute_seconds(t.prefill_tokens,
+                                             len(t.req.token_ids) - t.prefill_tokens)
+                for t in waiting]
+        starts = [t.accepted_at + t.predicted_ttft_s - c for t, c in zip(waiting, left)]
         first = min(range(len(waiting)), key=starts.__getitem__)
-        return sum(costs) - min(costs[first], max(0.0, now - starts[first]))
+        left[first] -= min(left[first], max(0.0, now - starts[first]))
+        return left
 
     @staticmethod
     def waiting(w: WorkerState, tracker: Optional[Tracker]) -> list[Tracked]:

@@ -89,6 +89,7 @@ class Job(PromptJob):
     plan: PrefixPlan
     opened: bool = False  # its first chunk was computed (and, in a group, shipped)
     admit_s: float = 0.0  # its admission: store lookups, blocks, a whole-block store read
+    arrived: float = 0.0  # time.monotonic() when it was queued (queue.py: its rank)
     # set once its first token is sampled, or it gives up: its last chunk's store write
     # (GPU KV) waits for it (layer_io.PartIO.hold_puts)
     sampled: threading.Event = field(default_factory=threading.Event)

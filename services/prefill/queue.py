@@ -1,4 +1,15 @@
-"""The prompts waiting on a prefill worker, oldest first, each holding its cached prefix.
+"""The prompts waiting on a prefill worker, in the order it computes them
+(``PromptOrder``), each holding its cached prefix.
+
+A worker computes the prompt with the fewest tokens left to compute first (a shortest-
+remaining-first order, at step granularity: a new short prompt joins the next step ahead
+of a long one's further chunks) and, among equals, the oldest. On the conversation
+trace 70 % of the prompts compute under 100 tokens after their cached prefix and a
+quarter compute 400-1,800: in arrival order, at 1 req/s on one core, the short ones
+queued for whole long prompts (TTFT p50 5.5 s, against 0.3 s for vLLM-CPU's steps that
+batch them together). So that a long prompt is not put off for ever under a steady stream
+of short ones, a prompt that has waited ``max_wait_s`` goes before every younger one,
+oldest first. ``shortest = False``: arrival order throughout.
 
 The conductor prices a prompt placed here by what this worker caches at that instant
 (its KV events), so a prefix cached at placement must still be cached at admission. It
@@ -16,7 +27,9 @@ until a prompt is admitted (``resume``), before it fails.
 """
 from __future__ import annotations
 
-from collections import Counter, deque
+import time
+from collections import Counter
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
 from common.kv.block_pool import BlockPool
@@ -24,12 +37,43 @@ from common.protocol import Fence, PrefillTask
 from services.prefill.job import Job
 
 
+Rank = tuple[int, float, float]
+
+
+@dataclass(frozen=True)
+class PromptOrder:
+    """Which prompt a prefill worker computes first: the least ``rank``."""
+
+    shortest: bool = True
+    max_wait_s: float = 15.0
+
+    def rank(self, tokens: int, arrived: float, now: float) -> Rank:
+        """Of a prompt with ``tokens`` left to compute that arrived at ``arrived``
+        (``time.monotonic``): one that waited ``max_wait_s`` (or any, in arrival order)
+        by its arrival, before every other by its tokens, then its arrival."""
+        if not self.shortest or now - arrived >= self.max_wait_s:
+            return (0, arrived, 0.0)
+        return (1, float(tokens), arrived)
+
+    def sort(self, jobs: Iterable[Job]) -> list[Job]:
+        """Admitted prompts in the order their chunks take a step's budget."""
+        now = time.monotonic()
+        return sorted(jobs, key=lambda j: self.rank(j.remaining, j.arrived, now))
+
+    def tokens_before(self, jobs: Iterable[Job], rank: Rank) -> int:
+        """Tokens left to those of ``jobs`` that come before a prompt of ``rank``."""
+        now = time.monotonic()
+        return sum(j.remaining for j in jobs if self.rank(j.remaining, j.arrived, now) < rank)
+
+
 class PromptQueue:
-    def __init__(self, pool: BlockPool, block_size: int, cap: Optional[int] = None) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, cap: Optional[int] = None,
+                 order: PromptOrder = PromptOrder()) -> None:
         self.pool = pool
         self.block_size = block_size
         self.cap = pool.num_blocks // 2 if cap is None else cap
-        self._tasks: deque[PrefillTask] = deque()
+        self.order = order
+        self._tasks: list[tuple[float, PrefillTask]] = []  # (arrival, task), by arrival
         self._held: dict[Fence, list[int]] = {}  # a task's referenced prefix blocks
         self._holders: Counter[int] = Counter()  # block -> how many tasks hold it
         self.holding = True  # False from ``release_all`` to ``resume``
@@ -39,49 +83,59 @@ class PromptQueue:
         return len(self._tasks)
 
     def __iter__(self) -> Iterator[PrefillTask]:
-        return iter(self._tasks)
+        return (task for _, task in self._tasks)
 
-    def append(self, task: PrefillTask) -> None:
-        """Queue ``task`` last, holding its cached prefix (within the cap)."""
+    def append(self, task: PrefillTask, arrived: Optional[float] = None) -> None:
+        """Queue ``task``, arrived now (or at ``arrived``: one put back after its
+        admission found no room), holding its cached prefix (within the cap)."""
         self._hold(task)
-        self._tasks.append(task)
+        self._tasks.append((time.monotonic() if arrived is None else arrived, task))
+        self._tasks.sort(key=lambda entry: entry[0])
 
-    def appendleft(self, task: PrefillTask) -> None:
-        """Put back the oldest prompt, which could not be admitted yet (it holds its
-        prefix again: its admission attempt dropped its hold)."""
-        self._hold(task)
-        self._tasks.appendleft(task)
-
-    def popleft(self) -> PrefillTask:
-        """The oldest prompt, out for admission. It keeps holding its prefix until
-        ``release(task)``, once its admission has referenced the blocks itself (or
-        could not)."""
-        return self._tasks.popleft()
+    def take(self, task: PrefillTask) -> float:
+        """``task`` (from ``next``) out for admission; its arrival. It keeps holding its
+        prefix until ``release(task)``, once its admission has referenced the blocks
+        itself (or could not)."""
+        for i, (arrived, queued) in enumerate(self._tasks):
+            if queued is task:
+                del self._tasks[i]
+                return arrived
+        raise KeyError(task.request_id)
 
     def drop(self, which: Callable[[PrefillTask], bool]) -> list[PrefillTask]:
         """The queued prompts ``which`` names leave the queue without being admitted
         (aborted, fenced off): their holds are dropped."""
-        gone = [task for task in self._tasks if which(task)]
+        gone = [task for task in self if which(task)]
+        self._tasks = [(arrived, task) for arrived, task in self._tasks
+                       if not any(task is g for g in gone)]
         for task in gone:
-            self._tasks.remove(task)
             self.release(task)
         return gone
 
-    def ready(self, jobs: Iterable[Job]) -> bool:
-        """A prompt waits, and the oldest need not wait for one of ``jobs`` (admitted,
-        its blocks not yet published) that computes the first block of its prompt that
-        the pool does not hold: it waits for that job rather than computing the prefix
-        twice (one system prompt arriving twice at once: a replay at 2 req/s recomputed
-        7 such prefixes, 15 s of a 25 s queue, and the conductor prices them as cached).
-        Keys are chained: the same key is the same prefix."""
-        if not self._tasks:
-            return False
-        keys = self._prefix_keys(self._tasks[0])
-        if keys is None:
-            return True
-        first = self.pool.peek_prefix(keys)
-        return first >= len(keys) or not any(
-            first < len(j.keys) and j.keys[first] == keys[first] for j in jobs)
+    def next(self, jobs: Iterable[Job], now: Optional[float] = None,
+             ) -> Optional[tuple[PrefillTask, Rank]]:
+        """The first prompt by the order (its tokens: what the pool does not hold) that
+        is ready, and its rank; None if none is.
+
+        A prompt is not ready while one of ``jobs`` (admitted, its blocks not yet
+        published) computes the first block of its prompt that the pool does not hold:
+        it waits for that job rather than computing the prefix twice (one system prompt
+        arriving twice at once: a replay at 2 req/s recomputed 7 such prefixes, 15 s of
+        a 25 s queue, and the conductor prices them as cached). Keys are chained: the
+        same key is the same prefix."""
+        now = time.monotonic() if now is None else now
+        jobs = list(jobs)
+        ranked = []
+        for arrived, task in self._tasks:
+            keys = self._prefix_keys(task)
+            first = self.pool.peek_prefix(keys) if keys is not None else 0
+            tokens = len(task.token_ids) - min(first * self.block_size, len(task.token_ids) - 1)
+            ranked.append((self.order.rank(tokens, arrived, now), task, keys, first))
+        for rank, task, keys, first in sorted(ranked, key=lambda r: r[0]):
+            if keys is None or first >= len(keys) or not any(
+                    first < len(j.keys) and j.keys[first] == keys[first] for j in jobs):
+                return task, rank
+        return None
 
     # ---- holds --------------------------------------------------------------------
     @property

@@ -3,10 +3,9 @@ computes the rest in chunks, streams each layer's KV into the decode worker's bl
 samples the first token and hands the request over.
 
 Several prompts are computed together: each step is one forward pass over chunks of the
-admitted prompts, oldest first, up to ``token_budget`` tokens (``Engine.step``). A prompt
-is admitted (its blocks referenced, its cached prefix streamed) while those admitted leave
-room in the next step (a short prompt behind a long one's last chunk starts in the same
-step). Each chunk's KV streams to its decode worker layer by layer as the next computes;
+admitted prompts, shortest first (queue.py), up to ``token_budget`` tokens (``Engine.step``).
+A prompt is admitted (its blocks referenced, its cached prefix streamed) while those before
+it leave room in the next step (a short prompt joins the next step of a long one's). Each chunk's KV streams to its decode worker layer by layer as the next computes;
 how a prompt ends (handed over, or given up) is services/prefill/endings.py.
 """
 from __future__ import annotations
@@ -39,7 +38,7 @@ from services.prefill.lanes import PrefillThreads
 from services.prefill.layer_io import PartIO, StepIO, check_loads, start_loads
 from services.prefill.job import Job, JobState, PrefillFailure
 from services.prefill.prefix import PrefixLoader
-from services.prefill.queue import PromptQueue
+from services.prefill.queue import PromptOrder, PromptQueue
 from services.prefill.store_writes import StoreWrites
 from services.prefill.streaming import KVPaths
 
@@ -52,13 +51,11 @@ SERVED_MEMORY = 4096
 
 class PrefillWorker:
     def __init__(self, rt: WorkerRuntime, prefix: PrefixLoader, index: int = 0) -> None:
-        self.rt = rt
-        self.engine = rt.engine
-        self.pool = rt.engine.pool
-        self.prefix = prefix
+        self.rt, self.engine, self.pool, self.prefix = rt, rt.engine, rt.engine.pool, prefix
         self.budget, self.align = rt.config.step_budget(rt.role), rt.config.chunk_align()
         self.block_size = self.engine.config.block_size
-        self.waiting = PromptQueue(self.pool, self.block_size)  # queue.py: holds prefixes
+        self.waiting = PromptQueue(self.pool, self.block_size, order=PromptOrder(
+            rt.config.prefill_order == "shortest", rt.config.prefill_max_wait_s))
         self.max_waiting = rt.config.max_queue  # the conductor admits no more cluster-wide
         self.jobs: list[Job] = []  # admitted and not yet reported, oldest first (job.py)
         self.admitting: Optional[PrefillTask] = None  # out of ``waiting``, not a job yet
@@ -161,17 +158,18 @@ class PrefillWorker:
 
     @property
     def computing(self) -> list[Job]:
-        return [j for j in self.jobs if j.state is JobState.COMPUTING]
+        """The computing prompts in the order their chunks take a step's budget."""
+        return self.waiting.order.sort(j for j in self.jobs if j.state is JobState.COMPUTING)
 
     # ------------------------------------------------------------ admission
     async def admit(self) -> None:
-        """Admit waiting prompts, oldest first, while the next step has room for them."""
-        while self.waiting.ready(self.jobs) and sum(
-                j.remaining for j in self.computing) < self.budget:
-            task = self.admitting = self.waiting.popleft()
-            self.admitting_aborted = False
+        """Admit waiting prompts in order while each has room in the next step."""
+        while (first := self.waiting.next(self.jobs)) is not None and (
+                ahead := self.waiting.order.tokens_before(self.computing, first[1])) < self.budget:
+            arrived = self.waiting.take(task := first[0])
+            self.admitting, self.admitting_aborted = task, False
             try:
-                job = await self._start(task)
+                job = await self._start(task, arrived, self.budget - ahead)
             except PrefillFailure as exc:
                 self.endings.fail(task, exc.status, exc.kind, str(exc))
                 continue
@@ -185,10 +183,11 @@ class PrefillWorker:
             elif self.admitting_aborted:
                 self.endings.fail(task, 499, "aborted", "aborted before prefill")
             else:  # KV memory is full until a running prompt finishes
-                self.waiting.appendleft(task)
+                self.waiting.append(task, arrived)
                 return
 
-    async def _start(self, task: PrefillTask) -> Optional[Job]:
+    async def _start(self, task: PrefillTask, arrived: float, left: int) -> Optional[Job]:
+        """Admit ``task``; ``left``: the tokens its first chunk may take of the next step."""
         started = time.perf_counter()
         if time.time() > task.deadline:
             raise PrefillFailure(504, "timeout", "deadline passed while queued")
@@ -220,8 +219,6 @@ class PrefillWorker:
             raise PrefillFailure(500, "internal_error", str(exc)) from exc
         done = min(plan.cached_blocks * self.block_size, len(tokens) - 1)
         if self.store_writes is not None:  # the first chunk's grant, during what follows
-            planned = plan_chunks(self.computing, self.budget, align=self.align)
-            left = self.budget - sum(n for _, n in planned)
             self.store_writes.ask_first(task.fence, keys, plan.stored_from, done, len(tokens), left)
         loads = (start_loads(self.mover, plan.load, self.engine.kv,  # reads start now
                              plan.block_table[plan.load_from:plan.cached_blocks], 0,
@@ -230,7 +227,8 @@ class PrefillWorker:
         stream.send_prefix(plan.load_from if loads is not None else plan.cached_blocks,
                            plan.cached_blocks)
         return Job(task=task, keys=keys, plan=plan, stream=stream, prompt_len=len(tokens),
-                   done=done, loads=loads, admit_s=time.perf_counter() - started)
+                   done=done, loads=loads, admit_s=time.perf_counter() - started,
+                   arrived=arrived)
 
     # ------------------------------------------------------------ steps
     async def serve(self) -> None:

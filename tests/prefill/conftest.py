@@ -6,10 +6,16 @@ from typing import Callable, Iterator
 import pytest
 
 from services.prefill.service import PrefillWorker
-from tests.worker_fakes import FakeRuntime, clean, workers_of
+from tests.worker_fakes import FakeEngine, FakeRuntime, clean, workers_of
 
 Make = Callable[..., tuple[FakeRuntime, PrefillWorker]]
-__all__ = ["Make", "clean", "make"]
+__all__ = ["Make", "chunks", "clean", "make"]
+
+
+def chunks(engine: FakeEngine) -> list[list[tuple[int, int, int, list[int]]]]:
+    """Each prefill step as (first token, start, end, block table) per chunk."""
+    return [[(c.token_ids[0], c.start, c.end, c.block_table) for c in cs]
+            for cs, _ in engine.steps]
 
 
 @pytest.fixture

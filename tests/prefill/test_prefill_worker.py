@@ -20,18 +20,12 @@ from common.protocol import (
 )
 from services.prefill.service import PrefillWorker
 from tests.worker_fakes import (
-    CONDUCTOR, DECODE_INBOX, BrokenGrammars, FakeEngine, fence_for, prefill_task, run_until,
+    CONDUCTOR, DECODE_INBOX, BrokenGrammars, fence_for, prefill_task, run_until,
 )
 
-from tests.prefill.conftest import Make, clean
+from tests.prefill.conftest import Make, chunks, clean
 
 LAYER, BLOCK = 64, 128
-
-
-def chunks(engine: FakeEngine) -> list[list[tuple[int, int, int, list[int]]]]:
-    """Each prefill step as (first token, start, end, block table) per chunk."""
-    return [[(c.token_ids[0], c.start, c.end, c.block_table) for c in cs]
-            for cs, _ in engine.steps]
 
 
 def serve(worker: PrefillWorker, done: Callable[[], bool]) -> None:
@@ -54,16 +48,21 @@ def test_batch_invariant_chunks_end_at_block_boundaries(make: Make) -> None:
     clean(worker)
 
 
-def test_prompts_batch_oldest_first_within_the_token_budget(make: Make) -> None:
-    rt, worker = make(budget=16)
+@pytest.mark.parametrize("order, first_step", [
+    ("arrival", [(1, 0, 10, [0, 1, 2]), (20, 0, 4, [3]), (30, 0, 2, [4, 5, 6])]),
+    ("shortest", [(20, 0, 4, [0]), (1, 0, 10, [1, 2, 3]), (30, 0, 2, [4, 5, 6])]),
+])
+def test_prompts_batch_in_order_within_the_token_budget(make: Make, order: str,
+                                                        first_step: list) -> None:
+    """In arrival order a, b, c; shortest first b (4 tokens), then a and c (10 each: the
+    older first). The rest of c takes the second step either way."""
+    rt, worker = make(budget=16, prefill_order=order)
     a, b, c = [1] + list(range(2, 11)), list(range(20, 24)), list(range(30, 40))
     for rid, tokens in (("a", a), ("b", b), ("c", c)):
         worker.on_task(prefill_task(rid, tokens))
     assert worker.load() == WorkerLoad(queued=3, queued_tokens=24)
     serve(worker, lambda: len(rt.mail.of(PrefillDone)) == 3 and worker.idle())
-    # a, b and the head of c share the first step; the rest of c takes the second.
-    assert chunks(rt.engine) == [[(1, 0, 10, [0, 1, 2]), (20, 0, 4, [3]), (30, 0, 2, [4, 5, 6])],
-                                 [(30, 2, 10, [4, 5, 6])]]
+    assert chunks(rt.engine) == [first_step, [(30, 2, 10, [4, 5, 6])]]
     ready = {m.request_id: m for m in rt.mail.of(KVReady, to=DECODE_INBOX)}
     assert ready == {"a": KVReady("a", [SampledToken(11)], 10, 0, fence_for("a")), "b": KVReady("b", [SampledToken(24)], 4, 0, fence_for("b")),
                      "c": KVReady("c", [SampledToken(40)], 10, 0, fence_for("c"))}
@@ -96,23 +95,27 @@ def test_a_cached_prefix_is_reused_and_sent_whole(make: Make) -> None:
     clean(worker)
 
 
-def test_a_prefix_being_computed_here_is_waited_for_not_computed_twice(make: Make) -> None:
+@pytest.mark.parametrize("order", ["arrival", "shortest"])
+def test_a_prefix_being_computed_here_is_waited_for_not_computed_twice(
+        make: Make, order: str) -> None:
     """b shares a's first 8 tokens (2 blocks) and arrives while a computes: it starts once
-    a published them and computes its own tail only; c, behind b, waits its turn (FIFO)."""
-    rt, worker = make(budget=64)
+    a published them and computes its own tail only. c, behind b, is not held up by b's
+    wait, in either order."""
+    rt, worker = make(budget=64, prefill_order=order)
     first = list(range(1, 11))
-    for rid, tokens in (("a", first), ("b", first[:8] + [50, 51, 52]), ("c", [60, 61])):
+    for rid, tokens in (("a", first), ("b", first[:8] + [50, 51, 52]),
+                        ("c", list(range(60, 72)))):
         worker.on_task(prefill_task(rid, tokens))
     serve(worker, lambda: len(rt.mail.of(PrefillDone)) == 3 and worker.idle())
-    assert chunks(rt.engine) == [[(1, 0, 10, [0, 1, 2])], [(1, 8, 11, [0, 1, 3]),
-                                                           (60, 0, 2, [4])]]
+    assert chunks(rt.engine) == [[(1, 0, 10, [0, 1, 2]), (60, 0, 12, [3, 4, 5])],
+                                 [(1, 8, 11, [0, 1, 6])]]
     done = {m.request_id: m for m in rt.mail.of(PrefillDone)}
     assert (done["b"].cached_tokens, done["c"].cached_tokens) == (8, 0)
     clean(worker)
 
 
 def test_a_prompt_waits_for_kv_memory_held_by_a_running_one(make: Make) -> None:
-    rt, worker = make(num_blocks=8, budget=64)
+    rt, worker = make(num_blocks=8, budget=64, prefill_order="arrival")
     worker.on_task(prefill_task("a", list(range(1, 21))))  # 5 blocks
     worker.on_task(prefill_task("b", list(range(30, 46))))  # 4 blocks: 3 free
     serve(worker, lambda: len(rt.mail.of(PrefillDone)) == 2 and worker.idle())

@@ -45,13 +45,14 @@ def test_an_admitted_prompt_holds_until_released_and_again_when_put_back() -> No
     pool = BlockPool(8)
     prefix = cached(pool, A)
     queue = PromptQueue(pool, FAKE_BLOCK)
-    queue.append(prefill_task("b", A[:8] + [50]))
-    task = queue.popleft()
+    queue.append(prefill_task("b", A[:8] + [50]), arrived=5.0)
+    task, _ = queue.next([])
+    assert queue.take(task) == 5.0
     assert not queue and queue.held_blocks == 2  # out for admission, still holding
     queue.release(task)
     queue.release(task)  # once only
     assert queue.held_blocks == 0 and pool.num_used == 0
-    queue.appendleft(task)
+    queue.append(task, 5.0)
     assert [pool.ref_count(b) for b in prefix] == [1, 1]
     queue.drop(lambda t: True)
     pool.check_idle()
@@ -95,7 +96,7 @@ def test_a_prompt_needing_no_prefix_holds_none() -> None:
     task = prefill_task("b", A)  # every row's logits: computed whole
     task = replace(task, sampling=replace(task.sampling, prompt_logprobs=1))
     queue.append(task)
-    assert queue.held_blocks == 0 and queue.ready([])
+    assert queue.held_blocks == 0 and queue.next([]) is not None
     queue.drop(lambda t: True)
     pool.check_idle()
 
@@ -110,7 +111,7 @@ def test_the_worker_keeps_a_queued_prompts_prefix_while_the_one_ahead_fills_the_
     """a and c are cached (a's blocks least recently freed); x, queued first, needs every
     never-used block and one cached one. b, queued behind it, was priced as reusing a's 8
     tokens: x evicts c's block instead of a's, and b reuses all 8."""
-    rt, worker = make(num_blocks=10, budget=64)
+    rt, worker = make(num_blocks=10, budget=64, prefill_order="arrival")
 
     async def go() -> None:  # one event loop for all: the worker's Event binds to it
         for n, (rid, tokens) in enumerate((("a", A), ("c", list(range(100, 109))))):
@@ -129,7 +130,7 @@ def test_the_worker_keeps_a_queued_prompts_prefix_while_the_one_ahead_fills_the_
 def test_holds_give_way_when_the_oldest_prompt_needs_their_blocks(make: Make) -> None:
     """x needs all 8 blocks with nothing computing; b's hold on a's 2 blocks would fail it
     (prefill_kv_full). The holds are dropped instead: x computes, then b, without a."""
-    rt, worker = make(num_blocks=8, budget=64)
+    rt, worker = make(num_blocks=8, budget=64, prefill_order="arrival")
 
     async def go() -> None:
         worker.on_task(prefill_task("a", A))
