@@ -1,8 +1,11 @@
 """What batch invariance costs a prefill step (issue 27): a prompt chunk after a cached
-prefix, its attention in one part or in parts cut at multiples of the default cluster's
-``chunk_align()`` (``batch_invariant``), on the default model in the prefill worker's
-precision (bfloat16 where the CPU has it), one thread, as a prefill worker has on 2 cores.
-The two engines run in turn, ``--rounds`` rounds, the least step time of each.
+prefix, on the default model in the prefill worker's precision (bfloat16 where the CPU
+has it), one thread, as a prefill worker has on 2 cores. Its attention by torch's flash
+attention in one part (not batch invariant), in parts cut at multiples of the default
+cluster's ``chunk_align()`` (batch invariance without the kernel), or by the CPU kernel
+that computes each prompt row alone (common/model/cpu_attention.py: invariant, no parts;
+the default where it builds). The engines run in turn, ``--rounds`` rounds, the least
+step time of each.
 
     python benchmarks/attention_parts.py [--prefixes 256,1024] [--chunk 256]
 
@@ -52,12 +55,14 @@ def main() -> None:
     dtype = "bfloat16" if native_bfloat16() else "float32"
     prefixes = [int(p) for p in args.prefixes.split(",")]
     blocks = (max(prefixes) + args.chunk) // 16 + 8
-    engines = {f"{parts} part{'s' if a else ''}": Engine(EngineConfig(
+    variants = {"flash, one part": ("sdpa", 0), f"flash, {align}-token parts": ("sdpa", align),
+                "kernel": ("cpu", align)}
+    engines = {name: Engine(EngineConfig(
         dtype=dtype, kv_dtype="bfloat16", num_blocks=blocks, prefill_chunk=args.chunk,
-        chunk_align=a)) for parts, a in (("one", 0), (f"{align}-token", align))}
+        chunk_align=a, attention_backend=backend)) for name, (backend, a) in variants.items()}
     res: dict[str, dict[str, float]] = {}
-    print(f"{'prefix':>7}{'chunk':>6}" + "".join(f"{n:>16}" for n in engines) +
-          f"{'ratio':>8}  ms/step ({dtype}, 1 thread)")
+    print(f"{'prefix':>7}{'chunk':>6}" + "".join(f"{n:>22}" for n in engines) +
+          f"{'parts/one':>10}{'kernel/one':>11}  ms/step ({dtype}, 1 thread)")
     with torch.inference_mode():
         for prefix in prefixes:
             times: dict[str, list[float]] = {name: [] for name in engines}
@@ -65,10 +70,11 @@ def main() -> None:
                 for name, e in engines.items():
                     times[name].append(step_ms(e, prefix, args.chunk))
             best = {name: min(t) for name, t in times.items()}
-            one, parts = best.values()
-            res[str(prefix)] = {**best, "ratio": parts / one}
-            print(f"{prefix:>7}{args.chunk:>6}" + "".join(f"{v:>16.1f}" for v in best.values())
-                  + f"{parts / one:>8.2f}")
+            one, parts, kernel = best.values()
+            res[str(prefix)] = {**best, "parts_over_one": parts / one,
+                                "kernel_over_one": kernel / one}
+            print(f"{prefix:>7}{args.chunk:>6}" + "".join(f"{v:>22.1f}" for v in best.values())
+                  + f"{parts / one:>10.2f}{kernel / one:>11.2f}")
     print(json.dumps({"bench": "attention_parts", "dtype": dtype, "chunk_align": align,
                       "chunk": args.chunk, "threads": 1, "ms": res}))
 

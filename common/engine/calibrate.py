@@ -91,7 +91,14 @@ def calibration_key(engine: Engine, phase: str, budget: int) -> dict:
             "linear_dtype": c.linear_dtype, "kv_dtype": c.kv_dtype,
             "threads": torch.get_num_threads() if c.device == "cpu" else 0,
             "block_size": c.block_size, "chunk_align": c.chunk_align,
+            "attention": _attention_name(engine),
             "budget": budget if phase == "prefill" else 0}
+
+
+def _attention_name(engine: Engine) -> str:
+    """The attention backend, and the CPU kernel's build (a new kernel is re-measured)."""
+    kernel = getattr(engine.attention, "kernel", None)
+    return type(engine.attention).__name__ + (f" {kernel.name}" if kernel else "")
 
 
 def key_text(key: dict) -> str:

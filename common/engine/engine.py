@@ -294,8 +294,9 @@ class Engine:
         return out, (logits[first_decode:] if decodes else None)
 
     def _pieces(self, start: int, end: int) -> list[tuple[int, int]]:
-        """A chunk's attention parts: [start, end) cut at multiples of ``chunk_align``."""
-        align = self.config.chunk_align
+        """A chunk's attention parts: [start, end) cut at multiples of ``chunk_align``
+        (whole where the backend computes each prompt row alone anyway)."""
+        align = 0 if self.attention.prompt_rows_alone else self.config.chunk_align
         bounds = [start, *range((start // align + 1) * align, end, align), end] if align > 0 \
             else [start, end]
         return list(zip(bounds, bounds[1:]))

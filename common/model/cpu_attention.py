@@ -22,7 +22,7 @@ import platform
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import xxhash
@@ -38,6 +38,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          "-fno-signed-zeros", "-fPIC", "-shared")
 DTYPES = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
+GATHERS = {torch.float32: "chunk_gather_f32", torch.bfloat16: "chunk_gather_bf16"}
 # Rows split over a pool of threads only from POOL_MIN_THREADS torch threads and
 # ROWS_PER_THREAD rows a thread: with 2 threads on 2 cores the split was no faster (214 vs
 # 231 ms a step at batch 32, context 600), torch's OpenMP workers spinning beside it.
@@ -56,20 +57,61 @@ class _Layout(ctypes.Structure):
 
 
 class PagedAttentionKernel:
-    """The loaded library: ``attend`` runs it over one layer of a ``PagedKVMemory``."""
+    """The loaded library: ``attend`` (decode rows) and ``attend_chunk`` (a prompt chunk)
+    run it over one layer of a ``PagedKVMemory``."""
 
-    def __init__(self, lib: ctypes.CDLL):
-        self._fns = {}
+    def __init__(self, lib: ctypes.CDLL, name: str = ""):
+        self.name = name  # the library's file: its source, compiler and CPU flags
+        self._fns, self._gathers = {}, {}
         for dtype, name in DTYPES.items():
             fn = getattr(lib, name)
             fn.argtypes = [ctypes.POINTER(_Layout), _P, _P, _I64, _I64, _P, _P]
             fn.restype = None
             self._fns[dtype] = fn
+            gather = getattr(lib, GATHERS[dtype])
+            gather.argtypes = [ctypes.POINTER(_Layout), _P, _I64, _P, _P]
+            gather.restype = None
+            self._gathers[dtype] = gather
+        self._chunk_rows = lib.chunk_rows
+        self._chunk_rows.argtypes = [ctypes.POINTER(_Layout), _P, _P, _P, _I64, _I64, _I64, _P]
+        self._chunk_rows.restype = None
         self._pool: Optional[ThreadPoolExecutor] = None  # from the first split call
         self._pool_size = 0
 
     def supports(self, kv: PagedKVMemory) -> bool:
         return kv.data.device.type == "cpu" and kv.dtype in self._fns
+
+    def supports_chunks(self, kv: PagedKVMemory) -> bool:
+        """Prompt chunks: KV blocks of 16 tokens (a block's keys fill a vector's lanes),
+        heads 64 or 128 wide."""
+        return self.supports(kv) and kv.block_size == 16 and kv.head_dim in (64, 128)
+
+    def attend_chunk(self, q: torch.Tensor, kv: PagedKVMemory, layer: int,
+                     table: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+        """Attention of a prompt chunk's query rows ``q`` [T, heads, d] at positions
+        [start, start + T) of the sequence whose blocks are ``table`` (at least
+        ceil((start + T) / 16) of them), row t over keys [0, start + t]: [T, heads, d]
+        float32. Each row alone (csrc/paged_attention.c, chunk_rows)."""
+        t, hq, d = q.shape
+        end, data = start + t, kv.data
+        q = q.to(torch.float32).contiguous()
+        table = table.to(torch.int64).contiguous()
+        layout = _Layout(table.data_ptr(), table.shape[-1], None, None, hq, kv.num_kv_heads,
+                         d, kv.block_size, data.stride(0), layer * data.stride(1),
+                         data.stride(2), data.stride(3), scale)
+        blocks = -(-end // 16)
+        kt = torch.empty(blocks * kv.num_kv_heads * d * 16, dtype=torch.float32)
+        vv = torch.empty_like(kt)
+        self._gathers[kv.dtype](ctypes.byref(layout), data.data_ptr(), end, kt.data_ptr(),
+                                vv.data_ptr())
+        out = torch.empty_like(q)
+        ptrs = (q.data_ptr(), kt.data_ptr(), vv.data_ptr())
+
+        def run(first: int, last: int) -> None:
+            self._chunk_rows(ctypes.byref(layout), *ptrs, start, first, last, out.data_ptr())
+
+        self._split(run, t)
+        return out
 
     def attend(self, q: torch.Tensor, kv: PagedKVMemory, layer: int, tables: torch.Tensor,
                rows: Optional[torch.Tensor], lens: torch.Tensor, scale: float,
@@ -98,10 +140,15 @@ class PagedAttentionKernel:
             fn(ctypes.byref(layout), q.data_ptr(), data.data_ptr(), first, last,
                out.data_ptr(), scratch.data_ptr())
 
+        self._split(run, t)
+        return out
+
+    def _split(self, run: Callable[[int, int], None], t: int) -> None:
+        """``run`` rows [0, t), split over a pool of threads where that pays."""
         threads = min(torch.get_num_threads(), t // ROWS_PER_THREAD)
         if threads < max(2, POOL_MIN_THREADS):
             run(0, t)
-            return out
+            return
         if self._pool_size < threads:  # more torch threads than at the last split
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
@@ -110,7 +157,6 @@ class PagedAttentionKernel:
         step = math.ceil(t / threads)
         for f in [self._pool.submit(run, s, min(s + step, t)) for s in range(0, t, step)]:
             f.result()
-        return out
 
 
 def _library_path() -> str:
@@ -158,7 +204,7 @@ def kernel() -> Optional[PagedAttentionKernel]:
         path = _library_path()
         if not os.path.isfile(path):
             _build(path)
-        loaded = PagedAttentionKernel(ctypes.CDLL(path))
+        loaded = PagedAttentionKernel(ctypes.CDLL(path), os.path.basename(path))
         _self_check(loaded)
     except (OSError, subprocess.SubprocessError, AssertionError, AttributeError) as exc:
         log.warning("CPU paged attention unavailable (%s): decode gathers each sequence's "

@@ -28,6 +28,7 @@ class FlashAttention:
     """
 
     decode_mask = True  # its SDPA fallback's
+    prompt_rows_alone = False
 
     def __init__(self, kv: PagedKVMemory):
         from flash_attn import flash_attn_with_kvcache

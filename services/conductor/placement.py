@@ -134,9 +134,7 @@ class Placer:
             left = self.seconds_left(w, now, waiting)
             queue_s = sum(left)
             if self.config.prefill_order == "shortest":
-                aged = now - self.config.prefill_max_wait_s
-                queued = tuple((0 if t.accepted_at <= aged else t.prefill_tokens, s)
-                               for t, s in zip(waiting, left))
+                queued = tuple((self._rank(t, now)[1], s) for t, s in zip(waiting, left))
         else:  # no tracker (tests of the policy alone): the worker's reported queue
             tokens = max(w.beat.load.queued_tokens if w.beat else 0, w.pending_tokens)
             queue_s = cost.prefill_seconds(tokens, 0) if tokens else 0.0
@@ -153,26 +151,35 @@ class Placer:
         """Of each of ``waiting`` (placed on prefill worker ``w``), its predicted compute
         still to do: its own prefill time (summed, not the time of one prompt as long as
         all of them: attention is quadratic per prompt, and that overestimated a queue of
-        ten prompts about twice), less, for the one predicted to have started first
-        (probably computing now), what it has predictably done already."""
+        ten prompts about twice), less, for the one probably computing now (the first by
+        the worker's order), what it has predictably done since its predicted start."""
         if not waiting:
             return []
         cost = self.cost_of(w.info.stages)
         left = [cost.prefill_compute_seconds(t.prefill_tokens,
                                              len(t.req.token_ids) - t.prefill_tokens)
                 for t in waiting]
-        starts = [t.accepted_at + t.predicted_ttft_s - c for t, c in zip(waiting, left)]
-        first = min(range(len(waiting)), key=starts.__getitem__)
-        left[first] -= min(left[first], max(0.0, now - starts[first]))
+        first = min(range(len(waiting)), key=lambda i: self._rank(waiting[i], now))
+        start = waiting[first].accepted_at + waiting[first].predicted_ttft_s - left[first]
+        left[first] -= min(left[first], max(0.0, now - start))
         return left
+
+    def _rank(self, t: Tracked, now: float) -> tuple[float, float, float]:
+        """Where a prefill worker puts ``t`` (services/prefill/queue.py PromptOrder):
+        shortest first, by arrival once it waited prefill_max_wait_s (0 tokens here)."""
+        if self.config.prefill_order == "arrival" or (
+                now - t.accepted_at >= self.config.prefill_max_wait_s):
+            return (0, 0, t.accepted_at)
+        return (1, t.prefill_tokens, t.accepted_at)
 
     @staticmethod
     def waiting(w: WorkerState, tracker: Optional[Tracker]) -> list[Tracked]:
         """The requests placed on prefill worker ``w`` whose KV has not landed yet."""
         if tracker is None:
             return []
-        return [t for t in map(tracker.get, w.assigned)
-                if t is not None and t.phase is not Phase.DECODING]
+        return sorted((t for t in map(tracker.get, w.assigned)
+                       if t is not None and t.phase is not Phase.DECODING),
+                      key=lambda t: t.accepted_at)
 
     def _decode_state(self, w: WorkerState, tracker: Optional[Tracker],
                       now: float) -> DecodeInstanceState:

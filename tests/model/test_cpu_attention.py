@@ -1,6 +1,7 @@
-"""The CPU's paged decode attention (common/model/cpu_attention.py): equal to torch's
-attention over each sequence's own keys, read in place from scattered blocks, and every
-row independent of what else is in the call (batch invariance)."""
+"""The CPU's paged attention (common/model/cpu_attention.py), decode rows and prompt
+chunks: equal to torch's attention over each sequence's own keys, read in place from
+scattered blocks, and every row independent of what else is in the call (batch
+invariance) or, for a prompt, of the chunk it is computed in."""
 from __future__ import annotations
 
 import pytest
@@ -76,6 +77,46 @@ def test_rows_are_batch_invariant() -> None:
         shifted = KERNEL.attend(q[t:t + 1], kv, 0, tables, torch.tensor([t]),
                                 lens[t:t + 1], 0.125)
         assert torch.equal(shifted[0], batch[t])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128)])
+def test_a_prompt_chunk_equals_torch_causal_attention(dtype: torch.dtype, heads: int,
+                                                      kv_heads: int, head_dim: int) -> None:
+    """Query rows at positions [37, 300) over their prompt's keys, causally, blocks in any
+    order: torch's masked attention over the gathered keys."""
+    kv = _memory(dtype, kv_heads, head_dim)
+    g = torch.Generator().manual_seed(heads)
+    table = torch.randperm(40, generator=g)[:19]
+    start, end = 37, 300
+    q = torch.randn(end - start, heads, head_dim, generator=g)
+    got = KERNEL.attend_chunk(q, kv, 1, table, start, 0.125)
+    keys, values = (x[:end].float().transpose(0, 1)[None] for x in kv.gather(1, table))
+    seen = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+    want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values,
+                                          attn_mask=seen[None, None], scale=0.125,
+                                          enable_gqa=True)[0].transpose(0, 1)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_prompt_rows_do_not_depend_on_the_chunks() -> None:
+    """A prompt's rows are bit for bit the same computed at once, in chunks ending
+    anywhere (mid-block too), and split over threads."""
+    kv = _memory(torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    table = torch.randperm(40, generator=g)[:20]
+    q = torch.randn(300, 9, 64, generator=g)
+    whole = KERNEL.attend_chunk(q, kv, 0, table, 0, 0.125)
+    for cuts in ([0, 7, 100, 133, 300], [0, 16, 32, 256, 300], [0, 299, 300]):
+        parts = [KERNEL.attend_chunk(q[a:b], kv, 0, table, a, 0.125)
+                 for a, b in zip(cuts, cuts[1:])]
+        assert torch.equal(torch.cat(parts), whole), cuts
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(cpu_attention.POOL_MIN_THREADS)
+        assert torch.equal(KERNEL.attend_chunk(q, kv, 0, table, 0, 0.125), whole)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_auto_backend_and_refusals() -> None:

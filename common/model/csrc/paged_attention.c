@@ -97,3 +97,158 @@ ITEM(item_bf16, uint16_t, bf16_value)
 
 ENTRY(paged_attention_f32, float, item_f32)
 ENTRY(paged_attention_bf16, uint16_t, item_bf16)
+
+/* ------------------------------------------------------------------------------------
+ * A prompt chunk's attention over its sequence's blocks: query rows at positions
+ * [start, end) of one sequence, row t (position start + t) attending keys [0, start + t].
+ *
+ * Row invariant like the decode rows above: a row's output is computed by the same
+ * operations in the same order whatever the chunk it is in (where it starts and ends),
+ * the other rows of its tile, or the thread count, so a prompt's KV and first token do
+ * not depend on how the load cut it into chunks. Keys go 16 at a time (one KV block:
+ * the block size must be 16), in the lanes of a vector; a block's scores, then an online
+ * softmax step (the running max, the rescaled sum and output). A block past a row's
+ * position is skipped: processing it would change nothing (its probabilities are 0, its
+ * rescale factor exactly 1), so where the tile's other rows stop does not matter.
+ *
+ * ``chunk_gather`` first copies the blocks [0, ceil(end / 16)) of the layer, as float32,
+ * keys transposed ([block, kv head, d, 16]) and values as they are ([block, kv head, 16,
+ * d]); ``chunk_rows`` then computes query rows [first, last) from that copy (threads
+ * split the rows). Query rows hold every head ([T, hq, d] float32), as does the output.
+ */
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+#if defined(__AVX512F__)
+#define ROWS 16  /* query rows a tile: their scores stay in registers */
+#else
+#define ROWS 8
+#endif
+
+/* exp(x) for x <= 0, 0 below -87 (and for -inf): range reduction by ln 2 and a degree-6
+ * polynomial, within ~2 ulp of expf; no libm call, the same on every machine with IEEE
+ * float32 arithmetic in this order. */
+static inline v16 v16_exp(v16 x) {
+    const vi16 live = x >= -87.0f;  /* all ones where exp(x) is a normal float */
+    x = (v16)(((vi16)x & live) | ((vi16)((v16){0} - 87.0f) & ~live));
+    const vi16 n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi16);
+    const v16 nf = __builtin_convertvector(n, v16);
+    const v16 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
+    v16 p = (v16){0} + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const v16 scale = (v16)((n + 127) << 23);
+    return (v16)((vi16)(p * scale) & live);
+}
+
+/* Lanes folded in halves (a fixed tree: 4 steps, not a chain of 15). */
+#define FOLD(x, OP, k) OP(x, __builtin_shufflevector(x, x, (0 + k) % 16, (1 + k) % 16,      \
+    (2 + k) % 16, (3 + k) % 16, (4 + k) % 16, (5 + k) % 16, (6 + k) % 16, (7 + k) % 16,     \
+    (8 + k) % 16, (9 + k) % 16, (10 + k) % 16, (11 + k) % 16, (12 + k) % 16, (13 + k) % 16, \
+    (14 + k) % 16, (15 + k) % 16))
+#define ADD(a, b) ((a) + (b))
+#define MAX(a, b) ((v16)(((vi16)(a) & ((a) >= (b))) | ((vi16)(b) & ~((a) >= (b)))))
+
+static inline float v16_max(v16 x) {
+    x = FOLD(x, MAX, 8); x = FOLD(x, MAX, 4); x = FOLD(x, MAX, 2); x = FOLD(x, MAX, 1);
+    return x[0];
+}
+
+static inline float v16_sum(v16 x) {
+    x = FOLD(x, ADD, 8); x = FOLD(x, ADD, 4); x = FOLD(x, ADD, 2); x = FOLD(x, ADD, 1);
+    return x[0];
+}
+
+#define GATHER(NAME, T, VALUE)                                                              \
+    void NAME(const Layout *L, const T *kv, int64_t end, float *kt, float *vv) {            \
+        const int64_t nb = (end + 15) / 16, D = L->d, H = L->hkv;                           \
+        for (int64_t b = 0; b < nb; b++) {                                                  \
+            const T *page = kv + L->layer_off + L->tables[b] * L->block_stride;             \
+            for (int64_t g = 0; g < H; g++) {                                               \
+                float *kb = kt + (b * H + g) * D * 16, *vb = vv + (b * H + g) * 16 * D;     \
+                for (int64_t j = 0; j < 16; j++) {                                          \
+                    const T *k = page + j * L->token_stride + g * D;                        \
+                    const T *v = k + L->v_off;                                              \
+                    for (int64_t i = 0; i < D; i++) {                                       \
+                        kb[i * 16 + j] = VALUE(k[i]);                                       \
+                        vb[j * D + i] = VALUE(v[i]);                                        \
+                    }                                                                       \
+                }                                                                           \
+            }                                                                               \
+        }                                                                                   \
+    }
+
+GATHER(chunk_gather_f32, float, f32_value)
+GATHER(chunk_gather_bf16, uint16_t, bf16_value)
+
+/* Rows [t0, t0 + rn) of head h (positions start + t), D-wide heads. */
+static inline void chunk_tile(const Layout *L, const float *q, const float *kt,
+                              const float *vv, int64_t start, int64_t t0, int rn, int h,
+                              int D, float *out) {
+    const int group = L->hq / L->hkv, H = L->hkv, g = h / group, V = D / 16;
+    float m[ROWS], l[ROWS];
+    v16 acc[ROWS][8];  /* D <= 128 */
+    for (int r = 0; r < rn; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        for (int k = 0; k < V; k++) acc[r][k] = (v16){0};
+    }
+    float qt[D * ROWS];  /* the tile's queries of head h, [d][row], rows past rn zero */
+    for (int i = 0; i < D; i++) {
+        for (int r = 0; r < ROWS; r++) qt[i * ROWS + r] = r < rn ? q[((t0 + r) * L->hq + h) * D + i] : 0.0f;
+    }
+    const int64_t blocks = (start + t0 + rn - 1) / 16 + 1;
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *kb = kt + (b * H + g) * D * 16, *vb = vv + (b * H + g) * 16 * D;
+        v16 s[ROWS];  /* every row of the tile: a fixed count keeps them in registers */
+#pragma GCC unroll 16
+        for (int r = 0; r < ROWS; r++) s[r] = (v16){0};
+        for (int i = 0; i < D; i++) {
+            const v16 kd = *(const v16 *)(kb + i * 16);
+#pragma GCC unroll 16
+            for (int r = 0; r < ROWS; r++) s[r] += qt[i * ROWS + r] * kd;
+        }
+        for (int r = 0; r < rn; r++) {
+            const int64_t seen = start + t0 + r - b * 16;  /* last key of the block it sees */
+            if (seen < 0) continue;  /* the whole block is after this row */
+            v16 x = s[r] * L->scale;
+            if (seen < 15) {
+                for (int j = (int)seen + 1; j < 16; j++) x[j] = -INFINITY;
+            }
+            const float mn = fmaxf(m[r], v16_max(x));
+            float p[16];
+            *(v16 *)p = v16_exp(x - mn);
+            if (mn != m[r]) {  /* else the factor is exactly 1 */
+                const float c = expf(m[r] - mn);
+                l[r] *= c;
+                for (int k = 0; k < V; k++) acc[r][k] *= c;
+            }
+            l[r] += v16_sum(*(v16 *)p);
+            for (int j = 0; j < 16; j++) {
+                const v16 *vj = (const v16 *)(vb + j * D);
+                for (int k = 0; k < V; k++) acc[r][k] += p[j] * vj[k];
+            }
+            m[r] = mn;
+        }
+    }
+    for (int r = 0; r < rn; r++) {
+        v16 *o = (v16 *)(out + ((t0 + r) * L->hq + h) * D);
+        for (int k = 0; k < V; k++) o[k] = acc[r][k] / l[r];
+    }
+}
+
+/* Query rows [first, last) of the chunk at ``start``, every head, tiles of ROWS rows. */
+void chunk_rows(const Layout *L, const float *q, const float *kt, const float *vv,
+                int64_t start, int64_t first, int64_t last, float *out) {
+    for (int h = 0; h < L->hq; h++) {
+        for (int64_t t0 = first; t0 < last; t0 += ROWS) {
+            const int rn = last - t0 < ROWS ? (int)(last - t0) : ROWS;
+            if (L->d == 64) chunk_tile(L, q, kt, vv, start, t0, rn, h, 64, out);
+            else chunk_tile(L, q, kt, vv, start, t0, rn, h, 128, out);
+        }
+    }
+}
