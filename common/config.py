@@ -174,10 +174,9 @@ class ClusterConfig:
     prefill_groups: Optional[int] = None
     # Layer-wise KV I/O: a prompt's new blocks go to the store layer by layer as they are
     # computed, a cached prefix loads from it layer by layer while the rest computes, and
-    # KV streams to the decode worker per layer. False: whole blocks after the prefill (to
-    # the decode worker and the store) and before it (from the store): the baseline.
-    # None (left out): ``default_layerwise`` (true, except GPU KV through the transfer
-    # engine's TCP alone), resolved when the config is made: every reader sees a bool.
+    # KV streams to the decode worker per layer. False: whole blocks after (to the decode
+    # worker and the store) and before the prefill (from the store): the baseline. None:
+    # ``default_layerwise`` (true but for GPU KV over TCP alone): readers see a bool.
     kv_layerwise: Optional[bool] = None
     decode_workers: int = 1
     block_size: int = 16
@@ -194,15 +193,15 @@ class ClusterConfig:
     # throughput on 2 cores and doubled TTFT; benchmarks/live_replay.py, BENCHMARKS.md).
     token_budget: Optional[int] = None
     # A greedy answer that does not depend on the load (on the CPU): a prompt's chunks end
-    # and attend in parts at block boundaries, wherever the load puts its steps
-    # (common/engine/batching.py). false: chunks end anywhere and attend whole (7-13 %
-    # less prefill compute, much shorter TTFT on a saturated prefill worker; the same
-    # prompt may then answer differently alone and under load).
+    # at block boundaries, wherever the load puts its steps (common/engine/batching.py),
+    # and attend in parts there unless the CPU kernel computes each row alone anyway.
+    # false: chunks end anywhere and attend whole (the same prompt may then answer
+    # differently alone and under load; without the kernel 9-19 % less prefill compute).
     batch_invariant: bool = True
     # A prefill worker's order (services/prefill/queue.py): "shortest" (fewest tokens left
-    # to compute first; one that waited prefill_max_wait_s before younger ones) or "arrival"
+    # first; one that waited prefill_max_wait_s, default kv_wait_timeout_s / 2, first), "arrival"
     prefill_order: str = "shortest"
-    prefill_max_wait_s: float = 15.0
+    prefill_max_wait_s: Optional[float] = None
     max_batch_size: int = 64
     max_queue: int = 256  # admission: requests waiting for prefill, cluster-wide
     default_max_tokens: int = 256
@@ -241,8 +240,7 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be auto, float32, bfloat16 or float16, not "
                                  f"{getattr(self, name)!r}")
         if not isinstance(self.prefill_stages, int) or self.prefill_stages < 1:
-            raise ValueError(f"prefill_stages must be a positive integer, not "
-                             f"{self.prefill_stages!r}")
+            raise ValueError(f"prefill_stages must be a positive integer, not {self.prefill_stages!r}")
         groups = self.prefill_groups
         if groups is not None and (not isinstance(groups, int) or not
                                    0 <= groups <= self.prefill_workers):
@@ -255,6 +253,8 @@ class ClusterConfig:
                              "its own layers of a block, so store I/O is layer-wise")
         if not self.worker_wait_s >= 0:
             raise ValueError(f"worker_wait_s must be >= 0, not {self.worker_wait_s!r}")
+        if self.prefill_max_wait_s is None:
+            self.prefill_max_wait_s = self.kv_wait_timeout_s / 2
         if self.prefill_order not in ("shortest", "arrival") or not self.prefill_max_wait_s > 0:
             raise ValueError("prefill_order must be 'shortest' or 'arrival' and prefill_max_"
                              f"wait_s > 0, not {self.prefill_order!r}, {self.prefill_max_wait_s!r}")

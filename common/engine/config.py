@@ -21,7 +21,8 @@ class EngineConfig:
     prefill_chunk: int = 512
     # Batch invariance (ClusterConfig.batch_invariant): a prompt chunk attends in parts cut
     # at multiples of this many tokens, so a token's attention is computed the same
-    # however the load groups its prompt's pieces into steps. 0: one part a chunk.
+    # however the load groups its prompt's pieces into steps (not with a backend that
+    # computes each prompt row alone: the CPU kernel). 0: one part a chunk.
     chunk_align: int = 0
     max_batch_size: int = 64
     attention_backend: str = "auto"   # auto | cpu | sdpa | triton | flash

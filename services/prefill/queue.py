@@ -45,7 +45,7 @@ class PromptOrder:
     """Which prompt a prefill worker computes first: the least ``rank``."""
 
     shortest: bool = True
-    max_wait_s: float = 15.0
+    max_wait_s: float = 30.0
 
     def rank(self, tokens: int, arrived: float, now: float) -> Rank:
         """Of a prompt with ``tokens`` left to compute that arrived at ``arrived``
