@@ -1,7 +1,7 @@
 """One CPU decode step of the default model, side by side (issue 27): attention over
 gathered, padded K/V (SDPA, the old path) or read in place (the C kernel,
 common/model/cpu_attention.py), and the layers' linears in float32 or bfloat16
-(``linear_dtype``). One thread, as a decode worker has on 2 cores; bfloat16 KV; at each
+(``linear_dtype``: on oneDNN, or on Crescent's kernel, common/model/cpu_linear.py). One thread, as a decode worker has on 2 cores; bfloat16 KV; at each
 context and batch the variants run in turn, three rounds, the least step time of each.
 
     python benchmarks/decode_step.py [--contexts 128,600] [--batches 1,8,32]
@@ -25,7 +25,17 @@ from common.engine import DecodeInput, Engine, EngineConfig  # noqa: E402
 
 VARIANTS = {"sdpa/f32": dict(attention_backend="sdpa"),
             "kernel/f32": dict(attention_backend="cpu"),
+            "kernel/bf16-onednn": dict(attention_backend="cpu", linear_dtype="bfloat16"),
             "kernel/bf16": dict(attention_backend="cpu", linear_dtype="bfloat16")}
+ONEDNN = ("kernel/bf16-onednn",)  # bfloat16 linears on oneDNN, not Crescent's kernel
+
+
+def make_engine(name: str, blocks: int) -> Engine:
+    os.environ["CRESCENT_CPU_LINEAR"] = "0" if name in ONEDNN else "1"
+    try:
+        return Engine(EngineConfig(kv_dtype="bfloat16", num_blocks=blocks, **VARIANTS[name]))
+    finally:
+        del os.environ["CRESCENT_CPU_LINEAR"]
 
 
 def step_ms(engine: Engine, batch: int, context: int, steps: int = 6) -> float:
@@ -54,10 +64,9 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     blocks = max(batches) * (max(contexts) + 120) // 16 + 64
-    engines = {name: Engine(EngineConfig(kv_dtype="bfloat16", num_blocks=blocks, **kw))
-               for name, kw in VARIANTS.items()}
+    engines = {name: make_engine(name, blocks) for name in VARIANTS}
     res: dict[str, dict[str, float]] = {}
-    print(f"{'context':>8}{'batch':>6}" + "".join(f"{n:>14}" for n in engines) + "  ms/step")
+    print(f"{'context':>8}{'batch':>6}" + "".join(f"{n:>20}" for n in engines) + "  ms/step")
     for context in contexts:
         for batch in batches:
             got: dict[str, list[float]] = {name: [] for name in engines}
@@ -65,7 +74,7 @@ def main() -> None:
                 for name, engine in engines.items():
                     got[name].append(step_ms(engine, batch, context))
             row = res[f"ctx{context}_b{batch}"] = {n: round(min(v), 1) for n, v in got.items()}
-            print(f"{context:>8}{batch:>6}" + "".join(f"{row[n]:>14.1f}" for n in engines))
+            print(f"{context:>8}{batch:>6}" + "".join(f"{row[n]:>20.1f}" for n in engines))
     print(json.dumps(res))
 
 

@@ -1,11 +1,10 @@
 """The CPU's paged attention (csrc/paged_attention.c): each query row reads its
 sequence's KV blocks in place, with no gather into a padded copy and no mask.
 
-The C file is compiled on this machine at first use (``FLAGS``, about half a second) into the cache directory, keyed by the source, the compiler and the CPU's flags,
-and loaded with ctypes, which lets go of the GIL during a call: with several torch threads
-(``POOL_MIN_THREADS``) the rows are split between them. Without a C compiler, or if the library fails its check
-against torch's attention, ``kernel()`` is None and the engine gathers as before
-(common/model/attention.py SdpaAttention).
+The C file is built with the other kernels at first use (common/model/native.py); with
+several torch threads (``POOL_MIN_THREADS``) the rows are split between them. Without a
+C compiler, or if the library fails its check against torch's attention, ``kernel()`` is
+None and the engine gathers as before (common/model/attention.py SdpaAttention).
 
 Each row is computed by the same code in the same key order whatever else is in the call,
 so a decode token's attention does not depend on the batch (tests/model/
@@ -16,34 +15,20 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import math
 import os
-import platform
-import shutil
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
-import xxhash
 
 from common.kv.memory import PagedKVMemory
-from common.model.loader import cache_dir
+from common.model import native
+from common.model.native import POOL_MIN_THREADS  # noqa: F401 (tests split by it)
 
 log = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_attention.c")
-# -ffast-math's reassociation (the dot products vectorise), not all of it: linked with
-# -ffast-math a library sets flush-to-zero for its whole process as it loads.
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-         "-fno-signed-zeros", "-fPIC", "-shared")
 DTYPES = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
 GATHERS = {torch.float32: "chunk_gather_f32", torch.bfloat16: "chunk_gather_bf16"}
-# Rows split over a pool of threads only from POOL_MIN_THREADS torch threads and
-# ROWS_PER_THREAD rows a thread: with 2 threads on 2 cores the split was no faster (214 vs
-# 231 ms a step at batch 32, context 600), torch's OpenMP workers spinning beside it.
-POOL_MIN_THREADS = 4
-ROWS_PER_THREAD = 8
+ROWS_PER_THREAD = 8  # the least rows a thread takes (native.split)
 
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -75,8 +60,6 @@ class PagedAttentionKernel:
         self._chunk_rows = lib.chunk_rows
         self._chunk_rows.argtypes = [ctypes.POINTER(_Layout), _P, _P, _P, _I64, _I64, _I64, _P]
         self._chunk_rows.restype = None
-        self._pool: Optional[ThreadPoolExecutor] = None  # from the first split call
-        self._pool_size = 0
 
     def supports(self, kv: PagedKVMemory) -> bool:
         return kv.data.device.type == "cpu" and kv.dtype in self._fns
@@ -110,7 +93,7 @@ class PagedAttentionKernel:
         def run(first: int, last: int) -> None:
             self._chunk_rows(ctypes.byref(layout), *ptrs, start, first, last, out.data_ptr())
 
-        self._split(run, t)
+        native.split(run, t, ROWS_PER_THREAD)
         return out
 
     def attend(self, q: torch.Tensor, kv: PagedKVMemory, layer: int, tables: torch.Tensor,
@@ -140,59 +123,8 @@ class PagedAttentionKernel:
             fn(ctypes.byref(layout), q.data_ptr(), data.data_ptr(), first, last,
                out.data_ptr(), scratch.data_ptr())
 
-        self._split(run, t)
+        native.split(run, t, ROWS_PER_THREAD)
         return out
-
-    def _split(self, run: Callable[[int, int], None], t: int) -> None:
-        """``run`` rows [0, t), split over a pool of threads where that pays."""
-        threads = min(torch.get_num_threads(), t // ROWS_PER_THREAD)
-        if threads < max(2, POOL_MIN_THREADS):
-            run(0, t)
-            return
-        if self._pool_size < threads:  # more torch threads than at the last split
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
-            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="paged-attention")
-            self._pool_size = threads
-        step = math.ceil(t / threads)
-        for f in [self._pool.submit(run, s, min(s + step, t)) for s in range(0, t, step)]:
-            f.result()
-
-
-def _library_path() -> str:
-    cc = shutil.which(os.environ.get("CC", "cc")) or ""
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout if cc else ""
-    except (OSError, subprocess.SubprocessError):
-        version = ""
-    with open(SOURCE, "rb") as f:
-        source = f.read()
-    ident = xxhash.xxh3_64(b"|".join([source, version.encode(), " ".join(FLAGS).encode(),
-                                      _cpu_flags().encode(), platform.machine().encode()]))
-    return os.path.join(cache_dir(), "kernels", f"paged_attention-{ident.hexdigest()}.so")
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (``-march=native`` code runs only where they all are)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
-
-
-def _build(path: str) -> None:
-    cc = shutil.which(os.environ.get("CC", "cc"))
-    if cc is None:
-        raise OSError("no C compiler (cc) on PATH")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"  # workers may build at once; the rename is atomic
-    done = subprocess.run([cc, *FLAGS, "-o", tmp, SOURCE, "-lm"], capture_output=True,
-                          text=True, timeout=120)
-    if done.returncode != 0:
-        raise OSError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
-    os.replace(tmp, path)
 
 
 @functools.cache
@@ -200,13 +132,13 @@ def kernel() -> Optional[PagedAttentionKernel]:
     """The compiled kernel, built on first use; None where it cannot be (logged once)."""
     if os.environ.get("CRESCENT_CPU_ATTENTION", "1") == "0":
         return None
+    lib = native.library()
+    if lib is None:
+        return None
     try:
-        path = _library_path()
-        if not os.path.isfile(path):
-            _build(path)
-        loaded = PagedAttentionKernel(ctypes.CDLL(path), os.path.basename(path))
+        loaded = PagedAttentionKernel(lib, os.path.basename(lib._name))
         _self_check(loaded)
-    except (OSError, subprocess.SubprocessError, AssertionError, AttributeError) as exc:
+    except (AssertionError, AttributeError) as exc:
         log.warning("CPU paged attention unavailable (%s): decode gathers each sequence's "
                     "KV into a padded copy instead (slower)", exc)
         return None

@@ -104,9 +104,11 @@ class PrefillInstanceState:
     of the running prefill plus the predicted prefill times of the queued ones).
     ``queued``: where the instance computes the shortest prompts first (``prefill_order``),
     each placed prompt's (tokens to compute, predicted seconds left), one that has waited
-    ``prefill_max_wait_s`` with 0 tokens: a new prompt waits for those no longer than it.
-    None: arrival order (a new prompt waits ``queue_seconds``), as does a prompt whose
-    prefix a queued prompt computes (it waits for that one: bounded by them all).
+    ``prefill_max_wait_s`` with 0 tokens: a new prompt waits for those no longer than it,
+    and, while a longer one computes, for a step of ``step_tokens`` of it (the rest of
+    the step it is in, and the step the new one joins: the longer one fills it). None:
+    arrival order (a new prompt waits ``queue_seconds``), as does a prompt whose prefix a
+    queued prompt computes (it waits for that one: bounded by them all).
     """
 
     instance_id: str
@@ -115,13 +117,19 @@ class PrefillInstanceState:
     queued_requests: int = 0
     cost: Optional["CostModel"] = None  # its own prefill cost (a group's); None: the scheduler's
     queued: Optional[tuple[tuple[int, float], ...]] = None
+    step_tokens: int = 256
 
     def wait_s(self, new_tokens: int, behind_queued: bool = False) -> float:
-        """Predicted seconds before a prompt of ``new_tokens`` to compute starts;
-        ``behind_queued``: its prefix is a queued prompt's."""
+        """Predicted seconds a prompt of ``new_tokens`` to compute waits (besides its own
+        compute); ``behind_queued``: its prefix is a queued prompt's."""
         if self.queued is None or behind_queued:
             return self.queue_seconds
-        return sum(seconds for tokens, seconds in self.queued if tokens <= new_tokens)
+        ahead = sum(seconds for tokens, seconds in self.queued if tokens <= new_tokens)
+        longer = [entry for entry in self.queued if entry[0] > new_tokens]
+        if not longer:
+            return ahead
+        tokens, seconds = min(longer)  # the next by the worker's order: computing now
+        return ahead + seconds * min(1.0, self.step_tokens / tokens)
 
 
 @dataclass(frozen=True)

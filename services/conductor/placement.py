@@ -141,7 +141,8 @@ class Placer:
         keys = frozenset(k for t in waiting for k in t.req.block_keys)
         return PrefillInstanceState(w.instance_id, queue_s, _KeySetIndex(w.cached_keys, keys),
                                     queued_requests=len(w.assigned),
-                                    cost=cost if cost is not self.cost else None, queued=queued)
+                                    cost=cost if cost is not self.cost else None, queued=queued,
+                                    step_tokens=self.config.step_budget("prefill"))
 
     def queue_seconds(self, w: WorkerState, tracker: Tracker, now: float) -> float:
         """Predicted time until prefill worker ``w`` has computed what it was given."""

@@ -1,0 +1,61 @@
+"""The CPU's bfloat16 linear for decode rows (common/model/cpu_linear.py): torch's result
+on the same bfloat16 inputs up to float32 summation order, every row bit for bit the same
+alone, in any batch and split over threads, and what ``Linear`` runs it for."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.model import cpu_linear, native
+from common.model.decoder import Linear
+
+KERNEL = cpu_linear.kernel()
+pytestmark = pytest.mark.skipif(KERNEL is None, reason="the CPU bfloat16 linear kernel did "
+                                "not build (no C compiler or no AVX-512 BF16): oneDNN serves")
+
+
+def _case(n: int, k: int, m: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g).to(torch.bfloat16),
+            torch.randn(m, k, generator=g).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("n, k, m", [(576, 576, 1), (960, 576, 3), (3072, 576, 7),
+                                     (576, 1536, 32), (48, 20, 5)])
+def test_equals_torch_on_bfloat16_inputs(n: int, k: int, m: int) -> None:
+    w, x = _case(n, k, m, n + m)
+    got = cpu_linear.PackedLinear(KERNEL, w)(x)
+    want = F.linear(x.double(), w.double()).float()
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
+
+
+def test_rows_do_not_depend_on_the_batch_or_threads() -> None:
+    w, x = _case(3072, 576, 37, 7)
+    lin = cpu_linear.PackedLinear(KERNEL, w)
+    batch = lin(x)
+    for rows in ([5], [0, 1], [3, 4, 5], list(range(9)), list(range(36, -1, -1))):
+        assert torch.equal(lin(x[rows]), batch[rows]), rows
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(native.POOL_MIN_THREADS)  # outputs split over pool threads
+        assert torch.equal(lin(x), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_linear_runs_it_for_bfloat16_linears_of_a_float32_model() -> None:
+    """A float32 model's linear in bfloat16 takes the kernel (float32 out, bias added);
+    a float32 one, a bfloat16 model's, or a shape it cannot tile keep oneDNN or torch."""
+    g = torch.Generator().manual_seed(1)
+    w, bias = torch.randn(64, 32, generator=g), torch.randn(64, generator=g)
+    lin = Linear(w, bias=bias, dtype=torch.bfloat16)
+    assert lin.native is not None
+    x = torch.randn(3, 32, generator=g)
+    want = F.linear(x.to(torch.bfloat16).double(), w.to(torch.bfloat16).double()).float() \
+        + bias.to(torch.bfloat16).float()
+    assert torch.allclose(lin(x), want, rtol=1e-5, atol=1e-4)
+    assert Linear(w).native is None
+    assert Linear(w.to(torch.bfloat16)).native is None
+    assert Linear(torch.randn(60, 32), dtype=torch.bfloat16).native is None
