@@ -8,10 +8,10 @@ here from AIPerf's per-request records (benchmarks/replay_metrics.py), not taken
 its summary: TTFT, ITL, E2E, TBT as in the paper (mean of a request's longest 10 % gaps),
 goodput within the TTFT and TBT SLOs, 429s, errors, prefix-hit rate.
 
-``vllm-cpu`` (not in the default set, nor ``disagg-variant``) replays the same slice
-against vLLM-CPU serving the same model in float32 on the colocated cluster's cores
-(benchmarks/vllm_cpu.py; its own venv ``.venv-vllm``). Crescent-only figures (prefix hits,
-TTFT predictions) stay "-" for it; vLLM's own hit rate is ``vllm_prefix_cache_hit``.
+``vllm-cpu`` (not in the default set) replays the same slice against vLLM-CPU serving
+the same model in float32 on the colocated cluster's cores (benchmarks/vllm_cpu.py; its
+own venv ``.venv-vllm``). Crescent-only figures (prefix hits, TTFT predictions) stay "-"
+for it; vLLM's own hit rate is ``vllm_prefix_cache_hit``.
 
 AIPerf is the optional ``bench`` extra. Its pins (pyzmq, orjson, rich, ...) conflict with
 Crescent's, so this script runs it as a CLI from its own venv, ``.venv-bench``, which it
@@ -20,8 +20,7 @@ The model's tokenizer is exported as an HF hub cache entry so AIPerf loads it wi
 ``HF_HUB_OFFLINE=1``: nothing is downloaded at run time.
 
     python benchmarks/live_replay.py [--configs disagg-store,disagg-nostore,colocated]
-        [--configs disagg-store,disagg-variant,vllm-cpu]   # batch_invariant off; vLLM
-        [--rates 0.5,1,2] [--requests 100] [--seed 0] [--base-port 19800]
+        [--configs disagg-store,disagg-arrival,vllm-cpu] [--rates 0.5,1,2] [--requests 100]
         [--py-spy 30]   # also profile every service process for 30 s of each run
         [--kill decode@60 --kill prefill@120]   # SIGKILL roles during each replay
 
@@ -69,9 +68,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 EXTERNAL = (vllm_cpu.CONFIG_NAME,)  # other servers, same replay (bench_vllm)
 BENCH_VENV = REPO / ".venv-bench"
 AIPERF_SPEC = "aiperf==0.13.0"
-INSTALL_HINT = (f"python -m venv .venv-bench && .venv-bench/bin/pip install '{AIPERF_SPEC}' "
-                "(or `pip install -e .[bench]` in an environment of its own: aiperf pins "
-                "older pyzmq/orjson than Crescent)")
+INSTALL_HINT = (f"python -m venv .venv-bench && .venv-bench/bin/pip install '{AIPERF_SPEC}' (or "
+                "`pip install -e .[bench]` alone: aiperf pins older pyzmq/orjson than Crescent)")
 
 
 class ReplayError(RuntimeError):
@@ -242,7 +240,7 @@ def bench_one(args: argparse.Namespace, name: str, rate: float, rows: list[dict]
             threading.Thread(target=kill_on_schedule, args=(cluster, args.kill_plan),
                              name="kills", daemon=True).start()
         results = run_aiperf(aiperf, cluster.url, config.model_name, trace_path, tok,
-                             run_dir / "aiperf", args.seed, args.request_timeout)
+                             run_dir / "aiperf", args.seed, args.request_timeout, args.extra)
         router = scrape(cluster.url + "/metrics")
         conductor_http = f"http://{config.host}:{config.port('conductor_http')}"
         conductor = scrape(f"{conductor_http}/metrics")
@@ -292,7 +290,7 @@ def bench_vllm(args: argparse.Namespace, name: str, rate: float, trace_path: Pat
         t0 = time.time()
         results, server = vllm_cpu.replay(
             lambda url, model: run_aiperf(aiperf, url, model, trace_path, tok, run_dir /
-                                          "aiperf", args.seed, args.request_timeout),
+                                          "aiperf", args.seed, args.request_timeout, args.extra),
             args.base_port, run_dir, cluster_cores(run_dir, args.base_port),
             args.vllm_kv_gib, args.vllm_start_timeout)
     except vllm_cpu.VllmError as exc:
@@ -325,6 +323,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-output", type=int, default=80, help="cap on output tokens")
     p.add_argument("--ttft-slo", type=float, default=2.0)
     p.add_argument("--tbt-slo", type=float, default=0.2)
+    p.add_argument("--extra-input", dest="extra", action="append", default=[], metavar="K:V",
+                   help="into every request of every config (ignore_eos:true: trace lengths)")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--start-timeout", type=float, default=180.0)
     p.add_argument("--vllm-start-timeout", type=float, default=900.0)

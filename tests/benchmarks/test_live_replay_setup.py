@@ -31,8 +31,10 @@ def test_colocated_fails_clearly_where_the_mode_is_missing() -> None:
             cluster_config_data("colocated", 19800)
     with pytest.raises(ReplayError, match="unknown configuration"):
         cluster_config_data("nonesuch", 19800)
-    assert set(CONFIGS) == {"disagg-store", "disagg-nostore", "colocated", "disagg-variant"}
+    assert set(CONFIGS) == {"disagg-store", "disagg-nostore", "colocated", "disagg-variant",
+                            "disagg-arrival"}
     assert cluster_config_data("disagg-variant", 19800)["batch_invariant"] is False
+    assert cluster_config_data("disagg-arrival", 19800)["prefill_order"] == "arrival"
 
 
 def test_exported_tokenizer_loads_offline_and_matches_the_router(tmp_path: Path,
