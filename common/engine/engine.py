@@ -98,7 +98,8 @@ class Engine:
                                 model_config.num_kv_heads, model_config.head_dim,
                                 KV_DTYPES[self.kv_dtype], self.device, config.kv_shm_path)
         self.pool = BlockPool(config.num_blocks)
-        self.attention = make_backend(config.attention_backend, self.kv)
+        self.attention = make_backend(config.attention_backend, self.kv,
+                                      prompt_rows=config.chunk_align > 0)
         self.profiler = StepProfiler(None, "engine", 0)  # off: a worker sets its own (env)
         # (kind, seconds, sequences, tokens) of each step: a worker's metrics (common/worker.py)
         self.on_step: Optional[Callable[[str, float, int, int], None]] = None

@@ -305,18 +305,21 @@ class CpuPagedAttention(SdpaAttention):
     """The CPU's backend where common/model/cpu_attention.py's kernel builds: a decode
     part (one new token per sequence) reads each sequence's blocks in place, with no
     gather, no padding to the longest and no mask, every row alone (batch invariant).
-    So does a prompt chunk (its rows over their sequence's blocks, each alone) where the
-    blocks are of 16 tokens and the attention plain: the same rows whatever chunks the
-    load cuts a prompt into, and, after a 1,024-token prefix, 1.2x faster than torch's
-    flash attention over 16-token parts (what batch invariance cost before). Other
-    prompt chunks attend through SDPA."""
+    With ``prompt_rows`` (batch invariance) so does a prompt chunk (its rows over their
+    sequence's blocks, each alone) where the blocks are of 16 tokens and the attention
+    plain: the same rows whatever chunks the load cuts a prompt into; on one thread as
+    fast as torch's flash attention over the whole chunk and 1.1-1.2x faster than over
+    16-token parts (what batch invariance cost before), on two 0.8x the whole chunk's
+    (torch's spinning OpenMP workers slow the kernel's second thread). Other prompt
+    chunks attend through SDPA."""
 
     decode_mask = False
 
-    def __init__(self, kv: PagedKVMemory, kernel: "cpu_attention.PagedAttentionKernel"):
+    def __init__(self, kv: PagedKVMemory, kernel: "cpu_attention.PagedAttentionKernel",
+                 prompt_rows: bool = True):
         super().__init__(kv)
         self.kernel = kernel
-        self.prompt_rows_alone = kernel.supports_chunks(kv)
+        self.prompt_rows_alone = prompt_rows and kernel.supports_chunks(kv)
 
     def attend_written(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        meta: AttnMetadata, spec: AttnSpec,
@@ -358,10 +361,11 @@ class TritonAttention(SdpaAttention):
         return super().attend_written(layer, q, k, v, meta, spec, context)
 
 
-def make_backend(name: str, kv: PagedKVMemory) -> AttentionBackend:
+def make_backend(name: str, kv: PagedKVMemory, prompt_rows: bool = True) -> AttentionBackend:
     """``auto``: on a GPU flash-attn where installed, else Triton where installed; on the
     CPU its paged kernel where it builds, else SDPA. ``triton`` runs on the CPU only in
-    Triton's interpreter (tests)."""
+    Triton's interpreter (tests). ``prompt_rows``: the CPU kernel computes prompt rows
+    too (each alone: a batch-invariant engine's), else SDPA does, whole chunks at once."""
     from common.model.flash_attention import FlashAttention, flash_available
 
     if name == "auto":
@@ -378,7 +382,7 @@ def make_backend(name: str, kv: PagedKVMemory) -> AttentionBackend:
         if cpu is None or not cpu.supports(kv):
             raise RuntimeError("attention_backend 'cpu' needs a C compiler and KV in host "
                                f"memory as float32 or bfloat16 (here {kv.dtype})")
-        return CpuPagedAttention(kv, cpu)
+        return CpuPagedAttention(kv, cpu, prompt_rows)
     if name == "triton":
         if not triton_ops.usable_on(kv.data.device):
             raise RuntimeError("attention_backend 'triton' needs the triton package and a "

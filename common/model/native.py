@@ -97,15 +97,32 @@ _pool_size = 0
 def split(run: Callable[[int, int], None], n: int, grain: int) -> None:
     """``run(first, last)`` over [0, n), in pieces of whole ``grain``s on a pool of up to
     torch's thread count where that pays, else at once on this thread."""
-    global _pool, _pool_size
     threads = min(torch.get_num_threads(), n // grain)
     if threads < max(2, POOL_MIN_THREADS):
         run(0, n)
         return
-    if _pool_size < threads:  # more torch threads than at the last split
+    step = math.ceil(n / threads / grain) * grain
+    _run_all([functools.partial(run, s, min(s + step, n)) for s in range(0, n, step)])
+
+
+def each(run: Callable[[int, int], None], parts: int) -> None:
+    """``run(part, parts)`` for part in [0, parts), on a pool of ``parts`` threads (this
+    one runs part 0)."""
+    if parts < 2:
+        run(0, 1)
+        return
+    _run_all([functools.partial(run, p, parts) for p in range(parts)])
+
+
+def _run_all(calls: list[Callable[[], None]]) -> None:
+    """The calls at once, the first on this thread, the others on the pool."""
+    global _pool, _pool_size
+    if _pool_size < len(calls) - 1:  # more threads than at the last split
         if _pool is not None:
             _pool.shutdown(wait=False)
-        _pool, _pool_size = ThreadPoolExecutor(threads, thread_name_prefix="crescent-native"), threads
-    step = math.ceil(n / threads / grain) * grain
-    for f in [_pool.submit(run, s, min(s + step, n)) for s in range(0, n, step)]:
+        _pool = ThreadPoolExecutor(len(calls) - 1, thread_name_prefix="crescent-native")
+        _pool_size = len(calls) - 1
+    futures = [_pool.submit(call) for call in calls[1:]]
+    calls[0]()
+    for f in futures:
         f.result()

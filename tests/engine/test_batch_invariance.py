@@ -27,12 +27,16 @@ pytestmark = pytest.mark.skipif(cpu_attention.kernel() is None,
                                 reason="no C compiler: decode gathers (not batch invariant)")
 
 
-@pytest.fixture(scope="module")
-def engines() -> tuple[Engine, Engine]:
-    """A prefill engine and a decode engine sharing nothing, as in a cluster."""
+@pytest.fixture(scope="module", params=["kernel", "parts"])
+def engines(request) -> tuple[Engine, Engine]:
+    """A prefill engine and a decode engine sharing nothing, as in a cluster; prompts
+    attend through the CPU kernel (each row alone), or, as without a C compiler, in
+    flash-attention parts cut at ALIGN."""
     config = dict(kv_dtype="bfloat16", num_blocks=160, chunk_align=ALIGN)
-    return (Engine(EngineConfig(dtype=PREFILL_DTYPE, **config)),
-            Engine(EngineConfig(dtype="float32", linear_dtype=LINEAR_DTYPE, **config)))
+    prefill = Engine(EngineConfig(dtype=PREFILL_DTYPE, **config,
+                                  attention_backend="cpu" if request.param == "kernel" else "sdpa"))
+    assert prefill.attention.prompt_rows_alone == (request.param == "kernel")
+    return prefill, Engine(EngineConfig(dtype="float32", linear_dtype=LINEAR_DTYPE, **config))
 
 
 def _prompts() -> list[list[int]]:

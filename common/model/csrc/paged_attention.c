@@ -113,8 +113,8 @@ ENTRY(paged_attention_bf16, uint16_t, item_bf16)
  *
  * ``chunk_gather`` first copies the blocks [0, ceil(end / 16)) of the layer, as float32,
  * keys transposed ([block, kv head, d, 16]) and values as they are ([block, kv head, 16,
- * d]); ``chunk_rows`` then computes query rows [first, last) from that copy (threads
- * split the rows). Query rows hold every head ([T, hq, d] float32), as does the output.
+ * d]); ``chunk_rows`` then computes the query rows from that copy (threads take
+ * interleaved tiles of them). Query rows hold every head ([T, hq, d] float32), as does the output.
  */
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
@@ -241,12 +241,14 @@ static inline void chunk_tile(const Layout *L, const float *q, const float *kt,
     }
 }
 
-/* Query rows [first, last) of the chunk at ``start``, every head, tiles of ROWS rows. */
+/* Part ``part`` of ``parts`` of the chunk's T query rows at ``start``, every head: tiles
+ * of ROWS rows, tile i in part i % parts (a thread each: rows late in the chunk see more
+ * keys, so interleaved tiles share the work evenly). */
 void chunk_rows(const Layout *L, const float *q, const float *kt, const float *vv,
-                int64_t start, int64_t first, int64_t last, float *out) {
+                int64_t start, int64_t T, int64_t part, int64_t parts, float *out) {
     for (int h = 0; h < L->hq; h++) {
-        for (int64_t t0 = first; t0 < last; t0 += ROWS) {
-            const int rn = last - t0 < ROWS ? (int)(last - t0) : ROWS;
+        for (int64_t t0 = part * ROWS; t0 < T; t0 += parts * ROWS) {
+            const int rn = T - t0 < ROWS ? (int)(T - t0) : ROWS;
             if (L->d == 64) chunk_tile(L, q, kt, vv, start, t0, rn, h, 64, out);
             else chunk_tile(L, q, kt, vv, start, t0, rn, h, 128, out);
         }
