@@ -2,7 +2,7 @@
 sequence's KV blocks in place, with no gather into a padded copy and no mask.
 
 The C file is built with the other kernels at first use (common/model/native.py); with
-several torch threads (``POOL_MIN_THREADS``) the rows are split between them. Without a
+several torch threads (``native.POOL_MIN_THREADS``) the rows are split between them. Without a
 C compiler, or if the library fails its check against torch's attention, ``kernel()`` is
 None and the engine gathers as before (common/model/attention.py SdpaAttention).
 
@@ -22,7 +22,6 @@ import torch
 
 from common.kv.memory import PagedKVMemory
 from common.model import native
-from common.model.native import POOL_MIN_THREADS  # noqa: F401 (tests split by it)
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """bfloat16 linears for a decode step's few rows (csrc/linear_bf16.c), on CPUs with
-AVX-512 BF16: the layer weights packed once as [K / 2, N, 2], the activations rounded
-to bfloat16, the sums in float32, each output row alone (batch invariant by
-construction). Where the kernel is not built (no compiler, no AVX-512 BF16) or fails its
+AVX-512 BF16: the layer weights packed once in tiles of 64 outputs (``PackedLinear``),
+the activations rounded to bfloat16, the sums in float32, each output row alone (batch
+invariant by construction). Where the kernel is not built (no compiler, no AVX-512 BF16) or fails its
 check, ``kernel()`` is None and common/model/decoder.py ``Linear`` keeps oneDNN. A decode
 step of SmolLM2 at batch 1-8 (one thread, AMD EPYC): see BENCHMARKS.md, "Engine"."""
 from __future__ import annotations

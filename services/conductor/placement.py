@@ -18,6 +18,7 @@ from common.scheduling import (
     CostModel, DecodeInstanceState, DecodeSlot, PipelineCost, PrefillInstanceState, PrefixIndex,
     Rejection, RequestInfo, SchedulerConfig, make_scheduler,
 )
+from common.scheduling.prefill_order import PromptOrder
 from services.conductor.calibration import DecodeCalibrator, PrefillCalibrator, ReadBandwidth
 from services.conductor.registry import Registry, WorkerState
 from services.conductor.tracker import Phase, Tracked, Tracker
@@ -69,6 +70,7 @@ class _KeySetIndex(PrefixIndex):
 class Placer:
     def __init__(self, config: ClusterConfig, global_index: Optional[PrefixIndex] = None):
         self.config = config
+        self.order = PromptOrder.of(config)  # the prefill workers' (its queues' predictions)
         self.cost = load_cost_model(config.cost_profile)
         self.policy = make_scheduler(config.scheduler, SchedulerConfig(
             kvcache_balancing_threshold=config.kvcache_balancing_threshold,
@@ -133,8 +135,9 @@ class Placer:
         if tracker is not None:
             left = self.seconds_left(w, now, waiting)
             queue_s = sum(left)
-            if self.config.prefill_order == "shortest":
-                queued = tuple((self._rank(t, now)[1], s) for t, s in zip(waiting, left))
+            if self.order.shortest:
+                queued = tuple((0 if self.order.aged(t.accepted_at, now) else t.prefill_tokens,
+                                s) for t, s in zip(waiting, left))
         else:  # no tracker (tests of the policy alone): the worker's reported queue
             tokens = max(w.beat.load.queued_tokens if w.beat else 0, w.pending_tokens)
             queue_s = cost.prefill_seconds(tokens, 0) if tokens else 0.0
@@ -160,18 +163,11 @@ class Placer:
         left = [cost.prefill_compute_seconds(t.prefill_tokens,
                                              len(t.req.token_ids) - t.prefill_tokens)
                 for t in waiting]
-        first = min(range(len(waiting)), key=lambda i: self._rank(waiting[i], now))
+        first = min(range(len(waiting)), key=lambda i: self.order.rank(
+            waiting[i].prefill_tokens, waiting[i].accepted_at, now))
         start = waiting[first].accepted_at + waiting[first].predicted_ttft_s - left[first]
         left[first] -= min(left[first], max(0.0, now - start))
         return left
-
-    def _rank(self, t: Tracked, now: float) -> tuple[float, float, float]:
-        """Where a prefill worker puts ``t`` (services/prefill/queue.py PromptOrder):
-        shortest first, by arrival once it waited prefill_max_wait_s (0 tokens here)."""
-        if self.config.prefill_order == "arrival" or (
-                now - t.accepted_at >= self.config.prefill_max_wait_s):
-            return (0, 0, t.accepted_at)
-        return (1, t.prefill_tokens, t.accepted_at)
 
     @staticmethod
     def waiting(w: WorkerState, tracker: Optional[Tracker]) -> list[Tracked]:

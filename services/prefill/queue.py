@@ -1,5 +1,5 @@
 """The prompts waiting on a prefill worker, in the order it computes them
-(``PromptOrder``), each holding its cached prefix.
+(common/scheduling/prefill_order.py ``PromptOrder``), each holding its cached prefix.
 
 A worker computes the prompt with the fewest tokens left to compute first (a shortest-
 remaining-first order, at step granularity: a new short prompt joins the next step ahead
@@ -30,50 +30,22 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
+from common.config import ClusterConfig
 from common.kv.block_pool import BlockPool
 from common.protocol import Fence, PrefillTask
+from common.scheduling.prefill_order import PromptOrder, Rank
 from services.prefill.job import Job
-
-
-Rank = tuple[int, float, float]
-
-
-@dataclass(frozen=True)
-class PromptOrder:
-    """Which prompt a prefill worker computes first: the least ``rank``."""
-
-    shortest: bool = True
-    max_wait_s: float = 30.0
-
-    def rank(self, tokens: int, arrived: float, now: float) -> Rank:
-        """Of a prompt with ``tokens`` left to compute that arrived at ``arrived``
-        (``time.monotonic``): one that waited ``max_wait_s`` (or any, in arrival order)
-        by its arrival, before every other by its tokens, then its arrival."""
-        if not self.shortest or now - arrived >= self.max_wait_s:
-            return (0, arrived, 0.0)
-        return (1, float(tokens), arrived)
-
-    def sort(self, jobs: Iterable[Job]) -> list[Job]:
-        """Admitted prompts in the order their chunks take a step's budget."""
-        now = time.monotonic()
-        return sorted(jobs, key=lambda j: self.rank(j.remaining, j.arrived, now))
-
-    def tokens_before(self, jobs: Iterable[Job], rank: Rank) -> int:
-        """Tokens left to those of ``jobs`` that come before a prompt of ``rank``."""
-        now = time.monotonic()
-        return sum(j.remaining for j in jobs if self.rank(j.remaining, j.arrived, now) < rank)
 
 
 class PromptQueue:
     def __init__(self, pool: BlockPool, block_size: int, cap: Optional[int] = None,
-                 order: PromptOrder = PromptOrder()) -> None:
+                 order: Optional[PromptOrder] = None) -> None:
         self.pool = pool
         self.block_size = block_size
         self.cap = pool.num_blocks // 2 if cap is None else cap
-        self.order = order
+        self.order = PromptOrder.of(ClusterConfig()) if order is None else order
         self._tasks: list[tuple[float, PrefillTask]] = []  # (arrival, task), by arrival
         self._held: dict[Fence, list[int]] = {}  # a task's referenced prefix blocks
         self._holders: Counter[int] = Counter()  # block -> how many tasks hold it
@@ -137,6 +109,18 @@ class PromptQueue:
                     first < len(j.keys) and j.keys[first] == keys[first] for j in jobs):
                 return task, rank
         return None
+
+    # ---- the admitted prompts, in the same order --------------------------------
+    def sort(self, jobs: Iterable[Job]) -> list[Job]:
+        """Admitted prompts in the order their chunks take a step's budget."""
+        now = time.monotonic()
+        return sorted(jobs, key=lambda j: self.order.rank(j.remaining, j.arrived, now))
+
+    def tokens_before(self, jobs: Iterable[Job], rank: Rank) -> int:
+        """Tokens left to those of ``jobs`` that come before a prompt of ``rank``."""
+        now = time.monotonic()
+        return sum(j.remaining for j in jobs
+                   if self.order.rank(j.remaining, j.arrived, now) < rank)
 
     # ---- holds --------------------------------------------------------------------
     @property

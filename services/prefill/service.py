@@ -29,6 +29,7 @@ from common.idle_check import IdleCheck
 from common.mailbox import serve_inbox
 from common.recent import Recent
 from common.protocol import AbortRequest, Fence, FenceQuery, KVFailed, PrefillTask, WorkerLoad
+from common.scheduling.prefill_order import PromptOrder
 from common.security import clamp_deadline
 from services.prefill.stage_protocol import StageStored
 from common.worker import WorkerRuntime, fail_step
@@ -38,7 +39,7 @@ from services.prefill.lanes import PrefillThreads
 from services.prefill.layer_io import PartIO, StepIO, check_loads, start_loads
 from services.prefill.job import Job, JobState, PrefillFailure
 from services.prefill.prefix import PrefixLoader
-from services.prefill.queue import PromptOrder, PromptQueue
+from services.prefill.queue import PromptQueue
 from services.prefill.store_writes import StoreWrites
 from services.prefill.streaming import KVPaths
 
@@ -54,8 +55,8 @@ class PrefillWorker:
         self.rt, self.engine, self.pool, self.prefix = rt, rt.engine, rt.engine.pool, prefix
         self.budget, self.align = rt.config.step_budget(rt.role), rt.config.chunk_align()
         self.block_size = self.engine.config.block_size
-        self.waiting = PromptQueue(self.pool, self.block_size, order=PromptOrder(
-            rt.config.prefill_order == "shortest", rt.config.prefill_max_wait_s))
+        self.waiting = PromptQueue(self.pool, self.block_size,
+                                   order=PromptOrder.of(rt.config))
         self.max_waiting = rt.config.max_queue  # the conductor admits no more cluster-wide
         self.jobs: list[Job] = []  # admitted and not yet reported, oldest first (job.py)
         self.admitting: Optional[PrefillTask] = None  # out of ``waiting``, not a job yet
@@ -159,13 +160,13 @@ class PrefillWorker:
     @property
     def computing(self) -> list[Job]:
         """The computing prompts in the order their chunks take a step's budget."""
-        return self.waiting.order.sort(j for j in self.jobs if j.state is JobState.COMPUTING)
+        return self.waiting.sort(j for j in self.jobs if j.state is JobState.COMPUTING)
 
     # ------------------------------------------------------------ admission
     async def admit(self) -> None:
         """Admit waiting prompts in order while each has room in the next step."""
         while (first := self.waiting.next(self.jobs)) is not None and (
-                ahead := self.waiting.order.tokens_before(self.computing, first[1])) < self.budget:
+                ahead := self.waiting.tokens_before(self.computing, first[1])) < self.budget:
             arrived = self.waiting.take(task := first[0])
             self.admitting, self.admitting_aborted = task, False
             try:

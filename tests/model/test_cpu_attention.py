@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from common.engine import DecodeInput, Engine, EngineConfig
 from common.kv.memory import PagedKVMemory
-from common.model import cpu_attention
+from common.model import cpu_attention, native
 from common.model.attention import CpuPagedAttention, SdpaAttention
 
 KERNEL = cpu_attention.kernel()
@@ -61,8 +61,8 @@ def test_rows_are_batch_invariant() -> None:
     batch = KERNEL.attend(q, kv, 0, tables, torch.arange(12), lens, 0.125)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(cpu_attention.POOL_MIN_THREADS)  # split over pool threads
-        rows = cpu_attention.ROWS_PER_THREAD * cpu_attention.POOL_MIN_THREADS
+        torch.set_num_threads(native.POOL_MIN_THREADS)  # split over pool threads
+        rows = cpu_attention.ROWS_PER_THREAD * native.POOL_MIN_THREADS
         many = KERNEL.attend(q.repeat(rows // 12 + 1, 1, 1), kv, 0, tables,
                              torch.arange(12).repeat(rows // 12 + 1), lens.repeat(rows // 12 + 1),
                              0.125)
@@ -113,7 +113,7 @@ def test_prompt_rows_do_not_depend_on_the_chunks() -> None:
         assert torch.equal(torch.cat(parts), whole), cuts
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(cpu_attention.POOL_MIN_THREADS)
+        torch.set_num_threads(native.POOL_MIN_THREADS)
         assert torch.equal(KERNEL.attend_chunk(q, kv, 0, table, 0, 0.125), whole)
     finally:
         torch.set_num_threads(threads)

@@ -1,5 +1,5 @@
-"""The order a prefill worker computes its prompts in (services/prefill/queue.py
-``PromptOrder``): the rank alone, the queue's next prompt by what its pool holds, and the
+"""The order a prefill worker computes its prompts in (common/scheduling/prefill_order.py
+``PromptOrder``, services/prefill/queue.py): the rank alone, the queue's next prompt by what its pool holds, and the
 worker letting a short prompt that arrives during a long one's chunks into the next step."""
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 
 from common.kv.block_pool import BlockPool
 from common.protocol import PrefillDone
-from services.prefill.queue import PromptOrder, PromptQueue
+from common.scheduling.prefill_order import PromptOrder
+from services.prefill.queue import PromptQueue
 from tests.prefill.conftest import Make, chunks, clean
 from tests.worker_fakes import FAKE_BLOCK, fake_keys, prefill_task, run_until
 
@@ -21,7 +22,7 @@ def test_rank_shortest_first_until_a_prompt_has_waited_max_wait() -> None:
     assert short < long_new  # fewer tokens first, whatever the arrival
     assert long_old < short  # waited 10 s: before every younger prompt
     assert order.rank(5, 100.0, 105.0) < order.rank(5, 101.0, 105.0)  # equal: older first
-    fifo = PromptOrder(shortest=False)
+    fifo = PromptOrder(shortest=False, max_wait_s=10.0)
     assert fifo.rank(500, 99.0, 105.0) < fifo.rank(5, 100.0, 105.0)
 
 
