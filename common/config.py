@@ -202,6 +202,9 @@ class ClusterConfig:
     # first; one that waited prefill_max_wait_s, default kv_wait_timeout_s / 2, first), "arrival"
     prefill_order: str = "shortest"
     prefill_max_wait_s: Optional[float] = None
+    # A prompt with at most this many tokens to compute that arrives while a prefill step
+    # computes runs at that step's next layer boundary, not after it (0: never; preempt.py)
+    prefill_preempt_tokens: int = 128
     max_batch_size: int = 64
     max_queue: int = 256  # admission: requests waiting for prefill, cluster-wide
     default_max_tokens: int = 256

@@ -21,6 +21,7 @@ import torch
 from common.config import ClusterConfig
 from common.engine.config import DecodeInput, EngineConfig, PrefillChunk
 from common.engine.errors import EngineInputError
+from common.engine.profiling import StepProfiler
 from common.grammar import GrammarError
 from common.idle_check import IdleCheck
 from common.kv.block_keys import compute_block_keys
@@ -70,6 +71,7 @@ class FakeEngine:
         self.fail: Optional[Exception] = None
         self._mid_step: Optional[Callable[[], None]] = None
         self.trace = trace if trace is not None else []
+        self.profiler = StepProfiler(None, "fake", 0)
 
     def interrupt(self, loop: asyncio.AbstractEventLoop, action: Callable[[], None]) -> None:
         """The next step, once under way, waits for ``action`` to run on the worker's
@@ -228,13 +230,12 @@ class Workers:
 
     def build(self, cls: Callable[..., W], role: str, num_blocks: int = 16, budget: int = 16,
               max_batch_size: int = 8, batch_invariant: bool = False,
-              prefill_order: str = "shortest") -> tuple[FakeRuntime, W]:
+              **config: Any) -> tuple[FakeRuntime, W]:
         """``batch_invariant``: chunks end at the config's block boundaries (off by default
-        here: most cases pin where unaligned chunks end)."""
+        here: most cases pin where unaligned chunks end); ``config``: other settings."""
         engine = FakeEngine(num_blocks, max_batch_size=max_batch_size)
-        rt = FakeRuntime(role, engine, ClusterConfig(token_budget=budget, prefill_order=
-                                                     prefill_order,
-                                                     batch_invariant=batch_invariant))
+        rt = FakeRuntime(role, engine, ClusterConfig(token_budget=budget,
+                                                     batch_invariant=batch_invariant, **config))
         prefix = PrefixLoader(engine.pool, engine.kv, None)
         worker: Any = cls(rt) if role == "decode" else cls(rt, prefix)
         worker.idle_check = IdleCheck(engine.pool.check_idle, "KV block pool", interval_s=0,

@@ -108,7 +108,8 @@ class PrefillInstanceState:
     and, while a longer one computes, for 1.5 steps of ``step_tokens`` of it: the rest of
     the step in flight (half of one, on average) and the step the new one joins, which
     the longer one fills (at 2 req/s short prompts waited 0.97 s where one step of the
-    longer was predicted: 0.28). None:
+    longer was predicted: 0.28); not at all if the new one has at most ``preempt_tokens``
+    (its step runs inside the longer one's: services/prefill/preempt.py). None:
     arrival order (a new prompt waits ``queue_seconds``), as does a prompt whose prefix a
     queued prompt computes (it waits for that one: bounded by them all).
     """
@@ -120,6 +121,7 @@ class PrefillInstanceState:
     cost: Optional["CostModel"] = None  # its own prefill cost (a group's); None: the scheduler's
     queued: Optional[tuple[tuple[int, float], ...]] = None
     step_tokens: int = 256
+    preempt_tokens: int = 0  # a prompt of at most these preempts a longer one's step
 
     def wait_s(self, new_tokens: int, behind_queued: bool = False) -> float:
         """Predicted seconds a prompt of ``new_tokens`` to compute waits (besides its own
@@ -128,7 +130,7 @@ class PrefillInstanceState:
             return self.queue_seconds
         ahead = sum(seconds for tokens, seconds in self.queued if tokens <= new_tokens)
         longer = [entry for entry in self.queued if entry[0] > new_tokens]
-        if not longer:
+        if not longer or new_tokens <= self.preempt_tokens:
             return ahead
         tokens, seconds = min(longer)  # the next by the worker's order: computing now
         return ahead + seconds * min(1.0, 1.5 * self.step_tokens / tokens)

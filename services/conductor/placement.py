@@ -145,7 +145,9 @@ class Placer:
         return PrefillInstanceState(w.instance_id, queue_s, _KeySetIndex(w.cached_keys, keys),
                                     queued_requests=len(w.assigned),
                                     cost=cost if cost is not self.cost else None, queued=queued,
-                                    step_tokens=self.config.step_budget("prefill"))
+                                    step_tokens=self.config.step_budget("prefill"),
+                                    preempt_tokens=0 if w.info.stages > 1
+                                    else self.config.prefill_preempt_tokens)
 
     def queue_seconds(self, w: WorkerState, tracker: Tracker, now: float) -> float:
         """Predicted time until prefill worker ``w`` has computed what it was given."""

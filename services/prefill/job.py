@@ -90,6 +90,7 @@ class Job(PromptJob):
     opened: bool = False  # its first chunk was computed (and, in a group, shipped)
     admit_s: float = 0.0  # its admission: store lookups, blocks, a whole-block store read
     arrived: float = 0.0  # time.monotonic() when it was queued (queue.py: its rank)
+    preempting: bool = False  # computed whole in a step of its own (preempt.py), not yet run
     # set once its first token is sampled, or it gives up: its last chunk's store write
     # (GPU KV) waits for it (layer_io.PartIO.hold_puts)
     sampled: threading.Event = field(default_factory=threading.Event)

@@ -86,9 +86,10 @@ class PromptQueue:
         return gone
 
     def next(self, jobs: Iterable[Job], now: Optional[float] = None,
-             ) -> Optional[tuple[PrefillTask, Rank]]:
+             most: Optional[int] = None) -> Optional[tuple[PrefillTask, Rank]]:
         """The first prompt by the order (its tokens: what the pool does not hold) that
-        is ready, and its rank; None if none is.
+        is ready, and its rank; None if none is. ``most``: of the prompts of at most that
+        many tokens (a preempting step's, preempt.py).
 
         A prompt is not ready while one of ``jobs`` (admitted, its blocks not yet
         published) computes the first block of its prompt that the pool does not hold:
@@ -103,6 +104,8 @@ class PromptQueue:
             keys = self._prefix_keys(task)
             first = self.pool.peek_prefix(keys) if keys is not None else 0
             tokens = len(task.token_ids) - min(first * self.block_size, len(task.token_ids) - 1)
+            if most is not None and tokens > most:
+                continue
             ranked.append((self.order.rank(tokens, arrived, now), task, keys, first))
         for rank, task, keys, first in sorted(ranked, key=lambda r: r[0]):
             if keys is None or first >= len(keys) or not any(

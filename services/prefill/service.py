@@ -5,8 +5,10 @@ samples the first token and hands the request over.
 Several prompts are computed together: each step is one forward pass over chunks of the
 admitted prompts, shortest first (queue.py), up to ``token_budget`` tokens (``Engine.step``).
 A prompt is admitted (its blocks referenced, its cached prefix streamed) while those before
-it leave room in the next step (a short prompt joins the next step of a long one's). Each chunk's KV streams to its decode worker layer by layer as the next computes;
-how a prompt ends (handed over, or given up) is services/prefill/endings.py.
+it leave room in the next step. A short prompt (``prefill_preempt_tokens``) arriving while a
+step computes does not wait for it: its own step runs at that step's next layer boundary
+(preempt.py). Each chunk's KV streams to its decode worker layer by layer as the next
+computes; how a prompt ends (handed over, or given up) is services/prefill/endings.py.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from services.prefill.group import HeadGroup
 from services.prefill.lanes import PrefillThreads
 from services.prefill.layer_io import PartIO, StepIO, check_loads, start_loads
 from services.prefill.job import Job, JobState, PrefillFailure
+from services.prefill.preempt import LayerPreemption
 from services.prefill.prefix import PrefixLoader
 from services.prefill.queue import PromptQueue
 from services.prefill.store_writes import StoreWrites
@@ -59,6 +62,7 @@ class PrefillWorker:
                                    order=PromptOrder.of(rt.config))
         self.max_waiting = rt.config.max_queue  # the conductor admits no more cluster-wide
         self.jobs: list[Job] = []  # admitted and not yet reported, oldest first (job.py)
+        self.admission = asyncio.Lock()  # one prompt admitted at a time:
         self.admitting: Optional[PrefillTask] = None  # out of ``waiting``, not a job yet
         self.admitting_aborted = False  # ... and aborted meanwhile
         self.dropped = rt.dropped  # stale messages, by kind: reported in heartbeats
@@ -80,6 +84,11 @@ class PrefillWorker:
                              if prefix.store is not None and rt.config.kv_layerwise else None)
         self.endings = Endings(rt, prefix, self.kv_paths, self.group, self.grammars)
         self.steps = 0
+        self.preemptible = False  # a step computes that a short prompt preempts (preempt.py)
+        self.preempt = LayerPreemption(self.threads.compute)
+        self.preempt_tokens = rt.config.prefill_preempt_tokens if (
+            self.group is None and self.engine.profiler.directory is None) else 0
+        self._preempting: Optional[asyncio.Task] = None
         self.handlers: dict[type, Callable[[Any], None]] = {
             **rt.handlers,  # ReRegister
             PrefillTask: self.on_task,
@@ -109,6 +118,8 @@ class PrefillWorker:
         self.waiting.append(replace(task, deadline=clamp_deadline(
             task.deadline, self.rt.config.kv_wait_timeout_s)))
         self.wake.set()
+        if self.preemptible and self.preempt_tokens and self._preempting is None:
+            self._preempting = asyncio.create_task(self.preempting())
 
     def on_fence_query(self, q: FenceQuery) -> None:
         """May a write under ``q.fence`` still land? A task admitting, computing or
@@ -153,39 +164,85 @@ class PrefillWorker:
         return not (self.waiting or self.jobs or self.prefix.busy)
 
     def load(self) -> WorkerLoad:
-        computing = self.computing
+        computing = [j for j in self.jobs if j.state is JobState.COMPUTING]
         tokens = sum(len(t.token_ids) for t in self.waiting) + sum(j.remaining for j in computing)
         return WorkerLoad(queued=len(self.waiting) + len(computing), queued_tokens=tokens)
 
     @property
     def computing(self) -> list[Job]:
-        """The computing prompts in the order their chunks take a step's budget."""
-        return self.waiting.sort(j for j in self.jobs if j.state is JobState.COMPUTING)
+        """The computing prompts in the order their chunks take a step's budget (a
+        preempting one is computed in a step of its own)."""
+        return self.waiting.sort(j for j in self.jobs
+                                 if j.state is JobState.COMPUTING and not j.preempting)
 
     # ------------------------------------------------------------ admission
     async def admit(self) -> None:
         """Admit waiting prompts in order while each has room in the next step."""
-        while (first := self.waiting.next(self.jobs)) is not None and (
-                ahead := self.waiting.tokens_before(self.computing, first[1])) < self.budget:
-            arrived = self.waiting.take(task := first[0])
-            self.admitting, self.admitting_aborted = task, False
-            try:
-                job = await self._start(task, arrived, self.budget - ahead)
-            except PrefillFailure as exc:
-                self.endings.fail(task, exc.status, exc.kind, str(exc))
-                continue
-            finally:
-                self.admitting = None
-                self.waiting.release(task)  # its plan referenced its prefix, or needs none
-            if job is not None:
-                self.waiting.resume()
-                job.aborted = job.stream.aborted = self.admitting_aborted
-                self.jobs.append(job)
-            elif self.admitting_aborted:
-                self.endings.fail(task, 499, "aborted", "aborted before prefill")
-            else:  # KV memory is full until a running prompt finishes
-                self.waiting.append(task, arrived)
-                return
+        async with self.admission:
+            while (first := self.waiting.next(self.jobs)) is not None and (
+                    ahead := self.waiting.tokens_before(self.computing, first[1])) < self.budget:
+                if await self._admit(first[0], self.budget - ahead) is None:
+                    return
+
+    async def _admit(self, task: PrefillTask, left: int) -> Optional[Job | bool]:
+        """Admit ``task`` (from ``waiting.next``), ``left``: the tokens its first chunk may
+        take of its step. Its job; False: it failed or was aborted (reported); None: KV
+        memory is full until a running prompt finishes (it waits again)."""
+        arrived = self.waiting.take(task)
+        self.admitting, self.admitting_aborted = task, False
+        try:
+            job = await self._start(task, arrived, left)
+        except PrefillFailure as exc:
+            self.endings.fail(task, exc.status, exc.kind, str(exc))
+            return False
+        finally:
+            self.admitting = None
+            self.waiting.release(task)  # its plan referenced its prefix, or needs none
+        if job is not None:
+            self.waiting.resume()
+            job.aborted = job.stream.aborted = self.admitting_aborted
+            self.jobs.append(job)
+            return job
+        if self.admitting_aborted:
+            self.endings.fail(task, 499, "aborted", "aborted before prefill")
+            return False
+        self.waiting.append(task, arrived)
+        return None
+
+    async def preempting(self) -> None:
+        """While a step computes, the short prompts that arrive have steps of their own
+        inside it (preempt.py), one after another, each over the waiting prompts of at
+        most ``preempt_tokens`` to compute together, shortest first."""
+        try:
+            while self.preemptible and (planned := await self._admit_short()):
+                await self._run(planned, preempting=True)
+        except Exception as exc:  # a bug: its prompts fail, the worker serves on
+            stuck = [(job, 0) for job in self.jobs if job.preempting]
+            for job, _ in stuck:
+                job.preempting = False
+            fail_step(self.rt, stuck, exc)
+        finally:
+            self._preempting = None
+            self.wake.set()  # prompts it left queued or failed: the regular loop's
+
+    async def _admit_short(self) -> list[tuple[Job, int]]:
+        """Admit the waiting prompts a preempting step computes whole: those ready, in
+        order, within ``preempt_tokens`` together. One that turns out to load its prefix
+        from the store (its step would wait on the reads) computes in the regular steps."""
+        planned: list[tuple[Job, int]] = []
+        room = self.preempt_tokens
+        async with self.admission:
+            while self.preemptible and (first := self.waiting.next(self.jobs, most=room)):
+                job = await self._admit(first[0], room)
+                if job is None:
+                    break
+                if job and not (job.aborted or job.loads is not None
+                                or job.prompt_logprobs is not None
+                                or job.remaining > room):
+                    job.preempting = True
+                    planned.append((job, job.remaining))
+                    room -= job.remaining
+        return planned
 
     async def _start(self, task: PrefillTask, arrived: float, left: int) -> Optional[Job]:
         """Admit ``task``; ``left``: the tokens its first chunk may take of the next step."""
@@ -247,12 +304,26 @@ class PrefillWorker:
 
     async def step(self) -> None:
         """One forward over chunks of the admitted prompts; hand over those it ends."""
-        planned = plan_chunks(self.computing, self.budget, align=self.align)
+        await self._run(plan_chunks(self.computing, self.budget, align=self.align))
+
+    async def _run(self, planned: list[tuple[Job, int]], preempting: bool = False) -> None:
+        """A step over ``planned``: a regular one, which short prompts may preempt at its
+        layer boundaries, or a ``preempting`` one (``self.preempt``), whose prompts join
+        the regular steps' books once it ran (``job.preempting``)."""
         self.steps += 1
+        step = self.steps
+        try:
+            await self._compute_step(step, planned, preempting)
+        finally:
+            for job, _ in planned:
+                job.preempting = False
+
+    async def _compute_step(self, step: int, planned: list[tuple[Job, int]],
+                            preempting: bool) -> None:
         asked = time.perf_counter()  # store grants for the chunks: a wait on the store
         parts = list(await asyncio.gather(*(self._part(job, n) for job, n in planned)))
         granted = time.perf_counter() - asked
-        if self.store_writes is not None:  # the next step's grants arrive as this computes
+        if self.store_writes is not None and not preempting:  # the next step's grants
             self.store_writes.ask_ahead(self.computing, self.budget, planned, self.align)
         chunks = [PrefillChunk(j.task.token_ids, j.done, j.done + n, j.plan.block_table)
                   for j, n in planned]
@@ -260,12 +331,21 @@ class PrefillWorker:
                     self.rt.config.kv_layerwise)
         started = time.perf_counter()
         try:
-            hidden, rows = await asyncio.get_running_loop().run_in_executor(
-                self.threads.compute, self._compute, planned, chunks, io)
+            if preempting:
+                hidden, rows, paused = *await self.preempt.submit(
+                    lambda: self._compute(planned, chunks, io, io.after)), 0.0
+            else:  # not a step of an aged prompt: a stream of short ones would starve it
+                self.preemptible = not any(self.waiting.order.aged(job.arrived, time.monotonic())
+                                           for job, _ in planned)
+                try:
+                    hidden, rows, paused = await asyncio.get_running_loop().run_in_executor(
+                        self.threads.compute, self._preemptible, planned, chunks, io)
+                finally:
+                    self.preemptible = False
         except EngineInputError as exc:
             fail_step(self.rt, planned, exc)
             return
-        step_s = time.perf_counter() - started
+        step_s = time.perf_counter() - started - paused
         await check_loads(parts)
         total = sum(n for _, n in planned)
         for (job, n), part in zip(planned, parts):
@@ -275,21 +355,34 @@ class PrefillWorker:
             if part.poisoned and job.failed is None:
                 job.failed = job.loads.failed if job.loads else "load failed"
         if self.store_writes is not None:
-            self.store_writes.step_done(self.steps, parts)
+            self.store_writes.step_done(step, parts)
         if self.group is not None:
-            await self._ship(planned, parts, hidden)
+            await self._ship(step, planned, parts, hidden)
         for (job, n), row in zip(planned, rows):
             job.done += n
             job.opened = True
             if job.remaining == 0 and not job.aborted and job.failed is None:
                 self._spawn(job, JobState.ENDING, self.endings.finish(job, row))
 
+    def _preemptible(self, planned: list[tuple[Job, int]], chunks: list[PrefillChunk],
+                     io: StepIO) -> tuple[torch.Tensor, list[Optional[torch.Tensor]], float]:
+        """A regular step's forward: a waiting preempting step runs after any of its
+        layers; also the seconds those took."""
+        paused = 0.0
+
+        def after(layer: int) -> None:
+            nonlocal paused
+            io.after(layer)
+            paused += self.preempt.at_boundary()
+        return *self._compute(planned, chunks, io, after), paused
+
     def _compute(self, planned: list[tuple[Job, int]], chunks: list[PrefillChunk],
-                 io: StepIO) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+                 io: StepIO, after: Callable[[int], None],
+                 ) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
         """The step's forward (on the compute thread), and the prompt logprobs of the
         chunks of jobs that ask for them (``common/engine/prompt_logprobs.py``; a single
         worker holds every layer, so ``hidden`` is the last layer's)."""
-        hidden, rows = self.engine.stage_step(chunks, None, io.after, io.before)
+        hidden, rows = self.engine.stage_step(chunks, None, after, io.before)
         offset = 0
         for (job, n), chunk in zip(planned, chunks):
             if job.prompt_logprobs is not None:
@@ -309,14 +402,14 @@ class PrefillWorker:
             await self.store_writes.grant_part(job, part)
         return part
 
-    async def _ship(self, planned: list[tuple[Job, int]], parts: list[PartIO],
+    async def _ship(self, step: int, planned: list[tuple[Job, int]], parts: list[PartIO],
                     hidden: torch.Tensor) -> None:
         """Hand the step to the next stage; a pipeline that cannot take it ends the group
         (its stages would disagree on what was computed)."""
         assert self.group is not None
         stage_parts = [self.group.part(job.task, job.plan, job.done, job.done + n, job.opened,
                                        part) for (job, n), part in zip(planned, parts)]
-        waited = await self.group.ship(self.steps, hidden, stage_parts)
+        waited = await self.group.ship(step, hidden, stage_parts)
         for job, _ in planned:
             job.wait_s += waited
 

@@ -91,3 +91,24 @@ def test_a_shorter_prompt_waits_for_a_longer_one_only_in_arrival_order(order: st
     want_b, want_d = ca + cb if order == "arrival" else ca * 384 / 500 + cb, cb + cb
     assert (b.predicted_ttft_s, d.predicted_ttft_s) == (pytest.approx(want_b, abs=0.01),
                                                         pytest.approx(want_d, abs=0.01))
+
+
+@pytest.mark.parametrize("tokens, preempt, waits", [
+    (100, 128, False),  # its step runs inside a's (services/prefill/preempt.py)
+    (100, 0, True),  # preemption off: 1.5 steps of a's
+    (300, 128, True),  # over the limit: as before
+])
+def test_a_prompt_that_preempts_waits_for_no_longer_one(tokens: int, preempt: int,
+                                                        waits: bool) -> None:
+    cfg = ClusterConfig(scheduler="load_balance", slo=SLOConfig(ttft_s=1000, tbt_s=1000),
+                        prefill_preempt_tokens=preempt)
+    c = Conductor(cfg, RecordingMail(), clock=lambda: 1000.0)  # type: ignore[arg-type]
+    for role in ("prefill", "decode"):
+        c.on_register(worker(role, 0))
+        c.on_heartbeat(beat(role, 0))
+    ca, cb = c.placer.cost.prefill_seconds(500, 0), c.placer.cost.prefill_seconds(tokens, 0)
+    c.on_submit(submit("a", 500))
+    c.on_submit(submit("b", tokens))
+    b = c.tracker.get("b")
+    assert b is not None
+    assert b.predicted_ttft_s == pytest.approx(cb + (ca * 384 / 500 if waits else 0), abs=0.01)
