@@ -157,16 +157,13 @@ class ClusterConfig:
     hosts: HostsConfig = field(default_factory=HostsConfig)  # [hosts]: per-process addresses
     http_port: int = 8000
     base_port: int = 7500  # inbox ports are allocated from here; see inbox()
-    # GET /health of every process (probes, healthchecks): health_port + n, n counting the
-    # processes before it at its address (common/health.py). None: no health listeners.
+    # GET /health of every process (common/health.py), GET /metrics of every worker and store
+    # node (common/worker_metrics.py; router, conductor, master: their own): port + n, n
+    # counting the processes before it at its address. None: no such listeners.
     health_port: Optional[int] = None
-    # GET /metrics of every worker and store node (common/worker_metrics.py): metrics_port +
-    # n, n counted as for health_port. None: none (router, conductor, master: their own).
     metrics_port: Optional[int] = None
     prefill_workers: int = 1  # prefill instances (with prefill_stages > 1: groups)
-    # Chunked pipeline parallelism: each prefill instance is a group of this many processes,
-    # each holding a contiguous range of layers (services/prefill/group.py). 1: no pipeline.
-    prefill_stages: int = 1
+    prefill_stages: int = 1  # processes per prefill instance, layers split (group.py); 1: none
     # How many of the prefill instances are such groups (the first ones); the others are
     # single workers that hold every layer. None: all of them. A mixed pool lets short
     # prompts skip the pipeline: the conductor predicts each instance's TTFT with its own
@@ -182,9 +179,7 @@ class ClusterConfig:
     block_size: int = 16
     prefill_blocks: int = 1024
     decode_blocks: int = 2048
-    # "disaggregated": prefill and decode pools; "colocated": colocated_workers workers that
-    # each prefill and decode in the same steps (the in-project baseline; one small box).
-    mode: str = "disaggregated"
+    mode: str = "disaggregated"  # or "colocated": workers that prefill and decode in one step
     colocated_workers: int = 1
     # Tokens per engine step: a prefill worker's batch of prompt chunks, or a colocated
     # step (its decodes + prompt chunks). None: 256 for a prefill worker; 128 for a
@@ -192,18 +187,17 @@ class ClusterConfig:
     # from the TBT SLO, but on a CPU small chunks waste weight reads (64 halved its prefill
     # throughput on 2 cores and doubled TTFT; benchmarks/live_replay.py, BENCHMARKS.md).
     token_budget: Optional[int] = None
-    # A greedy answer that does not depend on the load (on the CPU): a prompt's chunks end
-    # at block boundaries, wherever the load puts its steps (common/engine/batching.py),
-    # and attend in parts there unless the CPU kernel computes each row alone anyway.
-    # false: chunks end anywhere and attend whole (the same prompt may then answer
-    # differently alone and under load; without the kernel 9-19 % less prefill compute).
+    # A greedy answer that does not depend on the load (on the CPU): chunks end at block
+    # boundaries (common/engine/batching.py) and attend in parts there unless the CPU kernel
+    # computes each row alone anyway. false: they end anywhere and attend whole (answers
+    # may then depend on the load; without the kernel 9-19 % less prefill compute).
     batch_invariant: bool = True
     # A prefill worker's order (services/prefill/queue.py): "shortest" (fewest tokens left
     # first; one that waited prefill_max_wait_s, default kv_wait_timeout_s / 2, first), "arrival"
+    # A prompt of at most prefill_preempt_tokens to compute arriving while a prefill step
+    # computes runs at that step's next layer boundary, not after it (0: never; preempt.py)
     prefill_order: str = "shortest"
     prefill_max_wait_s: Optional[float] = None
-    # A prompt with at most this many tokens to compute that arrives while a prefill step
-    # computes runs at that step's next layer boundary, not after it (0: never; preempt.py)
     prefill_preempt_tokens: int = 128
     max_batch_size: int = 64
     max_queue: int = 256  # admission: requests waiting for prefill, cluster-wide
@@ -226,9 +220,8 @@ class ClusterConfig:
     heartbeat_timeout_s: float = 5.0
     kv_wait_timeout_s: float = 60.0  # decode frees reserved blocks if KV has not landed
     request_timeout_s: float = 600.0  # router gives up on a silent request
-    # A request that finds no live prefill or decode worker (at submission, or on the
-    # re-run after its prefill worker died) waits this long for one to register (a
-    # supervised restart), then fails with a 503; 0: it fails at once.
+    # A request that finds no live prefill or decode worker (at submission, or re-run after
+    # its prefill worker died) waits this long for one (a restart), then fails (503); 0: at once.
     worker_wait_s: float = 30.0
     store: StoreConfig = field(default_factory=StoreConfig)  # [store]: the global KV pool
     cpu: CpuConfig = field(default_factory=CpuConfig)  # [cpu]: per-role cores, threads
@@ -258,9 +251,12 @@ class ClusterConfig:
             raise ValueError(f"worker_wait_s must be >= 0, not {self.worker_wait_s!r}")
         if self.prefill_max_wait_s is None:
             self.prefill_max_wait_s = self.kv_wait_timeout_s / 2
-        if self.prefill_order not in ("shortest", "arrival") or not self.prefill_max_wait_s > 0:
-            raise ValueError("prefill_order must be 'shortest' or 'arrival' and prefill_max_"
-                             f"wait_s > 0, not {self.prefill_order!r}, {self.prefill_max_wait_s!r}")
+        preempt = self.prefill_preempt_tokens
+        if self.prefill_order not in ("shortest", "arrival") or not self.prefill_max_wait_s > 0 \
+                or not (isinstance(preempt, int) and preempt >= 0):
+            raise ValueError("prefill_order must be 'shortest' or 'arrival', prefill_max_wait_s "
+                             f"> 0 and prefill_preempt_tokens >= 0, not {self.prefill_order!r}, "
+                             f"{self.prefill_max_wait_s!r}, {preempt!r}")
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be 'disaggregated' or 'colocated', not {self.mode!r}")
         if self.kv_layerwise is None:

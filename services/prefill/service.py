@@ -18,13 +18,9 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Coroutine, Optional
 
-import torch
-
 from common.config import ClusterConfig
 from common.engine.batching import plan_chunks
-from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
-from common.engine.prompt_logprobs import chunk_logprobs
 from common.engine.sampling import Grammars
 from common.host import host_id
 from common.idle_check import IdleCheck
@@ -38,11 +34,11 @@ from common.worker import WorkerRuntime, fail_step
 from services.prefill.endings import Endings
 from services.prefill.group import HeadGroup
 from services.prefill.lanes import PrefillThreads
-from services.prefill.layer_io import PartIO, StepIO, check_loads, start_loads
+from services.prefill.layer_io import start_loads
 from services.prefill.job import Job, JobState, PrefillFailure
-from services.prefill.preempt import LayerPreemption
 from services.prefill.prefix import PrefixLoader
 from services.prefill.queue import PromptQueue
+from services.prefill.steps import PrefillSteps
 from services.prefill.store_writes import StoreWrites
 from services.prefill.streaming import KVPaths
 
@@ -83,9 +79,8 @@ class PrefillWorker:
                                          prefix.object_nbytes)
                              if prefix.store is not None and rt.config.kv_layerwise else None)
         self.endings = Endings(rt, prefix, self.kv_paths, self.group, self.grammars)
-        self.steps = 0
-        self.preemptible = False  # a step computes that a short prompt preempts (preempt.py)
-        self.preempt = LayerPreemption(self.threads.compute)
+        self.steps = PrefillSteps(rt, self.threads, self.mover, self.store_writes, self.group,
+                                  self.budget, self.align)
         self.preempt_tokens = rt.config.prefill_preempt_tokens if (
             self.group is None and self.engine.profiler.directory is None) else 0
         self._preempting: Optional[asyncio.Task] = None
@@ -118,7 +113,7 @@ class PrefillWorker:
         self.waiting.append(replace(task, deadline=clamp_deadline(
             task.deadline, self.rt.config.kv_wait_timeout_s)))
         self.wake.set()
-        if self.preemptible and self.preempt_tokens and self._preempting is None:
+        if self.steps.preemptible and self.preempt_tokens and self._preempting is None:
             self._preempting = asyncio.create_task(self.preempting())
 
     def on_fence_query(self, q: FenceQuery) -> None:
@@ -214,8 +209,8 @@ class PrefillWorker:
         inside it (preempt.py), one after another, each over the waiting prompts of at
         most ``preempt_tokens`` to compute together, shortest first."""
         try:
-            while self.preemptible and (planned := await self._admit_short()):
-                await self._run(planned, preempting=True)
+            while self.steps.preemptible and (planned := await self._admit_short()):
+                await self.step(planned)
         except Exception as exc:  # a bug: its prompts fail, the worker serves on
             stuck = [(job, 0) for job in self.jobs if job.preempting]
             for job, _ in stuck:
@@ -232,7 +227,7 @@ class PrefillWorker:
         planned: list[tuple[Job, int]] = []
         room = self.preempt_tokens
         async with self.admission:
-            while self.preemptible and (first := self.waiting.next(self.jobs, most=room)):
+            while self.steps.preemptible and (first := self.waiting.next(self.jobs, most=room)):
                 job = await self._admit(first[0], room)
                 if job is None:
                     break
@@ -302,116 +297,19 @@ class PrefillWorker:
             else:
                 await self.wake.wait()
 
-    async def step(self) -> None:
-        """One forward over chunks of the admitted prompts; hand over those it ends."""
-        await self._run(plan_chunks(self.computing, self.budget, align=self.align))
-
-    async def _run(self, planned: list[tuple[Job, int]], preempting: bool = False) -> None:
-        """A step over ``planned``: a regular one, which short prompts may preempt at its
-        layer boundaries, or a ``preempting`` one (``self.preempt``), whose prompts join
-        the regular steps' books once it ran (``job.preempting``)."""
-        self.steps += 1
-        step = self.steps
-        try:
-            await self._compute_step(step, planned, preempting)
-        finally:
-            for job, _ in planned:
-                job.preempting = False
-
-    async def _compute_step(self, step: int, planned: list[tuple[Job, int]],
-                            preempting: bool) -> None:
-        asked = time.perf_counter()  # store grants for the chunks: a wait on the store
-        parts = list(await asyncio.gather(*(self._part(job, n) for job, n in planned)))
-        granted = time.perf_counter() - asked
-        if self.store_writes is not None and not preempting:  # the next step's grants
-            self.store_writes.ask_ahead(self.computing, self.budget, planned, self.align)
-        chunks = [PrefillChunk(j.task.token_ids, j.done, j.done + n, j.plan.block_table)
-                  for j, n in planned]
-        io = StepIO(parts, self.engine.kv, 0, self.mover, self.threads.store,
-                    self.rt.config.kv_layerwise)
-        started = time.perf_counter()
-        try:
-            if preempting:
-                hidden, rows, paused = *await self.preempt.submit(
-                    lambda: self._compute(planned, chunks, io, io.after)), 0.0
-            else:  # not a step of an aged prompt: a stream of short ones would starve it
-                self.preemptible = not any(self.waiting.order.aged(job.arrived, time.monotonic())
-                                           for job, _ in planned)
-                try:
-                    hidden, rows, paused = await asyncio.get_running_loop().run_in_executor(
-                        self.threads.compute, self._preemptible, planned, chunks, io)
-                finally:
-                    self.preemptible = False
-        except EngineInputError as exc:
-            fail_step(self.rt, planned, exc)
-            return
-        step_s = time.perf_counter() - started - paused
-        await check_loads(parts)
-        total = sum(n for _, n in planned)
-        for (job, n), part in zip(planned, parts):
-            job.compute_s += step_s * n / total
-            job.wait_s += granted
-            job.put_futures += part.put_futures
-            if part.poisoned and job.failed is None:
-                job.failed = job.loads.failed if job.loads else "load failed"
-        if self.store_writes is not None:
-            self.store_writes.step_done(step, parts)
-        if self.group is not None:
-            await self._ship(step, planned, parts, hidden)
-        for (job, n), row in zip(planned, rows):
-            job.done += n
-            job.opened = True
-            if job.remaining == 0 and not job.aborted and job.failed is None:
-                self._spawn(job, JobState.ENDING, self.endings.finish(job, row))
-
-    def _preemptible(self, planned: list[tuple[Job, int]], chunks: list[PrefillChunk],
-                     io: StepIO) -> tuple[torch.Tensor, list[Optional[torch.Tensor]], float]:
-        """A regular step's forward: a waiting preempting step runs after any of its
-        layers; also the seconds those took."""
-        paused = 0.0
-
-        def after(layer: int) -> None:
-            nonlocal paused
-            io.after(layer)
-            paused += self.preempt.at_boundary()
-        return *self._compute(planned, chunks, io, after), paused
-
-    def _compute(self, planned: list[tuple[Job, int]], chunks: list[PrefillChunk],
-                 io: StepIO, after: Callable[[int], None],
-                 ) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
-        """The step's forward (on the compute thread), and the prompt logprobs of the
-        chunks of jobs that ask for them (``common/engine/prompt_logprobs.py``; a single
-        worker holds every layer, so ``hidden`` is the last layer's)."""
-        hidden, rows = self.engine.stage_step(chunks, None, after, io.before)
-        offset = 0
-        for (job, n), chunk in zip(planned, chunks):
-            if job.prompt_logprobs is not None:
-                job.prompt_parts.append(chunk_logprobs(
-                    self.engine.model, hidden[offset:offset + n], chunk, job.prompt_logprobs))
-            offset += n
-        return hidden, rows
-
-    async def _part(self, job: Job, n: int) -> PartIO:
-        """A job's chunk in the next step: its loads (first chunk) and store puts."""
-        start, end = job.done, job.done + n
-        part = PartIO(job.stream, start, end, hold_puts=job.sampled if n == job.remaining else None)
-        if not job.opened and job.loads is not None:
-            part.loads, bs = job.loads, self.block_size
-            part.load_tokens = (job.plan.load_from * bs, job.plan.cached_blocks * bs)
-        if self.store_writes is not None and job.failed is None:
-            await self.store_writes.grant_part(job, part)
-        return part
-
-    async def _ship(self, step: int, planned: list[tuple[Job, int]], parts: list[PartIO],
-                    hidden: torch.Tensor) -> None:
-        """Hand the step to the next stage; a pipeline that cannot take it ends the group
-        (its stages would disagree on what was computed)."""
-        assert self.group is not None
-        stage_parts = [self.group.part(job.task, job.plan, job.done, job.done + n, job.opened,
-                                       part) for (job, n), part in zip(planned, parts)]
-        waited = await self.group.ship(step, hidden, stage_parts)
-        for job, _ in planned:
-            job.wait_s += waited
+    async def step(self, planned: Optional[list[tuple[Job, int]]] = None) -> None:
+        """One forward over chunks of the admitted prompts (or, ``planned``, a preempting
+        step over short ones); hand over those it ends."""
+        if planned is None:  # a regular step: not one of an aged prompt, which a stream
+            computing = self.computing  # of short ones would put off for ever
+            planned = plan_chunks(computing, self.budget, align=self.align)
+            now = time.monotonic()
+            ended = await self.steps.run(planned, computing, preemptible=not any(
+                self.waiting.order.aged(job.arrived, now) for job, _ in planned))
+        else:
+            ended = await self.steps.run(planned, preempting=True)
+        for job, row in ended:
+            self._spawn(job, JobState.ENDING, self.endings.finish(job, row))
 
     def _spawn(self, job: Job, state: JobState, coro: Coroutine[Any, Any, None]) -> None:
         """Move ``job`` to ``state`` and run ``coro`` for it (recompute, finish or give

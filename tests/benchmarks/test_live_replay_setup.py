@@ -32,7 +32,7 @@ def test_colocated_fails_clearly_where_the_mode_is_missing() -> None:
     with pytest.raises(ReplayError, match="unknown configuration"):
         cluster_config_data("nonesuch", 19800)
     assert set(CONFIGS) == {"disagg-store", "disagg-nostore", "colocated", "disagg-variant",
-                            "disagg-arrival"}
+                            "disagg-arrival", "disagg-nopreempt"}
     assert cluster_config_data("disagg-variant", 19800)["batch_invariant"] is False
     assert cluster_config_data("disagg-arrival", 19800)["prefill_order"] == "arrival"
 

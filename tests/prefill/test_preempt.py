@@ -115,7 +115,7 @@ def layered(make: Make, **config: object):
         if not first_step.is_set():
             first_step.set()
             deadline = time.monotonic() + 0.5
-            while not worker.preempt.pending and time.monotonic() < deadline:
+            while not worker.steps.preempt.pending and time.monotonic() < deadline:
                 time.sleep(0.001)
         layers.append((tuple(c.token_ids[0] for c in cs), layer))
 
