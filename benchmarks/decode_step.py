@@ -1,10 +1,12 @@
 """One CPU decode step of the default model, side by side (issue 27): attention over
 gathered, padded K/V (SDPA, the old path) or read in place (the C kernel,
 common/model/cpu_attention.py), and the layers' linears in float32 or bfloat16
-(``linear_dtype``: on oneDNN, or on Crescent's kernel, common/model/cpu_linear.py). One thread, as a decode worker has on 2 cores; bfloat16 KV; at each
+(``linear_dtype``: on oneDNN, or on Crescent's kernel, common/model/cpu_linear.py, with
+the lm_head on it too or in float32 on oneDNN). One thread by default, as a decode worker
+has on 2 cores (``--threads``: torch's, which the kernels split on); bfloat16 KV; at each
 context and batch the variants run in turn, three rounds, the least step time of each.
 
-    python benchmarks/decode_step.py [--contexts 128,600] [--batches 1,8,32]
+    python benchmarks/decode_step.py [--contexts 128,600] [--batches 1,8,32] [--threads 1]
 
 Prints a table of milliseconds per step, then one JSON line.
 """
@@ -26,16 +28,19 @@ from common.engine import DecodeInput, Engine, EngineConfig  # noqa: E402
 VARIANTS = {"sdpa/f32": dict(attention_backend="sdpa"),
             "kernel/f32": dict(attention_backend="cpu"),
             "kernel/bf16-onednn": dict(attention_backend="cpu", linear_dtype="bfloat16"),
+            "kernel/bf16-f32head": dict(attention_backend="cpu", linear_dtype="bfloat16"),
             "kernel/bf16": dict(attention_backend="cpu", linear_dtype="bfloat16")}
 ONEDNN = ("kernel/bf16-onednn",)  # bfloat16 linears on oneDNN, not Crescent's kernel
+F32_HEAD = ("kernel/bf16-f32head",)  # the lm_head in float32 on oneDNN, not on the kernel
 
 
 def make_engine(name: str, blocks: int) -> Engine:
     os.environ["CRESCENT_CPU_LINEAR"] = "0" if name in ONEDNN else "1"
+    os.environ["CRESCENT_LM_HEAD_NATIVE"] = "0" if name in F32_HEAD else "1"
     try:
         return Engine(EngineConfig(kv_dtype="bfloat16", num_blocks=blocks, **VARIANTS[name]))
     finally:
-        del os.environ["CRESCENT_CPU_LINEAR"]
+        del os.environ["CRESCENT_CPU_LINEAR"], os.environ["CRESCENT_LM_HEAD_NATIVE"]
 
 
 def step_ms(engine: Engine, batch: int, context: int, steps: int = 6) -> float:
@@ -59,14 +64,16 @@ def main() -> None:
     ap.add_argument("--contexts", default="128,600")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch's (the kernels split on them)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     blocks = max(batches) * (max(contexts) + 120) // 16 + 64
     engines = {name: make_engine(name, blocks) for name in VARIANTS}
     res: dict[str, dict[str, float]] = {}
-    print(f"{'context':>8}{'batch':>6}" + "".join(f"{n:>20}" for n in engines) + "  ms/step")
+    print(f"threads {args.threads}\n{'context':>8}{'batch':>6}" + "".join(f"{n:>20}" for n in engines)
+          + "  ms/step")
     for context in contexts:
         for batch in batches:
             got: dict[str, list[float]] = {name: [] for name in engines}
@@ -75,7 +82,7 @@ def main() -> None:
                     got[name].append(step_ms(engine, batch, context))
             row = res[f"ctx{context}_b{batch}"] = {n: round(min(v), 1) for n, v in got.items()}
             print(f"{context:>8}{batch:>6}" + "".join(f"{row[n]:>20.1f}" for n in engines))
-    print(json.dumps(res))
+    print(json.dumps({"threads": args.threads, **res}))
 
 
 if __name__ == "__main__":

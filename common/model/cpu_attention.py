@@ -1,10 +1,10 @@
 """The CPU's paged attention (csrc/paged_attention.c): each query row reads its
 sequence's KV blocks in place, with no gather into a padded copy and no mask.
 
-The C file is built with the other kernels at first use (common/model/native.py); with
-several torch threads (``native.POOL_MIN_THREADS``) the rows are split between them. Without a
-C compiler, or if the library fails its check against torch's attention, ``kernel()`` is
-None and the engine gathers as before (common/model/attention.py SdpaAttention).
+The C file is built with the other kernels at first use (common/model/native.py); a
+call's rows split over torch's threads (csrc/parallel.c). Without a C compiler, or if the
+library fails its check against torch's attention, ``kernel()`` is None and the engine
+gathers as before (common/model/attention.py SdpaAttention).
 
 Each row is computed by the same code in the same key order whatever else is in the call,
 so a decode token's attention does not depend on the batch (tests/model/
@@ -27,11 +27,8 @@ log = logging.getLogger(__name__)
 
 DTYPES = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
 GATHERS = {torch.float32: "chunk_gather_f32", torch.bfloat16: "chunk_gather_bf16"}
-ROWS_PER_THREAD = 8  # the least rows a thread takes (native.split)
-# A prompt chunk's rows go in tiles of 16 (csrc: ROWS), interleaved over every torch
-# thread: a call is milliseconds of work (256 rows after 1,024 keys, 2 threads: 12.5 ->
-# 6.8 ms alone, but 12.2 -> 10.9 between torch ops, whose OpenMP workers spin).
-CHUNK_ROWS = 16
+ROWS_PER_THREAD = 8  # the least decode rows a thread takes
+CHUNK_ROWS = 16  # a prompt chunk's rows go in tiles of 16 (csrc: ROWS), interleaved over threads
 
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -52,17 +49,16 @@ class PagedAttentionKernel:
         self.name = name  # the library's file: its source, compiler and CPU flags
         self._fns, self._gathers = {}, {}
         for dtype, name in DTYPES.items():
-            fn = getattr(lib, name)
-            fn.argtypes = [ctypes.POINTER(_Layout), _P, _P, _I64, _I64, _P, _P]
+            fn = getattr(lib, name + "_par")
+            fn.argtypes = [ctypes.POINTER(_Layout), _P, _P, _I64, _P, _P, _I64, _I64]
             fn.restype = None
             self._fns[dtype] = fn
             gather = getattr(lib, GATHERS[dtype])
             gather.argtypes = [ctypes.POINTER(_Layout), _P, _I64, _P, _P]
             gather.restype = None
             self._gathers[dtype] = gather
-        self._chunk_rows = lib.chunk_rows
-        self._chunk_rows.argtypes = [ctypes.POINTER(_Layout), _P, _P, _P, _I64, _I64, _I64, _I64,
-                                     _P]
+        self._chunk_rows = lib.chunk_rows_par
+        self._chunk_rows.argtypes = [ctypes.POINTER(_Layout), _P, _P, _P, _I64, _I64, _P, _I64]
         self._chunk_rows.restype = None
 
     def supports(self, kv: PagedKVMemory) -> bool:
@@ -92,12 +88,8 @@ class PagedAttentionKernel:
         self._gathers[kv.dtype](ctypes.byref(layout), data.data_ptr(), end, kt.data_ptr(),
                                 vv.data_ptr())
         out = torch.empty_like(q)
-        ptrs = (q.data_ptr(), kt.data_ptr(), vv.data_ptr())
-
-        def run(part: int, parts: int) -> None:
-            self._chunk_rows(ctypes.byref(layout), *ptrs, start, t, part, parts, out.data_ptr())
-
-        native.each(run, min(torch.get_num_threads(), -(-t // CHUNK_ROWS)))
+        self._chunk_rows(ctypes.byref(layout), q.data_ptr(), kt.data_ptr(), vv.data_ptr(),
+                         start, t, out.data_ptr(), native.threads(-(-t // CHUNK_ROWS)))
         return out
 
     def attend(self, q: torch.Tensor, kv: PagedKVMemory, layer: int, tables: torch.Tensor,
@@ -119,15 +111,11 @@ class PagedAttentionKernel:
                          None if rows is None else rows.data_ptr(), lens.data_ptr(),
                          hq, kv.num_kv_heads, d, kv.block_size, data.stride(0),
                          layer * data.stride(1), data.stride(2), data.stride(3), scale)
-        fn = self._fns[kv.dtype]
         longest = int(lens.max()) if longest is None else longest
-
-        def run(first: int, last: int) -> None:
-            scratch = torch.empty(longest, dtype=torch.float32)
-            fn(ctypes.byref(layout), q.data_ptr(), data.data_ptr(), first, last,
-               out.data_ptr(), scratch.data_ptr())
-
-        native.split(run, t, ROWS_PER_THREAD)
+        threads = native.threads(t // ROWS_PER_THREAD)
+        scratch = torch.empty(threads * longest, dtype=torch.float32)  # a thread's scores
+        self._fns[kv.dtype](ctypes.byref(layout), q.data_ptr(), data.data_ptr(), t,
+                            out.data_ptr(), scratch.data_ptr(), longest, threads)
         return out
 
 

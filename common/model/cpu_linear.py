@@ -44,9 +44,9 @@ class PackedLinear:
         x = x.to(torch.bfloat16).contiguous()
         m = x.shape[0]
         y = torch.empty(m, self.out_features, dtype=torch.float32)
-        args = (x.data_ptr(), self.packed.data_ptr(), y.data_ptr(), m, self.out_features,
-                self.in_features)
-        native.split(lambda first, last: self.fn(*args, first, last), self.out_features, TILE)
+        n, k = self.out_features, self.in_features
+        self.fn(x.data_ptr(), self.packed.data_ptr(), y.data_ptr(), m, n, k,
+                native.threads(-(-n // TILE)))  # whole tiles a thread
         return y
 
 
@@ -60,10 +60,10 @@ def kernel() -> Optional[ctypes._CFuncPtr]:
 def _checked() -> Optional[ctypes._CFuncPtr]:
     """The kernel's entry point, checked against torch on a small case."""
     lib = native.library()
-    fn = getattr(lib, "linear_bf16", None) if lib is not None else None
+    fn = getattr(lib, "linear_bf16_par", None) if lib is not None else None
     if fn is None:
         return None
-    fn.argtypes = [_P, _P, _P, _I64, _I64, _I64, _I64, _I64]
+    fn.argtypes = [_P, _P, _P, _I64, _I64, _I64, _I64]
     fn.restype = None
     g = torch.Generator().manual_seed(0)
     w = torch.randn(80, 70, generator=g).to(torch.bfloat16)

@@ -13,6 +13,7 @@ memory and to the hooks are local to the stage (0 is its first layer).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -55,8 +56,16 @@ class Linear:
     BATCH_HINT = 32  # oneDNN picks its blocking for this M; any M works
 
     def __init__(self, weight: torch.Tensor, pack: bool = True,
-                 bias: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None):
+                 bias: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None,
+                 native_only: bool = False):
+        """``native_only``: multiply in ``dtype`` only on Crescent's kernel (float32 sums
+        and outputs), else in the weight's own dtype (the lm_head: rounded logits
+        change greedy answers)."""
         self.out_features, self.in_features = weight.shape
+        if native_only and not (pack and dtype is torch.bfloat16 and weight.device.type == "cpu"
+                                and cpu_linear.PackedLinear.fits(weight)
+                                and cpu_linear.kernel() is not None):
+            dtype = None
         self.cast = dtype if dtype not in (None, weight.dtype) else None
         if self.cast is not None:
             weight = weight.to(self.cast)
@@ -177,6 +186,12 @@ class TritonOps:
         return triton_ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
 
+def lm_head_native() -> bool:
+    """Whether a model with bfloat16 ``linear_dtype`` runs its lm_head on Crescent's kernel
+    too (``CRESCENT_LM_HEAD_NATIVE=0``: float32 on oneDNN; read at each model load)."""
+    return os.environ.get("CRESCENT_LM_HEAD_NATIVE", "1") != "0"
+
+
 POOLED_PARAMS = 1 << 28  # a dummy model larger than this takes its linears from one pool
 POOL_SIZE, ROW_STEP = 1 << 26, 257
 
@@ -264,9 +279,12 @@ class DecoderModel:
         if self.last_stage:
             self.norm = read.norm("model.norm.weight")
             # the logits in ``dtype``: a bfloat16 lm_head's rounded logits changed SmolLM2's
-            # greedy answers (Paris became "L'Étoile, la Marseillaise, ...")
+            # greedy answers (Paris became "L'Étoile, la Marseillaise, ..."); bfloat16 weights
+            # on Crescent's kernel sum and return float32 (``lm_head_native``)
             self.lm_head = Linear(self.embed if config.tie_word_embeddings
-                                  else read.get("lm_head.weight"), pack_weights)
+                                  else read.get("lm_head.weight"), pack_weights,
+                                  dtype=linear_dtype if lm_head_native() else None,
+                                  native_only=True)
         # Gemma: embeddings times sqrt(hidden_size), rounded to the model's dtype as in HF
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype)
                             if self.family.embed_scale else None)

@@ -1,7 +1,8 @@
 """The CPU's C kernels (common/model/csrc/*.c): compiled on this machine at first use
 (``FLAGS``, about a second) into one library in the cache directory, keyed by the
 sources, the compiler and the CPU's flags, and loaded with ctypes, which lets go of the
-GIL during a call. Without a C compiler ``library()`` is None and its users keep torch's
+GIL during a call. A call splits over torch's threads with OpenMP, on torch's own team
+(csrc/parallel.c). Without a C compiler ``library()`` is None and its users keep torch's
 paths: common/model/cpu_attention.py (paged attention), common/model/cpu_linear.py
 (bfloat16 linears for a decode step's few rows).
 """
@@ -11,13 +12,11 @@ import ctypes
 import functools
 import glob
 import logging
-import math
 import os
 import platform
 import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import xxhash
@@ -32,6 +31,7 @@ SOURCES = tuple(sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__
 # -ffast-math a library sets flush-to-zero for its whole process as it loads.
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          "-fno-signed-zeros", "-fPIC", "-shared")
+OPENMP = "-fopenmp"  # csrc/parallel.c; a compiler without it builds the library without
 
 
 @functools.cache
@@ -59,7 +59,7 @@ def library_path() -> str:
     for name in SOURCES:
         with open(name, "rb") as f:
             sources.append(f.read())
-    ident = xxhash.xxh3_64(b"|".join([*sources, version.encode(), " ".join(FLAGS).encode(),
+    ident = xxhash.xxh3_64(b"|".join([*sources, version.encode(), " ".join((*FLAGS, OPENMP)).encode(),
                                       _cpu_flags().encode(), platform.machine().encode()]))
     return os.path.join(cache_dir(), "kernels", f"crescent-{ident.hexdigest()}.so")
 
@@ -79,50 +79,30 @@ def _build(path: str) -> None:
         raise OSError("no C compiler (cc) on PATH")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"  # workers may build at once; the rename is atomic
-    done = subprocess.run([cc, *FLAGS, "-o", tmp, *SOURCES, "-lm"], capture_output=True,
-                          text=True, timeout=120)
+    for flags in ((*FLAGS, OPENMP), FLAGS):
+        done = subprocess.run([cc, *flags, "-o", tmp, *SOURCES, "-lm"], capture_output=True,
+                              text=True, timeout=120)
+        if done.returncode == 0:
+            break
+        if OPENMP in flags:
+            log.warning("CPU kernels build without OpenMP (%s): one thread a call",
+                        done.stderr.strip()[-300:])
     if done.returncode != 0:
         raise OSError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
     os.replace(tmp, path)
 
 
-# A call is split over a pool of threads only from POOL_MIN_THREADS torch threads: with 2
-# threads on 2 cores the split was no faster (paged attention: 214 vs 231 ms a step at
-# batch 32, context 600), torch's OpenMP workers spinning beside it.
-POOL_MIN_THREADS = 4
-_pool: Optional[ThreadPoolExecutor] = None
-_pool_size = 0
+@functools.cache
+def parallel() -> bool:
+    """Whether the kernels' ``*_par`` entry points split over threads (OpenMP, csrc/
+    parallel.c); without it they run whole on the calling thread."""
+    lib = library()
+    return lib is not None and bool(lib.crescent_openmp())
 
 
-def split(run: Callable[[int, int], None], n: int, grain: int) -> None:
-    """``run(first, last)`` over [0, n), in pieces of whole ``grain``s on a pool of up to
-    torch's thread count where that pays, else at once on this thread."""
-    threads = min(torch.get_num_threads(), n // grain)
-    if threads < max(2, POOL_MIN_THREADS):
-        run(0, n)
-        return
-    step = math.ceil(n / threads / grain) * grain
-    _run_all([functools.partial(run, s, min(s + step, n)) for s in range(0, n, step)])
-
-
-def each(run: Callable[[int, int], None], parts: int) -> None:
-    """``run(part, parts)`` for part in [0, parts), on a pool of ``parts`` threads (this
-    one runs part 0)."""
-    if parts < 2:
-        run(0, 1)
-        return
-    _run_all([functools.partial(run, p, parts) for p in range(parts)])
-
-
-def _run_all(calls: list[Callable[[], None]]) -> None:
-    """The calls at once, the first on this thread, the others on the pool."""
-    global _pool, _pool_size
-    if _pool_size < len(calls) - 1:  # more threads than at the last split
-        if _pool is not None:
-            _pool.shutdown(wait=False)
-        _pool = ThreadPoolExecutor(len(calls) - 1, thread_name_prefix="crescent-native")
-        _pool_size = len(calls) - 1
-    futures = [_pool.submit(call) for call in calls[1:]]
-    calls[0]()
-    for f in futures:
-        f.result()
+def threads(units: int) -> int:
+    """How many of torch's threads a call of ``units`` pieces (output tiles, query rows)
+    splits over. On torch's own team even a batch-1 step's projections pay for it (SmolLM2,
+    2 threads on 2 cores: 15.9 ms a step against 19.2 with only calls of 4M multiply-adds
+    or more split, 18.8 on one thread)."""
+    return max(1, min(torch.get_num_threads(), units)) if parallel() else 1

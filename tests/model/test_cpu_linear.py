@@ -39,7 +39,7 @@ def test_rows_do_not_depend_on_the_batch_or_threads() -> None:
         assert torch.equal(lin(x[rows]), batch[rows]), rows
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(native.POOL_MIN_THREADS)  # outputs split over pool threads
+        torch.set_num_threads(3)  # the outputs split over 3 threads (OpenMP, where built)
         assert torch.equal(lin(x), batch)
     finally:
         torch.set_num_threads(threads)
@@ -59,3 +59,35 @@ def test_linear_runs_it_for_bfloat16_linears_of_a_float32_model() -> None:
     assert Linear(w).native is None
     assert Linear(w.to(torch.bfloat16)).native is None
     assert Linear(torch.randn(60, 32), dtype=torch.bfloat16).native is None
+
+
+def test_a_native_only_linear_casts_only_onto_the_kernel(monkeypatch) -> None:
+    """The lm_head (``native_only``): bfloat16 weights on the kernel, float32 logits; where
+    the kernel is off or cannot tile it, float32 weights, never bfloat16-rounded logits."""
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(64, 32, generator=g), torch.randn(3, 32, generator=g)
+    head = Linear(w, dtype=torch.bfloat16, native_only=True)
+    assert head.native is not None and head(x).dtype == torch.float32
+    untiled = Linear(torch.randn(60, 32, generator=g), dtype=torch.bfloat16, native_only=True)
+    assert untiled.native is None and untiled.cast is None
+    monkeypatch.setenv("CRESCENT_CPU_LINEAR", "0")
+    off = Linear(w, dtype=torch.bfloat16, native_only=True)
+    assert off.native is None and off.cast is None
+    assert torch.equal(off(x), Linear(w)(x))
+
+
+def test_the_kernels_split_on_torchs_own_openmp_team() -> None:
+    """The library uses the OpenMP runtime torch loaded (one libgomp in the process: a
+    second team would spin beside torch's), and a call splits over torch's threads."""
+    assert native.library() is not None
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(runtimes) <= 1, runtimes
+    if not native.parallel():
+        pytest.skip("the kernels were built without OpenMP: one thread a call")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert (native.threads(10), native.threads(2), native.threads(0)) == (3, 2, 1)
+    finally:
+        torch.set_num_threads(threads)

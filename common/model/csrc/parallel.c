@@ -1,0 +1,90 @@
+/* The kernels of a call split over threads with OpenMP (``*_par``, ``threads`` of them).
+ *
+ * The team is torch's own: the library needs libgomp.so.1, and the dynamic loader hands it
+ * the copy torch loaded already (same soname), so the kernels and torch's ops take turns on
+ * one team of threads. A pool of our own beside it was slower on 2 cores than no split at
+ * all: torch's OpenMP workers spin for a while after each of its ops, on the cores our
+ * threads wanted. Built without OpenMP (a compiler without it), every call runs whole on
+ * the calling thread.
+ *
+ * Each thread computes whole output tiles or query rows, each alone, so a row's result
+ * does not depend on how many threads split the call.
+ */
+#include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#define EACH(threads, ...)                                                                  \
+    _Pragma("omp parallel num_threads(threads)") {                                          \
+        const int64_t part = omp_get_thread_num(), parts = omp_get_num_threads();           \
+        __VA_ARGS__                                                                         \
+    }
+#else
+#define EACH(threads, ...)                                                                  \
+    {                                                                                       \
+        const int64_t part = 0, parts = 1;                                                  \
+        (void)threads;                                                                      \
+        __VA_ARGS__                                                                         \
+    }
+#endif
+
+int crescent_openmp(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Piece ``part`` of ``parts`` of [0, n) in whole ``grain``s: [*first, *last). */
+static void piece(int64_t n, int64_t grain, int64_t part, int64_t parts, int64_t *first,
+                  int64_t *last) {
+    const int64_t per = ((n + grain - 1) / grain + parts - 1) / parts * grain;
+    *first = part * per < n ? part * per : n;
+    *last = (part + 1) * per < n ? (part + 1) * per : n;
+}
+
+/* paged_attention.c */
+typedef struct Layout Layout;
+void paged_attention_f32(const Layout *L, const float *q, const float *kv, int64_t first,
+                         int64_t last, float *out, float *scratch);
+void paged_attention_bf16(const Layout *L, const float *q, const uint16_t *kv, int64_t first,
+                          int64_t last, float *out, float *scratch);
+void chunk_rows(const Layout *L, const float *q, const float *kt, const float *vv,
+                int64_t start, int64_t T, int64_t part, int64_t parts, float *out);
+
+/* Decode attention of query rows [0, t): contiguous runs of rows a thread, each with
+ * ``longest`` floats of ``scratch`` (threads x longest). */
+#define ATTENTION_PAR(NAME, T)                                                              \
+    void NAME##_par(const Layout *L, const float *q, const T *kv, int64_t t, float *out,    \
+                    float *scratch, int64_t longest, int64_t threads) {                     \
+        EACH(threads, {                                                                     \
+            int64_t first, last;                                                            \
+            piece(t, 1, part, parts, &first, &last);                                        \
+            if (first < last) NAME(L, q, kv, first, last, out, scratch + part * longest);   \
+        })                                                                                  \
+    }
+
+ATTENTION_PAR(paged_attention_f32, float)
+ATTENTION_PAR(paged_attention_bf16, uint16_t)
+
+/* A prompt chunk's rows: chunk_rows interleaves its tiles between the parts. */
+void chunk_rows_par(const Layout *L, const float *q, const float *kt, const float *vv,
+                    int64_t start, int64_t T, float *out, int64_t threads) {
+    EACH(threads, { chunk_rows(L, q, kt, vv, start, T, part, parts, out); })
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+/* linear_bf16.c */
+void linear_bf16(const uint16_t *x, const uint16_t *w, float *y, int64_t m, int64_t n,
+                 int64_t k, int64_t n0, int64_t n1);
+
+/* All n outputs, in whole tiles of 64 a thread. */
+void linear_bf16_par(const uint16_t *x, const uint16_t *w, float *y, int64_t m, int64_t n,
+                     int64_t k, int64_t threads) {
+    EACH(threads, {
+        int64_t first, last;
+        piece(n, 64, part, parts, &first, &last);
+        if (first < last) linear_bf16(x, w, y, m, n, k, first, last);
+    })
+}
+#endif
