@@ -7,12 +7,12 @@ import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import pytest
 
 from common.engine.config import PrefillChunk
-from common.protocol import KVReady, PrefillDone
+from common.protocol import AbortRequest, KVFailed, KVReady, PrefillDone
 from common.sampling_params import SampledToken
 from services.prefill.preempt import LayerPreemption
 from tests.prefill.conftest import Make, chunks, clean
@@ -42,26 +42,40 @@ def long_step(preempt: LayerPreemption, order: list[str], started: threading.Eve
     return paused
 
 
+def beside_a_long_step(compute: ThreadPoolExecutor, preempt: LayerPreemption,
+                       order: list[str], step: Callable[[], object],
+                       meanwhile: Callable[[], None] = lambda: None) -> tuple[float, object]:
+    """Submit ``step`` while a long step computes (``meanwhile`` right after); the long
+    step's paused seconds and ``step``'s result (or the exception it raised)."""
+    started, posted = threading.Event(), threading.Event()
+
+    async def go() -> tuple[float, object]:
+        long = asyncio.get_running_loop().run_in_executor(
+            compute, long_step, preempt, order, started, posted)
+        await asyncio.to_thread(started.wait, 5)
+        result = preempt.submit(step)
+        meanwhile()
+        posted.set()
+        paused = await long
+        try:
+            return paused, await result
+        except Exception as exc:
+            return paused, exc
+
+    return asyncio.run(go())
+
+
 def test_a_step_posted_during_another_runs_at_its_next_layer_boundary(
         compute: ThreadPoolExecutor) -> None:
     preempt: LayerPreemption = LayerPreemption(compute)
     order: list[str] = []
-    started, posted = threading.Event(), threading.Event()
 
     def short() -> str:
         time.sleep(0.02)
         order.append("short")
         return "first token"
 
-    async def go() -> tuple[float, str]:
-        long = asyncio.get_running_loop().run_in_executor(
-            compute, long_step, preempt, order, started, posted)
-        await asyncio.to_thread(started.wait, 5)
-        result = preempt.submit(short)
-        posted.set()
-        return await long, await result
-
-    paused, result = asyncio.run(go())
+    paused, result = beside_a_long_step(compute, preempt, order, short)
     assert order == ["long 0", "short", "long 1", "long 2"]
     assert result == "first token"
     assert 0.02 <= paused < 1.0  # what the long step excludes from its own time
@@ -82,31 +96,24 @@ def test_its_error_reaches_the_caller_and_the_long_step_goes_on(
         compute: ThreadPoolExecutor) -> None:
     preempt: LayerPreemption = LayerPreemption(compute)
     order: list[str] = []
-    started, posted = threading.Event(), threading.Event()
 
     def broken() -> None:
         raise ValueError("bad chunk")
 
-    async def go() -> None:
-        long = asyncio.get_running_loop().run_in_executor(
-            compute, long_step, preempt, order, started, posted)
-        await asyncio.to_thread(started.wait, 5)
-        result = preempt.submit(broken)
+    def second() -> None:
         with pytest.raises(RuntimeError, match="waiting already"):
             preempt.submit(broken)
-        posted.set()
-        await long
-        with pytest.raises(ValueError, match="bad chunk"):
-            await result
 
-    asyncio.run(go())
+    _, result = beside_a_long_step(compute, preempt, order, broken, second)
+    assert isinstance(result, ValueError) and str(result) == "bad chunk"
     assert order == ["long 0", "long 1", "long 2"]
 
 
 # ---------------------------------------------------------------- the prefill worker
-def layered(make: Make, **config: object):
+def layered(make: Make, preempts: bool = True, **config: object):
     """A worker whose engine records (first token of each chunk, layer) as it computes;
-    the first step's layer 0 waits until the short prompt's step is posted (if one is)."""
+    the first step's layer 0 waits until the short prompt's step is posted (up to 10 s;
+    0.2 where none should be: one posted later would still show, at layer 1)."""
     rt, worker = make(num_blocks=16, budget=16, **config)
     layers: list[tuple[tuple[int, ...], int]] = []
     first_step = threading.Event()
@@ -114,7 +121,7 @@ def layered(make: Make, **config: object):
     def compute_layer(cs: Sequence[PrefillChunk], layer: int) -> None:
         if not first_step.is_set():
             first_step.set()
-            deadline = time.monotonic() + 0.5
+            deadline = time.monotonic() + (10.0 if preempts else 0.2)
             while not worker.steps.preempt.pending and time.monotonic() < deadline:
                 time.sleep(0.001)
         layers.append((tuple(c.token_ids[0] for c in cs), layer))
@@ -155,9 +162,39 @@ def test_a_short_prompt_arriving_mid_step_runs_between_two_of_its_layers(make: M
     ({"prefill_max_wait_s": 1e-6}, "the long prompt has waited its longest: not paused"),
 ])
 def test_otherwise_it_waits_for_the_step(make: Make, config: dict, why: str) -> None:
-    rt, worker, layers = layered(make, **config)
+    rt, worker, layers = layered(make, preempts=False, **config)
     worker.on_task(prefill_task("l", LONG))
     serve_with_arrival(rt, worker, lambda: len(rt.mail.of(PrefillDone)) == 2 and worker.idle())
     assert layers == [((1,), 0), ((1,), 1), ((40,), 0), ((40,), 1)], why
     assert [m.request_id for m in rt.mail.of(KVReady, to=DECODE_INBOX)] == ["l", "s"]
+    clean(worker)
+
+
+def test_a_preempting_prompt_aborted_during_its_step_is_given_up_after_it(make: Make) -> None:
+    """Its step runs to its end (the long step goes on after it); then it is given up as
+    any aborted prompt, between steps: its decode worker is told, nothing handed over."""
+    rt, worker, layers = layered(make)
+    record, loop = rt.engine.compute_layer, []
+
+    def compute_layer(cs: Sequence[PrefillChunk], layer: int) -> None:
+        record(cs, layer)
+        if cs[0].token_ids[0] == SHORT[0] and layer == 0:
+            ran = threading.Event()
+            loop[0].call_soon_threadsafe(lambda: (worker.on_abort(AbortRequest("s")),
+                                                  ran.set()))
+            assert ran.wait(5)
+
+    rt.engine.compute_layer = compute_layer
+    worker.on_task(prefill_task("l", LONG))
+
+    async def go() -> None:
+        loop.append(asyncio.get_running_loop())
+        rt.engine.interrupt(loop[0], lambda: worker.on_task(prefill_task("s", SHORT)))
+        await run_until(worker.serve(), lambda: bool(rt.mail.of(PrefillDone))
+                        and bool(rt.mail.of(KVFailed)) and worker.idle())
+
+    asyncio.run(go())
+    assert layers == [((1,), 0), ((40,), 0), ((40,), 1), ((1,), 1)]
+    assert [m.request_id for m in rt.mail.of(KVReady, to=DECODE_INBOX)] == ["l"]
+    assert rt.mail.of(KVFailed, to=DECODE_INBOX) == [KVFailed("s", "aborted", fence_for("s"))]
     clean(worker)
