@@ -137,17 +137,13 @@ class ClusterConfig:
     model: str = "smollm2-135m"
     served_model_name: Optional[str] = None  # name in /v1/models; default: the model's name
     dtype: str = "float32"
-    # Compute dtype of prefill workers (None: ``dtype``). Disaggregation lets each phase run
-    # the precision that pays for it: on a CPU with AVX-512 BF16 or AMX, bfloat16 prefill is
-    # ~1.35x faster; on one with AVX2 only it is ~7x slower.
-    # "auto": bfloat16 where the prefill worker's CPU computes it natively, else ``dtype``
-    # (common/worker.py). The KV dtype stays the cluster's one.
+    # Compute dtype of prefill workers (None: ``dtype``; "auto": bfloat16 where the CPU has
+    # AVX-512 BF16 or AMX, ~1.35x faster there, ~7x slower on AVX2: common/worker.py). The
+    # KV dtype stays the cluster's one.
     prefill_dtype: Optional[str] = None
-    # The dtype a decode or colocated worker's linear layers multiply in (weights stored in
-    # it, activations cast at each; norms, attention and the residual stay in ``dtype``).
-    # None: ``dtype``. "auto": bfloat16 where the worker's CPU computes it natively and its
-    # dtype is float32 (half the weight bytes a decode step reads: 1.3-1.7x faster decode
-    # on an AVX-512 BF16 CPU, common/model/decoder.py Linear), else ``dtype``.
+    # The dtype a decode or colocated worker's linears multiply in (weights stored in it;
+    # norms, attention, residual in ``dtype``). None: ``dtype``. "auto": bfloat16 where the
+    # CPU computes it natively and dtype is float32 (common/model/decoder.py Linear).
     linear_dtype: Optional[str] = None
     kv_dtype: str = "auto"  # paged KV storage: auto (= dtype) | float32 | bfloat16 | float16
     kv_path: str = "auto"  # prefill → decode KV: auto (shm on one host) | shm | transfer_engine
@@ -195,10 +191,12 @@ class ClusterConfig:
     # A prefill worker's order (services/prefill/queue.py): "shortest" (fewest tokens left
     # first; one that waited prefill_max_wait_s, default kv_wait_timeout_s / 2, first), "arrival"
     # A prompt of at most prefill_preempt_tokens to compute arriving while a prefill step
-    # computes runs at that step's next layer boundary, not after it (0: never; preempt.py)
+    # computes runs at that step's next layer boundary, not after it (0: never; preempt.py),
+    # unless a prompt there has waited prefill_preempt_backlog_s (behind: no extra steps)
     prefill_order: str = "shortest"
     prefill_max_wait_s: Optional[float] = None
     prefill_preempt_tokens: int = 128
+    prefill_preempt_backlog_s: float = 5.0
     max_batch_size: int = 64
     max_queue: int = 256  # admission: requests waiting for prefill, cluster-wide
     default_max_tokens: int = 256
@@ -253,10 +251,12 @@ class ClusterConfig:
             self.prefill_max_wait_s = self.kv_wait_timeout_s / 2
         preempt = self.prefill_preempt_tokens
         if self.prefill_order not in ("shortest", "arrival") or not self.prefill_max_wait_s > 0 \
-                or not (isinstance(preempt, int) and preempt >= 0):
+                or not (isinstance(preempt, int) and preempt >= 0) \
+                or not self.prefill_preempt_backlog_s > 0:
             raise ValueError("prefill_order must be 'shortest' or 'arrival', prefill_max_wait_s "
-                             f"> 0 and prefill_preempt_tokens >= 0, not {self.prefill_order!r}, "
-                             f"{self.prefill_max_wait_s!r}, {preempt!r}")
+                             "and prefill_preempt_backlog_s > 0, prefill_preempt_tokens >= 0, "
+                             f"not {self.prefill_order!r}, {self.prefill_max_wait_s!r}, "
+                             f"{self.prefill_preempt_backlog_s!r}, {preempt!r}")
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be 'disaggregated' or 'colocated', not {self.mode!r}")
         if self.kv_layerwise is None:

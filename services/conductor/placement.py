@@ -146,8 +146,15 @@ class Placer:
                                     queued_requests=len(w.assigned),
                                     cost=cost if cost is not self.cost else None, queued=queued,
                                     step_tokens=self.config.step_budget("prefill"),
-                                    preempt_tokens=0 if w.info.stages > 1
-                                    else self.config.prefill_preempt_tokens)
+                                    preempt_tokens=self._preempt_tokens(w, waiting, now))
+
+    def _preempt_tokens(self, w: WorkerState, waiting: list[Tracked], now: float) -> int:
+        """The most tokens a new prompt may have to preempt ``w``'s step: none in a group,
+        or while one placed there has waited ``prefill_preempt_backlog_s`` (the worker's
+        rule, services/prefill/service.py ``_preemptible``)."""
+        behind = any(now - t.accepted_at >= self.config.prefill_preempt_backlog_s
+                     for t in waiting)
+        return 0 if w.info.stages > 1 or behind else self.config.prefill_preempt_tokens
 
     def queue_seconds(self, w: WorkerState, tracker: Tracker, now: float) -> float:
         """Predicted time until prefill worker ``w`` has computed what it was given."""

@@ -113,6 +113,11 @@ class PromptQueue:
                 return task, rank
         return None
 
+    def waited(self, now: float, seconds: float, jobs: Iterable[Job] = ()) -> bool:
+        """Whether a queued prompt, or one of ``jobs``, has waited ``seconds`` by ``now``."""
+        return any(now - arrived >= seconds for arrived, _ in self._tasks) or any(
+            now - job.arrived >= seconds for job in jobs)
+
     # ---- the admitted prompts, in the same order --------------------------------
     def sort(self, jobs: Iterable[Job]) -> list[Job]:
         """Admitted prompts in the order their chunks take a step's budget."""

@@ -83,6 +83,7 @@ class PrefillWorker:
                                   self.budget, self.align)
         self.preempt_tokens = rt.config.prefill_preempt_tokens if (
             self.group is None and self.engine.profiler.directory is None) else 0
+        self.backlog_s = rt.config.prefill_preempt_backlog_s
         self._preempting: Optional[asyncio.Task] = None
         self.handlers: dict[type, Callable[[Any], None]] = {
             **rt.handlers,  # ReRegister
@@ -300,16 +301,24 @@ class PrefillWorker:
     async def step(self, planned: Optional[list[tuple[Job, int]]] = None) -> None:
         """One forward over chunks of the admitted prompts (or, ``planned``, a preempting
         step over short ones); hand over those it ends."""
-        if planned is None:  # a regular step: not one of an aged prompt, which a stream
-            computing = self.computing  # of short ones would put off for ever
+        if planned is None:  # a regular step
+            computing = self.computing
             planned = plan_chunks(computing, self.budget, align=self.align)
-            now = time.monotonic()
-            ended = await self.steps.run(planned, computing, preemptible=not any(
-                self.waiting.order.aged(job.arrived, now) for job, _ in planned))
+            ended = await self.steps.run(planned, computing, self._preemptible(planned))
         else:
             ended = await self.steps.run(planned, preempting=True)
         for job, row in ended:
             self._spawn(job, JobState.ENDING, self.endings.finish(job, row))
+
+    def _preemptible(self, planned: list[tuple[Job, int]]) -> bool:
+        """Whether short prompts may preempt a step of ``planned``: not while a prompt here
+        has waited ``prefill_preempt_backlog_s`` (the worker is behind: a short prompt
+        joins the next step, at no extra step's cost; a replay at 2 req/s, the prefill
+        worker ~93 % busy, finished 58 and 54 requests within their SLOs preempting, 71
+        and 62 not), nor a step of an aged prompt (short ones would put it off for ever)."""
+        now = time.monotonic()
+        return not self.waiting.waited(now, self.backlog_s, (job for job, _ in planned)) \
+            and not any(self.waiting.order.aged(job.arrived, now) for job, _ in planned)
 
     def _spawn(self, job: Job, state: JobState, coro: Coroutine[Any, Any, None]) -> None:
         """Move ``job`` to ``state`` and run ``coro`` for it (recompute, finish or give

@@ -93,21 +93,24 @@ def test_a_shorter_prompt_waits_for_a_longer_one_only_in_arrival_order(order: st
                                                         pytest.approx(want_d, abs=0.01))
 
 
-@pytest.mark.parametrize("tokens, preempt, waits", [
-    (100, 128, False),  # its step runs inside a's (services/prefill/preempt.py)
-    (100, 0, True),  # preemption off: 1.5 steps of a's
-    (300, 128, True),  # over the limit: as before
+@pytest.mark.parametrize("tokens, preempt, backlog_s, waits", [
+    (100, 128, 5.0, False),  # its step runs inside a's (services/prefill/preempt.py)
+    (100, 0, 5.0, True),  # preemption off: 1.5 steps of a's
+    (300, 128, 5.0, True),  # over the limit: as before
+    (100, 128, 0.0005, True),  # a has waited 1 ms, past the backlog: no preemption
 ])
 def test_a_prompt_that_preempts_waits_for_no_longer_one(tokens: int, preempt: int,
-                                                        waits: bool) -> None:
+                                                        backlog_s: float, waits: bool) -> None:
+    now = [1000.0]
     cfg = ClusterConfig(scheduler="load_balance", slo=SLOConfig(ttft_s=1000, tbt_s=1000),
-                        prefill_preempt_tokens=preempt)
-    c = Conductor(cfg, RecordingMail(), clock=lambda: 1000.0)  # type: ignore[arg-type]
+                        prefill_preempt_tokens=preempt, prefill_preempt_backlog_s=backlog_s)
+    c = Conductor(cfg, RecordingMail(), clock=lambda: now[0])  # type: ignore[arg-type]
     for role in ("prefill", "decode"):
         c.on_register(worker(role, 0))
         c.on_heartbeat(beat(role, 0))
     ca, cb = c.placer.cost.prefill_seconds(500, 0), c.placer.cost.prefill_seconds(tokens, 0)
     c.on_submit(submit("a", 500))
+    now[0] += 0.001
     c.on_submit(submit("b", tokens))
     b = c.tracker.get("b")
     assert b is not None

@@ -160,6 +160,7 @@ def test_a_short_prompt_arriving_mid_step_runs_between_two_of_its_layers(make: M
     ({"prefill_preempt_tokens": 0}, "preemption off"),
     ({"prefill_preempt_tokens": 2}, "the short prompt is over the limit"),
     ({"prefill_max_wait_s": 1e-6}, "the long prompt has waited its longest: not paused"),
+    ({"prefill_preempt_backlog_s": 1e-6}, "a prompt has waited: the worker is behind"),
 ])
 def test_otherwise_it_waits_for_the_step(make: Make, config: dict, why: str) -> None:
     rt, worker, layers = layered(make, preempts=False, **config)
