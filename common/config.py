@@ -192,11 +192,11 @@ class ClusterConfig:
     # first; one that waited prefill_max_wait_s, default kv_wait_timeout_s / 2, first), "arrival"
     # A prompt of at most prefill_preempt_tokens to compute arriving while a prefill step
     # computes runs at that step's next layer boundary, not after it (0: never; preempt.py),
-    # unless a prompt there has waited prefill_preempt_backlog_s (behind: no extra steps)
+    # unless a prompt there has waited prefill_preempt_backlog_s (None: any wait; README)
     prefill_order: str = "shortest"
     prefill_max_wait_s: Optional[float] = None
     prefill_preempt_tokens: int = 128
-    prefill_preempt_backlog_s: float = 5.0
+    prefill_preempt_backlog_s: Optional[float] = None
     max_batch_size: int = 64
     max_queue: int = 256  # admission: requests waiting for prefill, cluster-wide
     default_max_tokens: int = 256
@@ -252,7 +252,7 @@ class ClusterConfig:
         preempt = self.prefill_preempt_tokens
         if self.prefill_order not in ("shortest", "arrival") or not self.prefill_max_wait_s > 0 \
                 or not (isinstance(preempt, int) and preempt >= 0) \
-                or not self.prefill_preempt_backlog_s > 0:
+                or not (self.prefill_preempt_backlog_s is None or self.prefill_preempt_backlog_s > 0):
             raise ValueError("prefill_order must be 'shortest' or 'arrival', prefill_max_wait_s "
                              "and prefill_preempt_backlog_s > 0, prefill_preempt_tokens >= 0, "
                              f"not {self.prefill_order!r}, {self.prefill_max_wait_s!r}, "

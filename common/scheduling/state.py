@@ -121,7 +121,7 @@ class PrefillInstanceState:
     cost: Optional["CostModel"] = None  # its own prefill cost (a group's); None: the scheduler's
     queued: Optional[tuple[tuple[int, float], ...]] = None
     step_tokens: int = 256
-    preempt_tokens: int = 0  # a prompt of at most these preempts a longer one's step
+    preempt_tokens: int = 0  # a prompt of at most these preempts a longer one's step (0: none)
 
     def wait_s(self, new_tokens: int, behind_queued: bool = False) -> float:
         """Predicted seconds a prompt of ``new_tokens`` to compute waits (besides its own

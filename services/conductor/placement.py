@@ -150,10 +150,10 @@ class Placer:
 
     def _preempt_tokens(self, w: WorkerState, waiting: list[Tracked], now: float) -> int:
         """The most tokens a new prompt may have to preempt ``w``'s step: none in a group,
-        or while one placed there has waited ``prefill_preempt_backlog_s`` (the worker's
-        rule, services/prefill/service.py ``_preemptible``)."""
-        behind = any(now - t.accepted_at >= self.config.prefill_preempt_backlog_s
-                     for t in waiting)
+        or, where set, while one placed there has waited ``prefill_preempt_backlog_s``
+        (the worker's rule, services/prefill/service.py ``_preemptible``)."""
+        backlog = self.config.prefill_preempt_backlog_s
+        behind = backlog is not None and any(now - t.accepted_at >= backlog for t in waiting)
         return 0 if w.info.stages > 1 or behind else self.config.prefill_preempt_tokens
 
     def queue_seconds(self, w: WorkerState, tracker: Tracker, now: float) -> float:

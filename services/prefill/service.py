@@ -311,14 +311,15 @@ class PrefillWorker:
             self._spawn(job, JobState.ENDING, self.endings.finish(job, row))
 
     def _preemptible(self, planned: list[tuple[Job, int]]) -> bool:
-        """Whether short prompts may preempt a step of ``planned``: not while a prompt here
+        """Whether short prompts may preempt a step of ``planned``: not a step of an aged
+        prompt (short ones would put it off for ever), nor, where set, while a prompt here
         has waited ``prefill_preempt_backlog_s`` (the worker is behind: a short prompt
-        joins the next step, at no extra step's cost; a replay at 2 req/s, the prefill
-        worker ~93 % busy, finished 58 and 54 requests within their SLOs preempting, 71
-        and 62 not), nor a step of an aged prompt (short ones would put it off for ever)."""
+        joins the next step at no extra step's cost; README, BENCHMARKS.md)."""
         now = time.monotonic()
-        return not self.waiting.waited(now, self.backlog_s, (job for job, _ in planned)) \
-            and not any(self.waiting.order.aged(job.arrived, now) for job, _ in planned)
+        if any(self.waiting.order.aged(job.arrived, now) for job, _ in planned):
+            return False
+        return self.backlog_s is None or not self.waiting.waited(
+            now, self.backlog_s, (job for job, _ in planned))
 
     def _spawn(self, job: Job, state: JobState, coro: Coroutine[Any, Any, None]) -> None:
         """Move ``job`` to ``state`` and run ``coro`` for it (recompute, finish or give

@@ -4,6 +4,7 @@ prefills."""
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import pytest
 
@@ -94,13 +95,15 @@ def test_a_shorter_prompt_waits_for_a_longer_one_only_in_arrival_order(order: st
 
 
 @pytest.mark.parametrize("tokens, preempt, backlog_s, waits", [
-    (100, 128, 5.0, False),  # its step runs inside a's (services/prefill/preempt.py)
-    (100, 0, 5.0, True),  # preemption off: 1.5 steps of a's
-    (300, 128, 5.0, True),  # over the limit: as before
+    (100, 128, None, False),  # its step runs inside a's (services/prefill/preempt.py)
+    (100, 128, 5.0, False),  # a has waited 1 ms, not 5 s
+    (100, 0, None, True),  # preemption off: 1.5 steps of a's
+    (300, 128, None, True),  # over the limit: as before
     (100, 128, 0.0005, True),  # a has waited 1 ms, past the backlog: no preemption
 ])
 def test_a_prompt_that_preempts_waits_for_no_longer_one(tokens: int, preempt: int,
-                                                        backlog_s: float, waits: bool) -> None:
+                                                        backlog_s: Optional[float],
+                                                        waits: bool) -> None:
     now = [1000.0]
     cfg = ClusterConfig(scheduler="load_balance", slo=SLOConfig(ttft_s=1000, tbt_s=1000),
                         prefill_preempt_tokens=preempt, prefill_preempt_backlog_s=backlog_s)
