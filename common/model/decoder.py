@@ -62,9 +62,11 @@ class Linear:
         and outputs), else in the weight's own dtype (the lm_head: rounded logits
         change greedy answers)."""
         self.out_features, self.in_features = weight.shape
-        if native_only and not (pack and dtype is torch.bfloat16 and weight.device.type == "cpu"
-                                and cpu_linear.PackedLinear.fits(weight)
-                                and cpu_linear.kernel() is not None):
+        # bfloat16 multiplies of a float32 (or other) weight on Crescent's kernel, where it runs
+        fn = cpu_linear.kernel() if (pack and dtype is torch.bfloat16 and weight.dtype != dtype
+                                     and weight.device.type == "cpu"
+                                     and cpu_linear.PackedLinear.fits(weight)) else None
+        if native_only and fn is None:
             dtype = None
         self.cast = dtype if dtype not in (None, weight.dtype) else None
         if self.cast is not None:
@@ -75,9 +77,7 @@ class Linear:
         self.packed: Optional[torch.Tensor] = None
         self.native: Optional[cpu_linear.PackedLinear] = None
         self.pad_single_row = weight.device.type == "cpu"
-        fn = cpu_linear.kernel() if pack and self.cast is torch.bfloat16 and (
-            weight.device.type == "cpu") else None
-        if fn is not None and cpu_linear.PackedLinear.fits(weight):
+        if fn is not None:
             self.native, self.weight = cpu_linear.PackedLinear(fn, weight), None
         elif pack and _can_pack(weight, self.cast is not None):
             try:

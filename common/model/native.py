@@ -59,7 +59,8 @@ def library_path() -> str:
     for name in SOURCES:
         with open(name, "rb") as f:
             sources.append(f.read())
-    ident = xxhash.xxh3_64(b"|".join([*sources, version.encode(), " ".join((*FLAGS, OPENMP)).encode(),
+    flags = " ".join((*FLAGS, OPENMP))
+    ident = xxhash.xxh3_64(b"|".join([*sources, version.encode(), flags.encode(),
                                       _cpu_flags().encode(), platform.machine().encode()]))
     return os.path.join(cache_dir(), "kernels", f"crescent-{ident.hexdigest()}.so")
 

@@ -58,7 +58,7 @@ class PrefillWorker:
                                    order=PromptOrder.of(rt.config))
         self.max_waiting = rt.config.max_queue  # the conductor admits no more cluster-wide
         self.jobs: list[Job] = []  # admitted and not yet reported, oldest first (job.py)
-        self.admission = asyncio.Lock()  # one admission at a time (regular or preempting):
+        self.admission = asyncio.Lock()  # one admission at a time (regular or preempting)
         self.admitting: Optional[PrefillTask] = None  # out of ``waiting``, not a job yet
         self.admitting_aborted = False  # ... and aborted meanwhile
         self.dropped = rt.dropped  # stale messages, by kind: reported in heartbeats
