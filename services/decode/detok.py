@@ -63,7 +63,15 @@ class IncrementalText:
         return min(found) if found else None
 
     def finish(self) -> str:
-        """Everything not yet emitted (at the end of generation)."""
+        """Everything not yet emitted (at the end of generation): text held back for a
+        stop string that can no longer come, and the last tokens' incomplete character,
+        as the tokenizer decodes it (U+FFFD), as the whole answer's decode would end."""
+        if self._done < len(self.ids):
+            self.text += self._decode(self.ids[self._start:])[len(self._start_text):]
+            self._done = len(self.ids)
+            hit = self._find_stop()
+            if hit is not None:
+                self.text = self.text[:hit]
         return self._flush()
 
     def _flush(self) -> str:

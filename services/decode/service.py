@@ -285,7 +285,7 @@ class DecodeWorker:
                     seq.position + 1 >= self.engine.model_config.max_position_embeddings:
                 finish = "length"
         if finish is not None:
-            delta += seq.text.finish() if finish == "length" else ""
+            delta += seq.text.finish()  # "" after a stop string: the text ends before it
         seq.last_token = token
         self.rt.mail.send(seq.router_inbox, TokenDelta(
             request_id=seq.request_id, token_ids=ids, text=delta,

@@ -60,6 +60,8 @@ def test_a_sequence_runs_to_max_tokens_and_frees_its_blocks(make: Make) -> None:
      [([7], "h", None, 1), ([0], "a", None, 2), ([0], "a", None, 3), ([0], "a", "length", 4)]),
     ({"stop": ("ij",)}, None,  # text that could start the stop string is held back
      [([7], "", None, 1), ([8], "h", None, 2), ([9], "", "stop", 3)]),
+    ({"stop": ("hx",)}, lambda t: EOS,  # at the end, held-back text is no stop string
+     [([7], "", None, 1), ([], "h", "stop", 2)]),
 ])
 def test_stop_conditions(make: Make, kw: dict, script: object, want: list) -> None:
     rt, worker = make()

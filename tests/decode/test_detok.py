@@ -39,6 +39,19 @@ def test_incomplete_utf8_waits_for_the_next_token() -> None:
     assert t.add(3) == ("é!", False)
 
 
+def test_an_incomplete_character_at_the_end_is_emitted_as_the_tokenizer_decodes_it() -> None:
+    """The answer's last token ends inside a character: the deltas still add up to the
+    decode of all its tokens (U+FFFD for the partial bytes), as vLLM's do."""
+    pieces = {1: b"caf", 2: b"\xc3", 3: b"x\xe2\x82"}
+    decode = lambda ids: b"".join(pieces[i] for i in ids).decode(errors="replace")  # noqa: E731
+    for ids in ([1, 2], [1, 2, 3], [2]):
+        t = IncrementalText(decode, [])
+        assert "".join(t.add(i)[0] for i in ids) + t.finish() == decode(ids)
+    t = IncrementalText(decode, ["\ufffd"])  # even a stop string that only the end makes
+    assert [t.add(i) for i in (1, 2)] == [("caf", False), ("", False)]
+    assert t.finish() == "" and t.text == "caf"
+
+
 def test_a_continuation_emits_what_its_predecessor_held_back() -> None:
     """The lost worker had sent "a" of "abc" (holding "bc" back: it could start "bcx");
     replayed, the continuation sends it on as any worker would (holding the last two
