@@ -113,9 +113,10 @@ class PagedAttentionKernel:
                          layer * data.stride(1), data.stride(2), data.stride(3), scale)
         longest = int(lens.max()) if longest is None else longest
         threads = native.threads(t // ROWS_PER_THREAD)
-        scratch = torch.empty(threads * longest, dtype=torch.float32)  # a thread's scores
+        per_thread = hq * (-(-longest // 16) * 16 + d)  # a thread's scores (padded), sums
+        scratch = torch.empty(threads * per_thread, dtype=torch.float32)
         self._fns[kv.dtype](ctypes.byref(layout), q.data_ptr(), data.data_ptr(), t,
-                            out.data_ptr(), scratch.data_ptr(), longest, threads)
+                            out.data_ptr(), scratch.data_ptr(), per_thread, threads)
         return out
 
 

@@ -65,14 +65,19 @@ def test_itl_p50_and_output_throughput_from_aiperf_timestamps() -> None:
     rec = {"metadata": {"request_start_ns": 10_000_000_000, "request_end_ns": 12_000_000_000},
            "metrics": {"time_to_first_token": {"value": 100.0, "unit": "ms"},
                        "inter_token_latency": {"value": 20.0, "unit": "ms"},
-                       "output_token_count": {"value": 6}}}
+                       "output_token_count": {"value": 6},
+                       "usage_completion_tokens": {"value": 7}}}
     first = parse_record(rec)
     assert (first.start_s, first.end_s) == (10.0, 12.0)
-    results = [first, RequestResult(ttft_s=0.2, itl_s=0.04, output_tokens=4, start_s=11.0,
-                                    end_s=14.0),
+    assert (first.output_tokens, first.generated_tokens) == (6, 7)
+    results = [first, RequestResult(ttft_s=0.2, itl_s=0.04, output_tokens=4,
+                                    generated_tokens=5, start_s=11.0, end_s=14.0),
                RequestResult(error_code=500, error="boom", start_s=13.0, end_s=15.0)]
     s = summarize(results, 2.0, 0.2).to_dict()
     assert s["itl_p50_s"] == pytest.approx(0.03)
     assert s["output_tokens_per_s"] == pytest.approx(10 / 5.0)
+    assert s["generated_tokens_per_s"] == pytest.approx(12 / 5.0)  # the servers' counts
+    unknown = [first, RequestResult(ttft_s=0.2, output_tokens=4, start_s=11.0, end_s=14.0)]
+    assert summarize(unknown, 2.0, 0.2).to_dict()["generated_tokens_per_s"] is None
     assert summarize([RequestResult(ttft_s=0.1)], 2.0, 0.2).to_dict()["output_tokens_per_s"] \
         is None
