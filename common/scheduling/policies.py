@@ -83,8 +83,9 @@ class Scheduler(ABC):
     def estimate(self, req: RequestInfo, p: PrefillInstanceState, index: int,
                  local: int, fetch: int) -> PrefillChoice:
         behind = p.prefix_index.queued_within(req.block_keys[:local])
-        ttft = (p.wait_s(self.new_tokens(req, local + fetch), behind)
-                + self.transfer_seconds(fetch) + self.prefill_seconds(req, local + fetch, p.cost))
+        own = self.prefill_seconds(req, local + fetch, p.cost)
+        ttft = (p.wait_s(self.new_tokens(req, local + fetch), behind, own)
+                + self.transfer_seconds(fetch) + own)
         return PrefillChoice(index, local, fetch, ttft)
 
     # --- the contract ---------------------------------------------------------------

@@ -7,6 +7,7 @@ passes its ``Rejection`` (reason and retry time) on whole.
 from __future__ import annotations
 
 import time
+from collections import defaultdict, deque
 from pathlib import Path
 from dataclasses import asdict, dataclass
 from typing import Iterable, Optional, Sequence, Union
@@ -18,6 +19,7 @@ from common.scheduling import (
     CostModel, DecodeInstanceState, DecodeSlot, PipelineCost, PrefillInstanceState, PrefixIndex,
     Rejection, RequestInfo, SchedulerConfig, make_scheduler,
 )
+from common.scheduling.state import RECENT_WINDOW_S
 from common.scheduling.prefill_order import PromptOrder
 from services.conductor.calibration import DecodeCalibrator, PrefillCalibrator, ReadBandwidth
 from services.conductor.registry import Registry, WorkerState
@@ -86,6 +88,8 @@ class Placer:
         self.store_reads = ReadBandwidth()
         self.decode_steps = DecodeCalibrator(self.cost)
         self.machine_keys: list[str] = []  # the workers' fitted coefficients adopted
+        # per prefill worker, (placed at, tokens, predicted compute s) of its recent prompts
+        self.placed: defaultdict[str, deque[tuple[float, int, float]]] = defaultdict(deque)
 
     def adopt(self, cost: MachineCost) -> bool:
         """With ``cost_profile = "auto"``: price with what a worker fitted on its machine
@@ -146,7 +150,19 @@ class Placer:
                                     queued_requests=len(w.assigned),
                                     cost=cost if cost is not self.cost else None, queued=queued,
                                     step_tokens=self.config.step_budget("prefill"),
-                                    preempt_tokens=self._preempt_tokens(w, waiting, now))
+                                    preempt_tokens=self._preempt_tokens(w, waiting, now),
+                                    recent=self._recent(w.instance_id, now),
+                                    max_wait_s=self.config.prefill_max_wait_s
+                                    if self.order.shortest else None)
+
+    def _recent(self, instance_id: str, now: float) -> tuple[tuple[int, float], ...]:
+        """(tokens, predicted compute seconds) of the prompts placed on that prefill worker
+        in the last RECENT_WINDOW_S (common/scheduling/state.py: what shorter arrivals
+        stretch a prompt's time by)."""
+        placed = self.placed[instance_id]
+        while placed and placed[0][0] <= now - RECENT_WINDOW_S:
+            placed.popleft()
+        return tuple((tokens, seconds) for _, tokens, seconds in placed)
 
     def _preempt_tokens(self, w: WorkerState, waiting: list[Tracked], now: float) -> int:
         """The most tokens a new prompt may have to preempt ``w``'s step: none in a group,
@@ -222,8 +238,12 @@ class Placer:
         chosen = registry.get(d.prefill_id)
         if chosen is not None and chosen.info.role == "colocated":
             decode_id = d.prefill_id  # a colocated worker decodes what it prefills
-        return Placement(d.prefill_id, decode_id, d.predicted_ttft_s,
-                         max(len(req.token_ids) - cached, 1), need)
+        new = max(len(req.token_ids) - cached, 1)
+        if chosen is not None:
+            seconds = self.cost_of(chosen.info.stages).prefill_compute_seconds(
+                new, len(req.token_ids) - new)
+            self.placed[d.prefill_id].append((now, new, seconds))
+        return Placement(d.prefill_id, decode_id, d.predicted_ttft_s, new, need)
 
     def observe_store_read(self, msg: PrefillDone) -> Optional[float]:
         """Learn the store's read bandwidth from a prefill's load; the scheduler prices

@@ -38,7 +38,10 @@ def test_queue_is_the_sum_of_each_requests_prefill(conductor: Conductor) -> None
     assert a is not None and b is not None
     ca, cb = cost.prefill_seconds(300, 0), cost.prefill_seconds(500, 0)
     assert a.predicted_ttft_s == pytest.approx(ca)  # nothing queued before it
-    assert b.predicted_ttft_s == pytest.approx(ca + cb)
+    # b waits for a, and both stretch by the share of the last 20 s that shorter prompts
+    # (a) took: shortest first, more like a may come before b is done
+    rho = cost.prefill_compute_seconds(300, 0) / 20
+    assert b.predicted_ttft_s == pytest.approx((ca + cb) / (1 - rho))
     w = conductor.registry.get("prefill-0")
     assert w is not None
     placer, tracker = conductor.placer, conductor.tracker
@@ -118,3 +121,17 @@ def test_a_prompt_that_preempts_waits_for_no_longer_one(tokens: int, preempt: in
     b = c.tracker.get("b")
     assert b is not None
     assert b.predicted_ttft_s == pytest.approx(cb + (ca * 384 / 500 if waits else 0), abs=0.01)
+
+
+def test_placements_are_remembered_for_twenty_seconds(conductor: Conductor) -> None:
+    """What the conductor placed on a prefill worker lately is the ``recent`` of its state
+    (what shorter arrivals stretch a longer prompt's prediction by), then forgotten."""
+    cost = conductor.placer.cost
+    conductor.on_submit(submit("a", 300))
+    conductor.on_submit(submit("b", 500))
+    w = conductor.registry.get("prefill-0")
+    assert w is not None
+    state = conductor.placer._prefill_state(w, conductor.tracker, 1000.0)
+    assert state.recent == ((300, pytest.approx(cost.prefill_compute_seconds(300, 0))),
+                            (500, pytest.approx(cost.prefill_compute_seconds(500, 0))))
+    assert conductor.placer._prefill_state(w, conductor.tracker, 1020.0).recent == ()
