@@ -97,7 +97,8 @@ class LRUBlockCache(PrefixIndex):
 
 
 RECENT_WINDOW_S = 20.0  # PrefillInstanceState.recent: the placements it looks back on
-MAX_SHORTER_LOAD = 0.9  # at most 10x: past it the worker is overloaded, and ages prompts
+MAX_SHORTER_LOAD = 0.5  # at most 2x: the window holds the queue, counted already, as much
+# as the arrivals to come (0.9 rejected 2 long prompts of 100 at 1 req/s that took 15-19 s)
 
 
 @dataclass
@@ -123,8 +124,8 @@ class PrefillInstanceState:
     gives the share of its time those take (``rho``, at most ``MAX_SHORTER_LOAD``): a
     prompt's wait and compute stretch by 1 / (1 - rho), as a job's in a
     shortest-remaining-first queue, though never past ``max_wait_s``, where the worker
-    takes it first (under 2 req/s the median error of the predictions was -28 to -39 %
-    in eight runs without this; with it -5 to -20 % offline on the same logs).
+    takes it first (at 2 req/s the median error of the predictions was -28 to -39 % in
+    eight runs without this; with it -7 to -20 %, offline on the same logs).
     """
 
     instance_id: str
