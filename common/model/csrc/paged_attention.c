@@ -274,7 +274,8 @@ VITEM(vitem_bf16, uint16_t, kpass_bf16, vpass_bf16)
         for (int64_t item = first; item < last; item++) {  /* a query row */                \
             if (L->d == 64) VITEM_FN(L, q, kv, item, 64, out, scratch);                     \
             else if (L->d == 128) VITEM_FN(L, q, kv, item, 128, out, scratch);              \
-            else if (L->d % 16 == 0 && L->d <= 256) VITEM_FN(L, q, kv, item, L->d, out, scratch); \
+            else if (L->d % 16 == 0 && L->d <= 256)                                         \
+                VITEM_FN(L, q, kv, item, L->d, out, scratch);                               \
             else ITEM_FN(L, q, kv, item, L->d, out, scratch);                               \
         }                                                                                   \
     }
