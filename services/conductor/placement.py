@@ -56,17 +56,19 @@ class _KeySetIndex(PrefixIndex):
     keys of the prompts queued on it: a prompt whose prefix one of them computes waits
     for it (services/prefill/queue.py) and reuses the prefix, so those keys are as good
     as cached for its prediction. Without them a burst of one conversation's turns was
-    priced as if each recomputed the shared prefix: the queue predicted 2-6x too long."""
+    priced as if each recomputed the shared prefix: the queue predicted 2-6x too long.
+    ``queued``: each such key, the seconds until the prompt computing it is done."""
 
-    def __init__(self, keys: set[str], queued: frozenset[str] = frozenset()) -> None:
+    def __init__(self, keys: set[str], queued: Optional[dict[str, float]] = None) -> None:
         self._keys = keys
-        self.queued = queued
+        self.queued = queued or {}
 
     def __contains__(self, key: str) -> bool:
         return key in self._keys or key in self.queued
 
-    def queued_within(self, keys: Sequence[str]) -> bool:
-        return any(k in self.queued and k not in self._keys for k in keys)
+    def queued_within(self, keys: Sequence[str]) -> Optional[float]:
+        waits = [self.queued[k] for k in keys if k in self.queued and k not in self._keys]
+        return max(waits) if waits else None
 
 
 class Placer:
@@ -136,16 +138,19 @@ class Placer:
         cost = self.cost_of(w.info.stages)
         waiting = self.waiting(w, tracker)
         queued = None
+        keys: dict[str, float] = {}  # a queued prompt's key: when that prompt is done
         if tracker is not None:
             left = self.seconds_left(w, now, waiting)
             queue_s = sum(left)
             if self.order.shortest:
                 queued = tuple((0 if self.order.aged(t.accepted_at, now) else t.prefill_tokens,
                                 s) for t, s in zip(waiting, left))
+            for t, s in zip(waiting, left):  # done when predicted, or later if it is late
+                done_in = max(t.accepted_at + t.predicted_ttft_s - now, s)
+                keys.update((k, max(keys.get(k, 0.0), done_in)) for k in t.req.block_keys)
         else:  # no tracker (tests of the policy alone): the worker's reported queue
             tokens = max(w.beat.load.queued_tokens if w.beat else 0, w.pending_tokens)
             queue_s = cost.prefill_seconds(tokens, 0) if tokens else 0.0
-        keys = frozenset(k for t in waiting for k in t.req.block_keys)
         return PrefillInstanceState(w.instance_id, queue_s, _KeySetIndex(w.cached_keys, keys),
                                     queued_requests=len(w.assigned),
                                     cost=cost if cost is not self.cost else None, queued=queued,

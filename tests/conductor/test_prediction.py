@@ -47,6 +47,20 @@ def test_a_queued_prompts_prefix_counts_as_cached_for_the_next() -> None:
     assert turn2.predicted_ttft_s > alone
 
 
+def test_a_prompt_behind_a_queued_prefix_waits_for_that_prompt_not_the_queue() -> None:
+    """Shortest first, a long prompt queued after the one computing turn2's prefix does not
+    delay turn2: it waits until that one is predicted done (its TTFT), then its tail."""
+    c, _ = conductor()
+    submit(c, "first", blocks=40, tail=5)
+    c.on_submit(SubmitRequest("long", list(range(1000, 1000 + 50 * 16)),
+                              [f"x{i}" for i in range(50)], SamplingParams(max_tokens=8), 0.0))
+    submit(c, "turn2", blocks=40, tail=9)
+    first, long, turn2 = (c.tracker.get(r) for r in ("first", "long", "turn2"))
+    tail = c.placer.cost.prefill_seconds(9, 640)
+    assert turn2.predicted_ttft_s == pytest.approx(first.predicted_ttft_s + tail)
+    assert turn2.predicted_ttft_s < long.predicted_ttft_s
+
+
 def test_done_prompts_no_longer_count_unless_the_worker_reports_them() -> None:
     c, _ = conductor()
     submit(c, "first", blocks=10, tail=5)

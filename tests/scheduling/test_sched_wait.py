@@ -39,8 +39,16 @@ def test_at_most_two_fold() -> None:
     assert state(queued=(), recent=busy).wait_s(500, own_s=1.0) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("queued, behind", [(None, False), (QUEUED, True)])
-def test_no_stretch_in_arrival_order_or_behind_a_queued_prefix(queued, behind) -> None:
-    """Arrival order: nobody arriving later goes first; a prompt behind a queued one's
-    prefix waits for the queue (bounded by all of it)."""
-    assert state(queued=queued).wait_s(500, behind, own_s=1.0) == 5.0
+def test_arrival_order_waits_for_the_queue() -> None:
+    """Nobody arriving later goes first, nobody queued goes after."""
+    assert state(queued=None).wait_s(500, own_s=1.0) == 5.0
+    assert state(queued=None).wait_s(500, 0.5, own_s=1.0) == 5.0
+
+
+@pytest.mark.parametrize("behind_s, want", [
+    (2.0, (1.0 + 1.536 + 1.0) / 0.8 - 1.0),  # its prefix is done before its turn
+    (4.5, 4.5),  # it waits for the prompt computing its prefix
+    (9.0, 5.0),  # never longer than the whole queue
+])
+def test_behind_a_queued_prefix_it_waits_for_that_prompt(behind_s: float, want: float) -> None:
+    assert state().wait_s(500, behind_s, own_s=1.0) == pytest.approx(want)
