@@ -34,11 +34,14 @@ def _reference(q: torch.Tensor, kv: PagedKVMemory, layer: int, table: list[int],
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 24)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (14, 2, 64),
+                                                     (6, 3, 80), (4, 2, 256), (4, 4, 24)])
 def test_equals_torch_attention(dtype: torch.dtype, heads: int, kv_heads: int,
                                 head_dim: int) -> None:
     """Lengths of one key, of part of a block, of whole blocks; tables in any order; the
-    specialised head widths (64, 128) and the generic one."""
+    specialised head widths (64, 128), other multiples of 16 (80, 256: the vector code at
+    run-time widths), groups split into passes (7 heads a kv head: 4 + 3), and the scalar
+    code (24)."""
     kv = _memory(dtype, kv_heads, head_dim)
     g = torch.Generator().manual_seed(heads)
     lens = [1, 7, 16, 33, 80]
