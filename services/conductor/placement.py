@@ -19,8 +19,8 @@ from common.scheduling import (
     CostModel, DecodeInstanceState, DecodeSlot, PipelineCost, PrefillInstanceState, PrefixIndex,
     Rejection, RequestInfo, SchedulerConfig, make_scheduler,
 )
-from common.scheduling.state import RECENT_WINDOW_S
 from common.scheduling.prefill_order import PromptOrder
+from common.scheduling.state import RECENT_WINDOW_S
 from services.conductor.calibration import DecodeCalibrator, PrefillCalibrator, ReadBandwidth
 from services.conductor.registry import Registry, WorkerState
 from services.conductor.tracker import Phase, Tracked, Tracker
