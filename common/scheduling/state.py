@@ -128,7 +128,8 @@ class PrefillInstanceState:
     prompt's wait and compute stretch by 1 / (1 - rho), as a job's in a
     shortest-remaining-first queue, though never past ``max_wait_s``, where the worker
     takes it first (at 2 req/s the median error of the predictions was -28 to -39 % in
-    nine runs without this; with it -7 to -20 %, offline on the same logs).
+    nine runs without this; -22 to -33 % in seven with it, -7 to -20 % offline on the
+    first nine's logs).
     """
 
     instance_id: str

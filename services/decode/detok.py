@@ -41,14 +41,12 @@ class IncrementalText:
         window = self._decode(self.ids[self._start:])
         if window.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more
             return "", False
-        self.text += window[len(self._start_text):]
+        hit = self._take(window)
         # The next window starts where this one's new tokens began, so a token's text is
         # always decoded with its predecessor (merges, leading spaces) and cost stays flat.
         self._start, self._done = self._done, len(self.ids)
         self._start_text = self._decode(self.ids[self._start:self._done])
-        hit = self._find_stop()
-        if hit is not None:
-            self.text = self.text[:hit]
+        if hit:
             return self._flush(), True
         limit = len(self.text) - self._hold if self.stop else len(self.text)
         if limit <= self.sent:
@@ -67,12 +65,18 @@ class IncrementalText:
         stop string that can no longer come, and the last tokens' incomplete character,
         as the tokenizer decodes it (U+FFFD), as the whole answer's decode would end."""
         if self._done < len(self.ids):
-            self.text += self._decode(self.ids[self._start:])[len(self._start_text):]
+            self._take(self._decode(self.ids[self._start:]))
             self._done = len(self.ids)
-            hit = self._find_stop()
-            if hit is not None:
-                self.text = self.text[:hit]
         return self._flush()
+
+    def _take(self, window: str) -> bool:
+        """Append the new text of ``window`` (the decode of ids[_start:]); cut the text at
+        a stop string, if one is now in it (True)."""
+        self.text += window[len(self._start_text):]
+        hit = self._find_stop()
+        if hit is not None:
+            self.text = self.text[:hit]
+        return hit is not None
 
     def _flush(self) -> str:
         delta = self.text[self.sent:]

@@ -53,8 +53,8 @@ void chunk_rows(const Layout *L, const float *q, const float *kt, const float *v
                 int64_t start, int64_t T, int64_t part, int64_t parts, float *out);
 
 /* Decode attention of query rows [0, t): contiguous runs of rows a thread, each with
- * ``per_thread`` floats of ``scratch`` (threads x per_thread: heads x the longest row's
- * keys rounded up to 16). */
+ * ``per_thread`` floats of ``scratch`` (threads x per_thread: heads x (the longest row's
+ * keys rounded up to 16, plus the head width): a row's scores and sums). */
 #define ATTENTION_PAR(NAME, T)                                                              \
     void NAME##_par(const Layout *L, const float *q, const T *kv, int64_t t, float *out,    \
                     float *scratch, int64_t per_thread, int64_t threads) {                  \
