@@ -62,7 +62,7 @@ class Outcome:
     detail: str = ""  # status and error message, for failures
 
 
-def _error_message(payload: Any) -> str:
+def error_message(payload: Any) -> str:
     """The message of an OpenAI-style error object ('' when there is none)."""
     if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
         msg = payload["error"].get("message")
@@ -78,7 +78,7 @@ async def _plain(client: httpx.AsyncClient, req: dict) -> tuple[str, str, str]:
         payload = None
     if r.status_code == 200 and isinstance(payload, dict) and payload.get("choices"):
         return "ok", payload["choices"][0]["message"]["content"] or "", ""
-    msg = _error_message(payload)
+    msg = error_message(payload)
     return ("failed" if msg else "unclear"), "", f"HTTP {r.status_code}: {msg or r.text[:120]}"
 
 
@@ -87,7 +87,7 @@ async def _streamed(client: httpx.AsyncClient, req: dict) -> tuple[str, str, str
         if r.status_code != 200:
             raw = await r.aread()
             try:
-                msg = _error_message(json.loads(raw))
+                msg = error_message(json.loads(raw))
             except ValueError:
                 msg = ""
             detail = msg or repr(raw[:120])
@@ -101,7 +101,7 @@ async def _streamed(client: httpx.AsyncClient, req: dict) -> tuple[str, str, str
                 return "ok", "".join(text), ""
             event = json.loads(data)
             if "error" in event:  # the text so far is kept: it must still be right
-                msg = _error_message(event)
+                msg = error_message(event)
                 kind = "failed" if msg else "unclear"
                 return kind, "".join(text), f"SSE error: {msg or data[:120]}"
             for choice in event.get("choices") or []:

@@ -7,7 +7,7 @@
 # step has its own deadline.
 #
 #   bash benchmarks/gpu_device.sh [quick | prefill | pieces | check | engine | kv
-#                                  | live | open | pipeline [-k expr] | warm | goals]
+#                                  | live | open | pipeline [-k expr] | warm | goals | replay]
 #       (quick: no prefill benchmark; prefill: only it; pieces: only gpu.py's scattered
 #       pieces; check: the tests and the prefill benchmark, not gpu.py; live: the tests;
 #       open [-k expr]: the prefill benchmark, then the live tests; pipeline [-k expr]:
@@ -20,7 +20,9 @@
 #       attention tests and benchmark, the prefill benchmark, kv_gpu.py, the goals merged,
 #       a profiled pass (PROFILE_LENGTHS, default 1024,4096: the last one warm; step
 #       profiles in $OUT/profiles.tgz), the live KV-path tests; goals: the same without
-#       the profiles, the goals first)
+#       the profiles, the goals first; replay: issue 26 goal 5: benchmarks/gpu_replay.py, a
+#       trace replayed on one GPU's cluster over the same-host paths and over TCP, its
+#       JSON as $OUT/gpu-replay.json)
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -169,6 +171,17 @@ warm_issue() {  # issue 26 goal 3: checks, the goals, then profiles (8 files bac
   kv_e2e
 }
 
+replay() {  # issue 26 goal 5: zero errors and no leaked block over each KV path
+  log "a trace replay on one GPU over each KV path (benchmarks/gpu_replay.py)"
+  timeout 480 python3 benchmarks/gpu_replay.py --device cuda --out /tmp/gpu-replay \
+    > "$OUT/replay.log" 2> "$OUT/replay.err"
+  echo "rc=$?"
+  grep -v "^{" "$OUT/replay.log" | tail -12
+  grep -v "^[IWE][0-9]" "$OUT/replay.err" | tail -6
+  cp /tmp/gpu-replay/gpu-replay.json "$OUT/" 2>/dev/null
+  tar czf "$OUT/replay-logs.tgz" -C /tmp gpu-replay 2>/dev/null
+}
+
 case "${1:-all}" in
   quick) cuda_tests; live_pipeline; engine_figures ;;
   prefill) prefill_bench ;;
@@ -181,6 +194,7 @@ case "${1:-all}" in
   warm) warm_issue ;;
   goals) prefill_bench; reap; kv_goals; chunk_checks; kv_e2e ;;  # warm without profiles
   pipeline) live_pipeline "${2:-}" ;;  # [pytest -k expression]
+  replay) replay ;;
   *) cuda_tests; live_pipeline; engine_figures; prefill_bench ;;
 esac
 log "done"
