@@ -25,7 +25,8 @@ from common.engine.cuda_graphs import DecodeGraphs
 from common.model.attention import AttnMetadata, TritonAttention, make_backend, splits_chunks
 from common.model.arch import UnsupportedModelError
 from common.model.config import ModelConfig
-from common.model.decoder import DecoderModel, random_weights
+from common.model.decoder import DecoderModel
+from common.model.dummy_weights import random_weights
 from common.model.loader import ModelNotFoundError
 from common.model.loader import load_model_source
 from common.model.tokenizer import ByteTokenizer, Tokenizer

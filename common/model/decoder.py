@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from common.model import cpu_linear, triton_ops
-from common.model.arch import family, weight_shapes
+from common.model.arch import family
 from common.model.attention import AttentionBackend, AttnMetadata, AttnSpec
 from common.model.config import ModelConfig
 from common.model.rope import apply_rope, cos_sin, inv_frequencies
@@ -192,41 +192,6 @@ def lm_head_native() -> bool:
     return os.environ.get("CRESCENT_LM_HEAD_NATIVE", "1") != "0"
 
 
-POOLED_PARAMS = 1 << 28  # a dummy model larger than this takes its linears from one pool
-POOL_SIZE, ROW_STEP = 1 << 26, 257
-
-
-def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Seeded random weights in HF names (std 0.02 linears and biases, norms of scale 1).
-
-    A model of more than ``POOLED_PARAMS`` parameters (the LLaMA-sized dummies) draws one
-    pool of ``POOL_SIZE`` values, and each linear is a read-only window of it at a seeded
-    offset, row i starting ``ROW_STEP * i`` values after row 0 (rows overlap, and stay
-    distinct): it starts in a second with 256 MB, where drawing every value would take
-    ~50 s and 32 GB of float32 for 8B parameters. Smaller models draw every value.
-    """
-    shapes = weight_shapes(config)
-    matrices = {name: shape for name, shape in shapes.items() if len(shape) == 2}
-    gen = torch.Generator().manual_seed(seed)
-    if sum(r * c for r, c in matrices.values()) > POOLED_PARAMS:
-        pool = torch.randn(POOL_SIZE, generator=gen) * 0.02
-
-        def rnd(r: int, c: int) -> torch.Tensor:
-            room = POOL_SIZE - ROW_STEP * (r - 1) - c
-            offset = int(torch.randint(room, (), generator=gen))
-            return pool.as_strided((r, c), (ROW_STEP, 1), offset)
-    else:
-        def rnd(r: int, c: int) -> torch.Tensor:
-            return torch.randn(r, c, generator=gen) * 0.02
-
-    w = {name: rnd(*shape) for name, shape in matrices.items()}
-    unit = 1.0 - family(config).norm_offset  # a norm's stored weight for scale 1
-    for name, (n,) in ((n, s) for n, s in shapes.items() if len(s) == 1):
-        w[name] = (torch.full((n,), unit) if name.endswith("norm.weight")
-                   else torch.randn(n, generator=gen) * 0.02)
-    return w
-
-
 @dataclass
 class _Checkpoint:
     """A model's weights (HF names), read to the device and dtype it runs in."""
@@ -343,45 +308,66 @@ class DecoderModel:
         The first stage embeds ``token_ids``; a later one continues from ``hidden``, its
         predecessor's output, on any device (it is moved to ``token_ids``'s).
         ``before_layer(i)`` runs before layer i reads the KV memory (a layer-wise load
-        waits there), ``layer_hook(i)`` after it wrote it."""
-        cfg = self.config
+        waits there), ``layer_hook(i)`` after it wrote it. A layer is ``front`` (to q, k,
+        v), attention, ``back`` (the rest): common/engine/prefill_graphs.py replays the
+        pieces between two attentions as CUDA graphs."""
         if self.first_stage:
-            h = self.embed.index_select(0, token_ids)
-            if self.embed_scale is not None:
-                h = h * self.embed_scale
+            h = self.embed_tokens(token_ids)
         elif hidden is None:
             raise ValueError(f"a stage starting at layer {self.layer_range.start} needs the "
                              "hidden states of the stage before it")
         else:  # hidden states may arrive in host memory (a slot of services/prefill/hidden.py)
             h = hidden.to(token_ids.device, self.dtype)
-        ops, eps = self.ops, cfg.rms_norm_eps
-        ropes = {kind: ops.rope(inv_freq, meta.positions, self.dtype)
-                 for kind, inv_freq in self.inv_freqs.items()}
-        nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
-        t = h.shape[0]
-        x = ops.rms_norm(h, self.layers[0].input_norm, eps)
+        ropes = self.ropes(meta.positions)
+        x: Optional[torch.Tensor] = self.ops.rms_norm(h, self.layers[0].input_norm,
+                                                      self.config.rms_norm_eps)
         for index, lw in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(index)
-            q, k, v = lw.wqkv(x).split([nq, nkv, nkv], dim=-1)
-            q, k = q.view(t, cfg.num_heads, hd), k.view(t, cfg.num_kv_heads, hd)
-            if lw.q_norm is not None:
-                q, k = ops.head_norm(q, lw.q_norm, eps), ops.head_norm(k, lw.k_norm, eps)
-            q, k = ropes[lw.rope](q, k)
-            o = lw.wo(attention(index, q, k, v.reshape(t, cfg.num_kv_heads, hd), meta, lw.attn))
-            if lw.attn_out_norm is not None:
-                o = ops.rms_norm(o, lw.attn_out_norm, eps)
-            h, x = ops.add_rms_norm(h, o, lw.mlp_norm, eps)
-            down = lw.w_down(self.gated(lw.w_gate_up(x)))
-            if lw.mlp_out_norm is not None:
-                down = ops.rms_norm(down, lw.mlp_out_norm, eps)
-            if index + 1 < len(self.layers):  # the residual add and the next layer's norm
-                h, x = ops.add_rms_norm(h, down, self.layers[index + 1].input_norm, eps)
-            else:
-                h = h + down
+            q, k, v = self.front(index, x, ropes)
+            h, x = self.back(index, h, attention(index, q, k, v, meta, lw.attn))
             if layer_hook is not None:
                 layer_hook(index)
         return h
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed.index_select(0, token_ids)
+        return h if self.embed_scale is None else h * self.embed_scale
+
+    def ropes(self, positions: torch.Tensor) -> dict[str, Rope]:
+        """Each rope kind's rotation of (q, k) at ``positions``."""
+        return {kind: self.ops.rope(inv_freq, positions, self.dtype)
+                for kind, inv_freq in self.inv_freqs.items()}
+
+    def front(self, index: int, x: torch.Tensor, ropes: dict[str, Rope],
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``index``'s q [T, heads, hd], k and v [T, kv heads, hd] of its normed
+        input ``x``, rotated (``ropes``)."""
+        cfg, lw, t = self.config, self.layers[index], x.shape[0]
+        nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+        q, k, v = lw.wqkv(x).split([nq, nkv, nkv], dim=-1)
+        q, k = q.view(t, cfg.num_heads, hd), k.view(t, cfg.num_kv_heads, hd)
+        if lw.q_norm is not None:
+            eps = cfg.rms_norm_eps
+            q, k = self.ops.head_norm(q, lw.q_norm, eps), self.ops.head_norm(k, lw.k_norm, eps)
+        q, k = ropes[lw.rope](q, k)
+        return q, k, v.reshape(t, cfg.num_kv_heads, hd)
+
+    def back(self, index: int, h: torch.Tensor, o: torch.Tensor,
+             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """After layer ``index``'s attention ``o``: (the residual stream, the next layer's
+        normed input; None after this stage's last layer)."""
+        ops, eps, lw = self.ops, self.config.rms_norm_eps, self.layers[index]
+        o = lw.wo(o)
+        if lw.attn_out_norm is not None:
+            o = ops.rms_norm(o, lw.attn_out_norm, eps)
+        h, x = ops.add_rms_norm(h, o, lw.mlp_norm, eps)
+        down = lw.w_down(self.gated(lw.w_gate_up(x)))
+        if lw.mlp_out_norm is not None:
+            down = ops.rms_norm(down, lw.mlp_out_norm, eps)
+        if index + 1 < len(self.layers):  # the residual add and the next layer's norm
+            return ops.add_rms_norm(h, down, self.layers[index + 1].input_norm, eps)
+        return h + down, None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] of hidden states [N, hidden] (the last stage only)."""

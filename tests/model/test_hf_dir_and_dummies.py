@@ -10,7 +10,7 @@ import torch
 
 from common.engine import Engine, EngineConfig
 from common.model.config import DUMMY_CONFIGS
-from common.model.decoder import random_weights
+from common.model.dummy_weights import random_weights
 
 ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 32, "rope_theta": 5000.0}
@@ -73,7 +73,7 @@ def test_big_dummies_take_their_linears_from_one_pool() -> None:
     config says, seeded, each row distinct, std 0.02; a small dummy draws every value."""
     import time
 
-    from common.model.decoder import POOL_SIZE
+    from common.model.dummy_weights import POOL_SIZE
 
     cfg = DUMMY_CONFIGS["dummy-llama3-8b"]
     t0 = time.perf_counter()

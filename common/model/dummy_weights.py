@@ -1,0 +1,42 @@
+"""Seeded random weights for the dummy models (common/model/config.py ``DUMMY_CONFIGS``):
+benchmarks and tests of model shapes without a checkpoint."""
+from __future__ import annotations
+
+import torch
+
+from common.model.arch import family, weight_shapes
+from common.model.config import ModelConfig
+
+POOLED_PARAMS = 1 << 28  # a dummy model larger than this takes its linears from one pool
+POOL_SIZE, ROW_STEP = 1 << 26, 257
+
+
+def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Seeded random weights in HF names (std 0.02 linears and biases, norms of scale 1).
+
+    A model of more than ``POOLED_PARAMS`` parameters (the LLaMA-sized dummies) draws one
+    pool of ``POOL_SIZE`` values, and each linear is a read-only window of it at a seeded
+    offset, row i starting ``ROW_STEP * i`` values after row 0 (rows overlap, and stay
+    distinct): it starts in a second with 256 MB, where drawing every value would take
+    ~50 s and 32 GB of float32 for 8B parameters. Smaller models draw every value.
+    """
+    shapes = weight_shapes(config)
+    matrices = {name: shape for name, shape in shapes.items() if len(shape) == 2}
+    gen = torch.Generator().manual_seed(seed)
+    if sum(r * c for r, c in matrices.values()) > POOLED_PARAMS:
+        pool = torch.randn(POOL_SIZE, generator=gen) * 0.02
+
+        def rnd(r: int, c: int) -> torch.Tensor:
+            room = POOL_SIZE - ROW_STEP * (r - 1) - c
+            offset = int(torch.randint(room, (), generator=gen))
+            return pool.as_strided((r, c), (ROW_STEP, 1), offset)
+    else:
+        def rnd(r: int, c: int) -> torch.Tensor:
+            return torch.randn(r, c, generator=gen) * 0.02
+
+    w = {name: rnd(*shape) for name, shape in matrices.items()}
+    unit = 1.0 - family(config).norm_offset  # a norm's stored weight for scale 1
+    for name, (n,) in ((n, s) for n, s in shapes.items() if len(s) == 1):
+        w[name] = (torch.full((n,), unit) if name.endswith("norm.weight")
+                   else torch.randn(n, generator=gen) * 0.02)
+    return w
