@@ -22,7 +22,9 @@
 #       profiles in $OUT/profiles.tgz), the live KV-path tests; goals: the same without
 #       the profiles, the goals first; replay: issue 26 goal 5: benchmarks/gpu_replay.py, a
 #       trace replayed on one GPU's cluster over the same-host paths and over TCP, its
-#       JSON as $OUT/gpu-replay.json)
+#       JSON as $OUT/gpu-replay.json; graphs: prompt steps as piecewise CUDA graphs, the
+#       GPU test and benchmarks/prompt_graphs.py (graphed vs eager steps of one engine);
+#       graphs-live: then the prefill benchmark with prefill_graph_tokens = 512)
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -56,7 +58,7 @@ python3 -c "from mooncake.engine import TransferEngine; print('transfer engine i
 cuda_tests() {
   log "CUDA tests"
   timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/model/test_cuda.py \
-    tests/model/test_cuda_graphs.py tests/model/test_flash_attention.py 2>&1 \
+    tests/model/test_cuda_graphs.py tests/model/test_flash_attention.py tests/engine/test_prompt_graphs.py 2>&1 \
     | tee "$OUT/pytest.log" | grep -v "^[IWE][0-9]" | tail -25
 }
 
@@ -90,10 +92,10 @@ pieces() {  # only the transfer engine's cost per scattered piece
   timeout 200 python3 benchmarks/gpu.py --pieces-only 2>&1 | tee "$OUT/pieces.log" | grep -v "^[IWE][0-9]"
 }
 
-prefill_bench() {
-  log "prefill benchmark on the GPU (benchmarks/prefill.py)"
+prefill_bench() {  # [more prefill.py arguments]
+  log "prefill benchmark on the GPU (benchmarks/prefill.py $*)"
   timeout 250 python3 benchmarks/prefill.py --device cuda --model dummy-llama3-8b --dtype bfloat16 \
-    --reps 2 --segment-mb 14336 --out /tmp/prefill-gpu > "$OUT/prefill.log" 2> "$OUT/prefill.err"
+    --reps 2 --segment-mb 14336 --out /tmp/prefill-gpu "$@" > "$OUT/prefill.log" 2> "$OUT/prefill.err"
   echo "rc=$?"
   grep -v "^{" "$OUT/prefill.log" | tail -32  # the JSON line stays in the file
   grep -v "^[IWE][0-9]" "$OUT/prefill.err" | tail -8
@@ -182,6 +184,15 @@ replay() {  # issue 26 goal 5: zero errors and no leaked block over each KV path
   tar czf "$OUT/replay-logs.tgz" -C /tmp gpu-replay 2>/dev/null
 }
 
+prompt_graphs() {  # piecewise CUDA graphs of prompt steps (common/engine/prompt_graphs.py)
+  log "prompt graphs: the GPU test, then graphed vs eager steps (benchmarks/prompt_graphs.py)"
+  timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
+    tests/engine/test_prompt_graphs.py 2>&1 | grep -v "^[IWE][0-9]" | tail -8
+  timeout 240 python3 benchmarks/prompt_graphs.py --device cuda > "$OUT/prompt-graphs.log" 2>&1
+  echo "rc=$?"
+  grep -v "^[IWE][0-9]" "$OUT/prompt-graphs.log" | tail -12
+}
+
 case "${1:-all}" in
   quick) cuda_tests; live_pipeline; engine_figures ;;
   prefill) prefill_bench ;;
@@ -195,6 +206,8 @@ case "${1:-all}" in
   goals) prefill_bench; reap; kv_goals; chunk_checks; kv_e2e ;;  # warm without profiles
   pipeline) live_pipeline "${2:-}" ;;  # [pytest -k expression]
   replay) replay ;;
+  graphs) prompt_graphs ;;
+  graphs-live) prompt_graphs; reap; prefill_bench --graph-tokens 512 --lengths 1024,4096,16384 ;;
   *) cuda_tests; live_pipeline; engine_figures; prefill_bench ;;
 esac
 log "done"

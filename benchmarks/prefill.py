@@ -156,6 +156,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    "shared memory on one host)")
     p.add_argument("--device", default="cpu",
                    help="cuda: no core pins and no pipeline (its stages would share one GPU)")
+    p.add_argument("--graph-tokens", type=int, default=0,
+                   help="on a GPU, prompt steps of up to this many tokens replay CUDA graphs "
+                   "(prefill_graph_tokens; 0: eager)")
     p.add_argument("--lengths", default=None,
                    help="prompt lengths, comma-separated (default 1024,4096,16384; "
                    "--quick 512,2048)")
@@ -255,6 +258,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(json.dumps({"bench": "prefill", "started": started.isoformat(timespec="seconds"),
                       "quick": args.quick, "reps": args.reps, "model": args.model,
                       "device": args.device, "dtype": args.dtype, "kv_path": args.kv_path,
+                      "graph_tokens": args.graph_tokens,
                       "load_average": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
                       "goals": goals(a, b, c), "a": a, "b": b, "c": c,
                       "failed": {k: v["failed"] for k, v in res.items()},

@@ -99,7 +99,8 @@ class Run:
             prefill_blocks = decode_blocks = max(args.lengths) // BLOCK + 64
         cfg.write_text(BASE.format(
             model=args.model, dtype=args.dtype, device=args.device, http=http, base=base,
-            block=BLOCK, extra=extra, store=str(store).lower(), segment=args.segment_mb << 20,
+            block=BLOCK, extra=extra + f"\nprefill_graph_tokens = {args.graph_tokens}",
+            store=str(store).lower(), segment=args.segment_mb << 20,
             budget=budget, prefill_blocks=prefill_blocks, decode_blocks=decode_blocks,
             cpu=pins, kv_path=args.kv_path,
             store_shm='shm_dir = ""' if args.kv_path == "transfer_engine" else ""))

@@ -179,9 +179,8 @@ class ClusterConfig:
     colocated_workers: int = 1
     # Tokens per engine step: a prefill worker's batch of prompt chunks, or a colocated
     # step (its decodes + prompt chunks). None: 256 for a prefill worker; 128 for a
-    # colocated worker, whose every step is also a decode step: Sarathi sizes the budget
-    # from the TBT SLO, but on a CPU small chunks waste weight reads (64 halved its prefill
-    # throughput on 2 cores and doubled TTFT; benchmarks/live_replay.py, BENCHMARKS.md).
+    # colocated worker, every step of which also decodes (Sarathi sizes it from the TBT SLO;
+    # on a CPU 64 halved prefill throughput on 2 cores and doubled TTFT: BENCHMARKS.md).
     token_budget: Optional[int] = None
     # A greedy answer that does not depend on the load (on the CPU): chunks end at block
     # boundaries (common/engine/batching.py) and attend in parts there unless the CPU kernel
@@ -197,6 +196,7 @@ class ClusterConfig:
     prefill_max_wait_s: Optional[float] = None
     prefill_preempt_tokens: int = 128
     prefill_preempt_backlog_s: Optional[float] = None
+    prefill_graph_tokens: int = 0  # GPU prompt steps of up to this many tokens: CUDA graphs
     max_batch_size: int = 64
     max_queue: int = 256  # admission: requests waiting for prefill, cluster-wide
     default_max_tokens: int = 256
@@ -249,14 +249,15 @@ class ClusterConfig:
             raise ValueError(f"worker_wait_s must be >= 0, not {self.worker_wait_s!r}")
         if self.prefill_max_wait_s is None:
             self.prefill_max_wait_s = self.kv_wait_timeout_s / 2
-        preempt = self.prefill_preempt_tokens
+        counts = (self.prefill_preempt_tokens, self.prefill_graph_tokens)
         if self.prefill_order not in ("shortest", "arrival") or not self.prefill_max_wait_s > 0 \
-                or not (isinstance(preempt, int) and preempt >= 0) \
+                or not all(isinstance(n, int) and n >= 0 for n in counts) \
                 or not (self.prefill_preempt_backlog_s is None or self.prefill_preempt_backlog_s > 0):
             raise ValueError("prefill_order must be 'shortest' or 'arrival', prefill_max_wait_s "
-                             "and prefill_preempt_backlog_s > 0, prefill_preempt_tokens >= 0, "
-                             f"not {self.prefill_order!r}, {self.prefill_max_wait_s!r}, "
-                             f"{self.prefill_preempt_backlog_s!r}, {preempt!r}")
+                             "and prefill_preempt_backlog_s > 0, prefill_preempt_tokens and "
+                             f"prefill_graph_tokens >= 0, not {self.prefill_order!r}, "
+                             f"{self.prefill_max_wait_s!r}, {self.prefill_preempt_backlog_s!r}, "
+                             f"{counts[0]!r}, {counts[1]!r}")
         if self.mode not in ("disaggregated", "colocated"):
             raise ValueError(f"mode must be 'disaggregated' or 'colocated', not {self.mode!r}")
         if self.kv_layerwise is None:

@@ -76,6 +76,7 @@ def engine_config(config: ClusterConfig, role: str, index: int = 0) -> EngineCon
         max_batch_size=config.max_batch_size,
         num_threads=config.cpu.threads(role),  # None: as pinned at start (common/cpu.py)
         cuda_graphs=role == "decode",  # only its steps are pure decodes (on a GPU)
+        prompt_graph_tokens=config.prefill_graph_tokens if role != "decode" else 0,
     )
 
 

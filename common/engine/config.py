@@ -29,6 +29,9 @@ class EngineConfig:
     # On a GPU with the Triton backend, decode steps of up to max_batch_size sequences
     # replay CUDA graphs captured at start (common/engine/cuda_graphs.py).
     cuda_graphs: bool = True
+    # On a GPU, prompt steps of up to this many tokens replay piecewise CUDA graphs (the
+    # layers between attentions: common/engine/prompt_graphs.py); 0: none.
+    prompt_graph_tokens: int = 0
     seed: int = 0
     num_layers: Optional[int] = None  # instantiate only the first N layers (huge dummies)
     num_threads: Optional[int] = None  # torch intra-op threads; None keeps torch's default

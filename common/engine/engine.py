@@ -22,13 +22,13 @@ from common.kv.block_pool import BlockPool
 from common.kv.dtypes import resolve_kv_dtype
 from common.kv.memory import KV_DTYPES, PagedKVMemory
 from common.engine.cuda_graphs import DecodeGraphs
+from common.engine.prompt_graphs import prompt_graphs
 from common.model.attention import AttnMetadata, TritonAttention, make_backend, splits_chunks
 from common.model.arch import UnsupportedModelError
 from common.model.config import ModelConfig
 from common.model.decoder import DecoderModel
 from common.model.dummy_weights import random_weights
-from common.model.loader import ModelNotFoundError
-from common.model.loader import load_model_source
+from common.model.loader import ModelNotFoundError, load_model_source
 from common.model.tokenizer import ByteTokenizer, Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -110,6 +110,8 @@ class Engine:
                 and isinstance(self.attention, TritonAttention)):
             self.graphs = DecodeGraphs(self.model, self.attention, self.kv,
                                        config.max_batch_size, self.max_context)
+        self.prompt_graphs = prompt_graphs(self.model, config.prompt_graph_tokens) \
+            if config.prompt_graph_tokens and self.device.type == "cuda" else None
 
     # ---- text -----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -251,8 +253,7 @@ class Engine:
     def _forward(self, chunks: Sequence[PrefillChunk], decodes: Sequence[DecodeInput],
                  layer_hook: Optional[Callable[[int], None]],
                  ) -> tuple[list[Optional[torch.Tensor]], Optional[torch.Tensor]]:
-        hidden = self._hidden(chunks, decodes, layer_hook)
-        return self._logits(hidden, chunks, decodes)
+        return self._logits(self._hidden(chunks, decodes, layer_hook), chunks, decodes)
 
     def _hidden(self, chunks: Sequence[PrefillChunk], decodes: Sequence[DecodeInput],
                 layer_hook: Optional[Callable[[int], None]],
@@ -275,9 +276,13 @@ class Engine:
             parts.append((len(ids), len(ids) + len(decodes), self._decode_meta(decodes)))
             ids += [d.token_id for d in decodes]
         meta = parts[0][2] if len(parts) == 1 else _mixed_meta(parts)
-        hidden = self.model.forward(torch.tensor(ids, dtype=torch.long, device=self.device),
-                                    meta, self.attention, layer_hook, hidden_in, before_layer)
-        return hidden
+        graphs = self.prompt_graphs
+        if graphs is not None and chunks and len(ids) <= graphs.max_tokens:
+            positions = [p for c in chunks for p in range(c.start, c.end)]
+            return graphs.forward(ids, positions + [d.position for d in decodes], meta,
+                                  self.attention, layer_hook, before_layer)
+        return self.model.forward(torch.tensor(ids, dtype=torch.long, device=self.device),
+                                  meta, self.attention, layer_hook, hidden_in, before_layer)
 
     def _logits(self, hidden: torch.Tensor, chunks: Sequence[PrefillChunk],
                 decodes: Sequence[DecodeInput],
