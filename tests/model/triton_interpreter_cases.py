@@ -171,3 +171,29 @@ def test_the_triton_path_serves_other_families(tmp_path) -> None:
     (first, want), (got_first, got) = results
     assert torch.allclose(got_first, first, atol=1e-4)
     assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_prompt_graph_pieces_on_the_triton_path() -> None:
+    """A chunk after a prefix (13 tokens, padded to 16) through the prompt graphs' pieces
+    (common/engine/prompt_graphs.py, eager) on the Triton path: the fused steps on the
+    static buffers' rows give the SDPA engine's logits and KV."""
+    from common.engine import Engine, EngineConfig
+    from common.engine.config import PrefillChunk
+    from common.engine.prompt_graphs import PromptGraphs
+    from common.model.decoder import TritonOps
+
+    ids = torch.randint(3, 500, (33,), generator=torch.Generator().manual_seed(5)).tolist()
+    results = []
+    for backend in ("sdpa", "triton"):
+        e = Engine(EngineConfig(model="dummy-tiny", num_blocks=16, block_size=16,
+                                attention_backend=backend))
+        if backend == "triton":
+            e.model.ops = TritonOps  # chosen on CUDA only
+            e.prompt_graphs = PromptGraphs(e.model, 32, capture=False)
+        table = e.pool.allocate(e.blocks_needed(len(ids)))
+        e.prefill(ids[:20], table)
+        logits = e.step([PrefillChunk(ids, 20, 33, table)])[0][0]
+        results.append((logits, e.kv.data.clone()))
+    (want, kv_want), (got, kv_got) = results
+    assert torch.allclose(got, want, atol=1e-4)
+    assert torch.allclose(kv_got, kv_want, atol=1e-5)
