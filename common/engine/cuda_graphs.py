@@ -46,11 +46,12 @@ def batch_ladder(max_batch: int) -> list[int]:
 
 
 def padded_size(ladder: Sequence[int], n: int) -> int:
-    """The smallest captured size that holds ``n`` sequences."""
+    """The smallest captured size that holds ``n`` rows (sequences, a prompt step's
+    tokens: common/engine/prompt_graphs.py)."""
     for size in ladder:
         if size >= n:
             return size
-    raise ValueError(f"{n} sequences exceed the largest captured batch {ladder[-1]}")
+    raise ValueError(f"{n} rows exceed the largest captured size {ladder[-1]}")
 
 
 class DecodeGraphs:

@@ -27,6 +27,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from common.engine.cuda_graphs import padded_size
 from common.model.attention import AttentionBackend, AttnMetadata
 from common.model.decoder import DecoderModel
 
@@ -42,14 +43,6 @@ def token_ladder(max_tokens: int) -> list[int]:
     if max_tokens < 1:
         raise ValueError(f"prompt graphs need max_tokens >= 1, not {max_tokens}")
     return [s for s in SIZES if s < max_tokens] + [max_tokens]
-
-
-def padded_size(ladder: Sequence[int], n: int) -> int:
-    """The smallest captured size that holds ``n`` tokens."""
-    for size in ladder:
-        if size >= n:
-            return size
-    raise ValueError(f"{n} tokens exceed the largest captured step {ladder[-1]}")
 
 
 class PromptGraphs:

@@ -8,7 +8,8 @@ import torch
 
 from common.engine import DecodeInput, Engine, EngineConfig
 from common.engine.config import PrefillChunk
-from common.engine.prompt_graphs import PromptGraphs, padded_size, token_ladder
+from common.engine.cuda_graphs import padded_size
+from common.engine.prompt_graphs import PromptGraphs, token_ladder
 from common.model import triton_ops
 
 
