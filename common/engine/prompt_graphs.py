@@ -33,8 +33,8 @@ from common.model.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
 
-# Token counts captured (those below max_tokens, then max_tokens): padding a step costs at
-# most a quarter of its rows from 64 on
+# Token counts captured (those below max_tokens, then max_tokens): from 64 tokens on a
+# step pads at most a third of its rows
 SIZES = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 1024,
          1280, 1536, 2048)
 
