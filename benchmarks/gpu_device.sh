@@ -22,7 +22,8 @@
 #       profiles in $OUT/profiles.tgz), the live KV-path tests; goals: the same without
 #       the profiles, the goals first; replay: issue 26 goal 5: benchmarks/gpu_replay.py, a
 #       trace replayed on one GPU's cluster over the same-host paths and over TCP, its
-#       JSON as $OUT/gpu-replay.json; graphs: prompt steps as piecewise CUDA graphs, the
+#       JSON as $OUT/gpu-replay.json (REPLAY_ARGS="--graph-tokens 512": with prompt
+#       graphs, preempting steps nested in their graphed steps included); graphs: prompt steps as piecewise CUDA graphs, the
 #       GPU test and benchmarks/prompt_graphs.py (graphed vs eager steps of one engine);
 #       graphs-live: then the prefill benchmark with prefill_graph_tokens = 512)
 set -u
@@ -175,7 +176,7 @@ warm_issue() {  # issue 26 goal 3: checks, the goals, then profiles (8 files bac
 
 replay() {  # issue 26 goal 5: zero errors and no leaked block over each KV path
   log "a trace replay on one GPU over each KV path (benchmarks/gpu_replay.py)"
-  timeout 480 python3 benchmarks/gpu_replay.py --device cuda --out /tmp/gpu-replay \
+  timeout 480 python3 benchmarks/gpu_replay.py --device cuda --out /tmp/gpu-replay ${REPLAY_ARGS:-} \
     > "$OUT/replay.log" 2> "$OUT/replay.err"
   echo "rc=$?"
   grep -v "^{" "$OUT/replay.log" | tail -12

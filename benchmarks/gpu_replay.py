@@ -77,6 +77,7 @@ decode_blocks = {decode_blocks}
 admission = "none"
 kv_path = "{kv_path}"
 request_timeout_s = {timeout}
+prefill_graph_tokens = {graph_tokens}
 
 [slo]
 ttft_s = 600.0
@@ -227,6 +228,7 @@ def run_path(args: argparse.Namespace, index: int, path: str, rows: list[dict],
         model=args.model, dtype=args.dtype, device=args.device, http=http, base=base,
         scheduler=args.scheduler, budget=size.budget, prefill_blocks=size.prefill_blocks,
         decode_blocks=size.decode_blocks, kv_path=kv_path, timeout=args.request_timeout,
+        graph_tokens=args.graph_tokens,
         segment=size.segment_mb << 20, shm=shm,
         cpu=CPU_PINS.format(prefill_cores="0") if args.device == "cpu" else ""))
     cluster = LocalCluster(str(cfg), out / f"logs-{path}")
@@ -282,6 +284,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--block-tokens", type=int, default=None,
                    help="tokens per trace block (default 64 on a GPU, 16 on the CPU)")
     p.add_argument("--max-output", type=int, default=32)
+    p.add_argument("--graph-tokens", type=int, default=0,
+                   help="prefill_graph_tokens: on a GPU, prompt steps as CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", default=str(default_trace_path(REPO)))
     p.add_argument("--base-port", type=int, default=21600)
@@ -338,6 +342,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = {"bench": "gpu_replay", "started": started.isoformat(timespec="seconds"),
               "device": args.device, "model": args.model, "dtype": args.dtype,
               "requests": len(rows), "rate": args.rate, "block_tokens": args.block_tokens,
+              "graph_tokens": args.graph_tokens,
               "goals": {"replay_errors": sum(r["errors"] for r in table),
                         "replay_leaked_blocks": sum(r["leaked_blocks"] for r in table),
                         "replay_answers_differ": differ,
