@@ -143,6 +143,11 @@ class CostModel:
         # the worker's own work between steps) and the compute's speed against the profile
         self.prefill_overhead_s = 0.0
         self.prefill_scale = 1.0
+        # Prompts of at most ``prefill_short_tokens`` to compute preempt a longer prompt's
+        # step with one of their own, whose fixed cost is theirs alone: their own scale
+        # once learned (None: ``prefill_scale``)
+        self.prefill_short_tokens = 0
+        self.prefill_short_scale: Optional[float] = None
         # a live decode step against the profile's (sampling, streaming, the inbox
         # between steps, a busier or quieter machine)
         self.decode_scale = 1.0
@@ -154,7 +159,14 @@ class CostModel:
     def prefill_compute_seconds(self, new_tokens: int, cached_tokens: int) -> float:
         """The instance's compute for it: what a request queued behind it waits for (its
         overhead overlaps the next one's compute)."""
-        return self.prefill_scale * self.profile_prefill_seconds(new_tokens, cached_tokens)
+        return self.scale_for(new_tokens) * self.profile_prefill_seconds(new_tokens,
+                                                                         cached_tokens)
+
+    def scale_for(self, new_tokens: int) -> float:
+        """The live correction of the profile for a prompt of ``new_tokens`` to compute."""
+        short = self.prefill_short_scale
+        return short if short is not None and new_tokens <= self.prefill_short_tokens \
+            else self.prefill_scale
 
     def profile_prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
         """The polynomial alone (PipelineCost: the group's pipelined time of it)."""

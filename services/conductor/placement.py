@@ -86,7 +86,8 @@ class Placer:
         self.global_index = global_index or PrefixIndex()
         # a cost model and its online calibration per prefill shape (stages per instance):
         # a pipeline group's TTFT is not a single worker's (short prompts gain nothing)
-        self.shapes: dict[int, PrefillCalibrator] = {1: PrefillCalibrator(self.cost)}
+        self.shapes: dict[int, PrefillCalibrator] = {1: PrefillCalibrator(
+            self.cost, short_tokens=config.prefill_preempt_tokens)}
         self.store_reads = ReadBandwidth()
         self.decode_steps = DecodeCalibrator(self.cost)
         self.machine_keys: list[str] = []  # the workers' fitted coefficients adopted
@@ -112,7 +113,10 @@ class Placer:
         return {"profile": self.config.cost_profile, "machine_keys": self.machine_keys,
                 "prefill": asdict(self.cost.prefill), "decode": asdict(self.cost.decode),
                 "prefill_overhead_s": self.cost.prefill_overhead_s,
-                "prefill_scale": self.cost.prefill_scale, "refits": self.calibrator.refits,
+                "prefill_scale": self.cost.prefill_scale,
+                "prefill_short_scale": self.cost.prefill_short_scale,
+                "prefill_short_tokens": self.cost.prefill_short_tokens,
+                "refits": self.calibrator.refits,
                 "samples": self.calibrator.samples, **self.decode_steps.describe()}
 
     @property

@@ -46,6 +46,40 @@ def test_long_prompts_weigh_most_in_the_scale() -> None:
     assert 1.0 < cost.prefill_scale < 1.1
 
 
+def test_short_prompts_take_a_scale_of_their_own() -> None:
+    """Prompts of at most ``short_tokens`` compute in steps of their own (preempting): their
+    reports give their scale; the long ones' stays theirs; a request alone is priced with
+    the scale of its length."""
+    cost = model()
+    cal = PrefillCalibrator(cost, refit_every=1, min_samples=4, min_alone=2, short_tokens=128)
+    for _ in range(3):  # too few short ones yet: they are priced as the long ones
+        cal.observe_compute(20, 500, 1.5 * model().prefill_seconds(20, 500))
+    for n in (300, 900, 2000, 4000):
+        cal.observe_compute(n, 0, 1.1 * model().prefill_seconds(n, 0))
+    assert cost.prefill_short_scale is None
+    assert cost.prefill_compute_seconds(20, 500) == pytest.approx(
+        cost.prefill_scale * model().prefill_seconds(20, 500))
+    cal.observe_compute(128, 0, 1.5 * model().prefill_seconds(128, 0))
+    assert cost.prefill_short_scale == pytest.approx(1.5)
+    assert 1.1 < cost.prefill_scale < 1.2  # all seven, the long ones weighing most
+    assert cost.prefill_compute_seconds(128, 0) == pytest.approx(
+        1.5 * model().prefill_seconds(128, 0))
+    assert cost.prefill_compute_seconds(129, 0) == pytest.approx(
+        cost.prefill_scale * model().prefill_seconds(129, 0))
+    cal.observe_alone(20, 0, 0.05 + 1.5 * model().prefill_seconds(20, 0))
+    cal.observe_alone(900, 0, 0.05 + cost.prefill_scale * model().prefill_seconds(900, 0))
+    assert cost.prefill_overhead_s == pytest.approx(0.05)
+    assert cost.prefill_seconds(20, 0) == pytest.approx(0.05 + 1.5 * model().prefill_seconds(20, 0))
+
+
+def test_no_short_scale_without_short_tokens() -> None:
+    cost = model()
+    cal = PrefillCalibrator(cost, refit_every=1)
+    for _ in range(8):
+        cal.observe_compute(4, 0, 3 * model().prefill_seconds(4, 0))
+    assert cost.prefill_short_scale is None and cost.prefill_scale == pytest.approx(3.0)
+
+
 def test_too_few_samples_keep_the_correction() -> None:
     cost = model()
     cal = PrefillCalibrator(cost, refit_every=1, min_samples=8, min_alone=4)

@@ -84,7 +84,7 @@ def test_a_groups_prefill_feeds_its_own_calibration() -> None:
     c.placer.observe_prefill(PrefillDone("r", "prefill-0", 4000, 0, 0, 1.0, 0), 2, 1.2)
     c.placer.observe_prefill(PrefillDone("r", "prefill-1", 4000, 96, 0, 1.8, 0), 1)
     group, single = c.placer.shapes[2], c.placer.shapes[1]
-    assert [s for _, s in group.computed] == [1.0] and [s for _, s in group.alone] == [1.2]
+    assert [s for _, s in group.computed] == [1.0] and [s for *_, s in group.alone] == [1.2]
     assert [s for _, s in single.computed] == [1.8] and not single.alone
     assert group.computed[0][0] == pytest.approx(c.placer.cost_of(2).profile_prefill_seconds(
         4000, 0))

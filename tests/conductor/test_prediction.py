@@ -86,8 +86,8 @@ def test_only_requests_alone_on_their_prefill_worker_are_calibration_samples() -
     clock.t += 0.4
     done(c, mail, "alone", cached=16)
     cal = c.placer.calibrator
-    assert [s for _, s in cal.alone] == [pytest.approx(0.4)] and len(cal.computed) == 1
-    assert cal.alone[0][0] == cal.cost.profile_prefill_seconds(35 - 16, 16)
+    assert [s for *_, s in cal.alone] == [pytest.approx(0.4)] and len(cal.computed) == 1
+    assert cal.alone[0][:2] == (35 - 16, cal.cost.profile_prefill_seconds(35 - 16, 16))
     submit(c, "a", blocks=1, tail=1)
     submit(c, "b", blocks=3, tail=1)  # queued behind a: neither TTFT is its own
     assert not c.tracker.get("a").alone and not c.tracker.get("b").alone
