@@ -25,7 +25,8 @@
 #       JSON as $OUT/gpu-replay.json (REPLAY_ARGS="--graph-tokens 512": with prompt
 #       graphs, preempting steps nested in their graphed steps included); graphs: prompt steps as piecewise CUDA graphs, the
 #       GPU test and benchmarks/prompt_graphs.py (graphed vs eager steps of one engine);
-#       graphs-live: then the prefill benchmark with prefill_graph_tokens = 512)
+#       graphs-live: then the prefill benchmark with prefill_graph_tokens = 512; next:
+#       graphs, the chunk attention benchmark and replay in one call, ~7 minutes)
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -185,10 +186,12 @@ replay() {  # issue 26 goal 5: zero errors and no leaked block over each KV path
   tar czf "$OUT/replay-logs.tgz" -C /tmp gpu-replay 2>/dev/null
 }
 
-prompt_graphs() {  # piecewise CUDA graphs of prompt steps (common/engine/prompt_graphs.py)
+prompt_graphs() {  # piecewise CUDA graphs of prompt steps (common/engine/prompt_graphs.py);
+  # GRAPHS_OK=1 where the GPU test passed
   log "prompt graphs: the GPU test, then graphed vs eager steps (benchmarks/prompt_graphs.py)"
   timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu \
-    tests/engine/test_prompt_graphs.py 2>&1 | grep -v "^[IWE][0-9]" | tail -8
+    tests/engine/test_prompt_graphs.py > "$OUT/prompt-graphs-test.log" 2>&1 && GRAPHS_OK=1
+  grep -v "^[IWE][0-9]" "$OUT/prompt-graphs-test.log" | tail -8
   timeout 240 python3 benchmarks/prompt_graphs.py --device cuda > "$OUT/prompt-graphs.log" 2>&1
   echo "rc=$?"
   grep -v "^[IWE][0-9]" "$OUT/prompt-graphs.log" | tail -12
@@ -208,6 +211,15 @@ case "${1:-all}" in
   pipeline) live_pipeline "${2:-}" ;;  # [pytest -k expression]
   replay) replay ;;
   graphs) prompt_graphs ;;
+  next)  # what the 2026-11-28 night session prepared, in one call (~7 minutes): the prompt
+    # graphs, the chunk attention's one-call column, then goal 5's replay (40 requests),
+    # with the graphs on where their GPU test passed
+    prompt_graphs
+    log "chunk attention after a prefix (benchmarks/chunk_attention.py)"
+    timeout 60 python3 benchmarks/chunk_attention.py 2>&1 | grep -v "^[IWE][0-9]" \
+      | tee "$OUT/chunk-attention.log" | grep -v "^{"
+    reap
+    REPLAY_ARGS="--requests 40 ${GRAPHS_OK:+--graph-tokens 512}" replay ;;
   graphs-live) prompt_graphs; reap; prefill_bench --graph-tokens 512 --lengths 1024,4096,16384 ;;
   *) cuda_tests; live_pipeline; engine_figures; prefill_bench ;;
 esac
