@@ -309,7 +309,7 @@ class DecoderModel:
         predecessor's output, on any device (it is moved to ``token_ids``'s).
         ``before_layer(i)`` runs before layer i reads the KV memory (a layer-wise load
         waits there), ``layer_hook(i)`` after it wrote it. A layer is ``front`` (to q, k,
-        v), attention, ``back`` (the rest): common/engine/prefill_graphs.py replays the
+        v), attention, ``back`` (the rest): common/engine/prompt_graphs.py replays the
         pieces between two attentions as CUDA graphs."""
         if self.first_stage:
             h = self.embed_tokens(token_ids)
