@@ -56,7 +56,7 @@ from benchmarks.replay_metrics import (  # noqa: E402
     RequestResult, conversation_slice, scale_trace, server_side, summarize,
 )
 from common.model.config import DUMMY_CONFIGS  # noqa: E402
-from launch.cluster import LocalCluster  # noqa: E402
+from launch.cluster import ClusterError, LocalCluster  # noqa: E402
 from traces.loader import default_trace_path  # noqa: E402
 
 PATHS = {"same-host": ("auto", ""), "tcp": ("transfer_engine", 'shm_dir = ""')}
@@ -234,7 +234,13 @@ def run_path(args: argparse.Namespace, index: int, path: str, rows: list[dict],
     cluster = LocalCluster(str(cfg), out / f"logs-{path}")
     run = PathRun(path)
     try:
-        cluster.start(timeout_s=args.start_timeout)
+        try:
+            cluster.start(timeout_s=args.start_timeout)
+        except ClusterError as exc:  # every request of this path fails; the next one runs
+            say(f"{path}: the cluster did not start: {exc}")
+            failed = RequestResult(error=f"the cluster did not start: {exc}"[:200])
+            run.answers = [Answer(i, failed) for i in range(len(rows))]
+            return run
         say(f"{path}: cluster up, replaying {len(rows)} requests")
         t0 = time.monotonic()
         run.answers = asyncio.run(replay(cluster.url, rows, prompts, args.model,
