@@ -105,3 +105,25 @@ def test_captured_prompt_graphs_give_the_eager_steps() -> None:
             # bfloat16 rounding: a padded step multiplies matrices of another height
             assert torch.allclose(g, w, atol=3e-2), (g - w).abs().max()
     assert calls["graphed"] == calls["plain"]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma2", "gemma3_text"])
+def test_every_familys_layers_cut_into_pieces_give_its_forward(model_type, tmp_path) -> None:
+    """Per-head q/k norms (Qwen3, Gemma3), norms around the attention and MLP outputs, the
+    embedding scale, soft-capping and sliding windows (Gemma), two ropes (Gemma3): the
+    pieces (front and back of each layer, from the static buffers) give the forward's
+    logits on a chunk past the window after a prefix."""
+    from tests.model.test_architectures import FAMILIES
+    from tests.model.tiny_checkpoints import write_checkpoint
+
+    write_checkpoint(model_type, tmp_path, **FAMILIES[model_type])
+    ids = torch.randint(0, 320, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    out = []
+    for graphed in (True, False):
+        e = Engine(EngineConfig(model=str(tmp_path), num_blocks=16, block_size=4))
+        if graphed:
+            e.prompt_graphs = PromptGraphs(e.model, 32, capture=False)
+        table = e.pool.allocate(e.blocks_needed(len(ids)))
+        e.prefill(ids[:12], table)
+        out.append(e.step([PrefillChunk(ids, 12, 30, table)])[0][0])
+    assert torch.allclose(out[0], out[1], atol=1e-5), (out[0] - out[1]).abs().max()
