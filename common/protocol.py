@@ -104,13 +104,11 @@ class WorkerHeartbeat:
     epoch: int = 0  # the sender's incarnation: a beat of a replaced one is dropped
     inbox: Optional[str] = None  # the sender's: where a ReRegister goes
     draining: bool = False  # SIGTERM: finishing in-flight work; place nothing new here
-    # What this incarnation dropped or gave up on, by reason, cumulative: stale messages
-    # (e.g. "KVReady", "duplicate"), "outbox_full", "quarantine_expired", "store_load" (a
-    # layer-wise load from the store failed; the prefix was computed instead).
+    # What this incarnation dropped or gave up on, by reason, cumulative: stale messages (e.g.
+    # "KVReady", "duplicate"), "outbox_full", "quarantine_expired", "store_load" (recomputed).
     dropped: dict[str, int] = field(default_factory=dict)
-    # Bytes this incarnation moved, cumulative, by "FLOW/PATH": FLOW decode (KV to decode
-    # workers), hidden (to the next pipeline stage), store_read or store_write; PATH shm
-    # or transfer_engine.
+    # Bytes this incarnation moved, cumulative, by "FLOW/PATH": FLOW decode, hidden (to the
+    # next stage), store_read or store_write; PATH shm, cuda_ipc, pinned or transfer_engine.
     kv_bytes: dict[str, int] = field(default_factory=dict)
     decode_steps: StepTotals = field(default_factory=StepTotals)  # a decode worker's
 
@@ -292,6 +290,13 @@ class PrefillTask:
         return StreamTarget(self.decode_id, self.decode_session, self.decode_kv_base,
                             self.decode_block_ids, self.decode_shm_path, self.decode_host_id,
                             self.decode_kv_ipc)
+
+
+@message
+class PrefetchLoads:
+    """Conductor → prefill worker with the reservation: ask the store for this prompt now."""
+    request_id: str
+    block_keys: list[str]  # as PrefillTask's
 
 
 # ---------------------------------------------------------------- to a decode worker

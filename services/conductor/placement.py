@@ -33,6 +33,7 @@ class Placement:
     predicted_ttft_s: float
     prefill_tokens: int  # tokens the prefill worker is predicted to compute
     kv_tokens: int  # the KV it may hold on its decode worker (``kv_tokens``)
+    store_blocks: int = 0  # leading blocks the store holds past the prefill worker's own
 
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "launch" / "profiles"
@@ -252,7 +253,8 @@ class Placer:
             seconds = self.cost_of(chosen.info.stages).prefill_compute_seconds(
                 new, len(req.token_ids) - new)
             self.placed[d.prefill_id].append((now, new, seconds))
-        return Placement(d.prefill_id, decode_id, d.predicted_ttft_s, new, need)
+        return Placement(d.prefill_id, decode_id, d.predicted_ttft_s, new, need,
+                         max(0, global_len - d.prefix_blocks_local))
 
     def observe_store_read(self, msg: PrefillDone) -> Optional[float]:
         """Learn the store's read bandwidth from a prefill's load; the scheduler prices

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Optional
 
@@ -23,12 +24,16 @@ from services.prefill.prefix_plan import (
 )
 
 if TYPE_CHECKING:
+    from common.protocol import PrefetchLoads
     from common.store.client import StoreClient
     from common.store.ranges import GetPlan
 
 log = logging.getLogger("prefill.prefix")
 
 STORE_TIMEOUT_S = 5.0
+# A plan asked for ahead (``prefetch``, the conductor's hint with the reservation) serves its
+# task's admission while at least this much of its lease is left; at most PREFETCHED wait
+PLAN_LEFT_S, PREFETCHED = 1.0, 64
 
 
 @dataclass
@@ -60,6 +65,8 @@ class PrefixLoader:
         self.bs = kv.block_size
         self.store = store
         self._puts: set[asyncio.Task] = set()
+        # request id -> (its keys, the plan asked for ahead), oldest first
+        self._prefetched: OrderedDict[str, tuple[list[bytes], asyncio.Task]] = OrderedDict()
 
     @classmethod
     async def create(cls, rt: WorkerRuntime) -> "PrefixLoader":
@@ -82,15 +89,29 @@ class PrefixLoader:
         return cls(rt.engine.pool, kv, store, rt.config.kv_layerwise and rt.role == "prefill",
                    kv.layer_nbytes * rt.engine.model_config.num_layers)
 
+    def prefetch(self, hint: "PrefetchLoads") -> None:
+        """Ask the store now where the hinted prompt's blocks are, for the layer-wise load
+        of its task to come (its admission takes the answer: ``_planned``)."""
+        if not self.layerwise or self.store is None or hint.request_id in self._prefetched:
+            return
+        try:
+            keys = [bytes.fromhex(k) for k in hint.block_keys]
+        except ValueError:  # the task's own keys fail it, with a reason
+            return
+        while len(self._prefetched) >= PREFETCHED:  # hints whose task never came
+            self._prefetched.popitem(last=False)[1][1].cancel()
+        self._prefetched[hint.request_id] = (keys, asyncio.ensure_future(self._plan(keys)))
+
     async def acquire(self, tokens: list[int], keys: list[bytes], from_store: bool = True,
-                      reuse_prefix: bool = True) -> Optional[PrefixPlan]:
+                      reuse_prefix: bool = True, request_id: Optional[str] = None,
+                      ) -> Optional[PrefixPlan]:
         """Reference every block the prompt needs; None if the pool cannot hold it.
         ``from_store`` False: read nothing from the store (still asked which blocks it
         holds, so that they are not put again). ``reuse_prefix`` False: compute the whole
         prompt into fresh blocks, cached prefix or not (its prompt logprobs need every
         row; after it, a block whose key is cached already stays private)."""
         cached, reuse, load, read = await self._find(
-            tokens, keys, from_store=from_store and reuse_prefix)
+            tokens, keys, from_store=from_store and reuse_prefix, request_id=request_id)
         if not reuse_prefix:
             self.pool.free(cached)
             cached, reuse = [], replace(reuse, local=0, loaded=0, kept=0)
@@ -114,10 +135,11 @@ class PrefixLoader:
         return cached, reuse.global_blocks, reuse.stored_from
 
     async def _find(self, tokens: list[int], keys: list[bytes], whole: bool = False,
-                    from_store: bool = True,
+                    from_store: bool = True, request_id: Optional[str] = None,
                     ) -> tuple[list[int], Reuse, Optional["GetPlan"], tuple[int, float]]:
         """(blocks kept, the reuse plan, a layer-wise load's lease, (bytes, seconds) of
         whole blocks read from the store now)."""
+        ahead = self._prefetched.pop(request_id, None) if request_id is not None else None
         local = self.pool.match_prefix(keys)
         loaded: list[int] = []
         found: Optional[int] = None
@@ -125,7 +147,7 @@ class PrefixLoader:
         read = (0, 0.0)
         if ask_store(len(local), len(keys), self.store is not None):
             if self.layerwise and not whole and from_store:  # one round trip: where each
-                plan = await self._plan(keys)  # key is, leased (a miss has no place)
+                plan = await self._planned(keys, ahead)  # key is, leased (a miss: none)
                 exists = plan.present() if plan is not None else None
             else:
                 plan, exists = None, await self._exists(keys)
@@ -140,6 +162,8 @@ class PrefixLoader:
                     if loaded:
                         read = (len(loaded) * self.kv.block_nbytes,
                                 time.perf_counter() - started)
+        if ahead is not None:  # not wanted after all (a local hit, no store loads)
+            ahead[1].cancel()
         reuse = plan_reuse(len(tokens), self.bs, len(local), len(loaded), found)
         cached = local + loaded
         self.pool.free(cached[reuse.kept:])  # tail first, like any sequence's blocks
@@ -153,6 +177,18 @@ class PrefixLoader:
         except Exception as exc:
             log.warning("store lookup failed (%s); computing instead", exc)
             return None
+
+    async def _planned(self, keys: list[bytes],
+                       ahead: Optional[tuple[list[bytes], asyncio.Task]]) -> Optional["GetPlan"]:
+        """The plan asked for ahead for these keys, if its lease has ``PLAN_LEFT_S`` left;
+        else the store's answer now."""
+        if ahead is not None and ahead[0] == keys:
+            plan = await ahead[1]
+            if plan is not None and plan.deadline - time.time() > PLAN_LEFT_S:
+                return plan
+        elif ahead is not None:
+            ahead[1].cancel()
+        return await self._plan(keys)
 
     def _claim(self, plan: "GetPlan", fetch: range) -> tuple[list[int], Optional["GetPlan"]]:
         """Fresh blocks for ``fetch`` (leading blocks the store holds) and the part of
@@ -245,7 +281,7 @@ class PrefixLoader:
             self.pool.free(plan.block_table)
 
     async def close(self) -> None:
-        for task in list(self._puts):
+        for task in [*self._puts, *(t for _, t in self._prefetched.values())]:
             task.cancel()
         if self.store is not None:
             await self.store.close()

@@ -26,7 +26,8 @@ from common.host import host_id
 from common.idle_check import IdleCheck
 from common.mailbox import serve_inbox
 from common.recent import Recent
-from common.protocol import AbortRequest, Fence, FenceQuery, KVFailed, PrefillTask, WorkerLoad
+from common.protocol import (
+    AbortRequest, Fence, FenceQuery, KVFailed, PrefetchLoads, PrefillTask, WorkerLoad)
 from common.scheduling.prefill_order import PromptOrder
 from common.security import clamp_deadline
 from services.prefill.stage_protocol import StageStored
@@ -44,8 +45,8 @@ from services.prefill.streaming import KVPaths
 
 log = logging.getLogger("prefill")
 
-# Fences of the latest tasks taken, so a replayed task never writes into blocks its
-# reservation may have given up: a minute of tasks (their deadline) at ~70 per second.
+# Fences of the latest tasks taken (a replayed one never writes into blocks its reservation
+# may have given up): a minute of tasks (their deadline) at ~70 per second
 SERVED_MEMORY = 4096
 
 
@@ -54,8 +55,7 @@ class PrefillWorker:
         self.rt, self.engine, self.pool, self.prefix = rt, rt.engine, rt.engine.pool, prefix
         self.budget, self.align = rt.config.step_budget(rt.role), rt.config.chunk_align()
         self.block_size = self.engine.config.block_size
-        self.waiting = PromptQueue(self.pool, self.block_size,
-                                   order=PromptOrder.of(rt.config))
+        self.waiting = PromptQueue(self.pool, self.block_size, order=PromptOrder.of(rt.config))
         self.max_waiting = rt.config.max_queue  # the conductor admits no more cluster-wide
         self.jobs: list[Job] = []  # admitted and not yet reported, oldest first (job.py)
         self.admission = asyncio.Lock()  # one admission at a time (regular or preempting)
@@ -88,6 +88,7 @@ class PrefillWorker:
         self.handlers: dict[type, Callable[[Any], None]] = {
             **rt.handlers,  # ReRegister
             PrefillTask: self.on_task,
+            PrefetchLoads: self.prefix.prefetch,  # the store's answer comes before its task
             AbortRequest: self.on_abort,
             FenceQuery: self.on_fence_query,
         }
@@ -149,8 +150,7 @@ class PrefillWorker:
         for job in self.jobs:
             if job.state is not JobState.ENDING and named(job.task.request_id, job.task.fence):
                 job.aborted = job.stream.aborted = True  # dropped between steps
-        if self.admitting is not None and named(self.admitting.request_id,
-                                                self.admitting.fence):
+        if self.admitting is not None and named(self.admitting.request_id, self.admitting.fence):
             self.admitting_aborted = True
         for task in self.waiting.drop(lambda t: named(t.request_id, t.fence)):
             self.endings.fail(task, 499, "aborted", "aborted before prefill")  # none written
@@ -258,8 +258,8 @@ class PrefillWorker:
         if whole and self.group is not None:
             raise PrefillFailure(400, "invalid_request_error", "prompt logprobs (echo with "
                                  "logprobs) are not computed by a pipeline group")
-        plan = await self.prefix.acquire(tokens, keys, from_store=task.store_loads,
-                                         reuse_prefix=not whole)
+        plan = await self.prefix.acquire(tokens, keys, task.store_loads, not whole,
+                                         task.request_id)
         if plan is None:
             if self.jobs or self.waiting.release_all():  # ending jobs free blocks; holds do
                 return None

@@ -345,3 +345,26 @@ def test_a_request_sent_while_no_worker_lives_waits_or_is_aborted() -> None:
     sent = [type(m) for _, m in mail.take() if not isinstance(m, WorkerGone)]
     assert sent == [ReserveBlocks] and c.held.requests == {}
     assert list(c.tracker.requests) == ["a"]
+
+
+def test_the_prefill_worker_is_told_of_a_stored_prefix_with_the_reservation(conductor) -> None:
+    """The store holds two of the prompt's blocks that no prefill worker does: with the
+    ReserveBlocks, its prefill worker gets a PrefetchLoads (it asks the store meanwhile);
+    not for a prompt the store holds nothing of, nor for the re-run without store loads."""
+    from common.protocol import PrefetchLoads
+
+    c, mail = conductor
+    c.placer.global_index.on_stored(["k0", "k1"])
+    c.on_submit(submit("r", 40, ["k0", "k1"]))
+    sent = mail.take()
+    kinds = [type(m).__name__ for _, m in sent]
+    assert kinds[-2:] == ["ReserveBlocks", "PrefetchLoads"]
+    address, hint = sent[-1]
+    assert hint == PrefetchLoads("r", ["k0", "k1"])
+    assert address == c.registry.get(c.tracker.get("r").prefill_id).info.inbox
+    c.on_submit(submit("s", 40, ["k2", "k3"]))
+    assert not any(isinstance(m, PrefetchLoads) for _, m in mail.take())
+    c.on_reserved(BlocksReserved("r", "decode-0", [1, 2, 3], F0))
+    mail.take()
+    c.on_failed(RequestFailed("r", 503, "kv_load_failed", "lease lapsed", fence=F0))
+    assert not any(isinstance(m, PrefetchLoads) for _, m in mail.take())

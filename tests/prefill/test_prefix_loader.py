@@ -215,3 +215,64 @@ def test_blocks_of_a_read_that_outlived_its_deadline_stay_out_of_the_pool() -> N
 
     asyncio.run(go())
     pl.pool.check_integrity()
+
+
+def test_a_plan_asked_ahead_serves_its_tasks_admission() -> None:
+    """The conductor's hint (``PrefetchLoads``, with the reservation) asks the store at
+    once; the task's admission takes that plan instead of asking again, unless it is for
+    other keys or has too little of its lease left; a hint whose task loads nothing from
+    the store is dropped; hints are bounded; without layer-wise loads there are none."""
+    from common.protocol import PrefetchLoads
+    from services.prefill.prefix import PLAN_LEFT_S, PREFETCHED
+
+    ks = keys(5)
+    store = Store(set(ks[:4]))
+
+    async def run(pl: PrefixLoader, hint_keys: list[bytes], rid: str = "r",
+                  lease: Optional[float] = None) -> PrefixPlan:
+        pl.prefetch(PrefetchLoads("r", [k.hex() for k in hint_keys]))
+        if lease is not None:  # the hinted plan, had its lease run short meanwhile
+            keys_, task = pl._prefetched["r"]
+            plan = await task
+            short = GetPlan(plan.size, plan.keys, plan.replicas, [], time.time() + lease)
+            pl._prefetched["r"] = (keys_, asyncio.ensure_future(asyncio.sleep(0, short)))
+        return await pl.acquire(list(range(21)), ks, request_id=rid)
+
+    pl = loader(store, layerwise=True)
+    plan = asyncio.run(run(pl, ks))
+    assert store.calls == [("plan", 5)] and plan.global_blocks == 4 and not pl._prefetched
+    # other keys (cancelled before it asked), another request's, a lease running out
+    for hint_keys, rid, lease, calls in ((ks[:4], "r", None, 1), (ks, "other", None, 2),
+                                         (ks, "r", PLAN_LEFT_S / 2, 2)):
+        store.calls = []
+        asyncio.run(run(loader(store, layerwise=True), hint_keys, rid, lease))
+        assert store.calls == [("plan", 5)] * calls, (hint_keys == ks, rid, lease)
+    pl = loader(store, layerwise=True)
+    warm(pl, ks[:4])  # every stored block is local: the store is not asked by the task
+
+    async def local() -> None:
+        pl.prefetch(PrefetchLoads("r", [k.hex() for k in ks]))
+        task = pl._prefetched["r"][1]
+        await pl.acquire(list(range(21)), ks, request_id="r")
+        assert task.cancelled() or task.done()
+    store.calls = []
+    asyncio.run(local())
+    assert not pl._prefetched
+
+    async def many() -> int:
+        pl = loader(store, layerwise=True)
+        for i in range(PREFETCHED + 3):
+            pl.prefetch(PrefetchLoads(f"r{i}", [ks[0].hex()]))
+        pl.prefetch(PrefetchLoads("bad", ["not hex"]))
+        await asyncio.sleep(0)
+        n = len(pl._prefetched)
+        tasks = [t for _, t in pl._prefetched.values()]
+        pl.store = None  # closing cancels the plans asked ahead (this store has no close)
+        await pl.close()
+        await asyncio.sleep(0)
+        assert all(t.cancelled() or t.done() for t in tasks)
+        return n
+    assert asyncio.run(many()) == PREFETCHED
+    off = loader(store)  # whole blocks before the compute: no plans ahead
+    off.prefetch(PrefetchLoads("r", [k.hex() for k in ks]))
+    assert not off._prefetched
