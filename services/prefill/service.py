@@ -258,8 +258,8 @@ class PrefillWorker:
         if whole and self.group is not None:
             raise PrefillFailure(400, "invalid_request_error", "prompt logprobs (echo with "
                                  "logprobs) are not computed by a pipeline group")
-        plan = await self.prefix.acquire(tokens, keys, task.store_loads, not whole,
-                                         task.request_id)
+        plan = await self.prefix.acquire(tokens, keys, from_store=task.store_loads,
+                                         reuse_prefix=not whole, request_id=task.request_id)
         if plan is None:
             if self.jobs or self.waiting.release_all():  # ending jobs free blocks; holds do
                 return None
