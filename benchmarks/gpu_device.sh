@@ -94,12 +94,13 @@ pieces() {  # only the transfer engine's cost per scattered piece
   timeout 200 python3 benchmarks/gpu.py --pieces-only 2>&1 | tee "$OUT/pieces.log" | grep -v "^[IWE][0-9]"
 }
 
-prefill_bench() {  # [more prefill.py arguments]
-  log "prefill benchmark on the GPU (benchmarks/prefill.py $*)"
+prefill_bench() {  # [more prefill.py arguments]; (d): each request's stages timed
+  log "prefill benchmark on the GPU (benchmarks/prefill.py --timeline $*)"
   timeout 250 python3 benchmarks/prefill.py --device cuda --model dummy-llama3-8b --dtype bfloat16 \
-    --reps 2 --segment-mb 14336 --out /tmp/prefill-gpu "$@" > "$OUT/prefill.log" 2> "$OUT/prefill.err"
+    --reps 2 --segment-mb 14336 --out /tmp/prefill-gpu --timeline "$@" > "$OUT/prefill.log" \
+    2> "$OUT/prefill.err"
   echo "rc=$?"
-  grep -v "^{" "$OUT/prefill.log" | tail -32  # the JSON line stays in the file
+  grep -v "^{" "$OUT/prefill.log" | tail -52  # the JSON line stays in the file
   grep -v "^[IWE][0-9]" "$OUT/prefill.err" | tail -8
   tar czf "$OUT/prefill-logs.tgz" -C /tmp prefill-gpu 2>/dev/null
 }

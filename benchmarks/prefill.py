@@ -40,6 +40,10 @@ stage, which shares core 1 with decode and the services (a 2-core host).
     tokens). Before P' the benchmark waits, untimed, until the conductor's global index
     holds P's blocks.
 
+``--timeline`` runs the clusters with ``CRESCENT_TIMELINE_DIR`` set (common/timeline.py)
+and adds (d): where each length's cold and warm requests' time to the first token went
+outside the compute, hop by hop (benchmarks/timeline.py).
+
 ``--kv-path transfer_engine`` moves every byte (KV to decode, to and from the store, hidden
 states between stages) through the transfer engine over loopback TCP, as across hosts.
 
@@ -68,8 +72,10 @@ from benchmarks.prefill_report import (  # noqa: E402
     BLOCK, CACHED_SHARE, Sample, goals, part_a, part_b, part_c, reps_for, sibling, table, total,
     unique_prompt,
 )
+from benchmarks import timeline  # noqa: E402
 from common.kv.memory import KV_DTYPES  # noqa: E402
 from common.model.config import DUMMY_CONFIGS  # noqa: E402
+from common.timeline import ENV_DIR  # noqa: E402
 from common.store.policy import MetadataConfig  # noqa: E402
 
 MODEL = "dummy-bench-prefill-wide"
@@ -159,6 +165,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--graph-tokens", type=int, default=0,
                    help="on a GPU, prompt steps of up to this many tokens replay CUDA graphs "
                    "(prefill_graph_tokens; 0: eager)")
+    p.add_argument("--timeline", action="store_true",
+                   help="time each request's stages in every process: (d)")
     p.add_argument("--lengths", default=None,
                    help="prompt lengths, comma-separated (default 1024,4096,16384; "
                    "--quick 512,2048)")
@@ -214,6 +222,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     load0 = os.getloadavg()
+    if args.timeline:  # the clusters' processes inherit it
+        os.environ[ENV_DIR] = str(out / "timeline")
     res = run_all(args, rng, out)
     a = part_a(res, args.lengths)
     b = part_b(res, args.cpp_lengths)
@@ -250,6 +260,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     ("cached", "cached", ".0f"), ("global_hit", "from store", ".0f"),
                     ("cacheable", "cacheable", "d"), ("speedup", "speedup", ".2f"),
                     ("cpu_speedup", "CPU ratio", ".2f")]))
+    d = stages(res, out / "timeline") if args.timeline else {}
+    if d:
+        print("\n(d) where the time to the first token went (benchmarks/timeline.py)")
+        print(timeline.render(d))
     failed = [(name, f) for name, v in res.items() for f in v["failed"]]
     if failed:
         print(f"\n{len(failed)} request(s) failed (left out of the medians):")
@@ -260,11 +274,24 @@ def main(argv: Optional[list[str]] = None) -> int:
                       "device": args.device, "dtype": args.dtype, "kv_path": args.kv_path,
                       "graph_tokens": args.graph_tokens,
                       "load_average": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
-                      "goals": goals(a, b, c), "a": a, "b": b, "c": c,
+                      "goals": goals(a, b, c), "a": a, "b": b, "c": c, "d": d,
                       "failed": {k: v["failed"] for k, v in res.items()},
                       "samples": {k: {kk: [asdict(s) for s in vv] for kk, vv in v.items()
                                       if kk != "failed"} for k, v in res.items()}}))
     return 0
+
+
+def stages(res: dict[str, dict[str, list]], directory: Path) -> dict[str, dict]:
+    """(d): ``timeline.summary`` of each cluster's cold and warm requests per length."""
+    timelines = timeline.load(directory)
+    groups: dict[str, list] = {}
+    for name, kinds in res.items():
+        for kind in ("cold", "warm"):
+            for s in kinds[kind]:
+                if s.request_id in timelines:
+                    groups.setdefault(f"{s.tokens} {name} {kind}", []).append(
+                        timelines[s.request_id])
+    return {name: timeline.summary(ts) for name, ts in groups.items()}
 
 
 if __name__ == "__main__":

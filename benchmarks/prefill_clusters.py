@@ -134,7 +134,7 @@ class Run:
         so a token whose text is still incomplete UTF-8 has a chunk too)."""
         before = self.scrape()
         cpu0 = self.cpu()
-        ttft, usage = self._stream(ids)
+        ttft, usage, request_id = self._stream(ids)
         after = self._after(before)
         cpu = self.cpu() - cpu0
         def diff(name: str) -> Optional[float]:
@@ -144,11 +144,12 @@ class Run:
                       usage["prompt_tokens_details"]["cached_tokens"],
                       None if hits is None else round(hits),
                       changed_label(before, after or self.scrape(), PLACED, "prefill") or "?",
-                      diff(ADMIT + "_sum"), diff(ACCEPTED + "_sum"))
+                      diff(ADMIT + "_sum"), diff(ACCEPTED + "_sum"), request_id)
 
-    def _stream(self, ids: list[int]) -> tuple[float, dict]:
+    def _stream(self, ids: list[int]) -> tuple[float, dict, str]:
         ttft: Optional[float] = None
         usage: Optional[dict] = None
+        request_id = "?"
         body = {"model": self.model, "prompt": ids, "max_tokens": 2, "temperature": 0,
                 "logprobs": 0, "stream": True, "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
@@ -165,10 +166,11 @@ class Run:
                     raise RequestFailed(f"{self.name}: {len(ids)} tokens: {chunk['error']}")
                 if chunk.get("choices") and ttft is None:
                     ttft = time.perf_counter() - t0
+                    request_id = chunk["id"]
                 usage = chunk.get("usage") or usage
         if ttft is None or usage is None:
             raise RuntimeError(f"{self.name}: the stream had no token or no usage")
-        return ttft, usage
+        return ttft, usage, request_id
 
     def _after(self, before: str, timeout_s: float = 5.0) -> Optional[str]:
         """A scrape that counts this request's PrefillDone, or None if it never came."""

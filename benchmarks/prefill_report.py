@@ -31,6 +31,7 @@ class Sample:
     # None: the conductor did not count this request's PrefillDone (it came too late)
     admit_s: Optional[float] = None  # the prefill worker's admission (PrefillDone.admit_s)
     accepted_s: Optional[float] = None  # the conductor's accept → KV on the decode worker
+    request_id: Optional[str] = None  # the router's (its stages: benchmarks/timeline.py)
 
 
 # --------------------------------------------------------------------------- pure helpers

@@ -10,7 +10,8 @@ Every process of a cluster starts the same way, in this order:
 4. install uvloop; SIGINT cancels the main task, SIGTERM first drains (common/drain.py:
    a service that registered in-flight work finishes it, up to
    ``supervise.drain_timeout_s``, taking nothing new) and then cancels it; with
-   ``CRESCENT_TRACEMALLOC`` set, SIGUSR2 reports where Python memory grew (common/memtrace.py);
+   ``CRESCENT_TRACEMALLOC`` set, SIGUSR2 reports where Python memory grew (common/memtrace.py),
+   and with ``CRESCENT_TIMELINE_DIR`` set requests' stages are timed (common/timeline.py);
 5. import the role's module (``ROLES``) and await its ``run(config, index)`` until cancelled,
    answering ``GET /health`` meanwhile if the config sets ``health_port`` (common/health.py);
 6. once ``run`` has returned or failed to start, leave at once (``leave``): the service has
@@ -107,7 +108,7 @@ def setup_logging(name: str, index: int, level: str) -> None:
 def bootstrap(role: str, argv: Optional[list[str]] = None) -> int:
     """Start the ``role`` process of a cluster; returns its exit code if it cannot start
     (a bad config), and otherwise ends the process itself (``leave``; see the module doc)."""
-    from common import health, memtrace, native_caches
+    from common import health, memtrace, native_caches, timeline
     from common.cpu import CpuError, apply_from_env
     from common.drain import install as install_drain
 
@@ -127,6 +128,7 @@ def bootstrap(role: str, argv: Optional[list[str]] = None) -> int:
         config = ClusterConfig.load(args.config, parse_overrides(args.overrides))
         install_security(config.security)  # the cluster key for every socket (CURVE)
         trace = memtrace.start(f"{role}-{args.index}")  # None unless asked for
+        timeline.start(role, args.index)  # likewise
     except (OSError, ValueError, TypeError) as exc:
         log.error("bad config: %s", exc)
         return 2

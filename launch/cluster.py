@@ -59,11 +59,13 @@ class ClusterError(RuntimeError):
 class LocalCluster:
     def __init__(self, config_path: Optional[str], log_dir: str | Path,
                  overrides: Sequence[str] = (), forkserver: Optional[ForkServer] = None,
-                 ) -> None:
+                 env: Optional[dict[str, str]] = None) -> None:
         """``overrides``: ``KEY=VALUE`` settings laid over the config file, for every child
         (each gets them as ``--set``). ``forkserver``: fork the children from it
-        (launch/forkserver.py: the tests) instead of starting each with ``exec``."""
+        (launch/forkserver.py: the tests) instead of starting each with ``exec``. ``env``:
+        variables every child gets on top of this process's environment."""
         self.config_path = config_path
+        self.env = dict(env or {})
         self.forkserver = forkserver
         self.overrides = list(overrides)
         self.config = ClusterConfig.load(config_path, parse_overrides(self.overrides))
@@ -122,7 +124,7 @@ class LocalCluster:
         """Start one child (again: it replaces the old entry, and its log goes on)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{role}-{index}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **self.env)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         env.pop(ENV_CPUS, None)  # never inherit a plan from the launcher's own environment
         env.pop(ENV_THREADS, None)

@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
+from common import timeline
 from common.config import ClusterConfig
 from common.mailbox import Mailbox, serve_inbox
 from common.protocol import (
@@ -130,6 +131,7 @@ class Conductor(FailurePaths):
         self.mail.send(self.router_inbox, RequestRejected(req.request_id, rejection))
 
     def on_submit(self, req: SubmitRequest) -> None:
+        timeline.mark("conductor_in", req.request_id)
         if req.request_id in self.tracker.requests:
             log.warning("duplicate request id %s", req.request_id)
             return
@@ -183,12 +185,14 @@ class Conductor(FailurePaths):
             deadline=time.time() + self.config.kv_wait_timeout_s, epoch=decode.info.epoch,
             writer=prefill.instance_id, writer_epoch=prefill.info.epoch, attempt=attempt,
             writer_inbox=prefill.info.inbox))
+        timeline.mark("placed", req.request_id)
         if p.store_blocks and self.config.kv_layerwise and prefill.info.role == "prefill":
             # its worker asks the store where the prefix is while the reservation goes
             # round: that answer (3.4 ms for 1,024 keys here) is off the prompt's path
             self.mail.send(prefill.info.inbox, PrefetchLoads(req.request_id, req.block_keys))
 
     def on_reserved(self, msg: BlocksReserved) -> None:
+        timeline.mark("reserved", msg.request_id)
         t = self.tracker.get(msg.request_id)
         if t is None or t.phase is not Phase.RESERVING or msg.attempt != t.attempt \
                 or msg.instance_id != t.decode_id:
@@ -213,6 +217,7 @@ class Conductor(FailurePaths):
                                time.monotonic() + self.config.kv_wait_timeout_s)
         self.mail.send(self.router_inbox, RequestAccepted(  # a re-run's too: the router
             t.req.request_id, t.prefill_id, t.decode_id, t.predicted_ttft_s))  # keeps one
+        timeline.mark("task_sent", t.req.request_id)
         self.mail.send(prefill.info.inbox, PrefillTask(
             request_id=t.req.request_id, token_ids=t.req.token_ids,
             block_keys=t.req.block_keys, sampling=t.req.sampling,

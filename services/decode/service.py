@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from common import timeline
 from common.config import ClusterConfig
 from common.mailbox import serve_inbox
 from common.engine import DecodeInput
@@ -118,6 +119,7 @@ class DecodeWorker:
         return None
 
     def on_kv_ready(self, msg: KVReady) -> None:
+        timeline.mark("decode_in", msg.request_id)
         waiting = self.reserved.get(msg.request_id)
         if (waiting is not None and waiting.fence == msg.fence
                 and not self.grammars.is_ready(waiting.params)):
@@ -153,6 +155,7 @@ class DecodeWorker:
         except GrammarError as exc:
             return self.failed(r, 400, "invalid_request_error", str(exc))
         self.choices[r.request_id] = len(choices)
+        timeline.mark("first_sent", r.request_id)  # in record_token below
         for i, (params, blocks, matcher, sampled) in enumerate(
                 zip(choices, self._fork(r, prompt_tokens), matchers, first)):
             resumed = len(params.resumed)  # a continuation's: generated already

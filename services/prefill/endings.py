@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from common import timeline
 from common.engine.prompt_logprobs import join
 from common.engine.sampling import Grammars, sample_first
 from common.grammar import GrammarError
@@ -79,6 +80,7 @@ class Endings:
         cached_tokens = job.plan.cached_blocks * bs
         if job.loads is not None:
             job.wait_s += job.loads.wait_s
+        timeline.mark("kv_ready", task.request_id)
         self.rt.mail.send(task.decode_inbox, KVReady(
             task.request_id, first, prompt, cached_tokens, task.fence,
             join(job.prompt_parts) if job.prompt_logprobs is not None else None))

@@ -18,6 +18,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Coroutine, Optional
 
+from common import timeline
 from common.config import ClusterConfig
 from common.engine.batching import plan_chunks
 from common.engine.errors import EngineInputError
@@ -99,6 +100,7 @@ class PrefillWorker:
 
     # ------------------------------------------------------------ inbox
     def on_task(self, task: PrefillTask) -> None:
+        timeline.mark("prefill_in", task.request_id)
         if task.prefill_epoch != self.rt.epoch:  # for an older incarnation of this worker
             return self._drop("epoch", task)
         if task.fence in self.served or self._live(task.request_id):
@@ -243,6 +245,7 @@ class PrefillWorker:
     async def _start(self, task: PrefillTask, arrived: float, left: int) -> Optional[Job]:
         """Admit ``task``; ``left``: the tokens its first chunk may take of the next step."""
         started = time.perf_counter()
+        timeline.mark("admitting", task.request_id)
         if time.time() > task.deadline:
             raise PrefillFailure(504, "timeout", "deadline passed while queued")
         tokens = task.token_ids
@@ -280,6 +283,7 @@ class PrefillWorker:
         # whole blocks present already; loaded ones follow as they land (layer_io)
         stream.send_prefix(plan.load_from if loads is not None else plan.cached_blocks,
                            plan.cached_blocks)
+        timeline.mark("admitted", task.request_id, done)
         return Job(task=task, keys=keys, plan=plan, stream=stream, prompt_len=len(tokens),
                    done=done, loads=loads, admit_s=time.perf_counter() - started,
                    arrived=arrived)

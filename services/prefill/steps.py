@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
+from common import timeline
 from common.engine.config import PrefillChunk
 from common.engine.errors import EngineInputError
 from common.engine.prompt_logprobs import chunk_logprobs
@@ -65,6 +66,8 @@ class PrefillSteps:
                   for j, n in planned]
         io = StepIO(parts, self.engine.kv, 0, self.mover, self.threads.store,
                     self.rt.config.kv_layerwise)
+        for job, n in planned:
+            timeline.mark("step", job.task.request_id, n)
         started = time.perf_counter()
         try:
             if preempting:
@@ -99,6 +102,7 @@ class PrefillSteps:
             job.done += n
             job.opened = True
             if job.remaining == 0 and not job.aborted and job.failed is None:
+                timeline.mark("computed", job.task.request_id)
                 ended.append((job, row))
         return ended
 

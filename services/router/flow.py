@@ -15,6 +15,7 @@ import logging
 import time
 from typing import AsyncIterator, Optional, Union
 
+from common import timeline
 from common.protocol import (RequestAccepted, RequestFailed, RequestRejected, SubmitRequest,
                              TokenDelta)
 from services.router.errors import ApiError
@@ -62,6 +63,7 @@ class RequestRun:
             refusal = self._refusal()
             if refusal is not None:
                 raise refusal
+            timeline.mark("router_sent", req.request_id, len(req.token_ids))
             self.queue = state.submit(req)
         except ConnectionError as exc:
             self.done = True
@@ -139,6 +141,7 @@ class RequestRun:
         now = time.time()
         metrics = self.state.metrics
         if self._last_token is None:
+            timeline.mark("router_first", self.cluster_id)
             metrics.ttft.observe(max(0.0, now - self.arrival))
             metrics.generation_tokens.inc(len(msg.token_ids))
         else:

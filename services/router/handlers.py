@@ -12,6 +12,7 @@ from dataclasses import asdict, replace
 import orjson
 from aiohttp import web
 
+from common import timeline
 from common.grammar import xgrammar_loaded
 from common.protocol import SubmitRequest
 from common.sampling_params import SamplingParams
@@ -171,9 +172,13 @@ async def _write_events(resp: web.StreamResponse, run: RequestRun, out: Choices)
         if out.first.kind == "chat":
             for chunk in out.role_chunks():
                 await resp.write(sse(chunk))
+        first = True
         async for delta in run.deltas():
             for chunk in out.absorb(delta):
                 await resp.write(sse(chunk))
+            if first:
+                timeline.mark("first_written", run.request_id)
+                first = False
         usage = out.usage_chunk()
         if usage is not None:
             await resp.write(sse(usage))
@@ -185,8 +190,10 @@ async def _write_events(resp: web.StreamResponse, run: RequestRun, out: Choices)
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE]
     endpoint = request.path
+    request_id = f"cmpl-{uuid.uuid4().hex}"
     try:
         body = await _read_json(request)
+        timeline.mark("router_in", request_id)
         if may_carry_grammar(body):
             await xgrammar_loaded()
         req = parse_request(body, kind, state.config.model_name,
@@ -195,7 +202,6 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     except ApiError as err:
         state.metrics.requests.labels(endpoint, str(err.status)).inc()
         raise
-    request_id = f"cmpl-{uuid.uuid4().hex}"
     if len(prompts) > 1:
         return await _complete_batch(state, endpoint, req, request_id, prompts)
     ids, sampling = prompts[0]

@@ -9,6 +9,8 @@ from typing import Iterator, Optional
 import httpx
 import pytest
 
+from benchmarks.timeline import Timeline, load
+from common import timeline
 from launch import forkserver
 from launch.cluster import LocalCluster
 from tests.conftest import SHARED_CLUSTER_GROUPS, xdist_group
@@ -48,8 +50,10 @@ affinity = {pinned}
 
 def start_cluster(tmp: Path, http: int, base: int, prefill: int = 1, store: bool = True,
                   scheduler: str = "load_balance", ttft_slo_s: float = 120.0,
-                  extra: str = "", pinned: bool = False) -> LocalCluster:
-    """``extra``: more top-level TOML lines (e.g. 'mode = "colocated"'). ``pinned``: each
+                  extra: str = "", pinned: bool = False,
+                  env: Optional[dict[str, str]] = None) -> LocalCluster:
+    """``extra``: more top-level TOML lines (e.g. 'mode = "colocated"'). ``env``: for every
+    child (LocalCluster). ``pinned``: each
     process on its role's cores (common/cpu.py); off by default, since the two xdist
     workers' clusters would share the same plan (every decode worker on one core while
     the other idles), and the operating system spreads them better."""
@@ -65,7 +69,7 @@ def start_cluster(tmp: Path, http: int, base: int, prefill: int = 1, store: bool
     # forked from the worker's fork server, but for the pinned clusters of
     # tests/e2e/test_cpu_affinity.py, which read each child's environment from /proc
     cluster = LocalCluster(str(cfg), tmp / "logs",
-                           forkserver=None if pinned else forkserver.shared())
+                           forkserver=None if pinned else forkserver.shared(), env=env)
     try:
         cluster.start(timeout_s=180)
         assert_one_bootstrap(cluster)
@@ -113,9 +117,11 @@ class SharedClusters:
             port += 100 * group
             # each worker's /metrics: the group's ports 60-89 (workers from + 3)
             metrics = 22060 + 100 * group + 10 * list(SHAPES).index(shape)
-            self._up[shape] = start_cluster(self._tmp.mktemp(shape), http=port,
-                                            base=port + 5, store=store,
-                                            extra=extra + f"metrics_port = {metrics}\n")
+            tmp = self._tmp.mktemp(shape)
+            self._up[shape] = start_cluster(  # each request's stages timed (timeline_of)
+                tmp, http=port, base=port + 5, store=store,
+                extra=extra + f"metrics_port = {metrics}\n",
+                env={timeline.ENV_DIR: str(tmp / "timeline")})
         return self._up[shape]
 
     def stop(self) -> None:
@@ -154,3 +160,17 @@ def wait_no_leaks(cluster: LocalCluster, timeout_s: float = 10.0) -> list[dict]:
             return pools
         time.sleep(0.2)
     raise AssertionError(f"KV blocks leaked: {pools}")
+
+
+def timeline_of(cluster: LocalCluster, request_id: str, last: str = "first_written",
+                timeout_s: float = 10.0) -> Timeline:
+    """The stages ``request_id`` passed on a cluster started with its timeline on (the
+    shared ones), once it has passed ``last``."""
+    directory = Path(cluster.env[timeline.ENV_DIR])
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = load(directory).get(request_id)
+        if got is not None and last in got.at:
+            return got
+        assert time.monotonic() < deadline, f"{request_id} never passed {last}: {got}"
+        time.sleep(0.05)

@@ -13,7 +13,8 @@ import pytest
 from common.engine import Engine, EngineConfig, generate
 from common.engine.sampling import SamplingParams
 from launch.cluster import LocalCluster
-from tests.e2e.conftest import SharedClusters, wait_no_leaks
+from common.timeline import STAGES
+from tests.e2e.conftest import SharedClusters, timeline_of, wait_no_leaks
 
 pytestmark = pytest.mark.e2e
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -192,3 +193,23 @@ def test_seeded_sampling_repeats_and_logprobs_come_back(cluster, no_leaks) -> No
     assert lps and all(x["logprob"] <= 0.0 for x in lps)
     outs = {ask(s)["message"]["content"] for s in (1, 2, 3, 4)}
     assert len(outs) > 1, "different seeds should not all give the same sample"
+
+
+def test_every_stage_of_a_request_is_timed_in_order(cluster, no_leaks) -> None:
+    """common/timeline.py on (the shared clusters): a streamed request passed every stage,
+    each after the one before though they were timed in four processes; the prompt's
+    length and first step are in the details (benchmarks/timeline.py reads them)."""
+    body = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 3,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", cluster.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    first = json.loads(lines[0][6:])
+    t = timeline_of(cluster, first["id"])
+    assert set(t.at) == set(STAGES)
+    times = [t.at[stage] for stage in STAGES]
+    assert times == sorted(times), t.at
+    tokens = t.number("router_sent")
+    assert tokens is not None and tokens > 3
+    assert t.number("step") == tokens and t.number("admitted") == 0  # one chunk, cold
+    assert 0 < t.compute_s < t.total_s
