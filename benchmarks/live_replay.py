@@ -45,6 +45,7 @@ from typing import Any, Optional
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.aiperf_venv import INSTALL_HINT, find_aiperf  # noqa: E402
 from benchmarks.live_profile import Profiler  # noqa: E402
 from benchmarks import live_replay_report as report  # noqa: E402
 from benchmarks import vllm_cpu  # noqa: E402
@@ -66,41 +67,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "disagg-nopreempt": {"prefill_preempt_tokens": 0},  # short prompts wait for the step
 }
 EXTERNAL = (vllm_cpu.CONFIG_NAME,)  # other servers, same replay (bench_vllm)
-BENCH_VENV = REPO / ".venv-bench"
-AIPERF_SPEC = "aiperf==0.13.0"
-INSTALL_HINT = (f"python -m venv .venv-bench && .venv-bench/bin/pip install '{AIPERF_SPEC}' (or "
-                "`pip install -e .[bench]` alone: aiperf pins older pyzmq/orjson than Crescent)")
-
-
 class ReplayError(RuntimeError):
     """One (configuration, rate) could not be measured; the others go on."""
 
 
 # --------------------------------------------------------------------------- aiperf
-def find_aiperf(explicit: Optional[str] = None, install: bool = False) -> Optional[Path]:
-    """The aiperf CLI: ``explicit``, .venv-bench's, or this interpreter's; with
-    ``install``, .venv-bench is created and aiperf installed there when none exists."""
-    candidates = [Path(explicit)] if explicit else [
-        BENCH_VENV / "bin" / "aiperf", Path(sys.executable).parent / "aiperf"]
-    for path in candidates:
-        if path.is_file() and os.access(path, os.X_OK):
-            return path
-    if explicit or not install:
-        return None
-    print(f"aiperf not found; installing {AIPERF_SPEC} into {BENCH_VENV} (one time; its "
-          "pins conflict with Crescent's, so it gets a venv of its own)", file=sys.stderr)
-    try:
-        subprocess.run([sys.executable, "-m", "venv", str(BENCH_VENV)], check=True,
-                       timeout=300)
-        subprocess.run([str(BENCH_VENV / "bin" / "python"), "-m", "pip", "install", "-q",
-                        AIPERF_SPEC], check=True, timeout=1200)
-    except (subprocess.SubprocessError, OSError) as exc:
-        print(f"installing aiperf failed ({exc}); install it by hand: {INSTALL_HINT}",
-              file=sys.stderr)
-        return None
-    return find_aiperf(str(BENCH_VENV / "bin" / "aiperf"))
-
-
 @dataclass(frozen=True)
 class TokenizerExport:
     hub_cache: Path  # HF_HUB_CACHE for AIPerf
