@@ -43,9 +43,8 @@ from common.host import host_id  # noqa: E402
 from common.kv.cuda_ipc import PeerKVCuda, export  # noqa: E402
 from common.kv.memory import KV_DTYPES, PagedKVMemory  # noqa: E402
 from common.model.config import DUMMY_CONFIGS  # noqa: E402
-from common.store.ranges import (  # noqa: E402
-    GetPlan, Location, NodeRef, PutPlan, RangeMover, Replicas,
-)
+from common.store.plans import GetPlan, Location, NodeRef, PutPlan, Replicas  # noqa: E402
+from common.store.ranges import RangeMover  # noqa: E402
 from common.store.shm import Segment, owned_path  # noqa: E402
 from common.transfer import TransferAgent  # noqa: E402
 

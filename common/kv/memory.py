@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from common.kv.dtypes import KV_DTYPE_NAMES
@@ -54,6 +55,10 @@ class PagedKVMemory:
         assert self.data.is_contiguous()
         self.layer_nbytes = 2 * block_size * num_kv_heads * head_dim * self.data.element_size()
         self.block_nbytes = num_layers * self.layer_nbytes
+
+    def host_bytes(self) -> np.ndarray:
+        """The whole memory as a flat uint8 array (host memory only; no copy)."""
+        return self.data.view(-1).view(torch.uint8).numpy()
 
     @property
     def shm_path(self) -> Optional[str]:

@@ -31,7 +31,8 @@ import zmq.asyncio
 from common.ipc import encode, make_socket, try_decode
 from common.mailbox import OUTBOX_HWM
 from common.store import protocol as p
-from common.store.ranges import GetPlan, Location, PutPlan, RangeMover, Replicas, node_refs
+from common.store.plans import GetPlan, Location, PutPlan, Replicas, node_refs
+from common.store.ranges import RangeMover
 from common.transfer import BYTES_PER_S_FLOOR, TransferAgent
 
 if TYPE_CHECKING:

@@ -1,17 +1,15 @@
-"""Byte ranges of store objects: wire-shippable plans and the mover that copies them.
+"""Byte ranges of store objects: the mover that copies them under a plan.
 
 A store object is one KV block of the whole model (``num_layers`` slices of
 ``layer_nbytes``); a pipeline stage holding layers [a, b) writes or reads bytes
 [a * layer_nbytes, b * layer_nbytes) of each object, a layer-wise writer one layer at a time.
 So the verbs here move byte ranges *within* objects, from several processes:
 
-- One process asks the master (``StoreClient.start_put`` / ``plan_get``) and gets a plan:
-  ``PutPlan`` (the keys granted as new and where each replica goes) or ``GetPlan`` (where
-  each present object is, under a lease). A plan is a frozen dataclass that rides inside
-  other messages (common/ipc.py encodes and decodes it, nested), so the stages of a
-  pipeline, which have no master connection, move bytes under the very same plan.
-- Each process copies its pieces with its own ``RangeMover``: one ``memmove`` where the
-  node's segment file is mappable here (same host), else one transfer-engine call per node.
+- One process asks the master (``StoreClient.start_put`` / ``plan_get``) and gets a plan
+  (common/store/plans.py), which rides inside other messages to the processes that copy.
+- Each process copies its pieces with its own ``RangeMover``: ``memmove``s where the
+  node's segment file is mappable here (same host; a whole layer of a prompt's prefix in
+  numpy's loops, ``read_same_host``), else one transfer-engine call per node.
   A mover of KV in GPU memory (``device_memory``) registers a same-host segment as pinned
   memory instead and copies by DMA or by a gather and a scatter kernel
   (``common/store/pinned.py``, ``common/kv/rows.py``).
@@ -30,11 +28,13 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
+import numpy as np
+
 from common.store.peers import SegmentMaps
-from common.store.shm import copy_many
+from common.store.plans import GetPlan, Location, NodeRef, PutPlan
+from common.store.shm import copy_many, copy_rows
 from common.transfer import TransferAgent, TransferError
 from common.worker_metrics import current as metrics
 
@@ -46,101 +46,6 @@ log = logging.getLogger(__name__)
 # (key position in the plan, local address, offset within the object, nbytes)
 Item = tuple[int, int, int, int]
 _SPLIT_BYTES = 1 << 20  # a same-host copy this large is split over the mover's threads
-
-
-@dataclass(frozen=True)
-class NodeRef:
-    """What a mover needs to reach one store node: its transfer-engine session and segment
-    address there, and for same-host movers its segment file (mapped per ``epoch``)."""
-
-    node_id: str
-    session_id: str
-    base: int  # the segment's address in the node's process
-    segment_bytes: int = 0
-    shm_path: Optional[str] = None
-    epoch: int = 0
-    hostname: str = ""
-    host_id: Optional[str] = None  # common/host.py: same as ours → the segment is mappable
-
-    @classmethod
-    def from_info(cls, node_id: str, info: dict[str, Any]) -> "NodeRef":
-        """From the master's node info (``StoreGetReply.nodes[node_id]``)."""
-        try:
-            return cls(node_id, str(info["session_id"]), int(info["base"]),
-                       int(info.get("segment_bytes", 0)), info.get("shm_path"),
-                       int(info.get("epoch", 0)), str(info.get("hostname", "")),
-                       info.get("host_id"))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"node {node_id}: bad node info {info!r} ({exc})") from None
-
-    def info(self) -> dict[str, Any]:
-        """The node info ``SegmentMaps.get`` reads."""
-        return {"shm_path": self.shm_path, "segment_bytes": self.segment_bytes,
-                "epoch": self.epoch, "host_id": self.host_id}
-
-
-def node_refs(nodes: dict[str, Any]) -> list[NodeRef]:
-    return [NodeRef.from_info(n, info) for n, info in sorted(nodes.items())]
-
-
-@dataclass(frozen=True)
-class Location:
-    node_id: str
-    offset: int  # of the object in the node's segment
-
-
-@dataclass(frozen=True)
-class Replicas:
-    """One object's copies, in the order to try them (none: the object is absent)."""
-
-    locations: list[Location] = field(default_factory=list)
-
-
-def _check_plan(size: int, keys: list[str], replicas: list[Replicas]) -> None:
-    if size <= 0:
-        raise ValueError(f"object size must be positive, not {size}")
-    if len(replicas) != len(keys):
-        raise ValueError(f"{len(keys)} keys but {len(replicas)} replica lists")
-
-
-@dataclass(frozen=True)
-class PutPlan:
-    """Where to write the objects the master granted as new (``index``: their positions in
-    the asker's key list). Every replica must be written by ``deadline`` (wall clock)."""
-
-    size: int  # bytes per object
-    keys: list[str]  # hex, granted as new
-    index: list[int]
-    replicas: list[Replicas]  # per key: every location must be written
-    nodes: list[NodeRef]
-    deadline: float
-    live: Optional[list[str]] = None  # every node the master knows (others are unmapped)
-
-    def __post_init__(self) -> None:
-        _check_plan(self.size, self.keys, self.replicas)
-        if len(self.index) != len(self.keys):
-            raise ValueError(f"{len(self.keys)} keys but {len(self.index)} positions")
-        if any(not r.locations for r in self.replicas):
-            raise ValueError("a granted key has no location")
-
-
-@dataclass(frozen=True)
-class GetPlan:
-    """Where each object is (``replicas[i]`` empty: absent). Reads are good only if they
-    end by ``deadline`` (wall clock: the lease, counted from before the request)."""
-
-    size: int
-    keys: list[str]
-    replicas: list[Replicas]
-    nodes: list[NodeRef]
-    deadline: float
-    live: Optional[list[str]] = None
-
-    def __post_init__(self) -> None:
-        _check_plan(self.size, self.keys, self.replicas)
-
-    def present(self) -> list[bool]:
-        return [bool(r.locations) for r in self.replicas]
 
 
 # One node's share of a call: (item position, local address, offset in the segment, nbytes).
@@ -180,6 +85,40 @@ class RangeMover:
         """Read every item from the first replica of its key that works; raises
         ``TransferError`` on an absent key, a failure, or a lease over before the end."""
         _raise_unless(self.try_read(plan, items), "read", plan.deadline)
+
+    def read_same_host(self, plan: GetPlan, first: dict[str, tuple[np.ndarray, np.ndarray]],
+                       local: np.ndarray, local_offsets: np.ndarray, offset: int,
+                       nbytes: int) -> bool:
+        """``read`` of bytes [offset, offset + nbytes) of every key into ``local`` (a flat
+        uint8 view of this process's memory) at ``local_offsets`` (per key), in numpy's
+        loops (``copy_rows``), where every key's first replica (``first``:
+        ``plan.first_replicas()``) is in a segment mapped here; False where one is not
+        (nothing copied: ``read`` it). ``TransferError`` past the lease."""
+        if offset < 0 or nbytes <= 0 or offset + nbytes > plan.size:
+            raise ValueError(f"range [{offset}, {offset + nbytes}) is not within an object "
+                             f"of {plan.size} bytes")
+        if not self.use_shm or self.device is not None:
+            return False
+        self.retain(plan.live)
+        refs = {n.node_id: n for n in plan.nodes}
+        segments = []
+        for node_id, (keys, offsets) in first.items():
+            pinned = self._pin(refs[node_id]) if node_id in refs else None
+            if pinned is None:
+                return False
+            segments.append((np.frombuffer(pinned[1], dtype=np.uint8), keys, offsets))
+        if time.time() >= plan.deadline:
+            raise TransferError("store read: the lease ended before the copy")
+        try:
+            for segment, keys, offsets in segments:
+                copy_rows(local, local_offsets[keys], segment, offsets + offset, nbytes)
+        except IndexError as exc:
+            self._failed("shm", f"a range outside its memory ({exc})")
+            raise TransferError(f"store read: a range outside its memory ({exc})") from exc
+        self._count(False, "shm", len(local_offsets) * nbytes)
+        if time.time() > plan.deadline:
+            raise TransferError("store read: past the deadline (the lease)")
+        return True
 
     def try_write(self, plan: PutPlan, items: Sequence[Item]) -> list[bool]:
         """Per item: True where every replica was written by the deadline."""

@@ -19,6 +19,9 @@ import socket
 import stat
 from typing import Any, Optional, Sequence
 
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
 log = logging.getLogger(__name__)
 
 
@@ -115,10 +118,32 @@ class Segment:
 
 
 def copy_many(jobs: Sequence[tuple[int, int, int]], pin: Any = None) -> int:
-    """``memmove(dst, src, n)`` for each job (runs GIL-free in a worker thread). ``pin``
-    (a ``Segment.view``) is held until the copy returns, so the mapping stays."""
+    """``memmove(dst, src, n)`` for each job, a Python loop whose memmoves run without
+    the GIL. ``pin`` (a ``Segment.view``) is held until the copy returns, so the mapping
+    stays."""
     total = 0
     for dst, src, n in jobs:
         ctypes.memmove(dst, src, n)
         total += n
     return total
+
+
+def copy_rows(dst: np.ndarray, dst_offsets: np.ndarray, src: np.ndarray,
+              src_offsets: np.ndarray, nbytes: int) -> None:
+    """``dst[dst_offsets[i]:][:nbytes] = src[src_offsets[i]:][:nbytes]`` for every i (flat
+    uint8 arrays; the destinations must not overlap): one gather and one scatter in numpy's
+    loops, which leave the GIL to other threads. A layer of a 16k prompt's prefix (921
+    pieces of 16 KiB) took 3.4 ms here, against 2.4 ms for ``copy_many`` after ~1.3 ms of
+    listing the pieces in Python; while 4 such layers copied on a thread, a thread sleeping
+    0.2 ms at a time woke at most 0.1-1.1 ms late (2.2-4.0 ms with ``copy_many``, whose
+    loop takes the GIL back between its memmoves). IndexError for a piece outside either
+    array (a negative offset included)."""
+    if len(dst_offsets) == 0:
+        return
+    if min(dst_offsets.min(), src_offsets.min()) < 0:
+        raise IndexError("a negative offset")
+
+    def rows(a: np.ndarray) -> np.ndarray:  # row k: bytes [k, k + nbytes) of ``a``
+        return as_strided(a, shape=(max(0, a.size - nbytes + 1), nbytes), strides=(1, 1))
+
+    rows(dst)[dst_offsets] = rows(src)[src_offsets]

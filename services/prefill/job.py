@@ -10,22 +10,48 @@ from its local prefix; ENDING is its last state, while its writes settle and it 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
+from common.engine.errors import EngineInputError
 from common.protocol import PrefillTask
 from common.sampling_params import PromptLogprobs, SampledToken
 from services.prefill.layer_io import LaunchedLoads, LayerLoads
 from services.prefill.prefix import PrefixPlan
 from services.prefill.streaming import KVStream
 
+if TYPE_CHECKING:
+    from common.engine import Engine
+
 
 class PrefillFailure(Exception):
     def __init__(self, status: int, kind: str, message: str) -> None:
         super().__init__(message)
         self.status, self.kind = status, kind
+
+
+def checked_keys(task: PrefillTask, engine: "Engine", block_size: int,
+                 grouped: bool) -> list[bytes]:
+    """The block keys of a task fit for admission; ``PrefillFailure`` where it is not: its
+    deadline passed, a prompt the engine refuses, keys that do not fit it (the router's: a
+    bug), or prompt logprobs asked of a pipeline group (``grouped``)."""
+    if time.time() > task.deadline:
+        raise PrefillFailure(504, "timeout", "deadline passed while queued")
+    try:
+        engine.validate_prompt(task.token_ids)
+    except EngineInputError as exc:
+        raise PrefillFailure(400, "invalid_request_error", str(exc)) from exc
+    try:
+        keys = task.keys(block_size)
+    except ValueError as exc:
+        raise PrefillFailure(500, "internal_error", str(exc)) from exc
+    if grouped and task.sampling.prompt_logprobs is not None:
+        raise PrefillFailure(400, "invalid_request_error", "prompt logprobs (echo with "
+                             "logprobs) are not computed by a pipeline group")
+    return keys
 
 
 class JobState(Enum):

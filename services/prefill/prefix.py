@@ -26,7 +26,7 @@ from services.prefill.prefix_plan import (
 if TYPE_CHECKING:
     from common.protocol import PrefetchLoads
     from common.store.client import StoreClient
-    from common.store.ranges import GetPlan
+    from common.store.plans import GetPlan
 
 log = logging.getLogger("prefill.prefix")
 

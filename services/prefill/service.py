@@ -21,7 +21,6 @@ from typing import Any, Callable, Coroutine, Optional
 from common import timeline
 from common.config import ClusterConfig
 from common.engine.batching import plan_chunks
-from common.engine.errors import EngineInputError
 from common.engine.sampling import Grammars
 from common.host import host_id
 from common.idle_check import IdleCheck
@@ -37,7 +36,7 @@ from services.prefill.endings import Endings
 from services.prefill.group import HeadGroup
 from services.prefill.lanes import PrefillThreads
 from services.prefill.layer_io import start_loads
-from services.prefill.job import Job, JobState, PrefillFailure
+from services.prefill.job import Job, JobState, PrefillFailure, checked_keys
 from services.prefill.prefix import PrefixLoader
 from services.prefill.queue import PromptQueue
 from services.prefill.steps import PrefillSteps
@@ -246,21 +245,9 @@ class PrefillWorker:
         """Admit ``task``; ``left``: the tokens its first chunk may take of the next step."""
         started = time.perf_counter()
         timeline.mark("admitting", task.request_id)
-        if time.time() > task.deadline:
-            raise PrefillFailure(504, "timeout", "deadline passed while queued")
+        keys = checked_keys(task, self.engine, self.block_size, self.group is not None)
         tokens = task.token_ids
-        try:
-            self.engine.validate_prompt(tokens)
-        except EngineInputError as exc:
-            raise PrefillFailure(400, "invalid_request_error", str(exc)) from exc
-        try:
-            keys = task.keys(self.block_size)
-        except ValueError as exc:  # the router's keys do not fit the prompt: a bug
-            raise PrefillFailure(500, "internal_error", str(exc)) from exc
         whole = task.sampling.prompt_logprobs is not None  # every row's logits: no prefix
-        if whole and self.group is not None:
-            raise PrefillFailure(400, "invalid_request_error", "prompt logprobs (echo with "
-                                 "logprobs) are not computed by a pipeline group")
         plan = await self.prefix.acquire(tokens, keys, from_store=task.store_loads,
                                          reuse_prefix=not whole, request_id=task.request_id)
         if plan is None:

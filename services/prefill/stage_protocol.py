@@ -23,7 +23,7 @@ from typing import Optional
 from common.ipc import message
 from common.protocol import Fence, StreamTarget
 from common.sampling_params import SampledToken, SamplingParams
-from common.store.ranges import GetPlan, PutPlan
+from common.store.plans import GetPlan, PutPlan
 from services.prefill.hidden import HiddenRoute
 
 

@@ -30,7 +30,7 @@ from services.prefill.layer_io import PartIO
 
 if TYPE_CHECKING:
     from common.store.client import StoreClient
-    from common.store.ranges import PutPlan
+    from common.store.plans import PutPlan
 
 log = logging.getLogger("prefill.store")
 

@@ -78,7 +78,8 @@ def gpu_store(blocks: int, objects: int):
     import tempfile
 
     from common.host import host_id
-    from common.store.ranges import NodeRef, RangeMover
+    from common.store.plans import NodeRef
+    from common.store.ranges import RangeMover
     from common.store.shm import Segment, owned_path
 
     tmp_path = tempfile.mkdtemp(prefix="crescent-test-", dir="/dev/shm")
@@ -94,7 +95,7 @@ def gpu_store(blocks: int, objects: int):
 def test_a_gpu_worker_s_store_bytes_go_through_the_pinned_segment() -> None:
     import shutil
 
-    from common.store.ranges import GetPlan, Location, PutPlan, Replicas
+    from common.store.plans import GetPlan, Location, PutPlan, Replicas
 
     tmp_path, kv, seg, node, mover = gpu_store(16, 32)
     obj = kv.block_nbytes
@@ -130,7 +131,7 @@ def test_reads_launched_per_layer_land_behind_their_events(two_d, monkeypatch) -
     from concurrent.futures import ThreadPoolExecutor
 
     from common.kv import dma2d
-    from common.store.ranges import GetPlan, Location, PutPlan, Replicas
+    from common.store.plans import GetPlan, Location, PutPlan, Replicas
 
     if two_d:
         assert dma2d.usable(torch.device("cuda")) is not None, "2D copies refused on this GPU"

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from common.kv.block_pool import BlockPool
 from common.kv.memory import PagedKVMemory
-from common.store.ranges import GetPlan, Location, Replicas
+from common.store.plans import GetPlan, Location, Replicas
 from services.prefill.prefix import PrefixLoader, PrefixPlan
 
 BS = 4

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from common.host import host_id
-from common.store.ranges import GetPlan, Location, NodeRef, PutPlan, RangeMover, Replicas
+from common.store.plans import GetPlan, Location, NodeRef, PutPlan, Replicas
+from common.store.ranges import RangeMover
 from common.store.shm import Segment, owned_path
 from common.transfer import TransferError
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from common.ipc import decode, encode, message, ProtocolError
-from common.store.ranges import (GetPlan, Location, NodeRef, PutPlan, RangeMover, Replicas,
-                                 node_refs)
+from common.store.plans import GetPlan, Location, NodeRef, PutPlan, Replicas, node_refs
+from common.store.ranges import RangeMover
 from common.transfer import TransferAgent, TransferConfig, TransferError
 from tests.store.conftest import client_for, keys
 
@@ -161,6 +161,53 @@ def test_late_write_raises_and_commits_nothing_absent_read_raises(cluster, trans
         with pytest.raises(TransferError, match="past the deadline"):
             mover.read(late, [(0, dst.ctypes.data, 0, LAYER)])
         mover.close()
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_a_layer_read_from_same_host_segments_at_once(cluster, transfer, buffers):
+    """``read_same_host``: a layer of every object, from two nodes' segments, into its
+    place in local memory, by numpy's row copies: the bytes ``read`` gives; False where a
+    segment is not mapped here (nothing copied); errors as ``read``'s."""
+    src, dst = stage_a(buffers)
+    address = cluster.master()
+    cluster.node("a")
+    cluster.node("b")
+
+    async def go() -> None:
+        c = await client_for(address, transfer, use_shm=True, shm_dir=cluster.tmp)
+        mover = RangeMover(transfer, cluster.tmp)
+        ks = keys(N)
+        assert await c.batch_put_from(ks, [src.ctypes.data + i * SIZE for i in range(N)],
+                                      SIZE) == N
+        get = await c.plan_get(ks, SIZE)
+        by_node = get.first_replicas()
+        assert by_node is not None and sorted(np.concatenate([k for k, _ in by_node.values()])
+                                              ) == list(range(N))
+        at = np.arange(N, dtype=np.int64)[::-1] * SIZE  # object i into slot N - 1 - i
+        dst[:] = 0
+        for layer in (2, 0):
+            assert mover.read_same_host(get, by_node, dst, at + layer * LAYER, layer * LAYER,
+                                        LAYER)
+        got, want = dst.reshape(N, LAYERS, LAYER)[::-1], src.reshape(N, LAYERS, LAYER)
+        assert np.array_equal(got[:, [0, 2]], want[:, [0, 2]])
+        assert not got[:, [1, 3]].any()  # nothing else written
+        assert mover.moved()["store_read/shm"] == 2 * N * LAYER
+
+        off = RangeMover(transfer, cluster.tmp, use_shm=False)  # must take the engine
+        assert not off.read_same_host(get, by_node, dst, at, 0, LAYER)
+        with pytest.raises(ValueError, match="not within an object"):
+            mover.read_same_host(get, by_node, dst, at, SIZE - 8, 16)
+        with pytest.raises(TransferError, match="outside its memory"):
+            mover.read_same_host(get, by_node, dst[:SIZE], at, 0, LAYER)
+        late = GetPlan(get.size, get.keys, get.replicas, get.nodes, time.time() - 1)
+        with pytest.raises(TransferError, match="lease"):
+            mover.read_same_host(late, by_node, dst, at, 0, LAYER)
+        absent = await c.plan_get(ks + keys(1), SIZE)
+        assert absent.first_replicas() is None  # a key the store lacks: ``read`` says so
+        for m in (mover, off):
+            m.close()
         await c.close()
 
     asyncio.run(go())
