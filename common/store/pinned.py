@@ -143,22 +143,19 @@ class DeviceCopies:
         and one scatter into the KV memory (``dma2d``), or where 2D copies are not usable a
         gather kernel over the pinned mapping. None where the plan cannot go this way (an
         absent key, a node not pinnable here, a row outside either memory)."""
-        by_node: dict[str, tuple[list[int], list[int]]] = {}
-        for i, replicas in enumerate(plan.replicas):
-            if not replicas.locations:
-                return None
-            loc = replicas.locations[0]
-            dst, src = by_node.setdefault(loc.node_id, ([], []))
-            dst.append(local_rows[i])
-            src.append(loc.offset + first_row * row_nbytes)
+        by_node = plan.first_replicas()
+        if by_node is None:
+            return None
+        rows = np.asarray(local_rows, dtype=np.int64)
         local_total = self.memory.numel() // row_nbytes
         parts = []
-        for node_id, (dst, src) in by_node.items():
+        for node_id, (keys, offsets) in by_node.items():
             seg = segment_of(node_id)
-            if seg is None or min(dst + src) < 0 or max(dst) + layers > local_total or (
-                    max(src) + layers * row_nbytes > seg.device.numel()):
+            dst, src = rows[keys], offsets + first_row * row_nbytes
+            if seg is None or min(dst.min(), src.min()) < 0 or dst.max() + layers > local_total \
+                    or src.max() + layers * row_nbytes > seg.device.numel():
                 return None
-            parts.append((seg, dst, np.asarray(src, dtype=np.int64)))
+            parts.append((seg, dst.tolist(), src))
         stream = self._stream(False)
         copier = dma2d.usable(self.memory.device) if stream is not None else None
         if copier is None and any((offsets % row_nbytes).any() for *_, offsets in parts):
