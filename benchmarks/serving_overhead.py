@@ -33,7 +33,7 @@ import zmq.asyncio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.config import ClusterConfig  # noqa: E402
-from common.kv.events import BlockEventMsg  # noqa: E402
+from common.kv.events import KVEvents  # noqa: E402
 from common.mailbox import Mailbox  # noqa: E402
 from common.protocol import (  # noqa: E402
     RegisterWorker, RequestAccepted, RequestFailed, RequestRejected, SubmitRequest,
@@ -170,8 +170,8 @@ async def conductor_rate(cfg: ClusterConfig, n: int) -> float:
             register(mail, cfg, role, i)
             mail.send(cfg.inbox("conductor"), WorkerHeartbeat(
                 f"{role}-{i}", role, WorkerLoad(), 100_000, 0, 100_000,
-                [BlockEventMsg(j + 1, "stored", f"{i * 100 + j:032x}") for j in range(50)]
-                if role == "prefill" else [], 50 if role == "prefill" else 0))
+                KVEvents(1, "s" * 50, [f"{i * 100 + j:032x}" for j in range(50)])
+                if role == "prefill" else KVEvents(), 50 if role == "prefill" else 0))
     await asyncio.sleep(1.0)
     keys = [f"{k:032x}" for k in range(40)]
     start = time.perf_counter()

@@ -120,8 +120,8 @@ def _plan(cls: type) -> list[_Field]:
     return plan
 
 
-# Per dataclass whose every field is a required JSON scalar (``BlockEventMsg``: a
-# heartbeat after a 16k prompt carries ~1,000): (field names, the types each accepts).
+# Per dataclass whose every field is a required JSON scalar (a list of many of them
+# decodes item by item on a fast path): (field names, the types each accepts).
 _FLAT: dict[type, Optional[tuple[frozenset[str], list[tuple[str, set[type]]]]]] = {}
 
 

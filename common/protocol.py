@@ -4,7 +4,7 @@ Topology (see common/config.py): each process binds one PULL inbox and PUSHes to
 inboxes of the others. Block keys travel hex-encoded; token ids as lists of ints.
 Nested values are frozen dataclasses the codec decodes and validates too:
 ``SamplingParams`` (common/sampling_params.py), ``Rejection`` (the scheduling policy's),
-``WorkerLoad`` (below), ``BlockEventMsg`` (common/kv/events.py).
+``WorkerLoad`` (below), ``KVEvents`` (common/kv/events.py).
 KV bytes never travel here: only addresses, block ids and transfer-engine session ids.
 Store messages live in common/store/protocol.py.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from common.ipc import message
-from common.kv.events import BlockEventMsg
+from common.kv.events import KVEvents
 from common.sampling_params import PromptLogprobs, SampledToken, SamplingParams, TopLogprobs
 from common.scheduling.cost import DecodeCoefficients, PrefillCoefficients
 from common.scheduling.state import Rejection
@@ -99,7 +99,7 @@ class WorkerHeartbeat:
     free_blocks: int  # allocatable now (truly free + cached-but-unreferenced)
     used_blocks: int  # referenced by a live request
     total_blocks: int
-    events: list[BlockEventMsg]  # KV events since the last beat, in sequence order
+    events: KVEvents  # the pool's KV events since the last beat, in sequence order
     event_seq: int  # the pool's latest event: a gap shows even in a beat without events
     epoch: int = 0  # the sender's incarnation: a beat of a replaced one is dropped
     inbox: Optional[str] = None  # the sender's: where a ReRegister goes

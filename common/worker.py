@@ -17,7 +17,7 @@ from common.engine import Engine, EngineConfig, UnknownModelError
 from common.engine.profiling import StepProfiler
 from common.host import host_id
 from common.kv.cuda_ipc import export as export_ipc
-from common.kv.events import BlockEventMsg
+from common.kv.events import KVEvents
 from common.kv.shm_kv import close_at_exit, worker_segment
 from common.mailbox import Mailbox
 from common.service import StartupError
@@ -149,7 +149,7 @@ class WorkerRuntime:
     def heartbeat(self, load: WorkerLoad) -> WorkerHeartbeat:
         """Load and the pool's KV events since the last beat, in order, numbered."""
         pool = self.engine.pool
-        events = [BlockEventMsg.of(e) for e in pool.drain_events()]
+        events = KVEvents.of(pool.drain_events())
         return WorkerHeartbeat(
             instance_id=self.instance_id, role=self.role, load=load,
             free_blocks=pool.num_free, used_blocks=pool.num_used,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from common.kv.events import BlockEventMsg
+from common.kv.events import KVEvents
 
 
 class WorkerKV:
@@ -30,20 +30,21 @@ class WorkerKV:
         self.gaps = 0
         self.resyncs = 0
 
-    def apply(self, events: Iterable[BlockEventMsg], event_seq: int) -> None:
+    def apply(self, events: KVEvents, event_seq: int) -> None:
         """Apply one heartbeat's events in order; a gap starts a resync."""
         if self.resyncing:
             return
-        for e in events:
-            if e.seq <= self.last_seq:
-                continue  # already covered by a snapshot
-            if e.seq != self.last_seq + 1:
+        skip = self.last_seq + 1 - events.first_seq  # covered already by a snapshot
+        if len(events) > max(skip, 0):
+            if skip < 0:  # events between the last beat's and these were lost
                 return self._gap()
-            self.last_seq = e.seq
-            if e.kind == "stored":
-                self.keys.add(e.key)
-            else:
-                self.keys.discard(e.key)
+            keys = self.keys
+            for kind, key in zip(events.kinds[skip:], events.keys[skip:]):
+                if kind == "s":
+                    keys.add(key)
+                else:
+                    keys.discard(key)
+            self.last_seq = events.first_seq + len(events) - 1
         if event_seq > self.last_seq:  # the tail of the events was lost
             self._gap()
 

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from common.ipc import ProtocolError, decode, encode, message
-from common.kv.events import BlockEventMsg
+from common.kv.events import KVEvents
 from common.protocol import (
     Fence, KVReady, PrefillTask, RequestRejected, SubmitRequest, TokenDelta, WorkerHeartbeat,
     WorkerLoad,
@@ -33,9 +33,9 @@ def test_nested_dataclasses_decode_into_their_types() -> None:
     rejected = RequestRejected("r", Rejection("ttft_slo", 2.5, "predicted TTFT 3.50 s"))
     assert decode(encode(rejected)) == rejected
     beat = WorkerHeartbeat("d", "decode", WorkerLoad(1, 2, 3, 4), 5, 6, 11,
-                           [BlockEventMsg(9, "stored", "ab")], 9)
+                           KVEvents(9, "s", ["ab"]), 9)
     assert decode(encode(beat)).load == WorkerLoad(1, 2, 3, 4)
-    assert decode(encode(beat)).events == [BlockEventMsg(9, "stored", "ab")]
+    assert decode(encode(beat)).events == KVEvents(9, "s", ["ab"])
 
 
 def test_nested_fields_are_json_objects_and_take_defaults() -> None:
@@ -143,25 +143,44 @@ def test_optional_list_and_tuple_of_nested_dataclasses() -> None:
         decode(b'{"type":"_Shapes","one":{"x":1},"maybe":null,"many":[],"fixed":{"x":1}}')
 
 
+@dataclass(frozen=True)
+class FlatEvent:
+    """Test only: a dataclass of required scalars, which a list decodes on a fast path."""
+    seq: int
+    kind: str
+    key: str
+
+    def __post_init__(self) -> None:
+        if self.seq < 1:
+            raise ValueError("seq must be positive")
+        if self.kind not in ("stored", "removed"):
+            raise ValueError("kind must be stored or removed")
+
+
+@message
+class FlatEventsCarrier:
+    """Test only."""
+    events: list[FlatEvent]
+
+
 def _beat(events: bytes) -> bytes:
-    return (b'{"type":"WorkerHeartbeat","instance_id":"p","role":"prefill","load":{},'
-            b'"free_blocks":1,"used_blocks":0,"total_blocks":1,"event_seq":2,"events":'
-            + events + b'}')
+    return b'{"type":"FlatEventsCarrier","events":' + events + b'}'
 
 
 @pytest.mark.parametrize("events, reason", [
     (b'[{"seq":1,"kind":"stored","key":"ab"},{"seq":true,"kind":"stored","key":"cd"}]',
-     r"WorkerHeartbeat.events\[1\].seq has the wrong type"),
+     r"FlatEventsCarrier.events\[1\].seq has the wrong type"),
     (b'[{"seq":1,"kind":"stored","key":"ab","x":0}]', r"events\[0\] has unknown fields"),
     (b'[{"seq":1,"kind":"stored"}]', r"events\[0\] lacks field key"),
     (b'[{"seq":0,"kind":"stored","key":"ab"}]', r"events\[0\] is invalid: seq must be"),
     (b'[{"seq":1,"kind":"moved","key":"ab"}]', r"events\[0\] is invalid: kind must be"),
     (b'[["seq",1]]', r"events\[0\] has the wrong type"),
 ])
-def test_a_heartbeats_events_are_checked_item_by_item(events: bytes, reason: str) -> None:
-    """Flat items (KV events) decode on a fast path; a bad one is named as before."""
+def test_flat_items_are_checked_item_by_item(events: bytes, reason: str) -> None:
+    """Flat items (every field a required scalar) decode on a fast path; a bad one is
+    named as on the general path."""
     with pytest.raises(ProtocolError, match=reason):
         decode(_beat(events))
     good = decode(_beat(b'[{"seq":1,"kind":"stored","key":"ab"},'
                         b'{"seq":2,"kind":"removed","key":"ab"}]'))
-    assert good.events == [BlockEventMsg(1, "stored", "ab"), BlockEventMsg(2, "removed", "ab")]
+    assert good.events == [FlatEvent(1, "stored", "ab"), FlatEvent(2, "removed", "ab")]

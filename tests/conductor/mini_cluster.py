@@ -16,6 +16,7 @@ import torch
 
 from common.config import ClusterConfig, SLOConfig
 from common.engine.config import DecodeInput, PrefillChunk
+from common.kv.events import KVEvents
 from common.protocol import RegisterWorker, SubmitRequest, TokenDelta, WorkerHeartbeat
 from common.protocol import WorkerLoad
 from services.conductor.service import Conductor
@@ -124,7 +125,7 @@ class MiniCluster:
         self.conductor.on_heartbeat(WorkerHeartbeat(
             instance_id=rt.instance_id, role=rt.role, load=WorkerLoad(),
             free_blocks=rt.engine.pool.num_free, used_blocks=0,
-            total_blocks=rt.engine.pool.num_blocks, events=[], event_seq=0, epoch=rt.epoch))
+            total_blocks=rt.engine.pool.num_blocks, events=KVEvents(), event_seq=0, epoch=rt.epoch))
 
     def start_prefill(self, name: str, epoch: int) -> PrefillWorker:
         """A prefill worker incarnation; one of the same name replaces the last at its

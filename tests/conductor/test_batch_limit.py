@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.config import ClusterConfig, SLOConfig
+from common.kv.events import KVEvents
 from common.protocol import RegisterWorker, SubmitRequest, WorkerHeartbeat, WorkerLoad
 from common.sampling_params import SamplingParams
 from common.scheduling import Rejection
@@ -19,7 +20,7 @@ def _registry(running: int, context: int) -> Registry:
                                     32, 1000, 16))
     reg.heartbeat(WorkerHeartbeat("decode-0", "decode",
                                   WorkerLoad(running=running, context_tokens=context), 900, 100,
-                                  1000, [], 0))
+                                  1000, KVEvents(), 0))
     return reg
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from common.config import ClusterConfig, SLOConfig
-from common.kv.events import BlockEventMsg
+from common.kv.events import KVEvents
 from common.protocol import (
     AbortRequest, BlocksReserved, PrefillDone, PrefillTask, RegisterWorker, RequestAccepted,
     RequestFailed, RequestFinished, ReserveBlocks, ReserveFailed, RequestRejected,
@@ -39,7 +39,7 @@ def worker(role: str, i: int) -> RegisterWorker:
 
 def beat(role: str, i: int, free: int = 100, stored: list[str] | None = None) -> WorkerHeartbeat:
     """A first heartbeat: ``stored`` are events 1..n."""
-    events = [BlockEventMsg(seq, "stored", k) for seq, k in enumerate(stored or [], 1)]
+    events = KVEvents(1, "s" * len(stored or []), list(stored or []))
     return WorkerHeartbeat(f"{role}-{i}", role, WorkerLoad(), free, 100 - free, 100,
                            events, len(events))
 

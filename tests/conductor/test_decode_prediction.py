@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from common.config import ClusterConfig, SLOConfig
+from common.kv.events import KVEvents
 from common.protocol import (
     BlocksReserved, PrefillDone, RegisterWorker, RequestFinished, RequestRejected,
     ReserveBlocks, SubmitRequest, WorkerHeartbeat, WorkerLoad,
@@ -54,7 +55,7 @@ def register(c: Conductor, role: str, free: int = 100) -> None:
 
 def beat(c: Conductor, role: str, free: int, running: int = 0, context: int = 0) -> None:
     c.on_heartbeat(WorkerHeartbeat(f"{role}-0", role, WorkerLoad(running=running,
-                                   context_tokens=context), free, 100 - free, 100, [], 0))
+                                   context_tokens=context), free, 100 - free, 100, KVEvents(), 0))
 
 
 def submit(c: Conductor, rid: str, n: int = 1) -> None:

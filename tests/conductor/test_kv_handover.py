@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from common.config import ClusterConfig, SLOConfig
+from common.kv.events import KVEvents
 from common.protocol import (
     AbortRequest, BlocksReserved, PrefillTask, RegisterWorker, RequestFailed, SubmitRequest,
     WorkerHeartbeat, WorkerLoad,
@@ -36,7 +37,7 @@ def cluster(prefill: RegisterWorker, decode: RegisterWorker) -> tuple[Conductor,
     for msg in (prefill, decode):
         c.on_register(msg)
         c.on_heartbeat(WorkerHeartbeat(msg.instance_id, msg.role, WorkerLoad(), 100, 0, 100,
-                                       [], 0))
+                                       KVEvents(), 0))
     c.on_submit(SubmitRequest("r1", list(range(40)), [], SamplingParams(max_tokens=8), time.time()))
     c.on_reserved(BlocksReserved("r1", "decode-0", [5, 6, 7]))
     return c, mail

@@ -9,6 +9,7 @@ from typing import Optional
 import pytest
 
 from common.config import ClusterConfig, SLOConfig
+from common.kv.events import KVEvents
 from common.protocol import (BlocksReserved, PrefillDone, PrefillTask, RegisterWorker,
                              SubmitRequest, WorkerHeartbeat, WorkerLoad)
 from common.sampling_params import SamplingParams
@@ -24,7 +25,7 @@ def conductor(clock: Optional[Clock] = None) -> tuple[Conductor, Mail]:
     for role in ("prefill", "decode"):
         c.on_register(RegisterWorker(f"{role}-0", role, f"tcp://w/{role}", "h:0", 4096, 1024,
                                      32, 1000, 16))
-        c.on_heartbeat(WorkerHeartbeat(f"{role}-0", role, WorkerLoad(), 1000, 0, 1000, [], 0))
+        c.on_heartbeat(WorkerHeartbeat(f"{role}-0", role, WorkerLoad(), 1000, 0, 1000, KVEvents(), 0))
     return c, mail
 
 

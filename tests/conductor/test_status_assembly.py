@@ -10,7 +10,7 @@ import pytest
 
 from common.config import ClusterConfig
 from common.ipc import decode, encode
-from common.kv.events import BlockEventMsg
+from common.kv.events import KVEvents
 from common.protocol import (
     BlocksReserved, PrefillDone, PrefillTask, RegisterWorker, WorkerHeartbeat, WorkerLoad,
 )
@@ -32,7 +32,7 @@ def test_registry_status_has_each_workers_detail() -> None:
                                 epoch=1), now=10.0)
     reg.register(RegisterWorker("decode-0", "decode", "tcp://d0", "s:2", 0, 64, 8, 200, 16,
                                 epoch=1), now=10.0)
-    events = [BlockEventMsg(1, "stored", "aa"), BlockEventMsg(2, "stored", "bb")]
+    events = KVEvents(1, "ss", ["aa", "bb"])
     assert reg.heartbeat(WorkerHeartbeat("prefill-0", "prefill", WorkerLoad(
         queued=2, queued_tokens=300), 90, 10, 100, events, 2, epoch=1, draining=True),
         now=11.0)

@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 from common.config import ClusterConfig, SLOConfig
+from common.kv.events import KVEvents
 from common.protocol import (
     BlocksReserved, PrefillDone, RegisterWorker, RequestAccepted, SubmitRequest,
     WorkerHeartbeat, WorkerLoad,
@@ -72,7 +73,7 @@ def test_conductor_records_each_request_and_serves_json() -> None:
     for role in ("prefill", "decode"):
         c.on_register(RegisterWorker(f"{role}-0", role, f"tcp://w/{role}", "h:0", 4096, 1024,
                                      32, 100, 16))
-        c.on_heartbeat(WorkerHeartbeat(f"{role}-0", role, WorkerLoad(), 100, 0, 100, [], 0))
+        c.on_heartbeat(WorkerHeartbeat(f"{role}-0", role, WorkerLoad(), 100, 0, 100, KVEvents(), 0))
     c.on_submit(SubmitRequest("r1", list(range(40)), [], SamplingParams(max_tokens=8), 0.0))
     clock.t = 1000.05
     c.on_reserved(BlocksReserved("r1", "decode-0", [1, 2, 3]))

@@ -11,7 +11,7 @@ import pytest
 from common.config import ClusterConfig
 from common.ipc import ProtocolError, decode, encode
 from common.kv.block_pool import BlockPool
-from common.kv.events import BlockEventMsg
+from common.kv.events import BlockStored, KVEvents
 from common.protocol import (
     KVResync, KVSnapshot, RegisterWorker, StepTotals, WorkerHeartbeat, WorkerLoad,
 )
@@ -25,8 +25,9 @@ H = [k.hex() for k in K]
 INBOX = "tcp://prefill-0"
 
 
-def ev(seq: int, kind: str, key: str) -> BlockEventMsg:
-    return BlockEventMsg(seq, kind, key)
+def ev(first_seq: int, kinds: str, *keys: str) -> KVEvents:
+    """A beat's events numbered from ``first_seq``: kinds ``s`` stored, ``r`` removed."""
+    return KVEvents(first_seq, kinds, list(keys))
 
 
 # ------------------------------------------------------------------ WorkerKV alone
@@ -34,28 +35,30 @@ def ev(seq: int, kind: str, key: str) -> BlockEventMsg:
 
 def test_events_apply_in_order_within_one_beat() -> None:
     kv = WorkerKV()
-    kv.apply([ev(1, "stored", "a"), ev(2, "stored", "b"), ev(3, "removed", "a")], 3)
+    kv.apply(ev(1, "ssr", "a", "b", "a"), 3)
     assert kv.keys == {"b"} and kv.last_seq == 3  # stored then evicted: absent
-    kv.apply([ev(4, "removed", "b"), ev(5, "stored", "b")], 5)
+    kv.apply(ev(4, "rs", "b", "b"), 5)
     assert kv.keys == {"b"}  # evicted then stored again: present
-    kv.apply([ev(5, "removed", "b")], 5)  # a replay of an applied event changes nothing
-    assert (kv.keys, kv.gaps, kv.resyncing) == ({"b"}, 0, False)
+    kv.apply(ev(5, "r", "b"), 5)  # a replay of an applied event changes nothing
+    assert (kv.keys, kv.gaps, kv.resyncing, kv.last_seq) == ({"b"}, 0, False, 5)
+    kv.apply(ev(4, "rrs", "b", "b", "c"), 6)  # two applied already: only the third counts
+    assert (kv.keys, kv.last_seq, kv.gaps) == ({"b", "c"}, 6, 0)
 
 
 def test_a_gap_starts_a_resync_and_the_snapshot_ends_it() -> None:
     kv = WorkerKV()
-    kv.apply([ev(1, "stored", "a")], 1)
-    kv.apply([ev(4, "stored", "d")], 4)  # the beat with 2..3 was lost
+    kv.apply(ev(1, "s", "a"), 1)
+    kv.apply(ev(4, "s", "d"), 4)  # the beat with 2..3 was lost
     assert (kv.resyncing, kv.gaps, kv.keys, kv.last_seq) == (True, 1, {"a"}, 1)
     assert kv.snapshot_due(now=10.0, retry_s=1.0)
     assert not kv.snapshot_due(now=10.5, retry_s=1.0)  # asked; wait for the answer
-    kv.apply([ev(5, "stored", "e")], 5)  # dropped: the snapshot will cover it
+    kv.apply(ev(5, "s", "e"), 5)  # dropped: the snapshot will cover it
     assert kv.keys == {"a"}
     assert kv.snapshot_due(now=11.0, retry_s=1.0)  # unanswered: ask again
     assert kv.on_snapshot(5, ["b", "d", "e"])
     assert (kv.resyncing, kv.keys, kv.last_seq, kv.resyncs) == (False, {"b", "d", "e"}, 5, 1)
     assert not kv.snapshot_due(now=20.0, retry_s=1.0)
-    kv.apply([ev(5, "stored", "e"), ev(6, "removed", "d")], 6)  # 5: in the snapshot already
+    kv.apply(ev(5, "sr", "e", "d"), 6)  # 5: in the snapshot already
     assert kv.keys == {"b", "e"} and kv.last_seq == 6
     assert not kv.on_snapshot(5, ["x"])  # the answer to the first ask, late: stale
     assert kv.keys == {"b", "e"}
@@ -63,19 +66,23 @@ def test_a_gap_starts_a_resync_and_the_snapshot_ends_it() -> None:
 
 def test_a_lost_beat_shows_even_without_events() -> None:
     kv = WorkerKV()
-    kv.apply([], 0)
+    kv.apply(KVEvents(), 0)
     assert not kv.resyncing
-    kv.apply([], 2)  # events 1..2 went out in a beat that never arrived
+    kv.apply(KVEvents(), 2)  # events 1..2 went out in a beat that never arrived
     assert kv.resyncing and kv.gaps == 1
 
 
 def test_wire_events_are_validated() -> None:
-    beat = WorkerHeartbeat("p", "prefill", WorkerLoad(), 1, 0, 1, [ev(1, "stored", "ab")], 1)
-    bad = encode(beat).replace(b'"stored"', b'"cached"')
-    with pytest.raises(ProtocolError, match="kind must be one of"):
-        decode(bad)
-    with pytest.raises(ValueError, match="seq must be positive"):
-        BlockEventMsg(0, "stored", "ab")
+    beat = WorkerHeartbeat("p", "prefill", WorkerLoad(), 1, 0, 1, ev(1, "sr", "ab", "cd"), 2)
+    assert decode(encode(beat)) == beat
+    for good, bad, why in ((b'"kinds":"sr"', b'"kinds":"sx"', "kinds are 's'"),
+                           (b'"kinds":"sr"', b'"kinds":"s"', "1 kinds for 2 keys"),
+                           (b'"first_seq":1', b'"first_seq":0', "first_seq must be positive"),
+                           (b'"keys":["ab","cd"]', b'"keys":["ab",4]', "wrong type")):
+        with pytest.raises(ProtocolError, match=why):
+            decode(encode(beat).replace(good, bad))
+    with pytest.raises(ValueError, match="not a run"):  # a pool numbers one by one
+        KVEvents.of([BlockStored(1, b"a", 0), BlockStored(3, b"b", 1)])
 
 
 # ------------------------------------------------------- worker → conductor, in process
@@ -139,10 +146,8 @@ def test_stored_and_evicted_within_one_beat_is_absent(conductor) -> None:
     w.evict(8)  # every block reused: both keys evicted before the next beat
     w.cache(K[2:3])
     beat = w.beat()
-    assert [(e.seq, e.kind, e.key) for e in beat.events] == [
-        (1, "stored", H[0]), (2, "stored", H[1]),
-        (3, "removed", H[1]), (4, "removed", H[0]),  # freed tail first, evicted in that order
-        (5, "stored", H[2])]
+    # K0, K1 stored; K1, K0 removed (freed tail first, evicted in that order); K2 stored
+    assert beat.events == KVEvents(1, "ssrrs", [H[0], H[1], H[1], H[0], H[2]])
     c.on_heartbeat(beat)
     assert c.registry.get("prefill-0").cached_keys == {H[2]}
 
