@@ -7,8 +7,12 @@ what the router path adds over the decode step itself: ZeroMQ hop, decode of the
 message, SSE framing, HTTP write, client read.
 
 Conductor throughput: a real conductor process with 8 prefill and 8 decode workers
-registered (this process heartbeats for them); N SubmitRequests are fired and the time
-until the N-th RequestAccepted reaches the router inbox gives decisions/s.
+registered (this process heartbeats for them, and answers each ReserveBlocks as the decode
+worker it names does); N SubmitRequests are fired and the time until the N-th
+RequestAccepted reaches the router inbox gives decisions/s: a placement and its decode
+reservation's round trip each. (The router hears RequestAccepted once the blocks are
+reserved; a run without the decode side's answers timed out every reservation instead,
+and read ~42 decisions/s.)
 
     python benchmarks/serving_overhead.py [--tokens 400] [--decisions 5000]
 """
@@ -36,8 +40,8 @@ from common.config import ClusterConfig  # noqa: E402
 from common.kv.events import KVEvents  # noqa: E402
 from common.mailbox import Mailbox  # noqa: E402
 from common.protocol import (  # noqa: E402
-    RegisterWorker, RequestAccepted, RequestFailed, RequestRejected, SubmitRequest,
-    TokenDelta, WorkerHeartbeat, WorkerLoad,
+    BlocksReserved, RegisterWorker, RequestAccepted, RequestFailed, RequestRejected,
+    ReserveBlocks, SubmitRequest, TokenDelta, WorkerHeartbeat, WorkerLoad,
 )
 from common.sampling_params import SamplingParams  # noqa: E402
 from common.status_protocol import ClusterStatus  # noqa: E402
@@ -157,14 +161,31 @@ async def zmq_floor(samples: int = 300) -> list[float]:
         back.close(0)
 
 
+def worker_inbox(role: str, i: int) -> str:
+    return f"tcp://127.0.0.1:{(19990 if role == 'prefill' else 19970) - i}"
+
+
 def register(mail: Mailbox, cfg: ClusterConfig, role: str, i: int) -> None:
     mail.send(cfg.inbox("conductor"), RegisterWorker(
-        f"{role}-{i}", role, f"tcp://127.0.0.1:{19990 - i}", "127.0.0.1:1", 0, 1 << 20,
+        f"{role}-{i}", role, worker_inbox(role, i), "127.0.0.1:1", 0, 1 << 20,
         1 << 15, 100_000, 16))
+
+
+async def reserve(inbox: Mailbox, cfg: ClusterConfig, instance_id: str) -> None:
+    """A decode worker's answer to every ReserveBlocks: the blocks its tokens need."""
+    while True:
+        msg = await inbox.recv()
+        if isinstance(msg, ReserveBlocks):
+            blocks = -(-(msg.prompt_tokens + msg.sampling.max_tokens) // 16)
+            inbox.send(cfg.inbox("conductor"), BlocksReserved(
+                msg.request_id, instance_id, list(range(blocks)), attempt=msg.attempt))
 
 
 async def conductor_rate(cfg: ClusterConfig, n: int) -> float:
     mail = Mailbox(cfg.inbox("router"), "bench-router")
+    decoders = [Mailbox(worker_inbox("decode", i), f"bench-decode-{i}") for i in range(8)]
+    answering = [asyncio.create_task(reserve(d, cfg, f"decode-{i}"))
+                 for i, d in enumerate(decoders)]
     for role in ("prefill", "decode"):
         for i in range(8):
             register(mail, cfg, role, i)
@@ -178,13 +199,19 @@ async def conductor_rate(cfg: ClusterConfig, n: int) -> float:
     for i in range(n):
         mail.send(cfg.inbox("conductor"), SubmitRequest(
             f"r{i}", list(range(640)), keys, SamplingParams(max_tokens=16), time.time()))
-    got = 0
+    got = accepted = 0
     while got < n:
         msg = await asyncio.wait_for(mail.recv(), 30)
         if isinstance(msg, (RequestAccepted, RequestFailed, RequestRejected)):  # all decisions
             got += 1
+            accepted += isinstance(msg, RequestAccepted)
     elapsed = time.perf_counter() - start
-    mail.close()
+    for task in answering:
+        task.cancel()
+    for box in [mail, *decoders]:
+        box.close()
+    if accepted < n:
+        print(f"only {accepted} of {n} requests were accepted", file=sys.stderr)
     return n / elapsed
 
 

@@ -58,7 +58,8 @@ class _KeySetIndex(PrefixIndex):
     for it (services/prefill/queue.py) and reuses the prefix, so those keys are as good
     as cached for its prediction. Without them a burst of one conversation's turns was
     priced as if each recomputed the shared prefix: the queue predicted 2-6x too long.
-    ``queued``: each such key, the seconds until the prompt computing it is done."""
+    ``queued``: each such key of the request being placed (the only keys it is asked
+    about), the seconds until the prompt computing it is done."""
 
     def __init__(self, keys: set[str], queued: Optional[dict[str, float]] = None) -> None:
         self._keys = keys
@@ -70,6 +71,38 @@ class _KeySetIndex(PrefixIndex):
     def queued_within(self, keys: Sequence[str]) -> Optional[float]:
         waits = [self.queued[k] for k in keys if k in self.queued and k not in self._keys]
         return max(waits) if waits else None
+
+
+def shared_prefix(keys: Sequence[str], other: frozenset[str]) -> int:
+    """How many leading ``keys`` ``other`` holds. A block's key chains every token before
+    it, so the ones it holds are a prefix: a binary search, not a pass over either."""
+    lo, hi = 0, len(keys)  # keys[:lo] are held, keys[hi:] are not
+    if not keys or keys[0] not in other:
+        return 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if keys[mid] in other:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def queued_waits(keys: Sequence[str], ends: list[tuple[int, float]]) -> dict[str, float]:
+    """Each of a request's ``keys`` that prompts queued before it compute, and when the last
+    of those is done. ``ends``: per such prompt, how many of ``keys`` it shares (a prefix of
+    them: a block's key chains every token before it) and its seconds until done. One pass
+    over the keys, not one over every queued prompt's keys (with 2,000 prompts queued that
+    took 23 ms of each placement)."""
+    out: dict[str, float] = {}
+    ends = sorted(ends, reverse=True)
+    latest, j = 0.0, 0
+    for i in range(ends[0][0] - 1 if ends else -1, -1, -1):
+        while j < len(ends) and ends[j][0] > i:  # the prompts computing key i
+            latest = max(latest, ends[j][1])
+            j += 1
+        out[keys[i]] = latest
+    return out
 
 
 class Placer:
@@ -138,21 +171,25 @@ class Placer:
             self.shapes[stages] = PrefillCalibrator(pipeline)
         return self.shapes[stages]
 
-    def _prefill_state(self, w: WorkerState, tracker: Optional[Tracker],
-                       now: float) -> PrefillInstanceState:
+    def _prefill_state(self, w: WorkerState, tracker: Optional[Tracker], now: float,
+                       req: SubmitRequest) -> PrefillInstanceState:
+        """``w`` as the policy sees it for ``req``."""
         cost = self.cost_of(w.info.stages)
         waiting = self.waiting(w, tracker)
         queued = None
-        keys: dict[str, float] = {}  # a queued prompt's key: when that prompt is done
+        keys: dict[str, float] = {}  # of req's keys, each a queued prompt computes: when done
         if tracker is not None:
             left = self.seconds_left(w, now, waiting)
             queue_s = sum(left)
             if self.order.shortest:
                 queued = tuple((0 if self.order.aged(t.accepted_at, now) else t.prefill_tokens,
                                 s) for t, s in zip(waiting, left))
+            ends = []  # (how many of req's keys a queued prompt computes, when it is done)
             for t, s in zip(waiting, left):  # done when predicted, or later if it is late
-                done_in = max(t.accepted_at + t.predicted_ttft_s - now, s)
-                keys.update((k, max(keys.get(k, 0.0), done_in)) for k in t.req.block_keys)
+                shared = shared_prefix(req.block_keys, t.keys)
+                if shared:
+                    ends.append((shared, max(t.accepted_at + t.predicted_ttft_s - now, s)))
+            keys = queued_waits(req.block_keys, ends)
         else:  # no tracker (tests of the policy alone): the worker's reported queue
             tokens = max(w.beat.load.queued_tokens if w.beat else 0, w.pending_tokens)
             queue_s = cost.prefill_seconds(tokens, 0) if tokens else 0.0
@@ -233,7 +270,7 @@ class Placer:
         ``store_loads`` False: the prefill will read nothing from the store (a re-run after
         a failed load), so only local hits are priced as cached."""
         now = time.time() if now is None else now
-        prefill = [self._prefill_state(w, tracker, now) for w in registry.by_role("prefill")]
+        prefill = [self._prefill_state(w, tracker, now, req) for w in registry.by_role("prefill")]
         decode = [self._decode_state(w, tracker, now) for w in registry.by_role("decode")]
         need = kv_tokens(req, self.config.block_size)
         info = RequestInfo(req.request_id, req.block_keys, len(req.token_ids), need,

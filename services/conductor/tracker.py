@@ -33,6 +33,10 @@ class Tracked:
     attempt: int = 0  # 1 once re-run after its prefill worker was lost (at most once)
     store_loads: bool = True  # False once re-run after its store load failed
     fence: Optional[Fence] = None  # the live reservation's, from BlocksReserved
+    keys: frozenset[str] = field(init=False, repr=False, compare=False)  # req.block_keys
+
+    def __post_init__(self) -> None:
+        self.keys = frozenset(self.req.block_keys)
 
 
 @dataclass

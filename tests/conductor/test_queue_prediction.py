@@ -11,6 +11,7 @@ import pytest
 from common.config import ClusterConfig, SLOConfig
 from common.protocol import SubmitRequest
 from common.sampling_params import SamplingParams
+from services.conductor.placement import queued_waits, shared_prefix
 from services.conductor.service import Conductor
 from services.conductor.tracker import Phase
 from tests.conductor.test_conductor import RecordingMail, beat, worker
@@ -131,7 +132,44 @@ def test_placements_are_remembered_for_twenty_seconds(conductor: Conductor) -> N
     conductor.on_submit(submit("b", 500))
     w = conductor.registry.get("prefill-0")
     assert w is not None
-    state = conductor.placer._prefill_state(w, conductor.tracker, 1000.0)
+    c = submit("c", 10)
+    state = conductor.placer._prefill_state(w, conductor.tracker, 1000.0, c)
     assert state.recent == ((300, pytest.approx(cost.prefill_compute_seconds(300, 0))),
                             (500, pytest.approx(cost.prefill_compute_seconds(500, 0))))
-    assert conductor.placer._prefill_state(w, conductor.tracker, 1020.0).recent == ()
+    assert conductor.placer._prefill_state(w, conductor.tracker, 1020.0, c).recent == ()
+
+
+def test_shared_prefix_and_the_waits_of_queued_keys() -> None:
+    """A queued prompt holds a prefix of a request's keys (keys chain); each key waits for
+    the last queued prompt computing it."""
+    keys = [f"k{i}" for i in range(7)]
+    assert [shared_prefix(keys, frozenset(keys[:n] + ["x"])) for n in range(8)] == \
+        list(range(8))
+    assert shared_prefix(keys, frozenset()) == 0 and shared_prefix([], frozenset(keys)) == 0
+    assert queued_waits(keys, []) == {}
+    assert queued_waits(keys, [(2, 5.0), (4, 1.0), (4, 3.0), (1, 0.5)]) == {
+        "k0": 5.0, "k1": 5.0, "k2": 3.0, "k3": 3.0}
+
+
+def test_a_request_waits_for_the_queued_prompt_computing_its_prefix(
+        conductor: Conductor) -> None:
+    """Placement prices a prompt whose prefix a queued prompt computes as cached for that
+    prompt's time: only its own keys are looked up in the queue (the queue's other keys
+    are never listed)."""
+    keys = [f"{i:032x}" for i in range(20)]
+    conductor.on_submit(SubmitRequest("a", list(range(320)), keys, SamplingParams(
+        max_tokens=8), time.time()))
+    w = conductor.registry.get("prefill-0")
+    assert w is not None and w.assigned
+    b = SubmitRequest("b", list(range(192)), keys[:12], SamplingParams(max_tokens=8),
+                      time.time())
+    other = SubmitRequest("o", list(range(192)), [f"{i:032x}" for i in range(50, 62)],
+                          SamplingParams(max_tokens=8), time.time())
+    a = conductor.tracker.get("a")
+    assert a is not None
+    now = conductor.clock()
+    index = conductor.placer._prefill_state(w, conductor.tracker, now, b).prefix_index
+    assert set(index.queued) == set(keys[:12])  # b's keys only, all queued in a
+    assert index.queued_within(keys[:12]) == pytest.approx(a.predicted_ttft_s, abs=0.05)
+    assert conductor.placer._prefill_state(w, conductor.tracker, now,
+                                           other).prefix_index.queued == {}
