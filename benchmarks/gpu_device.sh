@@ -26,7 +26,9 @@
 #       graphs, preempting steps nested in their graphed steps included); graphs: prompt steps as piecewise CUDA graphs, the
 #       GPU test and benchmarks/prompt_graphs.py (graphed vs eager steps of one engine);
 #       graphs-live: then the prefill benchmark with prefill_graph_tokens = 512; next:
-#       graphs, the chunk attention benchmark and replay in one call, ~7 minutes)
+#       graphs, the chunk attention benchmark and replay in one call, ~7 minutes;
+#       timeline: the prefill benchmark alone at 4k and 16k, once each, with part (d):
+#       where the warm prompt's time outside its compute goes, ~3 minutes)
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -222,6 +224,9 @@ case "${1:-all}" in
     reap
     REPLAY_ARGS="--requests 40 ${GRAPHS_OK:+--graph-tokens 512}" replay ;;
   graphs-live) prompt_graphs; reap; prefill_bench --graph-tokens 512 --lengths 1024,4096,16384 ;;
+  timeline)  # goal 3's 27 ms outside the warm 16k compute, hop by hop (part d): ~3 minutes
+    # (an estimate), a call that fits after `next` on one lend
+    prefill_bench --lengths 4096,16384 --reps 1 ;;
   *) cuda_tests; live_pipeline; engine_figures; prefill_bench ;;
 esac
 log "done"
