@@ -284,14 +284,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 def stages(res: dict[str, dict[str, list]], directory: Path) -> dict[str, dict]:
     """(d): ``timeline.summary`` of each cluster's cold and warm requests per length."""
     timelines = timeline.load(directory)
-    groups: dict[str, list] = {}
-    for name, kinds in res.items():
-        for kind in ("cold", "warm"):
-            for s in kinds[kind]:
-                if s.request_id in timelines:
-                    groups.setdefault(f"{s.tokens} {name} {kind}", []).append(
-                        timelines[s.request_id])
-    return {name: timeline.summary(ts) for name, ts in groups.items()}
+    names = {s.request_id: f"{s.tokens} {name} {kind}" for name, kinds in res.items()
+             for kind in ("cold", "warm") for s in kinds[kind]}
+    return timeline.grouped((timelines[r] for r in names if r in timelines),
+                            lambda t: names[t.request_id])
 
 
 if __name__ == "__main__":

@@ -76,9 +76,9 @@ class _KeySetIndex(PrefixIndex):
 def shared_prefix(keys: Sequence[str], other: frozenset[str]) -> int:
     """How many leading ``keys`` ``other`` holds. A block's key chains every token before
     it, so the ones it holds are a prefix: a binary search, not a pass over either."""
-    lo, hi = 0, len(keys)  # keys[:lo] are held, keys[hi:] are not
     if not keys or keys[0] not in other:
         return 0
+    lo, hi = 1, len(keys)  # keys[:lo] are held, keys[hi:] are not
     while lo < hi:
         mid = (lo + hi) // 2
         if keys[mid] in other:
