@@ -181,13 +181,20 @@ def wrong(o: Outcome, expected: str) -> bool:
 
 
 def reference_answers(url: str, questions: list[str], max_tokens: int,
-                      deadline_s: float = 120.0) -> list[str]:
-    """Each prompt once, one at a time, on a cluster no fault has touched; every one must
-    be answered (else the run cannot be checked and this raises)."""
+                      deadline_s: float = 120.0, concurrency: int = 4) -> list[str]:
+    """Each prompt once, ``concurrency`` at a time (greedy answers do not depend on the
+    batch: tests/engine/test_batch_invariance.py), on a cluster no fault has touched;
+    every one must be answered (else the run cannot be checked and this raises)."""
     async def go() -> list[Outcome]:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(client: httpx.AsyncClient, i: int, question: str) -> Outcome:
+            async with gate:
+                return await send(client, i, question, max_tokens, False, deadline_s)
+
         async with httpx.AsyncClient(base_url=url, timeout=deadline_s + 5) as client:
-            return [await send(client, i, q, max_tokens, False, deadline_s)
-                    for i, q in enumerate(questions)]
+            return list(await asyncio.gather(*(one(client, i, q)
+                                               for i, q in enumerate(questions))))
 
     outs = asyncio.run(go())
     bad = [o for o in outs if o.kind != "ok"]
