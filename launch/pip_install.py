@@ -62,7 +62,7 @@ def installer(python: str) -> tuple[list[str], dict[str, str]]:
         print("pip_install: uv could not be installed; using pip", file=sys.stderr)
         return pip, dict(os.environ)
     config = subprocess.run([python, "-m", "pip", "config", "list"], check=False,
-                            capture_output=True, text=True).stdout
+                            timeout=120, capture_output=True, text=True).stdout
     settings = pip_settings(config, dict(os.environ))
     environ = dict(os.environ)
     if settings.get("cert"):
