@@ -21,6 +21,7 @@ import pytest
 
 from launch.cluster import LocalCluster
 from tests.e2e.conftest import start_cluster, wait_no_leaks
+from tests.e2e.test_pipeline import wait_index
 from tests.router.dashboard_state import running_router, state
 
 pytestmark = pytest.mark.e2e
@@ -100,7 +101,8 @@ def served(cluster: LocalCluster) -> Served:
     for q in QUESTIONS:
         r = _ask(cluster, q)
         assert r.status_code == 200, r.text
-        time.sleep(0.5)  # the put of the context's blocks lands before the next request
+        # the put of the context's blocks lands before the next request
+        wait_index(cluster, r.json()["usage"]["prompt_tokens"] // cluster.config.block_size)
     with ThreadPoolExecutor(3) as pool:
         burst = [r.status_code for r in pool.map(lambda q: _ask(cluster, q, BURST_CONTEXT),
                                                  QUESTIONS[:3])]
