@@ -71,7 +71,8 @@ fi
 # The default model's GGUF, dequantized once into the weights cache (common/model/loader.py,
 # ~8 s of CPU), and the CPU's C kernels compiled into it (common/model/native.py, ~2 s):
 # otherwise the first cluster's workers each do both at their start, together.
-"$VENV/bin/python" -c "from common.model.loader import load_model_source as load; load('smollm2-135m')
+"$VENV/bin/python" -c "from common.model.loader import load_model_source
+load_model_source('smollm2-135m')
 from common.model import native; native.library()"
 touch "$stamp"
 echo "setup: ready ($VENV)"

@@ -25,8 +25,8 @@ OK, WHY = available()
 PREFIX, SUBNET = "ck8s", "10.79.13"
 # the shipped CPU profile instead of "auto": the pods do not calibrate at their first start
 # here (14 CPU-s on a fresh machine; tests/e2e/test_live_replay.py covers "auto")
-CPU = ["--set", 'device="cpu"', "--set", 'dtype="float32"', "--set", "heartbeat_interval_s=0.2",
-       "--set", 'cost_profile="cpu-smollm2-135m"']
+CPU = ["--set", 'device="cpu"', "--set", 'dtype="float32"',
+       "--set", "heartbeat_interval_s=0.2", "--set", 'cost_profile="cpu-smollm2-135m"']
 CONFIG_DIR = "/etc/crescent"  # where the pods mount the ConfigMap
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not OK, reason=f"no test bed: {WHY}")]

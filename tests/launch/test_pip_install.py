@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from launch.pip_install import pip_settings, uv_options
 
-# `pip config list` on the CI image: /etc/pip.conf, /etc/xdg/pip/pip.conf and PIP_* variables
+# `pip config list` on the CI image (/etc/pip.conf, /etc/xdg/pip/pip.conf, PIP_* variables)
 CI_IMAGE = """\
 :env:.cert='/etc/ssl/certs/ca-certificates.crt'
 :env:.find-links='/opt/wheels'
@@ -33,7 +33,8 @@ def test_the_environment_wins_then_install_then_global() -> None:
         "--find-links", "b"]
     assert uv_options(pip_settings(config, {"PIP_INDEX_URL": "https://env.example/simple",
                                             "PIP_FIND_LINKS": ""})) == [
-        "--index-url", "https://env.example/simple", "--find-links", "a", "--find-links", "b"]
+        "--index-url", "https://env.example/simple",
+        "--find-links", "a", "--find-links", "b"]
 
 
 def test_no_configuration_means_no_options() -> None:
