@@ -52,11 +52,11 @@ def start_cluster(tmp: Path, http: int, base: int, prefill: int = 1, store: bool
                   scheduler: str = "load_balance", ttft_slo_s: float = 120.0,
                   extra: str = "", pinned: bool = False,
                   env: Optional[dict[str, str]] = None) -> LocalCluster:
-    """``extra``: more top-level TOML lines (e.g. 'mode = "colocated"'). ``env``: for every
-    child (LocalCluster). ``pinned``: each
-    process on its role's cores (common/cpu.py); off by default, since the two xdist
-    workers' clusters would share the same plan (every decode worker on one core while
-    the other idles), and the operating system spreads them better."""
+    """``extra``: more top-level TOML lines (e.g. 'mode = "colocated"'). ``env``: variables
+    for every child (LocalCluster). ``pinned``: each process on its role's cores
+    (common/cpu.py); off by default, since the two xdist workers' clusters would share the
+    same plan (every decode worker on one core while the other idles), and the operating
+    system spreads them better."""
     cfg = tmp / "cluster.toml"
     if DEVICE:
         extra = f'device = "{DEVICE}"\n' + extra
