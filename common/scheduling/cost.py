@@ -162,6 +162,12 @@ class CostModel:
         return self.scale_for(new_tokens) * self.profile_prefill_seconds(new_tokens,
                                                                          cached_tokens)
 
+    def prefill_key(self) -> tuple:
+        """What ``profile_prefill_seconds`` depends on that the cluster may change (a
+        worker's fitted coefficients, ``adopt``): a profile's time is current while this is
+        equal. The online calibration's scales are not in it: they apply on top."""
+        return (self.prefill,)
+
     def scale_for(self, new_tokens: int) -> float:
         """The live correction of the profile for a prompt of ``new_tokens`` to compute."""
         short = self.prefill_short_scale

@@ -9,6 +9,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, Iterable, Optional, Sequence
 
+from common.scheduling.queued import QueuedPrompts
+from common.scheduling.window import PlacedWindow
+
 if TYPE_CHECKING:
     from common.scheduling.cost import CostModel
 
@@ -97,7 +100,6 @@ class LRUBlockCache(PrefixIndex):
         assert len(self._lru) <= self.capacity_blocks
 
 
-RECENT_WINDOW_S = 20.0  # PrefillInstanceState.recent: the placements it looks back on
 MAX_SHORTER_LOAD = 0.5  # at most 2x: the window holds the queue, counted already, as much
 # as the arrivals to come (0.9 rejected 2 long prompts of 100 at 1 req/s that took 15-19 s)
 
@@ -109,26 +111,26 @@ class PrefillInstanceState:
     ``queue_seconds``: predicted seconds until a new request could start (remaining time
     of the running prefill plus the predicted prefill times of the queued ones).
     ``queued``: where the instance computes the shortest prompts first (``prefill_order``),
-    each placed prompt's (tokens to compute, predicted seconds left), one that has waited
-    ``prefill_max_wait_s`` with 0 tokens: a new prompt waits for those no longer than it,
-    and, while a longer one computes, for 1.5 steps of ``step_tokens`` of it: the rest of
-    the step in flight (half of one, on average) and the step the new one joins, which
-    the longer one fills (at 2 req/s short prompts waited 0.97 s where one step of the
-    longer was predicted: 0.28); not at all if the new one has at most ``preempt_tokens``
-    (its step runs inside the longer one's: services/prefill/preempt.py). None:
-    arrival order (a new prompt waits ``queue_seconds``). A prompt whose prefix a queued
-    prompt computes waits for that one to be done (services/prefill/queue.py), then as
-    any other, bounded by the whole queue (it once waited all of it: a 15-token prompt
-    predicted 10.4 s took 1.6).
+    the placed prompts (common/scheduling/queued.py: each one's tokens to compute and
+    predicted seconds left, one that has waited ``prefill_max_wait_s`` with 0 tokens): a
+    new prompt waits for those no longer than it, and, while a longer one computes, for
+    1.5 steps of ``step_tokens`` of it: the rest of the step in flight (half of one, on
+    average) and the step the new one joins, which the longer one fills (at 2 req/s
+    short prompts waited 0.97 s where one step of the longer was predicted: 0.28); not at
+    all if the new one has at most ``preempt_tokens`` (its step runs inside the longer
+    one's: services/prefill/preempt.py). None: arrival order (a new prompt waits
+    ``queue_seconds``). A prompt whose prefix a queued prompt computes waits for that one
+    to be done (services/prefill/queue.py), then as any other, bounded by the whole queue
+    (it once waited all of it: a 15-token prompt predicted 10.4 s took 1.6).
 
     Shortest first, the prompts shorter than a new one that arrive while it waits or
     computes go first too, which the queue cannot show. ``recent``, the (tokens, predicted
-    compute seconds) of the prompts placed on the instance in the last ``RECENT_WINDOW_S``,
-    gives the share of its time those take (``rho``, at most ``MAX_SHORTER_LOAD``): a
-    prompt's wait and compute stretch by 1 / (1 - rho), as a job's in a
-    shortest-remaining-first queue, though never past ``max_wait_s``, where the worker
-    takes it first (at 2 req/s the median error of the predictions was -28 to -39 % in
-    nine runs without this; -22 to -33 % in seven with it, -7 to -20 % offline on the
+    compute seconds) of the prompts placed on the instance in the last ``RECENT_WINDOW_S``
+    (common/scheduling/window.py), gives the share of its time those take (``rho``, at
+    most ``MAX_SHORTER_LOAD``): a prompt's wait and compute stretch by 1 / (1 - rho), as a
+    job's in a shortest-remaining-first queue, though never past ``max_wait_s``, where the
+    worker takes it first (at 2 req/s the median error of the predictions was -28 to -39 %
+    in nine runs without this; -22 to -33 % in seven with it, -7 to -20 % offline on the
     first nine's logs).
     """
 
@@ -137,10 +139,10 @@ class PrefillInstanceState:
     prefix_index: PrefixIndex
     queued_requests: int = 0
     cost: Optional["CostModel"] = None  # its own prefill cost (a group's); None: the scheduler's
-    queued: Optional[tuple[tuple[int, float], ...]] = None
+    queued: Optional[QueuedPrompts] = None
     step_tokens: int = 256
     preempt_tokens: int = 0  # a prompt of at most these preempts a longer one's step (0: none)
-    recent: tuple[tuple[int, float], ...] = ()  # placed in the last RECENT_WINDOW_S
+    recent: PlacedWindow = field(default_factory=PlacedWindow)  # placed lately
     max_wait_s: Optional[float] = None  # a prompt that waited this long goes first
 
     def wait_s(self, new_tokens: int, behind_s: Optional[float] = None,
@@ -155,13 +157,13 @@ class PrefillInstanceState:
 
     def _shortest_first_wait_s(self, new_tokens: int, own_s: float) -> float:
         assert self.queued is not None
-        ahead = sum(seconds for tokens, seconds in self.queued if tokens <= new_tokens)
-        longer = [entry for entry in self.queued if entry[0] > new_tokens]
-        if longer and new_tokens > self.preempt_tokens:
-            tokens, seconds = min(longer)  # the next by the worker's order: computing now
+        ahead = self.queued.ahead_s(new_tokens)
+        longer = self.queued.next_longer(new_tokens)  # the next by the worker's order:
+        if longer is not None and new_tokens > self.preempt_tokens:  # computing now
+            tokens, seconds = longer
             ahead += seconds * min(1.0, 1.5 * self.step_tokens / tokens)
-        rho = min(MAX_SHORTER_LOAD, sum(seconds for tokens, seconds in self.recent
-                                        if tokens < new_tokens) / RECENT_WINDOW_S)
+        rho = min(MAX_SHORTER_LOAD,
+                  self.recent.seconds_below(new_tokens) / self.recent.window_s)
         stretched = (ahead + own_s) / (1.0 - rho) - own_s
         return stretched if self.max_wait_s is None else min(stretched,
                                                              max(ahead, self.max_wait_s))

@@ -7,10 +7,10 @@ passes its ``Rejection`` (reason and retry time) on whole.
 from __future__ import annotations
 
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from pathlib import Path
 from dataclasses import asdict, dataclass
-from typing import Iterable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 from common.config import ClusterConfig
 from common.kv.demand import kv_demand
@@ -20,7 +20,8 @@ from common.scheduling import (
     Rejection, RequestInfo, SchedulerConfig, make_scheduler,
 )
 from common.scheduling.prefill_order import PromptOrder
-from common.scheduling.state import RECENT_WINDOW_S
+from common.scheduling.window import PlacedWindow
+from services.conductor.prefill_queue import PrefillQueue
 from services.conductor.calibration import DecodeCalibrator, PrefillCalibrator, ReadBandwidth
 from services.conductor.registry import Registry, WorkerState
 from services.conductor.tracker import Phase, Tracked, Tracker
@@ -73,38 +74,6 @@ class _KeySetIndex(PrefixIndex):
         return max(waits) if waits else None
 
 
-def shared_prefix(keys: Sequence[str], other: frozenset[str]) -> int:
-    """How many leading ``keys`` ``other`` holds. A block's key chains every token before
-    it, so the ones it holds are a prefix: a binary search, not a pass over either."""
-    if not keys or keys[0] not in other:
-        return 0
-    lo, hi = 1, len(keys)  # keys[:lo] are held, keys[hi:] are not
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if keys[mid] in other:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
-def queued_waits(keys: Sequence[str], ends: list[tuple[int, float]]) -> dict[str, float]:
-    """Each of a request's ``keys`` that prompts queued before it compute, and when the last
-    of those is done. ``ends``: per such prompt, how many of ``keys`` it shares (a prefix of
-    them: a block's key chains every token before it) and its seconds until done. One pass
-    over the keys, not one over every queued prompt's keys (with 2,000 prompts queued that
-    took 23 ms of each placement)."""
-    out: dict[str, float] = {}
-    ends = sorted(ends, reverse=True)
-    latest, j = 0.0, 0
-    for i in range(ends[0][0] - 1 if ends else -1, -1, -1):
-        while j < len(ends) and ends[j][0] > i:  # the prompts computing key i
-            latest = max(latest, ends[j][1])
-            j += 1
-        out[keys[i]] = latest
-    return out
-
-
 class Placer:
     def __init__(self, config: ClusterConfig, global_index: Optional[PrefixIndex] = None):
         self.config = config
@@ -125,8 +94,10 @@ class Placer:
         self.store_reads = ReadBandwidth()
         self.decode_steps = DecodeCalibrator(self.cost)
         self.machine_keys: list[str] = []  # the workers' fitted coefficients adopted
-        # per prefill worker, (placed at, tokens, predicted compute s) of its recent prompts
-        self.placed: defaultdict[str, deque[tuple[float, int, float]]] = defaultdict(deque)
+        # per prefill worker, the prompts placed on it lately (tokens, predicted compute s)
+        self.placed: defaultdict[str, PlacedWindow] = defaultdict(PlacedWindow)
+        # per prefill worker, its queue as priced: (what it was priced at, the queue)
+        self.queues: dict[str, tuple[tuple, PrefillQueue]] = {}
 
     def adopt(self, cost: MachineCost) -> bool:
         """With ``cost_profile = "auto"``: price with what a worker fitted on its machine
@@ -175,21 +146,19 @@ class Placer:
                        req: SubmitRequest) -> PrefillInstanceState:
         """``w`` as the policy sees it for ``req``."""
         cost = self.cost_of(w.info.stages)
-        waiting = self.waiting(w, tracker)
         queued = None
         keys: dict[str, float] = {}  # of req's keys, each a queued prompt computes: when done
+        preempt = 0 if w.info.stages > 1 else self.config.prefill_preempt_tokens
         if tracker is not None:
-            left = self.seconds_left(w, now, waiting)
-            queue_s = sum(left)
+            queue = self._queue(w, tracker)
+            prompts = queue.at(now, self.order, cost)
+            queue_s = prompts.left_s()
             if self.order.shortest:
-                queued = tuple((0 if self.order.aged(t.accepted_at, now) else t.prefill_tokens,
-                                s) for t, s in zip(waiting, left))
-            ends = []  # (how many of req's keys a queued prompt computes, when it is done)
-            for t, s in zip(waiting, left):  # done when predicted, or later if it is late
-                shared = shared_prefix(req.block_keys, t.keys)
-                if shared:
-                    ends.append((shared, max(t.accepted_at + t.predicted_ttft_s - now, s)))
-            keys = queued_waits(req.block_keys, ends)
+                queued = prompts
+            keys = queue.waits_of(req.block_keys, prompts, now)
+            backlog, oldest = self.config.prefill_preempt_backlog_s, queue.oldest_accepted_at()
+            if backlog is not None and oldest is not None and now - oldest >= backlog:
+                preempt = 0  # the worker's rule (services/prefill/service.py _preemptible)
         else:  # no tracker (tests of the policy alone): the worker's reported queue
             tokens = max(w.beat.load.queued_tokens if w.beat else 0, w.pending_tokens)
             queue_s = cost.prefill_seconds(tokens, 0) if tokens else 0.0
@@ -197,70 +166,55 @@ class Placer:
                                     queued_requests=len(w.assigned),
                                     cost=cost if cost is not self.cost else None, queued=queued,
                                     step_tokens=self.config.step_budget("prefill"),
-                                    preempt_tokens=self._preempt_tokens(w, waiting, now),
+                                    preempt_tokens=preempt,
                                     recent=self._recent(w.instance_id, now),
                                     max_wait_s=self.config.prefill_max_wait_s
                                     if self.order.shortest else None)
 
-    def _recent(self, instance_id: str, now: float) -> tuple[tuple[int, float], ...]:
-        """(tokens, predicted compute seconds) of the prompts placed on that prefill worker
-        in the last RECENT_WINDOW_S (common/scheduling/state.py: what shorter arrivals
-        stretch a prompt's time by)."""
-        placed = self.placed[instance_id]
-        while placed and placed[0][0] <= now - RECENT_WINDOW_S:
-            placed.popleft()
-        return tuple((tokens, seconds) for _, tokens, seconds in placed)
+    def _queue(self, w: WorkerState, tracker: Tracker) -> PrefillQueue:
+        """``w``'s queue by its cost model's profile, built again only once its requests or
+        the profile changed."""
+        cost = self.cost_of(w.info.stages)
+        key = (w.stamp, cost.prefill_key())
+        cached = self.queues.get(w.instance_id)
+        if cached is None or cached[0] != key:
+            cached = self.queues[w.instance_id] = (key, PrefillQueue(
+                self.waiting(w, tracker), cost))
+        return cached[1]
 
-    def _preempt_tokens(self, w: WorkerState, waiting: list[Tracked], now: float) -> int:
-        """The most tokens a new prompt may have to preempt ``w``'s step: none in a group,
-        or, where set, while one placed there has waited ``prefill_preempt_backlog_s``
-        (the worker's rule, services/prefill/service.py ``_preemptible``)."""
-        backlog = self.config.prefill_preempt_backlog_s
-        behind = backlog is not None and any(now - t.accepted_at >= backlog for t in waiting)
-        return 0 if w.info.stages > 1 or behind else self.config.prefill_preempt_tokens
+    def _recent(self, instance_id: str, now: float) -> PlacedWindow:
+        """The prompts placed on that prefill worker lately (common/scheduling/window.py:
+        what shorter arrivals stretch a prompt's time by), as of ``now``."""
+        placed = self.placed[instance_id]
+        placed.expire(now)
+        return placed
 
     def queue_seconds(self, w: WorkerState, tracker: Tracker, now: float) -> float:
-        """Predicted time until prefill worker ``w`` has computed what it was given."""
-        return sum(self.seconds_left(w, now, self.waiting(w, tracker)))
-
-    def seconds_left(self, w: WorkerState, now: float, waiting: list[Tracked]) -> list[float]:
-        """Of each of ``waiting`` (placed on prefill worker ``w``), its predicted compute
-        still to do: its own prefill time (summed, not the time of one prompt as long as
-        all of them: attention is quadratic per prompt, and that overestimated a queue of
-        ten prompts about twice), less, for the one probably computing now (the first by
-        the worker's order), what it has predictably done since its predicted start."""
-        if not waiting:
-            return []
+        """Predicted time until prefill worker ``w`` has computed what it was given: each
+        prompt's own prefill time (summed, not the time of one prompt as long as all of
+        them: attention is quadratic per prompt, and that overestimated a queue of ten
+        prompts about twice), less what the one computing now has predictably done."""
         cost = self.cost_of(w.info.stages)
-        left = [cost.prefill_compute_seconds(t.prefill_tokens,
-                                             len(t.req.token_ids) - t.prefill_tokens)
-                for t in waiting]
-        first = min(range(len(waiting)), key=lambda i: self.order.rank(
-            waiting[i].prefill_tokens, waiting[i].accepted_at, now))
-        start = waiting[first].accepted_at + waiting[first].predicted_ttft_s - left[first]
-        left[first] -= min(left[first], max(0.0, now - start))
-        return left
+        return self._queue(w, tracker).at(now, self.order, cost).left_s()
 
     @staticmethod
     def waiting(w: WorkerState, tracker: Optional[Tracker]) -> list[Tracked]:
         """The requests placed on prefill worker ``w`` whose KV has not landed yet."""
         if tracker is None:
             return []
-        return sorted((t for t in map(tracker.get, w.assigned)
-                       if t is not None and t.phase is not Phase.DECODING),
-                      key=lambda t: t.accepted_at)
+        return sorted((t for t in w.assigned.values() if t.phase is not Phase.DECODING),
+                      key=_accepted_at)
 
-    def _decode_state(self, w: WorkerState, tracker: Optional[Tracker],
-                      now: float) -> DecodeInstanceState:
+    def _decode_state(self, w: WorkerState, now: float) -> DecodeInstanceState:
         load = w.load
         running, context = load.running, load.context_tokens  # running: sequences
-        pending = sequences_of(w.assigned, tracker) - running
+        pending = w.sequences - running
         state = DecodeInstanceState(
             w.instance_id, batch_size=running + max(pending, 0), total_context_tokens=context,
             free_blocks=w.free_blocks, block_size=w.info.block_size,
             step_batch=self.config.max_batch_size)
-        if tracker is not None and self.policy.config.admission == "predicted":
-            state.running, state.incoming = decode_slots(w, tracker, now)
+        if self.policy.config.admission == "predicted":
+            state.running, state.incoming = decode_slots(w, now)
         return state
 
     def place(self, req: SubmitRequest, registry: Registry, now: Optional[float] = None,
@@ -271,7 +225,7 @@ class Placer:
         a failed load), so only local hits are priced as cached."""
         now = time.time() if now is None else now
         prefill = [self._prefill_state(w, tracker, now, req) for w in registry.by_role("prefill")]
-        decode = [self._decode_state(w, tracker, now) for w in registry.by_role("decode")]
+        decode = [self._decode_state(w, now) for w in registry.by_role("decode")]
         need = kv_tokens(req, self.config.block_size)
         info = RequestInfo(req.request_id, req.block_keys, len(req.token_ids), need,
                            req.sampling.n)
@@ -289,7 +243,7 @@ class Placer:
         if chosen is not None:
             seconds = self.cost_of(chosen.info.stages).prefill_compute_seconds(
                 new, len(req.token_ids) - new)
-            self.placed[d.prefill_id].append((now, new, seconds))
+            self.placed[d.prefill_id].add(now, new, seconds)
         return Placement(d.prefill_id, decode_id, d.predicted_ttft_s, new, need,
                          max(0, global_len - d.prefix_blocks_local))
 
@@ -316,8 +270,7 @@ class Placer:
         return changed
 
 
-def decode_slots(w: WorkerState, tracker: Tracker,
-                 now: float) -> tuple[list[DecodeSlot], list[DecodeSlot]]:
+def decode_slots(w: WorkerState, now: float) -> tuple[list[DecodeSlot], list[DecodeSlot]]:
     """(running, incoming) slots of the requests assigned to decode worker ``w``.
 
     Running: decoding since PrefillDone. Incoming: predicted to join at accept + predicted
@@ -325,10 +278,7 @@ def decode_slots(w: WorkerState, tracker: Tracker,
     """
     running: list[DecodeSlot] = []
     incoming: list[DecodeSlot] = []
-    for rid in w.assigned:
-        t = tracker.get(rid)
-        if t is None:
-            continue
+    for t in w.assigned.values():
         n = t.req.sampling.n
         if t.phase is Phase.DECODING:
             start = t.decode_started_at if t.decode_started_at is not None else now
@@ -339,11 +289,8 @@ def decode_slots(w: WorkerState, tracker: Tracker,
     return running, incoming
 
 
-def sequences_of(request_ids: Iterable[str], tracker: Optional[Tracker]) -> int:
-    """Sequences the requests decode as: n for a request of n choices (one each for those
-    the tracker does not know, or without a tracker)."""
-    requests = [tracker.get(rid) if tracker is not None else None for rid in request_ids]
-    return sum(t.req.sampling.n if t is not None else 1 for t in requests)
+def _accepted_at(t: Tracked) -> float:
+    return t.accepted_at
 
 
 def kv_tokens(req: SubmitRequest, block_size: int) -> int:

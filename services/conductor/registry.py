@@ -1,6 +1,7 @@
 """The conductor's view of live workers: registration, heartbeats, liveness, KV events."""
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -10,6 +11,11 @@ from common.status_protocol import InstanceStatus
 from services.conductor.tracker import Tracked
 from services.conductor.worker_kv import WorkerKV
 
+
+# Every change of a worker's ``assigned`` gets the next of these, across workers and their
+# incarnations: a queue priced at a stamp (services/conductor/placement.py) is current while
+# its worker's stamp is the same.
+_STAMPS = itertools.count(1)
 
 # Which registered roles serve a role the scheduler asks for.
 SERVES = {"prefill": ("prefill", "colocated"), "decode": ("decode", "colocated")}
@@ -22,7 +28,9 @@ class WorkerState:
     last_seen: float
     beat: Optional[WorkerHeartbeat] = None
     kv: WorkerKV = field(default_factory=WorkerKV)  # blocks in its local cache
-    assigned: set[str] = field(default_factory=set)  # request ids placed here and not done
+    assigned: dict[str, Tracked] = field(default_factory=dict)  # placed here, not done
+    sequences: int = 0  # what ``assigned`` decodes as: n for a request of n choices
+    stamp: int = 0  # of ``assigned``'s last change, unique in the process (see ``_STAMPS``)
     pending_tokens: int = 0  # prefill: tokens assigned since the last heartbeat counted them
 
     @property
@@ -103,7 +111,10 @@ class Registry:
     def assign(self, t: Tracked) -> None:
         """``t`` is placed on its workers: each counts it, its prefill its tokens."""
         for wid in {t.prefill_id, t.decode_id}:
-            self.workers[wid].assigned.add(t.req.request_id)
+            w = self.workers[wid]
+            w.assigned[t.req.request_id] = t
+            w.sequences += t.req.sampling.n
+            w.stamp = next(_STAMPS)
         self.workers[t.prefill_id].pending_tokens += t.prefill_tokens
 
     def hold_off(self, instance_id: str) -> None:
@@ -117,8 +128,7 @@ class Registry:
     def release_prefill(self, t: Tracked) -> None:
         """``t``'s prefill worker is done with it (again: nothing changes)."""
         prefill = self.workers.get(t.prefill_id)
-        if prefill is not None and t.req.request_id in prefill.assigned:
-            prefill.assigned.discard(t.req.request_id)
+        if prefill is not None and _unassign(prefill, t):
             prefill.pending_tokens = max(0, prefill.pending_tokens - t.prefill_tokens)
 
     def release(self, t: Tracked) -> None:
@@ -126,7 +136,7 @@ class Registry:
         self.release_prefill(t)
         decode = self.workers.get(t.decode_id)
         if decode is not None:
-            decode.assigned.discard(t.req.request_id)
+            _unassign(decode, t)
 
     def status(self, now: Optional[float] = None) -> list[InstanceStatus]:
         now = time.monotonic() if now is None else now
@@ -142,3 +152,13 @@ class Registry:
                 cached_blocks=len(w.kv.keys), draining=bool(b and b.draining),
                 heartbeat_age_s=round(max(0.0, now - w.last_seen), 3)))
         return out
+
+
+def _unassign(w: WorkerState, t: Tracked) -> bool:
+    """Take ``t`` off ``w`` if it is there (not another attempt's record); True if it was."""
+    if w.assigned.get(t.req.request_id) is not t:
+        return False
+    del w.assigned[t.req.request_id]
+    w.sequences -= t.req.sampling.n
+    w.stamp = next(_STAMPS)
+    return True

@@ -37,7 +37,7 @@ def test_decode_state_carries_max_batch_size() -> None:
     placer = _placer(3)
     w = _registry(4, 100).get("decode-0")
     assert w is not None
-    state = placer._decode_state(w, None, 0.0)
+    state = placer._decode_state(w, 0.0)
     assert (state.batch_size, state.step_batch, state.max_batch) == (4, 3, None)
 
 

@@ -124,7 +124,7 @@ def test_decode_slots_from_tracker() -> None:
     submit(c, "b")
     start_decoding(c, clock, "a", at=1003.0)
     ttft_b = c.tracker.get("b").predicted_ttft_s
-    running, incoming = decode_slots(c.registry.get("decode-0"), c.tracker, now=1004.0)
+    running, incoming = decode_slots(c.registry.get("decode-0"), now=1004.0)
     assert running == [DecodeSlot(1003.0, PROMPT + MAX_TOKENS)]
     assert incoming == [DecodeSlot(max(1000.0 + ttft_b, 1004.0), PROMPT + MAX_TOKENS)]
 
@@ -137,15 +137,14 @@ def test_a_requests_choices_count_as_sequences_on_its_decode_worker() -> None:
     submit(c, "three", n=3)
     submit(c, "one")
     start_decoding(c, clock, "three", at=1003.0)
-    running, incoming = decode_slots(c.registry.get("decode-0"), c.tracker, now=1004.0)
+    running, incoming = decode_slots(c.registry.get("decode-0"), now=1004.0)
     assert [s.sequences for s in running] == [3] and [s.sequences for s in incoming] == [1]
     # what the decode worker reserves (common/kv/demand.py): 3 blocks of prompt and
     # output, and each further choice its own block from the prompt's partial one on
     assert running[0].tokens == (3 + 2 * 1) * BLOCK
     beat(c, "decode", free=90, running=3, context=3 * PROMPT)  # its 3 choices run
-    state = c.placer._decode_state(c.registry.get("decode-0"), c.tracker, 1004.0)
+    state = c.placer._decode_state(c.registry.get("decode-0"), 1004.0)
     assert state.batch_size == 4  # 3 running + the pending request (was 3: 2 - 3 < 0)
-    assert c.placer._decode_state(c.registry.get("decode-0"), None, 1004.0).batch_size == 3
 
 
 def test_finished_decode_feeds_the_history_and_gauge() -> None:

@@ -11,7 +11,7 @@ import pytest
 from common.config import ClusterConfig, SLOConfig
 from common.protocol import SubmitRequest
 from common.sampling_params import SamplingParams
-from services.conductor.placement import queued_waits, shared_prefix
+from services.conductor.prefill_queue import queued_waits, shared_prefix
 from services.conductor.service import Conductor
 from services.conductor.tracker import Phase
 from tests.conductor.test_conductor import RecordingMail, beat, worker
@@ -51,8 +51,9 @@ def test_queue_is_the_sum_of_each_requests_prefill(conductor: Conductor) -> None
     assert placer.queue_seconds(w, tracker, 1000.0 + ca / 2) == pytest.approx(ca / 2 + cb)
     # Late (a took longer than predicted): never less than the requests not yet begun.
     assert placer.queue_seconds(w, tracker, 1000.0 + 10 * ca) == pytest.approx(cb)
-    # Once "a" decodes it no longer counts.
+    # Once "a" decodes (its prefill worker released, as on PrefillDone) it no longer counts.
     tracker.set_phase(a, Phase.DECODING, 0)
+    conductor.registry.release_prefill(a)
     assert placer.queue_seconds(w, tracker, 1000.0) == pytest.approx(cb)
 
 
@@ -134,9 +135,10 @@ def test_placements_are_remembered_for_twenty_seconds(conductor: Conductor) -> N
     assert w is not None
     c = submit("c", 10)
     state = conductor.placer._prefill_state(w, conductor.tracker, 1000.0, c)
-    assert state.recent == ((300, pytest.approx(cost.prefill_compute_seconds(300, 0))),
-                            (500, pytest.approx(cost.prefill_compute_seconds(500, 0))))
-    assert conductor.placer._prefill_state(w, conductor.tracker, 1020.0, c).recent == ()
+    assert state.recent.entries() == (
+        (300, pytest.approx(cost.prefill_compute_seconds(300, 0))),
+        (500, pytest.approx(cost.prefill_compute_seconds(500, 0))))
+    assert not conductor.placer._prefill_state(w, conductor.tracker, 1020.0, c).recent
 
 
 def test_shared_prefix_and_the_waits_of_queued_keys() -> None:

@@ -6,14 +6,17 @@ from __future__ import annotations
 import pytest
 
 from common.scheduling import PrefillInstanceState, PrefixIndex
+from common.scheduling.queued import QueuedPrompts
+from common.scheduling.window import PlacedWindow
 
 QUEUED = ((100, 1.0), (1000, 4.0))  # (tokens to compute, predicted seconds left)
 RECENT = ((50, 2.0), (100, 2.0), (1000, 4.0))  # placed in the last 20 s
 
 
 def state(queued=QUEUED, recent=RECENT, max_wait_s=None) -> PrefillInstanceState:
+    queued = None if queued is None else QueuedPrompts(queued)
     return PrefillInstanceState("p", 5.0, PrefixIndex(), queued=queued, step_tokens=256,
-                                recent=recent, max_wait_s=max_wait_s)
+                                recent=PlacedWindow.of(recent), max_wait_s=max_wait_s)
 
 
 @pytest.mark.parametrize("tokens, own, want", [
