@@ -14,7 +14,6 @@ profile's seconds, scaled when asked, so a refit does not price every queue agai
 """
 from __future__ import annotations
 
-import copy
 from bisect import bisect_right
 from itertools import accumulate
 from dataclasses import dataclass
@@ -65,7 +64,8 @@ class QueuedPrompts:
         """The queue at a moment: priced with ``scales``, its ``aged`` oldest prompts go
         by their arrival, and ``first`` (an index, oldest first) has ``first_s`` of its
         seconds left. A view: the sorted entries are shared, not copied."""
-        view = copy.copy(self)
+        view = object.__new__(QueuedPrompts)
+        view.__dict__.update(self.__dict__)  # copy.copy's work, at a fifth of its cost
         view.scales, view.aged, view.first, view.first_s = scales, aged, first, first_s
         return view
 

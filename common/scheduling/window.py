@@ -59,6 +59,8 @@ class PlacedWindow:
 
     def seconds_below(self, tokens: int) -> float:
         """Compute seconds placed by prompts of fewer than ``tokens`` tokens."""
+        if not self._placed:
+            return 0.0
         b = tokens // BIN_TOKENS
         total, i = 0.0, min(b, len(self._tree) - 1)  # the bins before ``tokens``' bin
         while i > 0:

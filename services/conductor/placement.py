@@ -150,7 +150,7 @@ class Placer:
         keys: dict[str, float] = {}  # of req's keys, each a queued prompt computes: when done
         preempt = 0 if w.info.stages > 1 else self.config.prefill_preempt_tokens
         if tracker is not None:
-            queue = self._queue(w, tracker)
+            queue = self._queue(w, tracker, cost)
             prompts = queue.at(now, self.order, cost)
             queue_s = prompts.left_s()
             if self.order.shortest:
@@ -171,10 +171,9 @@ class Placer:
                                     max_wait_s=self.config.prefill_max_wait_s
                                     if self.order.shortest else None)
 
-    def _queue(self, w: WorkerState, tracker: Tracker) -> PrefillQueue:
-        """``w``'s queue by its cost model's profile, built again only once its requests or
-        the profile changed."""
-        cost = self.cost_of(w.info.stages)
+    def _queue(self, w: WorkerState, tracker: Tracker, cost: CostModel) -> PrefillQueue:
+        """``w``'s queue by its cost model's profile (``cost``), built again only once its
+        requests or the profile changed."""
         key = (w.stamp, cost.prefill_key())
         cached = self.queues.get(w.instance_id)
         if cached is None or cached[0] != key:
@@ -195,7 +194,7 @@ class Placer:
         them: attention is quadratic per prompt, and that overestimated a queue of ten
         prompts about twice), less what the one computing now has predictably done."""
         cost = self.cost_of(w.info.stages)
-        return self._queue(w, tracker).at(now, self.order, cost).left_s()
+        return self._queue(w, tracker, cost).at(now, self.order, cost).left_s()
 
     @staticmethod
     def waiting(w: WorkerState, tracker: Optional[Tracker]) -> list[Tracked]:

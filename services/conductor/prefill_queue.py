@@ -75,13 +75,14 @@ class PrefillQueue:
         which one computes, and what is left of it: done from its predicted start on,
         that is, accept + predicted TTFT - its own compute (its prediction may have been
         late: never less than nothing left)."""
+        if not self.waiting:
+            return self.prompts
         scales = Scales.of(cost)
         aged = self._aged(now, order)
         first = 0 if aged else self.shortest
-        if first is None:
-            return self.prompts.at(scales)
+        assert first is not None
         t = self.waiting[first]
-        own = self.prompts.at(scales).seconds(first)
+        own = scales.of_tokens(t.prefill_tokens) * self.prompts.profile[first]
         start = t.accepted_at + t.predicted_ttft_s - own
         return self.prompts.at(scales, aged, first, own - min(own, max(0.0, now - start)))
 
@@ -102,8 +103,10 @@ class PrefillQueue:
         """Of ``keys`` (a new prompt's), each that a queued prompt computes, and the
         seconds until the last of those is done: its predicted end, or later if it has
         more left to compute than that (``prompts``: this queue ``at`` now)."""
+        if not keys or keys[0] not in self.by_first_key:
+            return {}
         ends = []
-        for i in self.by_first_key.get(keys[0], ()) if keys else ():
+        for i in self.by_first_key[keys[0]]:
             t = self.waiting[i]
             shared = shared_prefix(keys, t.keys)
             if shared:
