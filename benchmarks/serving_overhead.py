@@ -1,4 +1,5 @@
-"""Added latency per streamed token of the router path, and conductor decisions/s.
+"""Added latency per streamed token of the router path, conductor decisions/s, and
+the router's CPU per streamed token.
 
 Token overhead: a real router process streams to a real HTTP client; this process plays
 the decode worker (it PUSHes TokenDelta to the router's inbox, recording when) and the
@@ -14,7 +15,12 @@ reservation's round trip each. (The router hears RequestAccepted once the blocks
 reserved; a run without the decode side's answers timed out every reservation instead,
 and read ~42 decisions/s.)
 
-    python benchmarks/serving_overhead.py [--tokens 400] [--decisions 5000]
+Router streaming capacity: the router's CPU per streamed token (/proc), with ``--streams``
+chat streams at once and this process playing the decode worker a step at a time, the
+step's deltas sent as one TokenDeltas message (as decode workers do) or one message each:
+one router core streams about 1e6 / that many tokens a second.
+
+    python benchmarks/serving_overhead.py [--tokens 400] [--decisions 5000] [--streams 64]
 """
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ from common.kv.events import KVEvents  # noqa: E402
 from common.mailbox import Mailbox  # noqa: E402
 from common.protocol import (  # noqa: E402
     BlocksReserved, RegisterWorker, RequestAccepted, RequestFailed, RequestRejected,
-    ReserveBlocks, SubmitRequest, TokenDelta, WorkerHeartbeat, WorkerLoad,
+    ReserveBlocks, SubmitRequest, TokenDelta, TokenDeltas, WorkerHeartbeat, WorkerLoad,
 )
 from common.sampling_params import SamplingParams  # noqa: E402
 from common.status_protocol import ClusterStatus  # noqa: E402
@@ -112,6 +118,65 @@ async def token_overhead(cfg: ClusterConfig, tokens: int, step_s: float) -> list
         t.cancel()
     conductor.close()
     return [(a - s) * 1000 for s, a in zip(sent, arrived)]
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (/proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def router_cpu(cfg: ClusterConfig, pid: int, streams: int, tokens: int,
+                     batched: bool) -> float:
+    """The router's CPU microseconds per streamed token: ``streams`` chat streams at once,
+    this process playing the decode worker (a step: one token for each stream, as one
+    TokenDeltas message or one TokenDelta each) and the clients."""
+    conductor = Mailbox(cfg.inbox("conductor"), "bench-conductor")
+    router = cfg.inbox("router")
+    ids: list[str] = []
+    got = [0]
+
+    async def play_conductor() -> None:
+        while True:
+            msg = await conductor.recv()
+            if isinstance(msg, SubmitRequest):
+                conductor.send(router, RequestAccepted(msg.request_id, "p", "d", 0.0))
+                ids.append(msg.request_id)
+
+    async def health() -> None:
+        while True:
+            conductor.send(router, ClusterStatus(True, []))
+            await asyncio.sleep(0.1)
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        async with session.post(url + "/v1/chat/completions", json=body) as resp:
+            async for line in resp.content:
+                got[0] += line.startswith(b"data: {") and b'"content":"x"' in line
+
+    tasks = [asyncio.create_task(play_conductor()), asyncio.create_task(health())]
+    url = f"http://{cfg.host}:{cfg.http_port}"
+    await wait_healthy(url)
+    body = {"model": cfg.model_name, "stream": True, "max_tokens": tokens,
+            "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        clients = [asyncio.create_task(client(session)) for _ in range(streams)]
+        while len(ids) < streams:
+            await asyncio.sleep(0.01)
+        start = _cpu_seconds(pid)
+        for i in range(tokens):
+            finish = "length" if i == tokens - 1 else None
+            step = [TokenDelta(rid, [42], "x", None, finish, 5, i + 1) for rid in ids]
+            for msg in ([TokenDeltas(step)] if batched else step):
+                conductor.send(router, msg)
+            await asyncio.sleep(0.005)  # the "decode step"
+        await asyncio.wait_for(asyncio.gather(*clients), 60)
+        used = _cpu_seconds(pid) - start
+    for t in tasks:
+        t.cancel()
+    conductor.close()
+    if got[0] != streams * tokens:
+        raise RuntimeError(f"{got[0]} of {streams * tokens} tokens arrived")
+    return used / got[0] * 1e6
 
 
 async def wait_healthy(url: str) -> None:
@@ -216,16 +281,16 @@ async def conductor_rate(cfg: ClusterConfig, n: int) -> float:
 
 
 def run_with(scheduler: str, only: list[str], fn) -> object:  # noqa: ANN001
+    """``fn(config, pids)`` against a cluster of only the roles ``only`` (pids by role)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "c.toml"
         path.write_text(CONFIG.format(scheduler=scheduler))
         cluster = LocalCluster(str(path), Path(tmp) / "logs")
         try:
-            for role in only:
-                cluster.spawn(role, 0)
+            pids = {role: cluster.spawn(role, 0).proc.pid for role in only}
             time.sleep(3.0)
             cluster.check_alive()
-            return asyncio.run(fn(cluster.config))
+            return asyncio.run(fn(cluster.config, pids))
         finally:
             cluster.stop()
 
@@ -238,12 +303,17 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=400)
     ap.add_argument("--step-ms", type=float, default=20.0)
     ap.add_argument("--decisions", type=int, default=5000)
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--stream-tokens", type=int, default=600)
     args = ap.parse_args()
     over = run_with("load_balance", ["router"],
-                    lambda cfg: token_overhead(cfg, args.tokens, args.step_ms / 1000))
+                    lambda cfg, _: token_overhead(cfg, args.tokens, args.step_ms / 1000))
     floor = asyncio.run(zmq_floor())
-    rates = {s: run_with(s, ["conductor"], lambda cfg: conductor_rate(cfg, args.decisions))
+    rates = {s: run_with(s, ["conductor"], lambda cfg, _: conductor_rate(cfg, args.decisions))
              for s in ("load_balance", "kvcache_centric")}
+    per_token = {batched: run_with("load_balance", ["router"], lambda cfg, pids: router_cpu(
+        cfg, pids["router"], args.streams, args.stream_tokens, batched))
+        for batched in (False, True)}
     p50, p99 = statistics.median(over), pct(over, 0.99)
     print(f"{'measure':<44} {'value':>10}")
     print(f"{'router path added latency per token, p50':<44} {p50:>8.3f} ms")
@@ -253,11 +323,16 @@ def main() -> int:
           f"{statistics.median(floor):>8.3f} ms")
     for name, rate in rates.items():
         print(f"{'conductor decisions/s (' + name + ', 8P+8D)':<44} {rate:>10.0f}")
+    for batched, us in per_token.items():
+        how = "a step's deltas in one message" if batched else "a message per delta"
+        print(f"{'router CPU per streamed token, ' + how:<44} {us:>8.1f} us")
     print(json.dumps({"token_overhead_p50_ms": round(p50, 4),
                       "token_overhead_p99_ms": round(p99, 4),
                       "zmq_hop_floor_p50_ms": round(statistics.median(floor), 4),
                       "conductor_decisions_per_s": round(rates["kvcache_centric"], 1),
                       "conductor_decisions_per_s_load_balance": round(rates["load_balance"], 1),
+                      "router_cpu_us_per_token": round(per_token[True], 1),
+                      "router_cpu_us_per_token_unbatched": round(per_token[False], 1),
                       "cpu_count": os.cpu_count()}))
     return 0
 

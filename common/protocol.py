@@ -398,3 +398,11 @@ class TokenDelta:
     index: int = 0  # the choice (of ``sampling.n``) these tokens extend
     # the prompt's own logprobs (``sampling.prompt_logprobs``): in choice 0's first delta
     prompt_logprobs: Optional[PromptLogprobs] = None
+
+
+@message
+class TokenDeltas:
+    """Decode → router: the deltas of one decode step (or of one message the worker
+    handled) for that router, in order (services/decode/outbox.py)."""
+
+    deltas: list[TokenDelta]

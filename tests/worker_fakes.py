@@ -27,7 +27,7 @@ from common.idle_check import IdleCheck
 from common.kv.block_keys import compute_block_keys
 from common.kv.block_pool import BlockPool
 from common.kv.memory import PagedKVMemory
-from common.protocol import BlocksReserved, Fence, PrefillTask, ReserveBlocks
+from common.protocol import BlocksReserved, Fence, PrefillTask, ReserveBlocks, TokenDeltas
 from common.sampling_params import SamplingParams
 from common.transfer import TransferError
 from services.prefill.prefix import PrefixLoader
@@ -193,7 +193,12 @@ class FakeMail:
         self.trace.append(("send", address, msg))
 
     def of(self, kind: type[M], to: Optional[str] = None) -> list[M]:
-        return [m for a, m in self.sent if isinstance(m, kind) and to in (None, a)]
+        """What was sent of ``kind`` (to ``to``), in order; a step's ``TokenDeltas``
+        counts as its deltas."""
+        sent = [(a, d) for a, m in self.sent
+                for d in (m.deltas if isinstance(m, TokenDeltas) and kind is not TokenDeltas
+                          else [m])]
+        return [m for a, m in sent if isinstance(m, kind) and to in (None, a)]
 
     def kinds(self) -> list[tuple[str, str]]:
         """(recipient, message type) of everything sent, in order."""

@@ -29,6 +29,7 @@ from common.sampling_params import PromptLogprobs, SampledToken, SamplingParams,
 from common.worker import WorkerRuntime
 from common.worker_metrics import current as metrics
 from services.decode.detok import IncrementalText
+from services.decode.outbox import DeltaOutbox
 from services.decode.sequence import Reservation, Running
 from services.decode.turns import Turns
 
@@ -61,6 +62,7 @@ class DecodeWorker:
         self.compute = ThreadPoolExecutor(1, thread_name_prefix="decode")
         self.grammars = Grammars.for_engine(self.engine)
         self.steps = StepTotals()  # the step loop's, for the conductor's decode refit
+        self.outbox = DeltaOutbox(rt.mail)  # tokens to the routers, a message a step
         rt.decode_steps = lambda: self.steps
         self.handlers: dict[type, Callable[[Any], None]] = {
             **rt.handlers,  # ReRegister
@@ -179,7 +181,7 @@ class DecodeWorker:
         once, with no token; the request leaves."""
         self.pool.free(r.owned)
         for i in range(r.params.n):
-            self.rt.mail.send(r.router_inbox, TokenDelta(
+            self.outbox.put(r.router_inbox, TokenDelta(
                 request_id=r.request_id, token_ids=[], text="", logprobs=None,
                 finish_reason="length", prompt_tokens=prompt_tokens, completion_tokens=0,
                 cached_tokens=cached_tokens, index=i,
@@ -290,7 +292,7 @@ class DecodeWorker:
         if finish is not None:
             delta += seq.text.finish()  # "" after a stop string: the text ends before it
         seq.last_token = token
-        self.rt.mail.send(seq.router_inbox, TokenDelta(
+        self.outbox.put(seq.router_inbox, TokenDelta(
             request_id=seq.request_id, token_ids=ids, text=delta,
             logprobs=[logprob] if (p.logprobs and logprob is not None and ids) else None,
             finish_reason=finish, prompt_tokens=seq.prompt_tokens,

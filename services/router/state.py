@@ -18,6 +18,7 @@ from common.drain import Drain, current as current_drain
 from common.mailbox import Mailbox
 from common.protocol import (
     AbortRequest, RequestAccepted, RequestFailed, RequestRejected, SubmitRequest, TokenDelta,
+    TokenDeltas,
 )
 from common.status_protocol import ClusterStatus
 from services.router.dashboard_log import RequestLog
@@ -93,6 +94,10 @@ class RouterState:
             return
         queue.put_nowait(msg)
 
+    def _on_deltas(self, msg: TokenDeltas) -> None:
+        for delta in msg.deltas:  # one decode step's, for requests of this router
+            self._on_request_event(delta)
+
     def _on_status(self, msg: ClusterStatus) -> None:
         if self.status is not None and msg.conductor_epoch != self.status.conductor_epoch:
             self.restarted_at = time.monotonic()
@@ -110,5 +115,5 @@ class RouterState:
 
     def handlers(self) -> dict[type, Callable[[Any], None]]:
         return {RequestAccepted: self._on_request_event, TokenDelta: self._on_request_event,
-                RequestFailed: self._on_request_event, RequestRejected: self._on_request_event,
-                ClusterStatus: self._on_status}
+                TokenDeltas: self._on_deltas, RequestFailed: self._on_request_event,
+                RequestRejected: self._on_request_event, ClusterStatus: self._on_status}

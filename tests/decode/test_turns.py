@@ -10,7 +10,7 @@ import pytest
 
 from common.engine import Engine, EngineConfig
 from common.config import ClusterConfig
-from common.protocol import Fence, KVReady, ReserveBlocks, TokenDelta
+from common.protocol import Fence, KVReady, ReserveBlocks, TokenDelta, TokenDeltas
 from common.sampling_params import SampledToken, SamplingParams
 from services.decode.service import DecodeWorker
 from services.decode.turns import Turns
@@ -97,8 +97,9 @@ def test_decode_worker_serves_every_sequence_within_ceil_n_over_max_steps() -> N
     asyncio.run(run_steps(4))  # the 4th step begins only after the 3rd's tokens went out
     assert stepped[:3] == [[0, 1], [2, 3], [4, 0]]
     tokens = {f"r{i}": 0 for i in range(5)}
-    for _, msg in mail.sent:
-        if isinstance(msg, TokenDelta):
-            tokens[msg.request_id] += len(msg.token_ids)
+    for _, msg in mail.sent:  # a step's deltas go out as one TokenDeltas
+        for delta in msg.deltas if isinstance(msg, TokenDeltas) else [msg]:
+            if isinstance(delta, TokenDelta):
+                tokens[delta.request_id] += len(delta.token_ids)
     assert all(n >= 2 for n in tokens.values()), tokens
     worker.compute.shutdown(wait=True)

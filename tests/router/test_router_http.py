@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import pytest
 
-from common.protocol import RequestFailed, RequestRejected, SubmitRequest
+from common.protocol import RequestFailed, RequestRejected, SubmitRequest, TokenDeltas
 from common.sampling_params import SamplingParams
 from common.scheduling import Rejection
 from common.kv.block_keys import compute_block_keys, model_fingerprint
@@ -44,6 +44,16 @@ def test_models(router: str) -> None:
     body = get(router, "/v1/models").json()
     assert [m["id"] for m in body["data"]] == [MODEL]
     assert body["object"] == "list" and body["data"][0]["object"] == "model"
+
+
+def test_a_decode_steps_deltas_in_one_message(router: str, fake: FakeCluster) -> None:
+    """A decode worker sends a step's deltas as one TokenDeltas (services/decode/outbox.py):
+    the router streams each to its request as if they came one by one."""
+    fake.script = lambda req: [(0.0, accepted(req)),
+                               (0.0, TokenDeltas([d for _, d in deltas(req, WORDS)]))]
+    reply = post(router, CHAT, {"model": MODEL, "messages": USER})
+    assert reply.status == 200
+    assert reply.json()["choices"][0]["message"]["content"] == "".join(WORDS)
 
 
 def test_chat_stream_exact_chunks_with_usage(router: str, fake: FakeCluster) -> None:
