@@ -12,6 +12,7 @@ the first one done) and the online calibration's scales are applied per decision
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from common.scheduling import CostModel
@@ -52,6 +53,16 @@ def queued_waits(keys: Sequence[str], ends: list[tuple[int, float]]) -> dict[str
     return out
 
 
+@dataclass
+class _Group:
+    """Queued prompts with the same block keys: one search finds what a new prompt shares
+    with all of them (2,000 identical prompts queued had taken a search each)."""
+
+    keys: frozenset[str]
+    members: list[int] = field(default_factory=list)  # indices into the queue's waiting
+    latest_end: float = float("-inf")  # the latest accept + predicted TTFT of them
+
+
 class PrefillQueue:
     """``waiting``: the prompts, oldest first; each one's compute by ``cost``'s profile
     (``CostModel.prefill_key`` says when that changed)."""
@@ -64,10 +75,20 @@ class PrefillQueue:
         self.shortest = min(range(len(waiting)),
                             key=lambda i: (waiting[i].prefill_tokens, waiting[i].accepted_at),
                             default=None)
-        self.by_first_key: defaultdict[str, list[int]] = defaultdict(list)
+        # the prompts with the same keys (a block's key chains every token before it: the
+        # same last key is the same list), by their first key: a new prompt shares keys
+        # only with those of its first, and with all of one group as many
+        groups: dict[tuple[int, str], _Group] = {}
         for i, t in enumerate(waiting):
-            if t.req.block_keys:  # a prompt sharing any key with it shares its first
-                self.by_first_key[t.req.block_keys[0]].append(i)
+            keys = t.req.block_keys
+            if keys:
+                group = groups.setdefault((len(keys), keys[-1]), _Group(t.keys))
+                group.members.append(i)
+                group.latest_end = max(group.latest_end, t.accepted_at + t.predicted_ttft_s)
+        self.by_first_key: defaultdict[str, list[_Group]] = defaultdict(list)
+        for group in groups.values():
+            first_key = waiting[group.members[0]].req.block_keys[0]
+            self.by_first_key[first_key].append(group)
 
     def at(self, now: float, order: PromptOrder, cost: CostModel) -> QueuedPrompts:
         """The queue at ``now``, priced by ``cost``'s live scales: which prompts go by
@@ -106,12 +127,11 @@ class PrefillQueue:
         if not keys or keys[0] not in self.by_first_key:
             return {}
         ends = []
-        for i in self.by_first_key[keys[0]]:
-            t = self.waiting[i]
-            shared = shared_prefix(keys, t.keys)
-            if shared:
-                ends.append((shared, max(t.accepted_at + t.predicted_ttft_s - now,
-                                         prompts.seconds(i))))
+        for group in self.by_first_key[keys[0]]:
+            shared = shared_prefix(keys, group.keys)
+            if shared:  # the latest of the group to be done
+                ends.append((shared, max(group.latest_end - now,
+                                         max(map(prompts.seconds, group.members)))))
         return queued_waits(keys, ends)
 
     def oldest_accepted_at(self) -> Optional[float]:

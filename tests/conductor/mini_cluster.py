@@ -17,7 +17,9 @@ import torch
 from common.config import ClusterConfig, SLOConfig
 from common.engine.config import DecodeInput, PrefillChunk
 from common.kv.events import KVEvents
-from common.protocol import RegisterWorker, SubmitRequest, TokenDelta, WorkerHeartbeat
+from common.protocol import (
+    RegisterWorker, SubmitRequest, TokenDelta, TokenDeltas, WorkerHeartbeat,
+)
 from common.protocol import WorkerLoad
 from services.conductor.service import Conductor
 from services.decode.service import DecodeWorker
@@ -146,8 +148,8 @@ class MiniCluster:
                 if isinstance(m, kind) and to in (None, a)]
 
     async def deliver(self, address: str, msg: Any) -> None:
-        if address == self.conductor.router_inbox:
-            self.router.append(msg)
+        if address == self.conductor.router_inbox:  # a decode step's deltas, one by one
+            self.router.extend(msg.deltas if isinstance(msg, TokenDeltas) else [msg])
             return
         handler = self.inboxes[address].get(type(msg))
         if handler is not None:

@@ -95,13 +95,20 @@ def test_the_kept_queue_equals_a_pass_over_it(seed: int) -> None:
     systems = [[f"s{k}-{b}" for b in range(rng.randint(1, 6))] for k in range(3)]
     live: list[str] = []
 
+    sent: list[SubmitRequest] = []
+
     def prompt(rid: str) -> SubmitRequest:
+        if sent and rng.random() < 0.25:  # the same prompt again (the same keys)
+            again = rng.choice(sent)
+            return SubmitRequest(rid, again.token_ids, again.block_keys,
+                                 SamplingParams(max_tokens=8), time.time())
         blocks = rng.randint(1, 40)
         keys = list(rng.choice(systems)) if rng.random() < 0.6 else []
         keys += [f"{rid}-{b}" for b in range(len(keys), blocks)]
         tokens = len(keys) * 16 - rng.randint(0, 15)
-        return SubmitRequest(rid, list(range(tokens)), keys,
-                             SamplingParams(max_tokens=8), time.time())
+        sent.append(SubmitRequest(rid, list(range(tokens)), keys,
+                                  SamplingParams(max_tokens=8), time.time()))
+        return sent[-1]
 
     for step in range(160):
         now[0] += rng.choice([0.0, 0.01, 0.3, 1.5])
