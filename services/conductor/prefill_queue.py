@@ -82,7 +82,9 @@ class PrefillQueue:
         for i, t in enumerate(waiting):
             keys = t.req.block_keys
             if keys:
-                group = groups.setdefault((len(keys), keys[-1]), _Group(t.keys))
+                group = groups.get((len(keys), keys[-1]))
+                if group is None:
+                    group = groups[len(keys), keys[-1]] = _Group(t.keys)
                 group.members.append(i)
                 group.latest_end = max(group.latest_end, t.accepted_at + t.predicted_ttft_s)
         self.by_first_key: defaultdict[str, list[_Group]] = defaultdict(list)
