@@ -3,11 +3,11 @@ has not landed, each one's predicted compute, the order the worker takes them in
 wait of a new prompt whose prefix one of them computes.
 
 Built when the queue or the cost model's profile changes (``Placer._queue``), not at
-every decision: with 2,000 prompts queued over 32 workers, repricing and sorting every
-queue for every decision took 14 ms of each (``benchmarks/conductor_scale.py``). What
-changes with time alone (the prompts that have waited ``prefill_max_wait_s``, the part of
-the first one done) and the online calibration's scales are applied per decision by
-``at``.
+every decision: with 2,000 prompts queued over 32 workers a decision took 14-16 ms, most
+of it repricing and sorting every queue (1.9-2.1 ms now, ``benchmarks/conductor_scale.py``).
+What changes with time alone (the prompts that have waited ``prefill_max_wait_s``, the
+part of the first one done) and the online calibration's scales are applied per decision
+by ``at``.
 """
 from __future__ import annotations
 
