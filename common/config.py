@@ -158,6 +158,9 @@ class ClusterConfig:
     # counting the processes before it at its address. None: no such listeners.
     health_port: Optional[int] = None
     metrics_port: Optional[int] = None
+    # router processes, all serving ``http_port`` (SO_REUSEPORT: the kernel spreads the
+    # connections); one streams ~20-26k tokens/s (docs/deploy.md)
+    routers: int = 1
     prefill_workers: int = 1  # prefill instances (with prefill_stages > 1: groups)
     prefill_stages: int = 1  # processes per prefill instance, layers split (group.py); 1: none
     # How many of the prefill instances are such groups (the first ones); the others are
@@ -233,6 +236,9 @@ class ClusterConfig:
             if getattr(self, name) not in (None, "auto", "float32", "bfloat16", "float16"):
                 raise ValueError(f"{name} must be auto, float32, bfloat16 or float16, not "
                                  f"{getattr(self, name)!r}")
+        if not isinstance(self.routers, int) or isinstance(self.routers, bool) \
+                or self.routers < 1:
+            raise ValueError(f"routers must be a positive integer, not {self.routers!r}")
         if not isinstance(self.prefill_stages, int) or self.prefill_stages < 1:
             raise ValueError(f"prefill_stages must be a positive integer, not {self.prefill_stages!r}")
         groups = self.prefill_groups
@@ -296,7 +302,7 @@ class ClusterConfig:
     # --------------------------------------------------------------- topology
     def processes(self, role: str) -> int:
         """How many processes of ``role`` the cluster has (in either mode)."""
-        counts = {"router": 1, "conductor": 1, "store_master": 1,
+        counts = {"router": self.routers, "conductor": 1, "store_master": 1,
                   "prefill": self.prefill_processes, "decode": self.decode_workers,
                   "store_node": self.store.nodes, "colocated": self.colocated_workers}
         if role not in counts:
@@ -323,13 +329,16 @@ class ClusterConfig:
         return self.base_port + FIXED_PORTS[name]
 
     def inbox(self, role: str, index: int = 0, bind: bool = False) -> str:
-        """The inbox address of a process: the fixed ports for the singletons, then one
-        port per prefill worker, decode worker, store node and colocated worker in order.
-        ``bind``: the address its owner binds (``listen_host``) instead of the advertised."""
+        """The inbox address of a process: the fixed ports for the singletons (the first
+        router), then one port per prefill worker, decode worker, store node and colocated
+        worker in order, then the other routers. ``bind``: the address its owner binds
+        (``listen_host``) instead of the advertised."""
         host = self.listen_host(role, index) if bind else self.address(role, index)
-        if role in SINGLE_ROLES:
+        if role in SINGLE_ROLES and index == 0:
             return f"tcp://{host}:{self.port(role)}"
         port = self.base_port + FIRST_INSTANCE_PORT + index
+        if role == "router":  # the routers after the first: past every indexed process
+            return f"tcp://{host}:{port - 1 + sum(map(self.processes, INDEXED_ROLES))}"
         for earlier in INDEXED_ROLES:
             if earlier == role:
                 break

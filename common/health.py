@@ -33,10 +33,15 @@ PATH = "/health"
 
 
 def layout(config: ClusterConfig) -> Iterator[tuple[str, int]]:
-    """(role, index) of every process of the cluster, in the port layout's order."""
-    for role in SINGLE_ROLES + INDEXED_ROLES:
+    """(role, index) of every process of the cluster, in the port layout's order: the
+    routers after the first come last (config.inbox), so they move no other port."""
+    for role in SINGLE_ROLES:
+        yield role, 0
+    for role in INDEXED_ROLES:
         for index in range(config.processes(role)):
             yield role, index
+    for index in range(1, config.routers):
+        yield "router", index
 
 
 def health_port(config: ClusterConfig, role: str, index: int = 0) -> Optional[int]:

@@ -122,6 +122,9 @@ class SubmitRequest:
     block_keys: list[str]
     sampling: SamplingParams  # max_tokens resolved by the router
     arrival_time: float
+    # the inbox of the router that took it, where its answers and tokens go ("": the
+    # first router's; the conductor answers only the cluster's routers)
+    router_inbox: str = ""
 
 
 @message

@@ -98,7 +98,7 @@ class LocalCluster:
         else:
             order += [("prefill", i) for i in range(c.prefill_processes)]
             order += [("decode", i) for i in range(c.decode_workers)]
-        order.append(("router", 0))
+        order += [("router", i) for i in range(c.routers)]
         return order
 
     def cpu_plan(self, role: str, index: int) -> Optional[CpuPlan]:

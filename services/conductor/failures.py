@@ -27,12 +27,19 @@ class FailurePaths:
     # the Conductor's fields these methods use
     mail: Mailbox
     router_inbox: str
+    router_inboxes: tuple[str, ...]
     clock: Callable[[], float]
     registry: Registry
     tracker: Tracker
     held: HeldRequests
     placer: Placer
     metrics: ConductorMetrics
+
+    def reply_to(self, req: SubmitRequest) -> str:
+        """The inbox of the router that took ``req``: the one it names where the cluster
+        has that router, else the first router's."""
+        return req.router_inbox if req.router_inbox in self.router_inboxes \
+            else self.router_inbox
 
     def fail(self, t: Tracked, status: int, kind: str, text: str,
              retry_after: float | None = None, abort: bool = True,
@@ -43,7 +50,7 @@ class FailurePaths:
         else:
             self.registry.release(t)
         self.metrics.failed.labels(reason=kind).inc()
-        self.mail.send(self.router_inbox, RequestFailed(t.req.request_id, status, kind, text,
+        self.mail.send(self.reply_to(t.req), RequestFailed(t.req.request_id, status, kind, text,
                                                         retry_after, resumable=resumable))
 
     def _abort_workers(self, t: Tracked, reason: str) -> None:
@@ -100,7 +107,7 @@ class FailurePaths:
         """A re-run's placement, or its failure: the client was told it was accepted."""
         if isinstance(decision, Rejection):
             self.metrics.failed.labels(reason=kind).inc()
-            self.mail.send(self.router_inbox, RequestFailed(
+            self.mail.send(self.reply_to(req), RequestFailed(
                 req.request_id, 503, kind, f"{why}, and no re-run possible: {decision.reason}"))
             return
         log.info("%s: %s; re-run on %s", req.request_id, why, decision.prefill_id)

@@ -57,7 +57,8 @@ class Conductor(FailurePaths):
         self.metrics = ConductorMetrics()
         self.metrics.ttft_log.cost = self.placer.describe  # read by the metrics thread
         self.metrics.typical_decode.set(self.placer.policy.decode_durations.mean())
-        self.router_inbox = config.inbox("router")
+        self.router_inbox = config.inbox("router")  # the first router's
+        self.router_inboxes = tuple(config.inbox("router", i) for i in range(config.routers))
         self.store: Optional[StoreView] = None  # the store's usage, with a store (run)
         self.prefilled: list[PrefillSummary] = []  # since the last ClusterStatus (sweep)
         self.handlers: dict[type, Callable[[Any], None]] = {
@@ -128,7 +129,7 @@ class Conductor(FailurePaths):
     def reject(self, req: SubmitRequest, rejection: Rejection) -> None:
         """Refuse before any work: the router answers 429 with the reason and retry time."""
         self.metrics.rejected.labels(reason=rejection.reason).inc()
-        self.mail.send(self.router_inbox, RequestRejected(req.request_id, rejection))
+        self.mail.send(self.reply_to(req), RequestRejected(req.request_id, rejection))
 
     def on_submit(self, req: SubmitRequest) -> None:
         timeline.mark("conductor_in", req.request_id)
@@ -142,7 +143,7 @@ class Conductor(FailurePaths):
             if self.held.hold(req):
                 return
             self.metrics.rejected.labels(reason="service_unavailable").inc()
-            self.mail.send(self.router_inbox, RequestFailed(
+            self.mail.send(self.reply_to(req), RequestFailed(
                 req.request_id, 503, "service_unavailable", "no prefill or decode worker"))
             return
         start = time.perf_counter()
@@ -181,7 +182,7 @@ class Conductor(FailurePaths):
         self.registry.assign(tracked)
         self.mail.send(decode.info.inbox, ReserveBlocks(
             request_id=req.request_id, prompt_tokens=len(req.token_ids),
-            sampling=req.sampling, router_inbox=self.router_inbox,
+            sampling=req.sampling, router_inbox=self.reply_to(req),
             deadline=time.time() + self.config.kv_wait_timeout_s, epoch=decode.info.epoch,
             writer=prefill.instance_id, writer_epoch=prefill.info.epoch, attempt=attempt,
             writer_inbox=prefill.info.inbox))
@@ -215,7 +216,7 @@ class Conductor(FailurePaths):
                 "and kv_dtype"))
         self.tracker.set_phase(t, Phase.PREFILLING,
                                time.monotonic() + self.config.kv_wait_timeout_s)
-        self.mail.send(self.router_inbox, RequestAccepted(  # a re-run's too: the router
+        self.mail.send(self.reply_to(t.req), RequestAccepted(  # a re-run's too: the router
             t.req.request_id, t.prefill_id, t.decode_id, t.predicted_ttft_s))  # keeps one
         timeline.mark("task_sent", t.req.request_id)
         self.mail.send(prefill.info.inbox, PrefillTask(
@@ -324,7 +325,7 @@ class Conductor(FailurePaths):
         over. A rejection other than a missing worker answers as it would have at once."""
         for h in self.held.expired(time.monotonic()):
             self.metrics.failed.labels(reason="worker_unavailable").inc()
-            self.mail.send(self.router_inbox, RequestFailed(
+            self.mail.send(self.reply_to(h.req), RequestFailed(
                 h.req.request_id, 503, "worker_unavailable", "no prefill or decode worker "
                 f"came back within {self.held.wait_s:g} s"))
         for h in self.held.oldest_first():
@@ -356,10 +357,12 @@ class Conductor(FailurePaths):
             self.metrics.kv_resyncs.inc()
         self.metrics.global_index_keys.set(len(self.placer.global_index))
         prefilled, self.prefilled = self.prefilled, []
-        self.mail.send(self.router_inbox, ClusterStatus(
+        status = ClusterStatus(
             self.ready(), self.registry.status(), self.epoch,
             conductor_totals(self.metrics), self.store.usage() if self.store else None,
-            prefilled))
+            prefilled)
+        for inbox in self.router_inboxes:
+            self.mail.send(inbox, status)
         self.metrics.update_gauges(self.registry, self.tracker)
 
 

@@ -63,6 +63,12 @@ def build_app(state: RouterState) -> web.Application:
     app[STATE] = state
     app.add_routes(routes())
     add_dashboard(app)
+    name = f"router-{state.index}"
+
+    async def name_the_router(_: web.Request, response: web.StreamResponse) -> None:
+        response.headers["X-Crescent-Router"] = name  # which of the routers answered
+
+    app.on_response_prepare.append(name_the_router)
     return app
 
 
@@ -71,17 +77,25 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
     hasher = make_block_hasher(config.block_size, tokenizer.model_config,
                                config.kv_storage_dtype)
-    mailbox = Mailbox(config.inbox("router", bind=True), "router")
-    state = RouterState(config, mailbox, tokenizer, hasher)
+    mailbox = Mailbox(config.inbox("router", index, bind=True), f"router-{index}")
+    state = RouterState(config, mailbox, tokenizer, hasher, index=index)
     state.drain.until(lambda: not state.streams)  # SIGTERM: finish the streams in flight
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()
-    try:
-        await web.TCPSite(runner, config.listen_host("router"), config.http_port).start()
+
+    async def listen() -> None:
+        if config.routers > 1:  # the port is shared: join it ready, as the kernel hands a
+            while not state.is_ready():  # new listener connections at once
+                await asyncio.sleep(0.05)
+        await web.TCPSite(runner, config.listen_host("router"), config.http_port,
+                          reuse_port=config.routers > 1).start()
         keyed = config.security.api_keys or config.security.api_key_file
-        log.info("router ready on http://%s:%d%s", config.address("router"), config.http_port,
-                 " (API keys required)" if keyed else "")
-        await serve_inbox(mailbox, state.handlers())
+        log.info("router ready on http://%s:%d%s (router-%d of %d)", config.address("router"),
+                 config.http_port, " (API keys required)" if keyed else "", index,
+                 config.routers)
+
+    try:
+        await serve_inbox(mailbox, state.handlers(), [asyncio.create_task(listen())])
     finally:
         await runner.cleanup()
         mailbox.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Union
 
 from common.config import ClusterConfig
@@ -36,6 +36,7 @@ class RouterState:
     mailbox: Mailbox
     tokenizer: PromptTokenizer
     block_keys: Callable[[list[int]], list[str]]
+    index: int = 0  # which of the cluster's routers (config.routers) this is
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
     requests: RequestLog = field(default_factory=RequestLog)  # the dashboard's timelines
     streams: dict[str, asyncio.Queue] = field(default_factory=dict)
@@ -55,6 +56,8 @@ class RouterState:
         """Open the request's event queue, then hand the request to the conductor."""
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[req.request_id] = queue
+        if not req.router_inbox:  # its answers and tokens come to this router
+            req = replace(req, router_inbox=self.config.inbox("router", self.index))
         if not self.mailbox.send(self.conductor, req):
             self.streams.pop(req.request_id, None)
             raise ConnectionError("the conductor's inbox is not accepting messages")
