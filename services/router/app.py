@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Optional
 
 from aiohttp import web
 
 from common.config import ClusterConfig
+from common.health import nth_port
 from common.mailbox import Mailbox, serve_inbox
 from services.router.auth import api_key_middleware, load_api_keys
 from services.router.block_hashing import make_block_hasher
 from services.router.dashboard import add_dashboard
 from services.router.errors import ApiError
-from services.router.handlers import STATE, routes
+from services.router.handlers import STATE, metrics, routes
 from services.router.state import RouterState
 from services.router.tokenizer import load_tokenizer
 
@@ -72,6 +73,23 @@ def build_app(state: RouterState) -> web.Application:
     return app
 
 
+def own_metrics_port(config: ClusterConfig, index: int) -> Optional[int]:
+    """Where router ``index`` also answers ``/metrics`` for itself alone: with several
+    routers, the shared port's ``/metrics`` is whichever router takes the connection. Its
+    slot among the processes' ``metrics_port + n`` (common/health.py ``nth_port``), kept
+    for every process; None with one router or no ``metrics_port``."""
+    if config.routers == 1:
+        return None
+    return nth_port(config, config.metrics_port, "router", index)
+
+
+def metrics_app(state: RouterState) -> web.Application:
+    app = web.Application()
+    app[STATE] = state
+    app.add_routes([web.get("/metrics", metrics)])
+    return app
+
+
 async def run(config: ClusterConfig, index: int = 0) -> None:
     """Serve until cancelled: load the tokenizer, bind the inbox, listen on HTTP."""
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
@@ -94,8 +112,14 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
                  config.http_port, " (API keys required)" if keyed else "", index,
                  config.routers)
 
+    own = web.AppRunner(metrics_app(state), access_log=None)
+    await own.setup()
+    port = own_metrics_port(config, index)
+    if port is not None:
+        await web.TCPSite(own, config.listen_host("router"), port).start()
     try:
         await serve_inbox(mailbox, state.handlers(), [asyncio.create_task(listen())])
     finally:
         await runner.cleanup()
+        await own.cleanup()
         mailbox.close()

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from launch.cluster import LocalCluster
+from services.router.app import own_metrics_port
 from tests.e2e.conftest import start_cluster, wait_no_leaks
 
 pytestmark = pytest.mark.e2e
@@ -23,7 +24,7 @@ MODEL = "smollm2-135m"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     c = start_cluster(tmp_path_factory.mktemp("routers"), http=23700, base=23710,
-                      store=False, extra="routers = 2\n")
+                      store=False, extra="routers = 2\nmetrics_port = 23760\n")
     try:
         yield c
     finally:
@@ -60,4 +61,11 @@ def test_both_routers_serve_and_answer_alike(cluster: LocalCluster) -> None:
     assert len({text for _, text in answers}) == 1, answers  # greedy: one answer
     assert answers[0][1]
     wait_no_leaks(cluster)
+    # each router's own /metrics (its slot of metrics_port + n) counts what it served
+    for i in (0, 1):
+        text = httpx.get(f"http://127.0.0.1:{own_metrics_port(cluster.config, i)}/metrics",
+                         timeout=5).text
+        served = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith("crescent_router_requests_total{"))
+        assert served == routers[f"router-{i}"], (i, routers, text[:500])
 
