@@ -112,14 +112,16 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
                  config.http_port, " (API keys required)" if keyed else "", index,
                  config.routers)
 
-    own = web.AppRunner(metrics_app(state), access_log=None)
-    await own.setup()
+    own: Optional[web.AppRunner] = None  # its own /metrics, with several routers
     port = own_metrics_port(config, index)
     if port is not None:
+        own = web.AppRunner(metrics_app(state), access_log=None)
+        await own.setup()
         await web.TCPSite(own, config.listen_host("router"), port).start()
     try:
         await serve_inbox(mailbox, state.handlers(), [asyncio.create_task(listen())])
     finally:
         await runner.cleanup()
-        await own.cleanup()
+        if own is not None:
+            await own.cleanup()
         mailbox.close()
