@@ -184,3 +184,23 @@ def test_flat_items_are_checked_item_by_item(events: bytes, reason: str) -> None
     good = decode(_beat(b'[{"seq":1,"kind":"stored","key":"ab"},'
                         b'{"seq":2,"kind":"removed","key":"ab"}]'))
     assert good.events == [FlatEvent(1, "stored", "ab"), FlatEvent(2, "removed", "ab")]
+
+
+WHOLE = [  # messages as the encoder sends them: every field present (the fast path)
+    TokenDelta("r", [1, 2], "ab", [-0.5, -1.0], "stop", 3, 2,
+               top_logprobs=[TopLogprobs([1], [-0.1])]),
+    SubmitRequest("r", [1, 2, 3], ["ab" * 16], GREEDY, 1.0, router_inbox="tcp://h:1"),
+    KVReady("r", [SampledToken(5, -0.25)], 3, 0),
+]
+
+
+@pytest.mark.parametrize("msg", WHOLE, ids=lambda m: type(m).__name__)
+def test_whole_messages_round_trip_and_name_a_wrong_field(msg: object) -> None:
+    """A message with every field takes the one-pass path; a field of the wrong type there
+    is still refused, by name, as on the field-by-field path."""
+    assert decode(encode(msg)) == msg
+    body = orjson.loads(encode(msg))
+    for name in body.keys() - {"type"}:
+        wrong = dict(body, **{name: {"not": "this"}})
+        with pytest.raises(ProtocolError, match=rf"\.{name} (has the wrong type|lacks|has unk)"):
+            decode(orjson.dumps(wrong))
