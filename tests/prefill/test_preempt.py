@@ -167,7 +167,10 @@ def test_otherwise_it_waits_for_the_step(make: Make, config: dict, why: str) -> 
     worker.on_task(prefill_task("l", LONG))
     serve_with_arrival(rt, worker, lambda: len(rt.mail.of(PrefillDone)) == 2 and worker.idle())
     assert layers == [((1,), 0), ((1,), 1), ((40,), 0), ((40,), 1)], why
-    assert [m.request_id for m in rt.mail.of(KVReady, to=DECODE_INBOX)] == ["l", "s"]
+    # both handed over; in either order: each waits for its own last writes on the transfer
+    # lane, and on a loaded machine the short prompt's one block can land first (seen once
+    # in a CI-sized run, 2026-11-29)
+    assert sorted(m.request_id for m in rt.mail.of(KVReady, to=DECODE_INBOX)) == ["l", "s"]
     clean(worker)
 
 
