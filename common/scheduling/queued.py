@@ -5,12 +5,13 @@ prompt, and the next longer one (the prompt computing while the new one waits).
 Built once per queue (sorted by tokens, with prefix sums), then asked in O(log) per new
 prompt: the conductor asks every prefill instance at every decision, and a pass over each
 queue made a decision cost what all the queues held (``benchmarks/conductor_scale.py``:
-with 2,000 queued on 32 workers, a decision took 14-16 ms, 1.9-2.1 now). Two things change with time, not with the queue, and
-are set per decision by ``at``: the oldest prompts that have waited ``prefill_max_wait_s``
-go by their arrival (they count as 0 tokens: ahead of every new prompt), and the prompt
-computing now has part of its seconds done. And the cost model's live correction
-(``Scales``), which the online calibration refits every few prefills: the entries are the
-profile's seconds, scaled when asked, so a refit does not price every queue again.
+with 2,000 queued on 32 workers, a decision took 14-16 ms, 1.9-2.1 now). Two things
+change with time, not with the queue, and are set per decision by ``at``: the oldest
+prompts that have waited ``prefill_max_wait_s`` go by their arrival (they count as 0
+tokens: ahead of every new prompt), and the prompt computing now has part of its seconds
+done. And the cost model's live correction (``Scales``), which the online calibration
+refits every few prefills: the entries are the profile's seconds, scaled when asked, so
+a refit does not price every queue again.
 """
 from __future__ import annotations
 

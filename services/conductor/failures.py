@@ -50,8 +50,8 @@ class FailurePaths:
         else:
             self.registry.release(t)
         self.metrics.failed.labels(reason=kind).inc()
-        self.mail.send(self.reply_to(t.req), RequestFailed(t.req.request_id, status, kind, text,
-                                                        retry_after, resumable=resumable))
+        self.mail.send(self.reply_to(t.req), RequestFailed(
+            t.req.request_id, status, kind, text, retry_after, resumable=resumable))
 
     def _abort_workers(self, t: Tracked, reason: str) -> None:
         for wid in {t.prefill_id, t.decode_id}:
