@@ -280,6 +280,9 @@ async def conductor_rate(cfg: ClusterConfig, n: int) -> float:
     return n / elapsed
 
 
+READY = {"router": "router ready on", "conductor": "conductor ready at"}  # their logs
+
+
 def run_with(scheduler: str, only: list[str], fn) -> object:  # noqa: ANN001
     """``fn(config, pids)`` against a cluster of only the roles ``only`` (pids by role)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -287,10 +290,15 @@ def run_with(scheduler: str, only: list[str], fn) -> object:  # noqa: ANN001
         path.write_text(CONFIG.format(scheduler=scheduler))
         cluster = LocalCluster(str(path), Path(tmp) / "logs")
         try:
-            pids = {role: cluster.spawn(role, 0).proc.pid for role in only}
-            time.sleep(3.0)
-            cluster.check_alive()
-            return asyncio.run(fn(cluster.config, pids))
+            children = {role: cluster.spawn(role, 0) for role in only}
+            deadline = time.monotonic() + 120  # a first run converts the tokenizer
+            for role, child in children.items():  # until each says it is ready
+                while READY[role] not in child.log_tail():
+                    cluster.check_alive()
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{role} never said it was ready")
+                    time.sleep(0.05)
+            return asyncio.run(fn(cluster.config, {r: c.proc.pid for r, c in children.items()}))
         finally:
             cluster.stop()
 

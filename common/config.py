@@ -159,7 +159,7 @@ class ClusterConfig:
     health_port: Optional[int] = None
     metrics_port: Optional[int] = None
     # router processes, all serving ``http_port`` (SO_REUSEPORT: the kernel spreads the
-    # connections); one streams ~20-27k tokens/s (docs/deploy.md)
+    # connections); one streams ~16-27k tokens/s (docs/deploy.md)
     routers: int = 1
     prefill_workers: int = 1  # prefill instances (with prefill_stages > 1: groups)
     prefill_stages: int = 1  # processes per prefill instance, layers split (group.py); 1: none
