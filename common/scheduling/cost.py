@@ -120,6 +120,26 @@ _PROFILES: dict[str, dict] = {
 }
 
 
+def _scale(tokens: int, long: float, short: Optional[float], short_tokens: int) -> float:
+    """The live correction of the profile for a prompt of ``tokens`` to compute: by
+    ``short`` where it is learned and the prompt has at most ``short_tokens``, else
+    ``long`` (``CostModel.scale_for``, ``Scales``)."""
+    return short if short is not None and tokens <= short_tokens else long
+
+
+@dataclass(frozen=True)
+class Scales:
+    """A cost model's live corrections at one moment, for pricing what was computed by the
+    profile (common/scheduling/queued.py: a queue priced once, scaled when asked)."""
+
+    long: float = 1.0
+    short: Optional[float] = None
+    short_tokens: int = 0
+
+    def of_tokens(self, tokens: int) -> float:
+        return _scale(tokens, self.long, self.short, self.short_tokens)
+
+
 class CostModel:
     """Predicts prefill seconds, decode TBT and KV transfer seconds."""
 
@@ -170,9 +190,12 @@ class CostModel:
 
     def scale_for(self, new_tokens: int) -> float:
         """The live correction of the profile for a prompt of ``new_tokens`` to compute."""
-        short = self.prefill_short_scale
-        return short if short is not None and new_tokens <= self.prefill_short_tokens \
-            else self.prefill_scale
+        return _scale(new_tokens, self.prefill_scale, self.prefill_short_scale,
+                      self.prefill_short_tokens)
+
+    def scales(self) -> Scales:
+        """Those corrections as they stand now."""
+        return Scales(self.prefill_scale, self.prefill_short_scale, self.prefill_short_tokens)
 
     def profile_prefill_seconds(self, new_tokens: int, cached_tokens: int) -> float:
         """The polynomial alone (PipelineCost: the group's pipelined time of it)."""

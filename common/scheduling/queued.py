@@ -17,29 +17,9 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from itertools import accumulate
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
-if TYPE_CHECKING:
-    from common.scheduling.cost import CostModel
-
-
-@dataclass(frozen=True)
-class Scales:
-    """The live correction of the profile (``CostModel.scale_for``): prompts of at most
-    ``short_tokens`` to compute by ``short`` where it is learned, the others by ``long``."""
-
-    long: float = 1.0
-    short: Optional[float] = None
-    short_tokens: int = 0
-
-    @classmethod
-    def of(cls, cost: "CostModel") -> "Scales":
-        return cls(cost.prefill_scale, cost.prefill_short_scale, cost.prefill_short_tokens)
-
-    def of_tokens(self, tokens: int) -> float:
-        short = self.short
-        return short if short is not None and tokens <= self.short_tokens else self.long
+from common.scheduling.cost import Scales
 
 
 class QueuedPrompts:

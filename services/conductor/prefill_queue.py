@@ -11,13 +11,14 @@ by ``at``.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from common.scheduling import CostModel
 from common.scheduling.prefill_order import PromptOrder
-from common.scheduling.queued import QueuedPrompts, Scales
+from common.scheduling.queued import QueuedPrompts
 from services.conductor.tracker import Tracked
 
 
@@ -100,7 +101,7 @@ class PrefillQueue:
         late: never less than nothing left)."""
         if not self.waiting:
             return self.prompts
-        scales = Scales.of(cost)
+        scales = cost.scales()
         aged = self._aged(now, order)
         first = 0 if aged else self.shortest
         assert first is not None
@@ -112,14 +113,8 @@ class PrefillQueue:
     def _aged(self, now: float, order: PromptOrder) -> int:
         """How many of the oldest have waited long enough to go by their arrival (the
         waiting are oldest first, so those are a prefix: a binary search)."""
-        lo, hi = 0, len(self.waiting)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if order.aged(self.waiting[mid].accepted_at, now):
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
+        return bisect_left(self.waiting, True,
+                           key=lambda t: not order.aged(t.accepted_at, now))
 
     def waits_of(self, keys: Sequence[str], prompts: QueuedPrompts,
                  now: float) -> dict[str, float]:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.scheduling.queued import QueuedPrompts, Scales
+from common.scheduling.cost import Scales
+from common.scheduling.queued import QueuedPrompts
 
 QUEUE = QueuedPrompts([(300, 3.0), (100, 1.0), (300, 2.0), (50, 0.5)])  # oldest first
 
