@@ -1,10 +1,11 @@
 """One CPU decode step of the default model, side by side (issue 27): attention over
 gathered, padded K/V (SDPA, the old path) or read in place (the C kernel,
 common/model/cpu_attention.py), and the layers' linears in float32 or bfloat16
-(``linear_dtype``: on oneDNN, or on Crescent's kernel, common/model/cpu_linear.py, with
-the lm_head on it too or in float32 on oneDNN). One thread by default, as a decode worker
-has on 2 cores (``--threads``: torch's, which the kernels split on); bfloat16 KV; at each
-context and batch the variants run in turn, three rounds, the least step time of each.
+(``linear_dtype``), each on oneDNN or on Crescent's kernels (common/model/cpu_linear.py;
+with bfloat16 linears the lm_head on the bfloat16 kernel too or in float32). One thread
+by default, as a decode worker has on 2 cores (``--threads``: torch's, which the kernels
+split on); bfloat16 KV; at each context and batch the variants run in turn, three rounds,
+the least step time of each.
 
     python benchmarks/decode_step.py [--contexts 128,600] [--batches 1,8,32] [--threads 1]
 
@@ -25,13 +26,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.engine import DecodeInput, Engine, EngineConfig  # noqa: E402
 
-VARIANTS = {"sdpa/f32": dict(attention_backend="sdpa"),
+VARIANTS = {"sdpa/f32-onednn": dict(attention_backend="sdpa"),
+            "kernel/f32-onednn": dict(attention_backend="cpu"),
             "kernel/f32": dict(attention_backend="cpu"),
             "kernel/bf16-onednn": dict(attention_backend="cpu", linear_dtype="bfloat16"),
             "kernel/bf16-f32head": dict(attention_backend="cpu", linear_dtype="bfloat16"),
             "kernel/bf16": dict(attention_backend="cpu", linear_dtype="bfloat16")}
-ONEDNN = ("kernel/bf16-onednn",)  # bfloat16 linears on oneDNN, not Crescent's kernel
-F32_HEAD = ("kernel/bf16-f32head",)  # the lm_head in float32 on oneDNN, not on the kernel
+# the linears (and the lm_head) on oneDNN, not on Crescent's kernels
+ONEDNN = ("sdpa/f32-onednn", "kernel/f32-onednn", "kernel/bf16-onednn")
+F32_HEAD = ("kernel/bf16-f32head",)  # the lm_head in float32 (Crescent's float32 kernel)
 
 
 def make_engine(name: str, blocks: int) -> Engine:

@@ -30,11 +30,11 @@ LayerHook = Callable[[int], None]
 
 
 class Linear:
-    """y = x @ weight.T. On CPU float32 the weight is pre-packed once into oneDNN's blocked
-    layout (the op inductor uses for frozen linears): for the small-M GEMMs of decode this
-    is 1.4-3x faster than F.linear (MKL), which repacks the weight on every call; results
-    differ only by float32 summation order. Elsewhere, or if packing fails its self-check,
-    plain F.linear on the original tensor.
+    """y = x @ weight.T. On the CPU the weight is packed once, for Crescent's kernel (below)
+    or else into oneDNN's blocked layout (the op inductor uses for frozen linears): for the
+    small-M GEMMs of decode this is 1.4-3x faster than F.linear (MKL), which repacks the
+    weight on every call; results differ only by float32 summation order. Elsewhere, or if
+    packing fails its self-check, plain F.linear on the original tensor.
 
     ``dtype``: the dtype to multiply in, where it differs from the weight's: the weight is
     stored in it and each input cast to it and the output back (bfloat16 linears in a
@@ -47,10 +47,12 @@ class Linear:
     from the same rows among 2 to 700, which all agreed), so on the CPU a single row is
     computed as two.
 
-    bfloat16 linears of a float32 model on a CPU with AVX-512 BF16 run on Crescent's own
-    kernel where it builds (common/model/cpu_linear.py: each row alone, float32 out;
-    a decode step's few rows read the weights once): oneDNN's small-M bfloat16 path read
-    them at 7-8 GB/s where the core streams 18.
+    On a CPU with AVX-512 both kinds run on Crescent's own kernels where they build
+    (common/model/cpu_linear.py: each row alone, float32 out; a decode step's few rows
+    read the weights once): float32 linears at any number of rows (oneDNN's float32 path
+    read a decode step's weights at 10-14 GB/s where the core streams 21-26), bfloat16
+    ones of a float32 model on a CPU with AVX-512 BF16 (oneDNN's small-M bfloat16 path
+    read them at 7-8 GB/s where the core streams 18).
     """
 
     BATCH_HINT = 32  # oneDNN picks its blocking for this M; any M works
@@ -62,10 +64,16 @@ class Linear:
         and outputs), else in the weight's own dtype (the lm_head: rounded logits
         change greedy answers)."""
         self.out_features, self.in_features = weight.shape
-        # bfloat16 multiplies of a float32 (or other) weight on Crescent's kernel, where it runs
-        fn = cpu_linear.kernel() if (pack and dtype is torch.bfloat16 and weight.dtype != dtype
-                                     and weight.device.type == "cpu"
-                                     and cpu_linear.PackedLinear.fits(weight)) else None
+        # Crescent's kernels, where they run: bfloat16 multiplies of a float32 (or other)
+        # weight, and float32 ones of a float32 weight
+        kind: Optional[torch.dtype] = None
+        if pack and weight.device.type == "cpu":
+            if dtype is torch.bfloat16 and weight.dtype != dtype:
+                kind = torch.bfloat16
+            elif weight.dtype is torch.float32 and dtype in (None, torch.float32):
+                kind = torch.float32
+        fn = (cpu_linear.kernel(kind) if kind is not None
+              and cpu_linear.PackedLinear.fits(weight, kind) else None)
         if native_only and fn is None:
             dtype = None
         self.cast = dtype if dtype not in (None, weight.dtype) else None
@@ -78,7 +86,7 @@ class Linear:
         self.native: Optional[cpu_linear.PackedLinear] = None
         self.pad_single_row = weight.device.type == "cpu"
         if fn is not None:
-            self.native, self.weight = cpu_linear.PackedLinear(fn, weight), None
+            self.native, self.weight = cpu_linear.PackedLinear(fn, weight, kind), None
         elif pack and _can_pack(weight, self.cast is not None):
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)

@@ -89,3 +89,19 @@ void linear_bf16_par(const uint16_t *x, const uint16_t *w, float *y, int64_t m, 
     })
 }
 #endif
+
+#if defined(__AVX512F__)
+/* linear_f32.c */
+void linear_f32(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k,
+                int64_t n0, int64_t n1);
+
+/* All n outputs, in whole tiles of 64 a thread. */
+void linear_f32_par(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k,
+                    int64_t threads) {
+    EACH(threads, {
+        int64_t first, last;
+        piece(n, 64, part, parts, &first, &last);
+        if (first < last) linear_f32(x, w, y, m, n, k, first, last);
+    })
+}
+#endif
