@@ -38,10 +38,15 @@ def _pick_ports() -> tuple[int, int]:
     """(http_port, base_port): the HTTP port and the router/conductor inbox ports free.
     Drawn above the other modules' fixed ports (19400-25000), which a module running at
     the same time on another xdist worker binds later, and below the kernel's ephemeral
-    range (32768 and up)."""
+    range (32768 and up), from this xdist worker's own slice of that range: two workers'
+    draws could otherwise meet, one's HTTP port the other's inbox, free when each checked
+    and bound by the other first (a fresh clone's run lost 38 tests to that)."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    span = (32000 - 28000) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    first = 28000 + worker * span
     rng = random.Random(os.getpid() ^ time.time_ns())
     for _ in range(200):
-        base = rng.randrange(28000, 32000, 10)
+        base = rng.randrange(first + 100, first + span - 2, 10)
         http = base - 100
         if all(_free(p) for p in (http, base, base + 1, base + 2)):
             return http, base
