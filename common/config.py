@@ -14,7 +14,7 @@ import dataclasses
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from common.config_load import from_tables, merge
 from common.cpu import CpuConfig
@@ -36,9 +36,11 @@ INDEXED_ROLES = ("prefill", "decode", "store_node", "colocated")
 class HostsConfig:
     """The ``[hosts]`` table: the address of each process that does not run on ``host``.
     A singleton role takes one address; an indexed role a list, one per process index
-    (a shorter list leaves the rest on ``host``). Addresses are IPv4 or DNS names."""
+    (a shorter list leaves the rest on ``host``). The routers (``routers``) take either:
+    one address for all of them, or a list, one per router (each router its own pod or
+    machine behind one load balancer). Addresses are IPv4 or DNS names."""
 
-    router: Optional[str] = None
+    router: Union[str, list[str], None] = None
     conductor: Optional[str] = None
     store_master: Optional[str] = None
     prefill: list[str] = field(default_factory=list)  # by process index (prefill_place)
@@ -49,9 +51,14 @@ class HostsConfig:
     def __post_init__(self) -> None:
         for role in SINGLE_ROLES:
             value = getattr(self, role)
-            if value is not None and not _is_address(value):
-                raise ValueError(f"[hosts] {role} must be one address (a non-empty string), "
-                                 f"not {value!r}")
+            if role == "router" and isinstance(value, list):  # one address per router
+                ok = bool(value) and all(map(_is_address, value))
+            else:
+                ok = value is None or _is_address(value)
+            if not ok:
+                also = ", or a list of addresses, one per router" if role == "router" else ""
+                raise ValueError(f"[hosts] {role} must be one address (a non-empty string)"
+                                 f"{also}, not {value!r}")
         for role in INDEXED_ROLES:
             value = getattr(self, role)
             if not isinstance(value, list) or not all(map(_is_address, value)):
@@ -273,8 +280,11 @@ class ClusterConfig:
             raise ValueError(f"host must be an address (a non-empty string), not {self.host!r}")
         if not isinstance(self.bind_host, str) or self.bind_host != self.bind_host.strip():
             raise ValueError(f"bind_host must be an address or \"\", not {self.bind_host!r}")
-        for role in INDEXED_ROLES:
-            listed, count = len(getattr(self.hosts, role)), self.processes(role)
+        for role in (*INDEXED_ROLES, "router"):
+            hosts = getattr(self.hosts, role)
+            if not isinstance(hosts, list):
+                continue
+            listed, count = len(hosts), self.processes(role)
             if listed > count:
                 raise ValueError(f"[hosts] {role} lists {listed} addresses but the cluster "
                                  f"has {count} {role} process(es): index {count} and up "
@@ -313,9 +323,9 @@ class ClusterConfig:
         """The advertised address of process ``role``-``index``: where peers reach its
         inbox, HTTP and transfer engine (``[hosts]``, else ``host``)."""
         self.processes(role)  # unknown role: ValueError
-        if role in SINGLE_ROLES:
-            return getattr(self.hosts, role) or self.host
         listed = getattr(self.hosts, role)
+        if not isinstance(listed, list):  # a singleton's, or every router's
+            return listed or self.host
         return listed[index] if 0 <= index < len(listed) else self.host
 
     def listen_host(self, role: str, index: int = 0) -> str:

@@ -105,11 +105,11 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
         if config.routers > 1:  # the port is shared: join it ready, as the kernel hands a
             while not state.is_ready():  # new listener connections at once
                 await asyncio.sleep(0.05)
-        await web.TCPSite(runner, config.listen_host("router"), config.http_port,
+        await web.TCPSite(runner, config.listen_host("router", index), config.http_port,
                           reuse_port=config.routers > 1).start()
         keyed = config.security.api_keys or config.security.api_key_file
-        log.info("router ready on http://%s:%d%s (router-%d of %d)", config.address("router"),
-                 config.http_port, " (API keys required)" if keyed else "", index,
+        log.info("router ready on http://%s:%d%s (router-%d of %d)",
+                 config.address("router", index), config.http_port, " (API keys required)" if keyed else "", index,
                  config.routers)
 
     own: Optional[web.AppRunner] = None  # its own /metrics, with several routers
@@ -117,7 +117,7 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
     if port is not None:
         own = web.AppRunner(metrics_app(state), access_log=None)
         await own.setup()
-        await web.TCPSite(own, config.listen_host("router"), port).start()
+        await web.TCPSite(own, config.listen_host("router", index), port).start()
     try:
         await serve_inbox(mailbox, state.handlers(), [asyncio.create_task(listen())])
     finally:

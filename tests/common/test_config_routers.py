@@ -32,3 +32,30 @@ def test_the_other_routers_come_after_every_other_process() -> None:
 def test_a_router_count_must_be_a_positive_integer(bad: object) -> None:
     with pytest.raises(ValueError, match="routers must be a positive integer"):
         ClusterConfig(routers=bad)  # type: ignore[arg-type]
+
+
+def test_routers_on_their_own_hosts_each_reached_at_its_own_address() -> None:
+    """``[hosts] router``: one address for every router (one machine, SO_REUSEPORT), or
+    one per router (a pod each behind a load balancer): each router's inbox and health
+    port at its own address; a shorter list leaves the rest on ``host``."""
+    pods = ["crescent-router-0.crescent-router", "crescent-router-1.crescent-router"]
+    each = ClusterConfig.from_dict({"routers": 3, "base_port": 7500, "health_port": 7600,
+                                    "hosts": {"router": pods}})
+    assert [each.address("router", i) for i in range(3)] == [*pods, "127.0.0.1"]
+    assert each.inbox("router", 0) == f"tcp://{pods[0]}:7500"
+    assert each.inbox("router", 1).startswith(f"tcp://{pods[1]}:")
+    assert health_port(each, "router", 1) == 7600  # alone at its address: the first port
+    one = ClusterConfig.from_dict({"routers": 2, "hosts": {"router": "10.0.0.5"}})
+    assert {one.address("router", i) for i in range(2)} == {"10.0.0.5"}
+
+
+@pytest.mark.parametrize("hosts, message", [
+    (["a", "b", "c"], "router lists 3 addresses but the cluster has 2 router"),
+    ([], r"must be one address \(a non-empty string\), or a list of addresses, one per"),
+    (["a", " b"], r"must be one address \(a non-empty string\), or a list of addresses"),
+    (5, r"must be one address \(a non-empty string\), or a list of addresses, one per "
+        r"router, not 5"),
+])
+def test_a_bad_router_host_list_is_refused_by_name(hosts: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ClusterConfig.from_dict({"routers": 2, "hosts": {"router": hosts}})

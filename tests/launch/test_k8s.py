@@ -130,7 +130,7 @@ def test_containers_run_crescent_serve_with_the_mounted_config() -> None:
         env = {e["name"]: e for e in box.get("env", [])}
         args = [a.replace("$(POD_INDEX)", "3") for a in box["args"][1:]]
         parsed = parse_args(role, args)
-        if sts["spec"]["replicas"] > 1 or role not in ("router", "conductor", "store_master"):
+        if sts["spec"]["replicas"] > 1 or role not in ("conductor", "store_master"):
             assert parsed.index == 3 and env["POD_INDEX"]["valueFrom"]["fieldRef"] == {
                 "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}
         else:

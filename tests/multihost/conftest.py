@@ -28,8 +28,9 @@ MULTI_HTTP, SINGLE_HTTP, PIPELINE_HTTP = 21400, 21450, 21470
 PREFIX, SUBNET = "cmhe", "10.77.0"
 H1, H2, H3 = (f"{SUBNET}.{i}" for i in (1, 2, 3))
 # h1: router, conductor, store master and a second prefill worker (no store node: every
-# store read it makes crosses hosts); h2: prefill-0 and store node 0; h3: decode and node 1.
-HOSTS = {"router": H1, "conductor": H1, "store_master": H1, "prefill": [H2, H1],
+# store read it makes crosses hosts); h2: prefill-0 and store node 0; h3: decode, node 1
+# and a second router (``routers = 2``: the conductor replies to each at its own host).
+HOSTS = {"router": [H1, H3], "conductor": H1, "store_master": H1, "prefill": [H2, H1],
          "decode": [H3], "store_node": [H2, H3]}
 QUESTIONS = prompts(6)
 MAX_TOKENS = 12
@@ -38,9 +39,12 @@ MAX_TOKENS = 12
 def write_config(path: Path, http: int, prefill: int, nodes: int, hosts: dict,
                  stages: int = 1) -> str:
     """The fault suite's cluster (small pools, fast heartbeats, quick restarts) with
-    round-robin placement, ``nodes`` store nodes and ``hosts`` as its [hosts] table."""
+    round-robin placement, ``nodes`` store nodes and ``hosts`` as its [hosts] table (a
+    router per address its router list has)."""
     data = config_data(http, prefill, 1, "round_robin", router_timeout=60.0, stages=stages)
     data["store"]["nodes"] = nodes
+    if isinstance(hosts.get("router"), list):
+        data["routers"] = len(hosts["router"])
     table = "".join(f"{role} = {json.dumps(where)}\n" for role, where in hosts.items())
     path.write_text(to_toml(data) + (f"\n[hosts]\n{table}" if hosts else ""))
     return str(path)

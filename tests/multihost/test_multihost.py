@@ -29,7 +29,7 @@ def test_processes_run_on_their_hosts(multihost: NetnsCluster) -> None:
     placed = {c.name: multihost.host(c.role, c.index) for c in multihost.children}
     assert placed == {"store_master-0": "h1", "store_node-0": "h2", "store_node-1": "h3",
                       "conductor-0": "h1", "prefill-0": "h2", "prefill-1": "h1",
-                      "decode-0": "h3", "router-0": "h1"}
+                      "decode-0": "h3", "router-0": "h1", "router-1": "h3"}
     for child in multihost.children:
         assert child.proc.args[:4] == ["ip", "netns", "exec", f"cmhe-{placed[child.name]}"]
         assert child.proc.args[5:8] == ["-m", "launch.cli", "serve"]  # crescent serve ROLE
@@ -40,6 +40,19 @@ def test_greedy_answers_match_a_single_host_cluster(multihost: NetnsCluster,
     answers = multihost.call(reference_answers, multihost.url, QUESTIONS, MAX_TOKENS)
     assert answers == single_host["answers"]
     assert all(answers)
+
+
+def test_a_second_router_on_another_host_answers_the_same(multihost: NetnsCluster,
+                                                          single_host: dict) -> None:
+    """Router 1 on h3 (``[hosts] router`` lists one address per router): its clients get
+    the same greedy answers, the conductor's replies and the decode worker's tokens
+    reaching it at its own host."""
+    url = f"http://{multihost.config.address('router', 1)}:{multihost.config.http_port}"
+    assert multihost.host("router", 1) == "h3" and url != multihost.url
+    answers = multihost.bed.call("h3", reference_answers, url, QUESTIONS[:2], MAX_TOKENS)
+    assert answers == single_host["answers"][:2]
+    r = multihost.bed.call("h3", httpx.get, url + "/v1/models", timeout=10)
+    assert r.status_code == 200 and r.headers["X-Crescent-Router"] == "router-1"
 
 
 def test_kv_crosses_hosts_through_the_transfer_engine(multihost: NetnsCluster,
