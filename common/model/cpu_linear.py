@@ -27,7 +27,10 @@ from common.model import native
 log = logging.getLogger(__name__)
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
-TILE = 64  # outputs a tile of the kernel: threads split the outputs in whole tiles
+TILE = 64  # outputs a tile of the kernels: threads split the outputs in whole tiles
+# The float32 kernel's threads split the rows too, in blocks of this many (whole row
+# tiles of csrc/linear_f32.c): a decode step's rows are one block
+ROW_BLOCK = 48
 # the kernel of each dtype it multiplies in: its entry point, and its check's tolerance
 # against torch (float32 sums in another order)
 _KERNELS = {torch.bfloat16: ("linear_bf16_par", 1e-3), torch.float32: ("linear_f32_par", 1e-4)}
@@ -62,8 +65,12 @@ class PackedLinear:
         m = x.shape[0]
         y = torch.empty(m, self.out_features, dtype=torch.float32)
         n, k = self.out_features, self.in_features
-        self.fn(x.data_ptr(), self.packed.data_ptr(), y.data_ptr(), m, n, k,
-                native.threads(-(-n // TILE)))  # whole tiles a thread
+        if self.dtype is torch.float32:  # units of a tile by ROW_BLOCK rows
+            self.fn(x.data_ptr(), self.packed.data_ptr(), y.data_ptr(), m, n, k, ROW_BLOCK,
+                    native.threads(-(-n // TILE) * -(-m // ROW_BLOCK)))
+        else:  # whole tiles a thread
+            self.fn(x.data_ptr(), self.packed.data_ptr(), y.data_ptr(), m, n, k,
+                    native.threads(-(-n // TILE)))
         return y
 
 
@@ -84,7 +91,7 @@ def _checked(dtype: torch.dtype) -> Optional[ctypes._CFuncPtr]:
     fn = getattr(lib, name, None) if lib is not None else None
     if fn is None:
         return None
-    fn.argtypes = [_P, _P, _P, _I64, _I64, _I64, _I64]
+    fn.argtypes = [_P, _P, _P, *[_I64] * (5 if dtype is torch.float32 else 4)]
     fn.restype = None
     g = torch.Generator().manual_seed(0)
     w = torch.randn(80, 70, generator=g).to(dtype)

@@ -95,13 +95,21 @@ void linear_bf16_par(const uint16_t *x, const uint16_t *w, float *y, int64_t m, 
 void linear_f32(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k,
                 int64_t n0, int64_t n1);
 
-/* All n outputs, in whole tiles of 64 a thread. */
+/* All m rows and n outputs, in units of a tile of 64 outputs by ``block`` rows, a
+ * contiguous run of units a thread, tile by tile (a thread's rows of one tile read its
+ * weights from the cache): a prompt's many rows split over many threads even where the
+ * outputs are few tiles (576 outputs: 9). */
 void linear_f32_par(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k,
-                    int64_t threads) {
+                    int64_t block, int64_t threads) {
+    const int64_t blocks = (m + block - 1) / block, tiles = (n + 63) / 64;
     EACH(threads, {
         int64_t first, last;
-        piece(n, 64, part, parts, &first, &last);
-        if (first < last) linear_f32(x, w, y, m, n, k, first, last);
+        piece(tiles * blocks, 1, part, parts, &first, &last);
+        for (int64_t u = first; u < last; u++) {
+            const int64_t c = u / blocks * 64, r0 = u % blocks * block;
+            const int64_t rows = m - r0 < block ? m - r0 : block;
+            linear_f32(x + r0 * k, w, y + r0 * n, rows, n, k, c, c + 64 < n ? c + 64 : n);
+        }
     })
 }
 #endif
