@@ -31,9 +31,11 @@ TILE = 64  # outputs a tile of the kernels: threads split the outputs in whole t
 # The float32 kernel's threads split the rows too, in blocks of this many (whole row
 # tiles of csrc/linear_f32.c): a decode step's rows are one block
 ROW_BLOCK = 48
-# the kernel of each dtype it multiplies in: its entry point, and its check's tolerance
-# against torch (float32 sums in another order)
-_KERNELS = {torch.bfloat16: ("linear_bf16_par", 1e-3), torch.float32: ("linear_f32_par", 1e-4)}
+# the kernel of each dtype it multiplies in: its entry point, its integer arguments (m, n,
+# k[, rows a unit], threads) and its check's tolerance against torch (float32 sums in
+# another order)
+_KERNELS = {torch.bfloat16: ("linear_bf16_par", 4, 1e-3),
+            torch.float32: ("linear_f32_par", 5, 1e-4)}
 
 
 class PackedLinear:
@@ -86,12 +88,12 @@ def kernel(dtype: torch.dtype = torch.bfloat16) -> Optional[ctypes._CFuncPtr]:
 @functools.cache
 def _checked(dtype: torch.dtype) -> Optional[ctypes._CFuncPtr]:
     """The kernel's entry point, checked against torch on a small case (a partial tile)."""
-    name, tolerance = _KERNELS[dtype]
+    name, integers, tolerance = _KERNELS[dtype]
     lib = native.library()
     fn = getattr(lib, name, None) if lib is not None else None
     if fn is None:
         return None
-    fn.argtypes = [_P, _P, _P, *[_I64] * (5 if dtype is torch.float32 else 4)]
+    fn.argtypes = [_P, _P, _P, *[_I64] * integers]
     fn.restype = None
     g = torch.Generator().manual_seed(0)
     w = torch.randn(80, 70, generator=g).to(dtype)
