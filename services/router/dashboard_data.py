@@ -68,12 +68,15 @@ def admission_section(metrics: RouterMetrics, log: RequestLog,
 
 
 def dashboard_data(state: RouterState, now: float) -> dict[str, Any]:
-    """Everything the page and ``crescent status`` show; ``now``: wall clock."""
+    """Everything the page and ``crescent status`` show; ``now``: wall clock. The workers,
+    store, cache and KV figures are the cluster's (the conductor's status); the admission
+    rates and the request log are this router's own (``router`` of ``routers``)."""
     status = state.status
     totals = status.totals if status else None
     store = status.store if status else None
     return {
         "time": now, "model": state.config.model_name, "ready": state.is_ready(),
+        "router": f"router-{state.index}", "routers": state.config.routers,
         "draining": state.draining, "status_age_s": state.status_age(),
         "conductor_epoch": status.conductor_epoch if status else None,
         "workers": [asdict(i) for i in status.instances] if status else [],

@@ -23,6 +23,7 @@ def test_numbers_come_from_status_metrics_and_log() -> None:
     serve_one(s, "b", 429, now)
     d = dashboard_data(s, now)
     assert d["ready"] and d["model"] == "tiny" and d["conductor_epoch"] == 5
+    assert (d["router"], d["routers"]) == ("router-0", 1)
     assert [w["instance_id"] for w in d["workers"]] == ["decode-0", "prefill-0"]
     assert d["workers"][1] == {
         "instance_id": "prefill-0", "role": "prefill", "total_blocks": 512,
