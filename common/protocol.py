@@ -11,7 +11,7 @@ Store messages live in common/store/protocol.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from common.ipc import message
 from common.kv.events import KVEvents
@@ -409,3 +409,22 @@ class TokenDeltas:
     handled) for that router, in order (services/decode/outbox.py)."""
 
     deltas: list[TokenDelta]
+
+
+@message
+class RequestLogQuery:
+    """Router → another router of the cluster (``routers`` > 1): its dashboard's request
+    log, answered to ``reply_to`` with this ``query`` (services/router/peer_logs.py)."""
+
+    query: int
+    reply_to: str
+
+
+@message
+class RequestLogReply:
+    """Router → the router that asked: its finished requests, newest first, as its own
+    dashboard shows them (services/router/dashboard_log.py ``RequestLog.timelines``)."""
+
+    query: int
+    router: str  # "router-<index>"
+    requests: list[dict[str, Any]]

@@ -10,6 +10,7 @@ each worker's own ``/metrics``, read while the page polls (services/router/worke
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -36,9 +37,11 @@ async def page(request: web.Request) -> web.Response:
 
 
 async def data(request: web.Request) -> web.Response:
+    state = request.app[STATE]
     scrapes = request.app[_SCRAPES]
-    await scrapes.refresh()
-    body = orjson.dumps({**dashboard_data(request.app[STATE], time.time()),
+    peers, _ = await asyncio.gather(state.peer_logs.gather(), scrapes.refresh()) \
+        if state.config.routers > 1 else (None, await scrapes.refresh())
+    body = orjson.dumps({**dashboard_data(state, time.time(), peers),
                          "worker_metrics": scrapes.section()})
     return web.Response(body=body, content_type="application/json",
                         headers={"Cache-Control": "no-store"})

@@ -16,6 +16,7 @@ from common.metric_values import by_label, total
 from common.status_protocol import ConductorTotals, StoreUsage
 from services.router.dashboard_log import RequestLog
 from services.router.metrics import RouterMetrics
+from services.router.peer_logs import merged
 from services.router.state import RouterState
 
 
@@ -67,10 +68,13 @@ def admission_section(metrics: RouterMetrics, log: RequestLog,
                 "failed": totals.failed}}
 
 
-def dashboard_data(state: RouterState, now: float) -> dict[str, Any]:
+def dashboard_data(state: RouterState, now: float,
+                   peers: Optional[tuple[dict[str, list], list[str]]] = None) -> dict[str, Any]:
     """Everything the page and ``crescent status`` show; ``now``: wall clock. The workers,
     store, cache and KV figures are the cluster's (the conductor's status); the admission
-    rates and the request log are this router's own (``router`` of ``routers``)."""
+    rates are this router's own (``router`` of ``routers``), and so is the request log
+    unless ``peers`` holds the other routers' (services/router/peer_logs.py: their logs,
+    the routers that did not answer): then each request names its router."""
     status = state.status
     totals = status.totals if status else None
     store = status.store if status else None
@@ -84,5 +88,8 @@ def dashboard_data(state: RouterState, now: float) -> dict[str, Any]:
         "cache": cache_section(totals) if totals else None,
         "transfer": transfer_section(totals, state.requests, now) if totals else None,
         "admission": admission_section(state.metrics, state.requests, totals, now),
-        "requests": state.requests.timelines(),
+        "requests": state.requests.timelines() if peers is None else merged(
+            f"router-{state.index}", state.requests.timelines(), peers[0],
+            state.requests.keep),
+        "routers_silent": [] if peers is None else peers[1],
     }

@@ -109,6 +109,7 @@ class RequestLog:
 
     def __init__(self, keep: int = 40, window_s: int = 10) -> None:
         self.live: dict[str, Timeline] = {}
+        self.keep = keep
         self.done: deque[Timeline] = deque(maxlen=keep)
         self.window_s = window_s
         self.admitted = RateWindow(window_s)

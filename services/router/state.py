@@ -17,12 +17,13 @@ from common.config import ClusterConfig
 from common.drain import Drain, current as current_drain
 from common.mailbox import Mailbox
 from common.protocol import (
-    AbortRequest, RequestAccepted, RequestFailed, RequestRejected, SubmitRequest, TokenDelta,
-    TokenDeltas,
+    AbortRequest, RequestAccepted, RequestFailed, RequestLogQuery, RequestLogReply,
+    RequestRejected, SubmitRequest, TokenDelta, TokenDeltas,
 )
 from common.status_protocol import ClusterStatus
 from services.router.dashboard_log import RequestLog
 from services.router.metrics import RouterMetrics
+from services.router.peer_logs import PeerLogs
 from services.router.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,10 @@ class RouterState:
     born: float = field(default_factory=time.monotonic)  # counts as a status at start
     drain: Drain = field(default_factory=current_drain)  # SIGTERM (common/drain.py)
     restarted_at: Optional[float] = None  # monotonic time a new conductor epoch was seen
+    peer_logs: PeerLogs = field(init=False)  # the other routers' logs, for the dashboard
+
+    def __post_init__(self) -> None:
+        self.peer_logs = PeerLogs(self.config, self.mailbox, self.index, self.requests)
 
     # ------------------------------------------------------------ conductor side
     @property
@@ -119,4 +124,5 @@ class RouterState:
     def handlers(self) -> dict[type, Callable[[Any], None]]:
         return {RequestAccepted: self._on_request_event, TokenDelta: self._on_request_event,
                 TokenDeltas: self._on_deltas, RequestFailed: self._on_request_event,
-                RequestRejected: self._on_request_event, ClusterStatus: self._on_status}
+                RequestRejected: self._on_request_event, ClusterStatus: self._on_status,
+                RequestLogQuery: self.peer_logs.answer, RequestLogReply: self.peer_logs.heard}
