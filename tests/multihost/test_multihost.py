@@ -53,6 +53,11 @@ def test_a_second_router_on_another_host_answers_the_same(multihost: NetnsCluste
     assert answers == single_host["answers"][:2]
     r = multihost.bed.call("h3", httpx.get, url + "/v1/models", timeout=10)
     assert r.status_code == 200 and r.headers["X-Crescent-Router"] == "router-1"
+    # its dashboard's request log holds router 0's requests too, asked across hosts
+    multihost.call(reference_answers, multihost.url, QUESTIONS[:1], MAX_TOKENS)
+    d = multihost.bed.call("h3", httpx.get, url + "/debug/dashboard", timeout=10).json()
+    assert d["routers_silent"] == [] and {q["router"] for q in d["requests"]} == {
+        "router-0", "router-1"}, d["requests"]
 
 
 def test_kv_crosses_hosts_through_the_transfer_engine(multihost: NetnsCluster,
