@@ -122,11 +122,15 @@ def traffic_table(d: dict[str, Any]) -> Table:
 
 
 def requests_table(d: dict[str, Any], limit: int) -> Table:
-    t = _table("Last requests", "request", "status", *PHASES, "total", "tokens in/cached/out")
-    t.columns[0].no_wrap = True
+    """The last requests; with several routers, every router's, each named."""
+    routers = ("router",) if d.get("routers", 1) > 1 else ()
+    t = _table("Last requests", *routers, "request", "status", *PHASES, "total",
+               "tokens in/cached/out")
+    t.columns[len(routers)].no_wrap = True
     for r in d["requests"][:limit]:
         phases = [r["phases"][p] for p in PHASES]
-        t.add_row(r["request_id"], str(r["status"]), *map(_secs, phases), _secs(sum(phases)),
+        t.add_row(*(r.get("router", "") for _ in routers), r["request_id"], str(r["status"]),
+                  *map(_secs, phases), _secs(sum(phases)),
                   f"{r['prompt_tokens']}/{r['cached_tokens']}/{r['output_tokens']}")
     return t
 
@@ -136,6 +140,11 @@ def render(d: dict[str, Any], console: Console, limit: int = 10) -> None:
     age = d["status_age_s"]
     console.print(f"[bold]Crescent[/bold] {d['model']}: {state}; conductor status "
                   f"{'never' if age is None else _secs(age) + ' ago'}", highlight=False)
+    if d.get("routers", 1) > 1:  # the rates are the answering router's, the log all of theirs
+        silent = d.get("routers_silent") or []
+        console.print(f"{d['router']} of {d['routers']} routers answered (its own rates)"
+                      + (f"; no answer from {', '.join(silent)}" if silent else ""),
+                      highlight=False)
     console.print(workers_table(d))
     if d["store"] is not None:
         console.print(store_table(d["store"]))

@@ -38,6 +38,20 @@ def test_render_shows_every_number() -> None:
         assert re.search(line, text), line
 
 
+def test_render_names_each_requests_router_when_there_are_several() -> None:
+    s = state()
+    now = time.time()
+    serve_one(s, "cmpl-a", 200, now)
+    s.config.routers = 3
+    theirs = [{**dashboard_data(s, now)["requests"][0], "request_id": "cmpl-z", "ended": now + 1}]
+    console = Console(record=True, width=160)
+    render(dashboard_data(s, now, ({"router-1": theirs}, ["router-2"])), console)
+    text = console.export_text()
+    assert re.search(r"router-0 of 3 routers answered \(its own rates\); no answer from "
+                     r"router-2", text), text
+    assert re.search(r"router-1\s+cmpl-z\s+200.*\n.*router-0\s+cmpl-a\s+200", text), text
+
+
 @pytest.fixture(scope="module")
 def router_url() -> Iterator[str]:
     """A real router app (keys: "k1") on a port of this file's range, in a thread."""
