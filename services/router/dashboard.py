@@ -39,8 +39,11 @@ async def page(request: web.Request) -> web.Response:
 async def data(request: web.Request) -> web.Response:
     state = request.app[STATE]
     scrapes = request.app[_SCRAPES]
-    peers, _ = await asyncio.gather(state.peer_logs.gather(), scrapes.refresh()) \
-        if state.config.routers > 1 else (None, await scrapes.refresh())
+    peers = None
+    if state.config.routers > 1:  # the other routers' logs, asked while workers are scraped
+        peers, _ = await asyncio.gather(state.peer_logs.gather(), scrapes.refresh())
+    else:
+        await scrapes.refresh()
     body = orjson.dumps({**dashboard_data(state, time.time(), peers),
                          "worker_metrics": scrapes.section()})
     return web.Response(body=body, content_type="application/json",
