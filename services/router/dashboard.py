@@ -6,7 +6,8 @@ The page itself holds no data, so it is open like ``/health``; the JSON names ev
 and the last requests, so it sits under ``/debug/`` and needs the API key when keys are
 configured, like ``/debug/pools`` (services/router/auth.py). The page asks for the key on
 a 401 and keeps it for the browser tab only (sessionStorage). Its ``worker_metrics`` are
-each worker's own ``/metrics``, read while the page polls (services/router/worker_scrape.py).
+each worker's own ``/metrics``, read while the page polls (services/router/worker_scrape.py);
+with several routers its request log is all of theirs (services/router/peer_logs.py).
 """
 from __future__ import annotations
 
