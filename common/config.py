@@ -14,8 +14,9 @@ import dataclasses
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
+from common.config_hosts import INDEXED_ROLES, SINGLE_ROLES, HostsConfig, is_address
 from common.config_load import from_tables, merge
 from common.cpu import CpuConfig
 from common.kv.dtypes import resolve_kv_dtype
@@ -26,48 +27,6 @@ from common.store.policy import MetadataConfig
 FIXED_PORTS = {"router": 0, "conductor": 1, "store_master": 2, "conductor_http": 3,
                "store_master_http": 4, "store_events": 5}
 FIRST_INSTANCE_PORT = 10
-
-
-SINGLE_ROLES = ("router", "conductor", "store_master")
-INDEXED_ROLES = ("prefill", "decode", "store_node", "colocated")
-
-
-@dataclass
-class HostsConfig:
-    """The ``[hosts]`` table: the address of each process that does not run on ``host``.
-    A singleton role takes one address; an indexed role a list, one per process index
-    (a shorter list leaves the rest on ``host``). The routers (``routers``) take either:
-    one address for all of them, or a list, one per router (each router its own pod or
-    machine behind one load balancer). Addresses are IPv4 or DNS names."""
-
-    router: Union[str, list[str], None] = None
-    conductor: Optional[str] = None
-    store_master: Optional[str] = None
-    prefill: list[str] = field(default_factory=list)  # by process index (prefill_place)
-    decode: list[str] = field(default_factory=list)
-    store_node: list[str] = field(default_factory=list)
-    colocated: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        for role in SINGLE_ROLES:
-            value = getattr(self, role)
-            if role == "router" and isinstance(value, list):  # one address per router
-                ok = bool(value) and all(map(_is_address, value))
-            else:
-                ok = value is None or _is_address(value)
-            if not ok:
-                also = ", or a list of addresses, one per router" if role == "router" else ""
-                raise ValueError(f"[hosts] {role} must be one address (a non-empty string)"
-                                 f"{also}, not {value!r}")
-        for role in INDEXED_ROLES:
-            value = getattr(self, role)
-            if not isinstance(value, list) or not all(map(_is_address, value)):
-                raise ValueError(f"[hosts] {role} must be a list of addresses (non-empty "
-                                 f"strings, one per process index), not {value!r}")
-
-
-def _is_address(value: object) -> bool:
-    return isinstance(value, str) and bool(value.strip()) and value == value.strip()
 
 
 @dataclass
@@ -276,7 +235,7 @@ class ClusterConfig:
         if self.kv_layerwise is None:
             self.kv_layerwise = default_layerwise(self.device, self.transfer_protocol,
                                                   self.prefill_stages, self.kv_path)
-        if not _is_address(self.host):
+        if not is_address(self.host):
             raise ValueError(f"host must be an address (a non-empty string), not {self.host!r}")
         if not isinstance(self.bind_host, str) or self.bind_host != self.bind_host.strip():
             raise ValueError(f"bind_host must be an address or \"\", not {self.bind_host!r}")

@@ -6,12 +6,13 @@ Nested values are frozen dataclasses the codec decodes and validates too:
 ``SamplingParams`` (common/sampling_params.py), ``Rejection`` (the scheduling policy's),
 ``WorkerLoad`` (below), ``KVEvents`` (common/kv/events.py).
 KV bytes never travel here: only addresses, block ids and transfer-engine session ids.
-Store messages live in common/store/protocol.py.
+Store messages live in common/store/protocol.py, the routers' among themselves in
+services/router/peer_logs.py.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from common.ipc import message
 from common.kv.events import KVEvents
@@ -409,22 +410,3 @@ class TokenDeltas:
     handled) for that router, in order (services/decode/outbox.py)."""
 
     deltas: list[TokenDelta]
-
-
-@message
-class RequestLogQuery:
-    """Router → another router of the cluster (``routers`` > 1): its dashboard's request
-    log, answered to ``reply_to`` with this ``query`` (services/router/peer_logs.py)."""
-
-    query: int
-    reply_to: str
-
-
-@message
-class RequestLogReply:
-    """Router → the router that asked: its finished requests, newest first, as its own
-    dashboard shows them (services/router/dashboard_log.py ``RequestLog.timelines``)."""
-
-    query: int
-    router: str  # "router-<index>"
-    requests: list[dict[str, Any]]

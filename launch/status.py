@@ -123,13 +123,13 @@ def traffic_table(d: dict[str, Any]) -> Table:
 
 def requests_table(d: dict[str, Any], limit: int) -> Table:
     """The last requests; with several routers, every router's, each named."""
-    routers = ("router",) if d.get("routers", 1) > 1 else ()
-    t = _table("Last requests", *routers, "request", "status", *PHASES, "total",
-               "tokens in/cached/out")
-    t.columns[len(routers)].no_wrap = True
+    named = d.get("routers", 1) > 1
+    t = _table("Last requests", *(["router"] if named else []), "request", "status", *PHASES,
+               "total", "tokens in/cached/out")
+    t.columns[int(named)].no_wrap = True
     for r in d["requests"][:limit]:
         phases = [r["phases"][p] for p in PHASES]
-        t.add_row(*(r.get("router", "") for _ in routers), r["request_id"], str(r["status"]),
+        t.add_row(*([r["router"]] if named else []), r["request_id"], str(r["status"]),
                   *map(_secs, phases), _secs(sum(phases)),
                   f"{r['prompt_tokens']}/{r['cached_tokens']}/{r['output_tokens']}")
     return t

@@ -16,6 +16,7 @@ from services.router.block_hashing import make_block_hasher
 from services.router.dashboard import add_dashboard
 from services.router.errors import ApiError
 from services.router.handlers import STATE, metrics, routes
+from services.router.peer_logs import router_name
 from services.router.state import RouterState
 from services.router.tokenizer import load_tokenizer
 
@@ -64,10 +65,8 @@ def build_app(state: RouterState) -> web.Application:
     app[STATE] = state
     app.add_routes(routes())
     add_dashboard(app)
-    name = f"router-{state.index}"
-
     async def name_the_router(_: web.Request, response: web.StreamResponse) -> None:
-        response.headers["X-Crescent-Router"] = name  # which of the routers answered
+        response.headers["X-Crescent-Router"] = state.name  # which of the routers answered
 
     app.on_response_prepare.append(name_the_router)
     return app
@@ -95,7 +94,7 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
     hasher = make_block_hasher(config.block_size, tokenizer.model_config,
                                config.kv_storage_dtype)
-    mailbox = Mailbox(config.inbox("router", index, bind=True), f"router-{index}")
+    mailbox = Mailbox(config.inbox("router", index, bind=True), router_name(index))
     state = RouterState(config, mailbox, tokenizer, hasher, index=index)
     state.drain.until(lambda: not state.streams)  # SIGTERM: finish the streams in flight
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
@@ -108,8 +107,8 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
         await web.TCPSite(runner, config.listen_host("router", index), config.http_port,
                           reuse_port=config.routers > 1).start()
         keyed = config.security.api_keys or config.security.api_key_file
-        log.info("router ready on http://%s:%d%s (router-%d of %d)",
-                 config.address("router", index), config.http_port, " (API keys required)" if keyed else "", index,
+        log.info("router ready on http://%s:%d%s (%s of %d)", config.address("router", index),
+                 config.http_port, " (API keys required)" if keyed else "", state.name,
                  config.routers)
 
     own: Optional[web.AppRunner] = None  # its own /metrics, with several routers

@@ -80,7 +80,7 @@ def dashboard_data(state: RouterState, now: float,
     store = status.store if status else None
     return {
         "time": now, "model": state.config.model_name, "ready": state.is_ready(),
-        "router": f"router-{state.index}", "routers": state.config.routers,
+        "router": state.name, "routers": state.config.routers,
         "draining": state.draining, "status_age_s": state.status_age(),
         "conductor_epoch": status.conductor_epoch if status else None,
         "workers": [asdict(i) for i in status.instances] if status else [],
@@ -89,7 +89,6 @@ def dashboard_data(state: RouterState, now: float,
         "transfer": transfer_section(totals, state.requests, now) if totals else None,
         "admission": admission_section(state.metrics, state.requests, totals, now),
         "requests": state.requests.timelines() if peers is None else merged(
-            f"router-{state.index}", state.requests.timelines(), peers[0],
-            state.requests.keep),
+            state.name, state.requests.timelines(), peers[0], state.requests.keep),
         "routers_silent": [] if peers is None else peers[1],
     }

@@ -13,18 +13,41 @@ import itertools
 from typing import Any
 
 from common.config import ClusterConfig
+from common.ipc import message
 from common.mailbox import Mailbox
-from common.protocol import RequestLogQuery, RequestLogReply
 from services.router.dashboard_log import RequestLog
 
 PEER_TIMEOUT_S = 0.5  # the page polls every second
+
+
+def router_name(index: int) -> str:
+    return f"router-{index}"
+
+
+@message
+class RequestLogQuery:
+    """Router → another router of the cluster: its dashboard's request log, answered to
+    ``reply_to`` with this ``query``."""
+
+    query: int
+    reply_to: str
+
+
+@message
+class RequestLogReply:
+    """Router → the router that asked: its finished requests, newest first, as its own
+    dashboard shows them (``RequestLog.timelines``)."""
+
+    query: int
+    router: str  # ``router_name``
+    requests: list[dict[str, Any]]
 
 
 class PeerLogs:
     def __init__(self, config: ClusterConfig, mailbox: Mailbox, index: int,
                  log: RequestLog) -> None:
         self.config, self.mailbox, self.log = config, mailbox, log
-        self.name = f"router-{index}"
+        self.name = router_name(index)
         self.inbox = config.inbox("router", index)
         self.others = [i for i in range(config.routers) if i != index]
         self._queries = itertools.count(1)
@@ -62,7 +85,7 @@ class PeerLogs:
                 pass
         finally:
             del self._waiting[query]
-        silent = [f"router-{i}" for i in self.others if f"router-{i}" not in logs]
+        silent = [router_name(i) for i in self.others if router_name(i) not in logs]
         return dict(logs), silent
 
 
@@ -73,5 +96,5 @@ def merged(own: str, log: list[dict[str, Any]], peers: dict[str, list[dict[str, 
     rows = [{**r, "router": own} for r in log]
     for router, theirs in peers.items():
         rows += [{**r, "router": router} for r in theirs]
-    rows.sort(key=lambda r: r.get("ended") or r.get("arrival") or 0.0, reverse=True)
+    rows.sort(key=lambda r: r["ended"], reverse=True)
     return rows[:keep]

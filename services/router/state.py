@@ -17,13 +17,13 @@ from common.config import ClusterConfig
 from common.drain import Drain, current as current_drain
 from common.mailbox import Mailbox
 from common.protocol import (
-    AbortRequest, RequestAccepted, RequestFailed, RequestLogQuery, RequestLogReply,
-    RequestRejected, SubmitRequest, TokenDelta, TokenDeltas,
+    AbortRequest, RequestAccepted, RequestFailed, RequestRejected, SubmitRequest, TokenDelta,
+    TokenDeltas,
 )
 from common.status_protocol import ClusterStatus
 from services.router.dashboard_log import RequestLog
 from services.router.metrics import RouterMetrics
-from services.router.peer_logs import PeerLogs
+from services.router.peer_logs import PeerLogs, RequestLogQuery, RequestLogReply, router_name
 from services.router.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,11 @@ class RouterState:
 
     def __post_init__(self) -> None:
         self.peer_logs = PeerLogs(self.config, self.mailbox, self.index, self.requests)
+
+    @property
+    def name(self) -> str:
+        """``router-<index>``: in logs, the X-Crescent-Router header and the dashboard."""
+        return router_name(self.index)
 
     # ------------------------------------------------------------ conductor side
     @property

@@ -8,9 +8,8 @@ import asyncio
 from typing import Any
 
 from common.config import ClusterConfig
-from common.protocol import RequestLogReply
 from services.router.dashboard_log import RequestLog
-from services.router.peer_logs import PeerLogs, merged
+from services.router.peer_logs import PeerLogs, RequestLogReply, merged
 
 
 class Inboxes:
