@@ -1,9 +1,21 @@
-"""Read a llama-architecture GGUF file: config, dequantized weights (HF names), tokenizer.
+"""Read a GGUF file (llama.cpp's format): config, dequantized weights (HF names), tokenizer.
 
-GGUF quirks handled here: tensor shapes are stored in ggml order (reversed; gguf's reader
-already exposes rows-first numpy arrays), and llama.cpp's convert script permutes the rows
-of attn_q / attn_k for its interleaved rotary layout; we undo that permutation so the
-weights match the HF (rotate-half) layout.
+A GGUF is read as the HF checkpoint llama.cpp's convert script made it from, so that the
+families of common/model/arch.py serve it exactly as they serve a directory:
+
+- ``hf_config`` rebuilds config.json from the file's metadata, with the values llama.cpp
+  does not store but fixes per architecture (``llama_model_load_hparams``): Gemma 2's
+  every other layer sliding and Gemma 3's five in six with a RoPE base of 10,000, and the
+  query scale (1/sqrt(hidden / heads) for the 27B models, 1/sqrt(head_dim) otherwise);
+  ``config_from_hf`` then reads it as any config.json.
+- ``read_weights`` names each tensor by gguf's own table of HF to GGUF names
+  (``gguf.get_tensor_name_map``) and undoes what the convert script did to it: the
+  permuted rows of LLaMA's attn_q / attn_k (llama.cpp's interleaved RoPE), and the 1 it
+  added to every Gemma norm. ``check_weights`` refuses a tensor the family does not read.
+- The tokenizer is transformers' reading of the file's vocabulary; a turn ends at the
+  file's end-of-sequence, end-of-turn and end-of-message ids and at the tokens llama.cpp
+  ends generation on by their text (``END_OF_GENERATION``): a Gemma file names ``<eos>``
+  only, and its answers end with ``<end_of_turn>``.
 """
 from __future__ import annotations
 
@@ -13,37 +25,27 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from common.model.arch import UnsupportedModelError
+from common.model.arch import (
+    UnsupportedModelError,
+    check_weights,
+    config_from_hf,
+    weight_shapes,
+)
 from common.model.config import ModelConfig
 
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "rope_freqs.weight": "model.rope_freqs",
-}
-SUPPORTED_ARCHS = ("llama", "mistral")
-
-
-def hf_name(gguf_name: str) -> Optional[str]:
-    """HF parameter name of a GGUF tensor name (None if not part of the model)."""
-    if gguf_name in _TOP_NAMES:
-        return _TOP_NAMES[gguf_name]
-    parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    return None
+# general.architecture -> the HF architecture whose family serves it. The convert script
+# writes a Mistral as "llama", without its sliding window; "mistral" is older files' name.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+# gguf's name table for each (a "mistral" file uses LLaMA's tensor names)
+_NAME_TABLE = {"mistral": "llama"}
+# llama.cpp's layer count of the 27B Gemmas, whose query scale is 1/sqrt(hidden / heads)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# the texts llama.cpp ends generation on wherever the vocabulary has them (llama-vocab.cpp)
+END_OF_GENERATION = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                     "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>")
+ROPE_FREQS = "model.rope_freqs"  # llama.cpp's per-frequency factors (llama3 files)
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -55,6 +57,14 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
+
+
+def _architecture(reader: Any) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (supported: "
+                                    f"{', '.join(ARCHITECTURES)})")
+    return arch
 
 
 def _rope_scaling(reader: Any, arch: str) -> Optional[dict]:
@@ -69,59 +79,128 @@ def _rope_scaling(reader: Any, arch: str) -> Optional[dict]:
     return scaling
 
 
+def end_of_generation(reader: Any) -> list[int]:
+    """The ids a turn ends at, the file's end-of-sequence first (see the module's doc)."""
+    ids = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        texts = tokens.contents()
+        ids += [i for i, text in enumerate(texts) if text in END_OF_GENERATION]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def hf_config(reader: Any) -> dict[str, Any]:
+    """The config.json the file was converted from, as far as it decides the model."""
+    arch = _architecture(reader)
+
+    def meta(key: str, default: Any = None) -> Any:
+        value = _field(reader, f"{arch}.{key}", default)
+        if isinstance(value, list):  # per-layer values (head counts of hybrid models)
+            raise UnsupportedModelError(f"GGUF {arch}.{key} differs by layer: not supported")
+        return value
+
+    tensors = {t.name for t in reader.tensors}
+    heads, hidden = int(meta("attention.head_count")), int(meta("embedding_length"))
+    layers = int(meta("block_count"))
+    head_dim = int(meta("attention.key_length", hidden // heads))
+    rotated = meta("rope.dimension_count")
+    if rotated is not None and int(rotated) != head_dim:
+        raise UnsupportedModelError(f"GGUF rotates {rotated} of each head's {head_dim} "
+                                    "dimensions (partial RoPE): not supported")
+    vocab = meta("vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    d: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]], "vocab_size": int(vocab),
+        "hidden_size": hidden, "intermediate_size": int(meta("feed_forward_length")),
+        "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv", heads)), "head_dim": head_dim,
+        "rope_theta": float(meta("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(reader, arch),
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": int(meta("context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": end_of_generation(reader),
+    }
+    if ARCHITECTURES[arch] == "LlamaForCausalLM":
+        d["attention_bias"] = "blk.0.attn_q.bias" in tensors
+        d["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    if arch in _GEMMA_27B_LAYERS:
+        big = layers == _GEMMA_27B_LAYERS[arch]
+        d["query_pre_attn_scalar"] = hidden // heads if big else head_dim
+        d["final_logit_softcapping"] = meta("final_logit_softcapping")
+    window = meta("attention.sliding_window")
+    if arch == "gemma2":
+        d["attn_logit_softcapping"] = meta("attn_logit_softcapping")
+        d["sliding_window"] = window  # every other layer (arch.py), llama.cpp's pattern 2
+    elif arch == "gemma3":
+        d["rope_local_base_freq"] = float(meta("rope.freq_base_swa", 10000.0))
+        if window:  # five layers in six slide (arch.py), llama.cpp's pattern 6
+            d["sliding_window"] = window
+        else:
+            d["layer_types"] = ["full_attention"] * layers
+    return d
+
+
 def read_config(reader: Any, name: str, path: str) -> ModelConfig:
     from common.model.loader import weights_id
 
-    arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported (supported: "
-                                    f"{', '.join(SUPPORTED_ARCHS)})")
-    tensor_names = {t.name for t in reader.tensors}
-    heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    vocab = _field(reader, f"{arch}.vocab_size")
-    if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    eos = [_field(reader, "tokenizer.ggml.eos_token_id"), _field(reader, "tokenizer.ggml.eot_token_id")]
-    eos_ids = tuple(dict.fromkeys(int(e) for e in eos if e is not None))
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    return ModelConfig(
-        name=name, vocab_size=int(vocab), hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")), num_heads=heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(reader, arch),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_ids,
-        weights_id=weights_id([path]))
+    return config_from_hf(hf_config(reader), name, weights_id([path]))
+
+
+def _hf_names(arch: str, config: ModelConfig) -> dict[str, str]:
+    """GGUF tensor name -> HF name, for every weight the family reads."""
+    import gguf
+
+    arch = _NAME_TABLE.get(arch, arch)
+    index = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    table = gguf.get_tensor_name_map(index, config.num_layers)
+    names: dict[str, str] = {}
+    for hf in weight_shapes(config):
+        base, _, suffix = hf.rpartition(".")
+        gguf_name = table.get_name(base)
+        if gguf_name is not None:
+            names[f"{gguf_name}.{suffix}"] = hf
+    return names
 
 
 def read_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """All model tensors dequantized to float32, in HF names and HF (q/k unpermuted) layout."""
+    """All model tensors dequantized to float32, in HF names and layout."""
     from gguf.quants import dequantize
 
+    arch = _architecture(reader)
+    names = _hf_names(arch, config)
+    llama = ARCHITECTURES[arch] == "LlamaForCausalLM"
+    gemma = arch in _GEMMA_27B_LAYERS
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = ROPE_FREQS if t.name == "rope_freqs.weight" else names.get(t.name)
         if name is None:
             raise UnsupportedModelError(f"GGUF tensor {t.name!r} is not a weight this model "
                                         "reads: refusing to ignore it")
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        if t.name.endswith("attn_q.weight"):
+        if llama and t.name.endswith("attn_q.weight"):
             w = unpermute_qk(w, config.num_heads)
-        elif t.name.endswith("attn_k.weight"):
+        elif llama and t.name.endswith("attn_k.weight"):
             w = unpermute_qk(w, config.num_kv_heads)
+        elif gemma and name.endswith("norm.weight"):
+            w = w - 1.0  # the convert script stored Gemma's 1 + weight
         out[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+    freqs = out.pop(ROPE_FREQS, None)
+    check_weights(config, out)
+    if freqs is not None:
+        out[ROPE_FREQS] = freqs
     return out
 
 
 def read_tokenizer(path: str, reader: Any) -> dict[str, Any]:
     """Tokenizer spec: tokenizer.json text, special tokens, chat template (from GGUF metadata)."""
-    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    from transformers.integrations.gguf import (
+        convert_gguf_tokenizer,
+        get_gguf_tokenizer,
+    )
 
     arch, tok_dict, tok_config = get_gguf_tokenizer(path)
     fast, _ = convert_gguf_tokenizer(arch, tok_dict)

@@ -19,7 +19,7 @@ from common.model.arch import check_weights, config_from_hf
 from common.model.config import DUMMY_CONFIGS, ModelConfig
 
 DEFAULT_MODEL = "smollm2-135m"
-_CACHE_VERSION = "v2"  # v2: ModelConfig names its architecture and weights
+_CACHE_VERSION = "v3"  # v2: ModelConfig names its architecture and weights; v3: a GGUF's turn ends
 if TYPE_CHECKING:  # the router reads configs and tokenizers here and never imports torch
     import torch
 

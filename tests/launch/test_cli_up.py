@@ -95,21 +95,29 @@ def test_up_refuses_a_config_that_puts_processes_on_other_hosts(tmp_path: Path) 
     assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir())
 
 
-def test_up_serves_a_qwen3_directory_to_the_official_client(tmp_path: Path) -> None:
-    """``crescent up --set model=DIR`` over a (tiny, random) Qwen3 checkpoint: the official
-    client gets the in-process engine's greedy answer, streamed or not, the prompt as the
-    directory's own chat template renders it, and a forced tool call."""
+@pytest.mark.parametrize("kind", ["qwen3-dir", "gemma3-gguf"])
+def test_up_serves_a_checkpoint_to_the_official_client(tmp_path: Path, kind: str) -> None:
+    """``crescent up --set model=...`` over a (tiny, random) Qwen3 checkpoint directory, or
+    a Gemma 3 GGUF written as llama.cpp writes one (tests/model/gguf_files.py): the
+    official client gets the in-process engine's greedy answer, streamed or not, the
+    prompt as the checkpoint's own chat template renders it, and a forced tool call."""
     import json as jsonlib
 
     import openai
     from transformers import AutoTokenizer
 
     from common.engine import Engine, EngineConfig, SamplingParams, generate
+    from tests.model.gguf_files import write_family
     from tests.model.tiny_checkpoints import write_chat_tokenizer, write_checkpoint
 
-    model = tmp_path / "qwen3-tiny"
-    write_checkpoint("qwen3", model, max_position_embeddings=1024)  # the tools' prompt
-    write_chat_tokenizer(model, "qwen")
+    arch, form = kind.split("-")
+    name, directory = f"{arch}-tiny", tmp_path / f"{arch}-tiny"
+    if form == "dir":
+        write_checkpoint(arch, directory, max_position_embeddings=1024)  # the tools' prompt
+        write_chat_tokenizer(directory, "qwen")
+        model = directory
+    else:
+        model = write_family(arch, directory, max_position_embeddings=1024)[2]
     cfg = tmp_path / "c.toml"
     cfg.write_text(CONFIG.replace("24200", "24600").replace("24210", "24610"))
     proc = subprocess.Popen(
@@ -125,21 +133,21 @@ def test_up_serves_a_qwen3_directory_to_the_official_client(tmp_path: Path) -> N
                 break
         assert "OpenAI API at http://127.0.0.1:24600/v1" in "".join(lines), lines
         client = openai.OpenAI(base_url="http://127.0.0.1:24600/v1", api_key="-", timeout=60)
-        assert [m.id for m in client.models.list().data] == ["qwen3-tiny"]
+        assert [m.id for m in client.models.list().data] == [name]
         messages = [{"role": "system", "content": "Be brief."},
                     {"role": "user", "content": "What is the weather in Paris today?"}]
-        want_prompt = AutoTokenizer.from_pretrained(str(model)).apply_chat_template(
+        want_prompt = AutoTokenizer.from_pretrained(str(directory)).apply_chat_template(
             messages, tokenize=True, add_generation_prompt=True, return_dict=False)
         tokens = httpx.post("http://127.0.0.1:24600/tokenize", timeout=30, json={
-            "model": "qwen3-tiny", "messages": messages}).json()["tokens"]
+            "model": name, "messages": messages}).json()["tokens"]
         assert tokens == list(want_prompt)
         engine = Engine(EngineConfig(model=str(model), num_blocks=64))
         want = generate(engine, tokens, SamplingParams(max_tokens=12, temperature=0.0))
-        answer = client.chat.completions.create(model="qwen3-tiny", messages=messages,
+        answer = client.chat.completions.create(model=name, messages=messages,
                                                 max_tokens=12, temperature=0)
         assert answer.choices[0].message.content == want.text
         assert answer.usage.completion_tokens == len(want.token_ids)
-        stream = client.chat.completions.create(model="qwen3-tiny", messages=messages,
+        stream = client.chat.completions.create(model=name, messages=messages,
                                                 max_tokens=12, temperature=0, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) \
             == want.text
@@ -148,7 +156,7 @@ def test_up_serves_a_qwen3_directory_to_the_official_client(tmp_path: Path) -> N
                 "type": "object", "required": ["city"],
                 "properties": {"city": {"enum": ["Paris", "Rome"]}}}}}
         called = client.chat.completions.create(
-            model="qwen3-tiny", messages=messages, tools=[tool], max_tokens=60, temperature=0,
+            model=name, messages=messages, tools=[tool], max_tokens=60, temperature=0,
             tool_choice={"type": "function", "function": {"name": "get_weather"}})
         call = called.choices[0].message.tool_calls[0]
         assert call.function.name == "get_weather"

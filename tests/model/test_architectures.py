@@ -11,8 +11,12 @@ import pytest
 import torch
 
 from common.engine import Engine, EngineConfig, UnknownModelError
-from common.engine.config import DecodeInput
-from tests.model.tiny_checkpoints import SMALL, write_checkpoint
+from tests.model.tiny_checkpoints import (
+    SMALL,
+    assert_decodes_as,
+    reference_logits,
+    write_checkpoint,
+)
 
 WINDOW = 8  # tokens: the prompts below are 3-5 windows long
 # transformers' model_type -> what its config needs beyond SMALL to use every feature
@@ -59,25 +63,20 @@ def pair(family):
                                prefill_chunk=7)), hf
 
 
-def _reference(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    """transformers' logits at every position of ``ids``."""
-    return hf(torch.tensor([ids])).logits[0].float()
-
-
 @torch.inference_mode()
 def test_a_whole_prefill_equals_transformers(family) -> None:
     path, hf = family
     engine = Engine(EngineConfig(model=str(path), num_blocks=32, block_size=4))
     ids = _ids(41, seed=5)
     got = engine.prefill(ids, engine.pool.allocate(engine.blocks_needed(len(ids))))
-    assert (got - _reference(hf, ids)[-1]).abs().max().item() < 1e-4
+    assert (got - reference_logits(hf, ids)[-1]).abs().max().item() < 1e-4
 
 
 @torch.inference_mode()
 def test_prefill_in_chunks_after_a_cached_prefix_equals_transformers(pair) -> None:
     engine, hf = pair
     ids = _ids(37, seed=1)  # 37 tokens in chunks of 7 over windows of 8
-    want = _reference(hf, ids)
+    want = reference_logits(hf, ids)
     blocks = engine.pool.allocate(engine.blocks_needed(len(ids)))
     whole = engine.prefill(ids, blocks)
     assert (whole - want[-1]).abs().max().item() < 1e-4
@@ -86,23 +85,11 @@ def test_prefill_in_chunks_after_a_cached_prefix_equals_transformers(pair) -> No
     engine.pool.free(blocks)
 
 
-@torch.inference_mode()
 def test_batched_decode_equals_transformers(pair) -> None:
     engine, hf = pair
-    prompts = [_ids(13, seed=2), _ids(29, seed=3), _ids(5, seed=4)]
-    tables = [engine.pool.allocate(engine.blocks_needed(len(p) + 6)) for p in prompts]
-    seqs = [list(p) for p in prompts]
-    nexts = [int(engine.prefill(p, t).argmax()) for p, t in zip(prompts, tables)]
-    for _ in range(6):  # the longest passes 4 windows
-        for seq, token in zip(seqs, nexts):
-            seq.append(token)
-        logits = engine.decode_step([DecodeInput(s[-1], len(s) - 1, t)
-                                     for s, t in zip(seqs, tables)])
-        for row, seq in zip(logits, seqs):
-            assert (row - _reference(hf, seq)[-1]).abs().max().item() < 1e-4
-        nexts = [int(row.argmax()) for row in logits]
-    for t in tables:
-        engine.pool.free(t)
+    # the longest passes 4 windows
+    assert_decodes_as(engine, hf, [_ids(13, seed=2), _ids(29, seed=3), _ids(5, seed=4)],
+                      steps=6)
 
 
 def _saved_llama(path: Path) -> None:
@@ -190,4 +177,4 @@ def test_pipeline_stages_equal_transformers(family) -> None:
     for engine in stages:
         table = engine.pool.allocate(engine.blocks_needed(len(ids)))
         hidden, logits = engine.stage_step([PrefillChunk(ids, 0, len(ids), table)], hidden)
-    assert (logits[0] - _reference(hf, ids)[-1]).abs().max().item() < 1e-4
+    assert (logits[0] - reference_logits(hf, ids)[-1]).abs().max().item() < 1e-4

@@ -96,5 +96,6 @@ def test_model_config_from_gguf(smol: Engine) -> None:
     c = smol.model_config
     assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers) == (49152, 576, 1536, 30)
     assert (c.num_heads, c.num_kv_heads, c.head_dim) == (9, 3, 64)
-    assert (c.rope_theta, c.tie_word_embeddings, c.eos_token_ids, c.bos_token_id) == (100000.0, True, (2,), 1)
+    # the turn ends at <|im_end|> (the file's end) and at <|endoftext|>, as in llama.cpp
+    assert (c.rope_theta, c.tie_word_embeddings, c.eos_token_ids, c.bos_token_id) == (100000.0, True, (2, 0), 1)
     assert c.max_position_embeddings == 8192

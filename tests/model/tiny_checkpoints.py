@@ -98,3 +98,31 @@ def write_chat_tokenizer(path: Path, chat: str) -> dict[str, int]:
     config.update(eos_token_id=ids[turn_end], bos_token_id=ids.get(bos), pad_token_id=None)
     (path / "config.json").write_text(json.dumps(config))
     return ids
+
+
+def reference_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """transformers' logits at every position of ``ids``."""
+    return hf(torch.tensor([ids])).logits[0].float()
+
+
+@torch.inference_mode()
+def assert_decodes_as(engine: Any, hf: torch.nn.Module, prompts: list[list[int]],
+                      steps: int) -> None:
+    """``engine`` prefills each prompt, then decodes them together greedily for ``steps``
+    steps, every logit within 1e-4 of transformers' ``hf`` on the same sequence."""
+    from common.engine.config import DecodeInput
+
+    tables = [engine.pool.allocate(engine.blocks_needed(len(p) + steps)) for p in prompts]
+    seqs = [list(p) for p in prompts]
+    logits = [engine.prefill(p, t) for p, t in zip(prompts, tables)]
+    for _ in range(steps + 1):
+        for row, seq in zip(logits, seqs):
+            assert (row - reference_logits(hf, seq)[-1]).abs().max().item() < 1e-4
+        if len(seqs[0]) == len(prompts[0]) + steps:
+            break
+        for row, seq in zip(logits, seqs):
+            seq.append(int(row.argmax()))
+        logits = engine.decode_step([DecodeInput(s[-1], len(s) - 1, t)
+                                     for s, t in zip(seqs, tables)])
+    for t in tables:
+        engine.pool.free(t)
