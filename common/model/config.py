@@ -114,4 +114,13 @@ DUMMY_CONFIGS: dict[str, ModelConfig] = {
         rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5,
         max_position_embeddings=32768, tie_word_embeddings=False, bos_token_id=1,
         eos_token_ids=(2,)),
+    # benchmarks/sliding_window.py: Gemma 3 1B's shape, 5 layers in 6 sliding over 512 keys
+    "dummy-gemma3-1b": ModelConfig(
+        name="dummy-gemma3-1b", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+        num_layers=26, num_heads=4, num_kv_heads=1, head_dim=256, rope_theta=1e6,
+        rope_scaling=None, rms_norm_eps=1e-6, max_position_embeddings=32768,
+        tie_word_embeddings=True, bos_token_id=2, eos_token_ids=(1, 106),
+        architecture="Gemma3ForCausalLM", activation="gelu_tanh", sliding_window=512,
+        sliding_layers=tuple(i for i in range(26) if (i + 1) % 6), query_scale=256 ** -0.5,
+        local_rope_theta=10000.0),
 }

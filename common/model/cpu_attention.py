@@ -36,7 +36,7 @@ _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 class _Layout(ctypes.Structure):
     """The C ``Layout``: where a layer's keys and values are and which rows read them."""
     _fields_ = [("tables", _P), ("table_width", _I64), ("rows", _P), ("lens", _P),
-                ("hq", _I), ("hkv", _I), ("d", _I), ("bs", _I), ("block_stride", _I64),
+                ("starts", _P), ("hq", _I), ("hkv", _I), ("d", _I), ("bs", _I), ("block_stride", _I64),
                 ("layer_off", _I64), ("v_off", _I64), ("token_stride", _I64),
                 ("scale", ctypes.c_float)]
 
@@ -79,9 +79,9 @@ class PagedAttentionKernel:
         end, data = start + t, kv.data
         q = q.to(torch.float32).contiguous()
         table = table.to(torch.int64).contiguous()
-        layout = _Layout(table.data_ptr(), table.shape[-1], None, None, hq, kv.num_kv_heads,
-                         d, kv.block_size, data.stride(0), layer * data.stride(1),
-                         data.stride(2), data.stride(3), scale)
+        layout = _Layout(table.data_ptr(), table.shape[-1], None, None, None, hq,
+                         kv.num_kv_heads, d, kv.block_size, data.stride(0),
+                         layer * data.stride(1), data.stride(2), data.stride(3), scale)
         blocks = -(-end // 16)
         kt = torch.empty(blocks * kv.num_kv_heads * d * 16, dtype=torch.float32)
         vv = torch.empty_like(kt)
@@ -94,11 +94,13 @@ class PagedAttentionKernel:
 
     def attend(self, q: torch.Tensor, kv: PagedKVMemory, layer: int, tables: torch.Tensor,
                rows: Optional[torch.Tensor], lens: torch.Tensor, scale: float,
-               longest: Optional[int] = None) -> torch.Tensor:
-        """Attention of query rows ``q`` [T, heads, d] over keys [0, lens[t]) of block
-        table row ``rows[t]`` (None: row t) of ``tables`` [R, width]: [T, heads, d]
-        float32. ``longest``: max(lens), where the caller knows it. The caller keeps every
-        table entry below ``kv``'s block count."""
+               longest: Optional[int] = None, starts: Optional[torch.Tensor] = None,
+               ) -> torch.Tensor:
+        """Attention of query rows ``q`` [T, heads, d] over keys [starts[t], lens[t]) of
+        block table row ``rows[t]`` (None: row t) of ``tables`` [R, width]: [T, heads, d]
+        float32; ``starts`` None: from key 0, else a sliding window's first keys (the
+        blocks before them are not read). ``longest``: max(lens), where the caller knows
+        it. The caller keeps every table entry below ``kv``'s block count."""
         t, hq, d = q.shape
         data = kv.data
         q = q.to(torch.float32).contiguous()
@@ -106,11 +108,14 @@ class PagedAttentionKernel:
         lens = lens.to(torch.int32).contiguous()  # a decode step's kv_lens already are
         if rows is not None:
             rows = rows.to(torch.int64).contiguous()
+        if starts is not None:
+            starts = starts.to(torch.int32).contiguous()
         out = torch.empty_like(q)
         layout = _Layout(tables.data_ptr(), tables.shape[1],
                          None if rows is None else rows.data_ptr(), lens.data_ptr(),
-                         hq, kv.num_kv_heads, d, kv.block_size, data.stride(0),
-                         layer * data.stride(1), data.stride(2), data.stride(3), scale)
+                         None if starts is None else starts.data_ptr(), hq, kv.num_kv_heads,
+                         d, kv.block_size, data.stride(0), layer * data.stride(1),
+                         data.stride(2), data.stride(3), scale)
         longest = int(lens.max()) if longest is None else longest
         threads = native.threads(t // ROWS_PER_THREAD)
         per_thread = hq * (-(-longest // 16) * 16 + d)  # a thread's scores (padded), sums

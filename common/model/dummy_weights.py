@@ -16,9 +16,10 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
 
     A model of more than ``POOLED_PARAMS`` parameters (the LLaMA-sized dummies) draws one
     pool of ``POOL_SIZE`` values, and each linear is a read-only window of it at a seeded
-    offset, row i starting ``ROW_STEP * i`` values after row 0 (rows overlap, and stay
-    distinct): it starts in a second with 256 MB, where drawing every value would take
-    ~50 s and 32 GB of float32 for 8B parameters. Smaller models draw every value.
+    offset, row i starting ``ROW_STEP * i`` values after row 0 (fewer for a matrix of more
+    rows than the pool holds that way; rows overlap, and stay distinct): it starts in a
+    second with 256 MB, where drawing every value would take ~50 s and 32 GB of float32
+    for 8B parameters. Smaller models draw every value.
     """
     shapes = weight_shapes(config)
     matrices = {name: shape for name, shape in shapes.items() if len(shape) == 2}
@@ -27,9 +28,9 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
         pool = torch.randn(POOL_SIZE, generator=gen) * 0.02
 
         def rnd(r: int, c: int) -> torch.Tensor:
-            room = POOL_SIZE - ROW_STEP * (r - 1) - c
-            offset = int(torch.randint(room, (), generator=gen))
-            return pool.as_strided((r, c), (ROW_STEP, 1), offset)
+            step = min(ROW_STEP, (POOL_SIZE - c) // r)  # a vocabulary of 262k rows fits
+            offset = int(torch.randint(POOL_SIZE - step * (r - 1) - c, (), generator=gen))
+            return pool.as_strided((r, c), (step, 1), offset)
     else:
         def rnd(r: int, c: int) -> torch.Tensor:
             return torch.randn(r, c, generator=gen) * 0.02

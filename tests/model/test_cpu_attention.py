@@ -54,6 +54,36 @@ def test_equals_torch_attention(dtype: torch.dtype, heads: int, kv_heads: int,
         assert torch.allclose(got[t], want, atol=2e-6), (n, (got[t] - want).abs().max())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 1, 256), (4, 4, 24)])
+def test_a_sliding_window_reads_only_its_keys(dtype: torch.dtype, heads: int, kv_heads: int,
+                                              head_dim: int) -> None:
+    """Rows that start later (a sliding layer's window: keys [start, n)) equal torch's
+    attention over those keys alone, whether the window starts on a block's first key, in
+    a block, or at 0; the blocks before it are not read (their table entries point past
+    the memory); and each such row is the same alone as beside others (vector and scalar
+    code)."""
+    kv = _memory(dtype, kv_heads, head_dim)
+    g = torch.Generator().manual_seed(head_dim)
+    cases = [(0, 9), (16, 33), (21, 80), (47, 48), (5, 6)]  # (start, n)
+    tables = [torch.randperm(40, generator=g)[:6].tolist() for _ in cases]
+    for table, (start, _) in zip(tables, cases):
+        table[:start // 16] = [10 ** 9] * (start // 16)  # never read
+    q = torch.randn(len(cases), heads, head_dim, generator=g)
+    starts, lens = (torch.tensor(c) for c in zip(*cases))
+    got = KERNEL.attend(q, kv, 1, torch.tensor(tables), None, lens, 0.2, starts=starts)
+    for t, (start, n) in enumerate(cases):
+        table = [b if b < 40 else 0 for b in tables[t]]
+        keys, values = (x[start:n].float().transpose(0, 1)[None] for x in
+                        kv.gather(1, torch.tensor(table)))
+        want = F.scaled_dot_product_attention(q[t][None, :, None], keys, values, scale=0.2,
+                                              enable_gqa=True)[0, :, 0]
+        assert torch.allclose(got[t], want, atol=2e-6), (start, n)
+        alone = KERNEL.attend(q[t:t + 1], kv, 1, torch.tensor(tables[t:t + 1]), None,
+                              lens[t:t + 1], 0.2, starts=starts[t:t + 1])
+        assert torch.equal(alone[0], got[t])
+
+
 def test_rows_are_batch_invariant() -> None:
     """A row's output is bit for bit the same alone, beside rows of other lengths, read
     through another table row, and with the rows split over threads."""

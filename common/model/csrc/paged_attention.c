@@ -1,8 +1,9 @@
 /* Paged attention on the CPU that reads each sequence's KV blocks in place.
  *
- * Query row t (hq heads of d floats) attends the first lens[t] keys of block table row
- * rows[t] (row t without ``rows``); kv head g serves query heads [g * group, (g + 1) *
- * group). A query row is computed by the same code in the same order whatever else is in
+ * Query row t (hq heads of d floats) attends keys [starts[t], lens[t]) of block table
+ * row rows[t] (row t without ``rows``; keys from 0 without ``starts``: a sliding window
+ * starts later, and the blocks before it are not read); kv head g serves query heads
+ * [g * group, (g + 1) * group). A query row is computed by the same code in the same order whatever else is in
  * the call: its output does not depend on the batch, the padding, the thread count or
  * how a caller splits the rows (the decode of common/model/cpu_attention.py is batch
  * invariant).
@@ -32,7 +33,8 @@ typedef struct {
     const int64_t *tables;   /* [rows, table_width] block ids */
     int64_t table_width;
     const int64_t *rows;     /* [T] the table row of each query row; NULL: row t */
-    const int32_t *lens;     /* [T] keys each query row attends */
+    const int32_t *lens;     /* [T] keys each query row attends: those below lens[t] */
+    const int32_t *starts;   /* [T] and from starts[t] on; NULL: from 0 */
     int hq, hkv, d, bs;
     int64_t block_stride, layer_off, v_off, token_stride;
     float scale;
@@ -81,42 +83,36 @@ static inline float v16_sum(v16 x) {
 
 /* One query row, any head width (the self-check's small case, widths not a multiple of
  * 16): head by head, the scores of every key, their softmax, then the V rows weighted in
- * key order. scratch: lens[t] floats. */
+ * key order. scratch: lens[t] - starts[t] floats. */
 #define ITEM(NAME, T, VALUE)                                                                \
     static inline void NAME(const Layout *L, const float *q, const T *kv, int64_t t,        \
                             int D, float *out, float *scores) {                             \
         const int group = L->hq / L->hkv;                                                   \
-        const int64_t n = L->lens[t];                                                       \
+        const int64_t n = L->lens[t], start = L->starts ? L->starts[t] : 0;                 \
         const int64_t *table = L->tables + (L->rows ? L->rows[t] : t) * L->table_width;     \
         const T *base = kv + L->layer_off;                                                  \
         for (int h = 0; h < L->hq; h++) {                                                   \
             const float *qh = q + (t * L->hq + h) * D;                                      \
             const int64_t col = (h / group) * D;                                            \
             float m = -INFINITY, total = 0.0f;                                              \
-            for (int64_t first = 0, b = 0; first < n; first += L->bs, b++) {                \
-                const T *page = base + table[b] * L->block_stride + col;                    \
-                const int64_t slots = n - first < L->bs ? n - first : L->bs;                \
-                for (int64_t s = 0; s < slots; s++) {                                       \
-                    const T *k = page + s * L->token_stride;                                \
-                    float dot = 0.0f;                                                       \
-                    for (int i = 0; i < D; i++) dot += qh[i] * VALUE(k[i]);                 \
-                    dot *= L->scale;                                                        \
-                    scores[first + s] = dot;                                                \
-                    m = dot > m ? dot : m;                                                  \
-                }                                                                           \
+            for (int64_t j = start; j < n; j++) {                                           \
+                const T *k = base + table[j / L->bs] * L->block_stride + col                \
+                             + (j % L->bs) * L->token_stride;                               \
+                float dot = 0.0f;                                                           \
+                for (int i = 0; i < D; i++) dot += qh[i] * VALUE(k[i]);                     \
+                dot *= L->scale;                                                            \
+                scores[j - start] = dot;                                                    \
+                m = dot > m ? dot : m;                                                      \
             }                                                                               \
-            for (int64_t j = 0; j < n; j++) scores[j] = expf(scores[j] - m);                \
-            for (int64_t j = 0; j < n; j++) total += scores[j];                             \
+            for (int64_t j = 0; j < n - start; j++) scores[j] = expf(scores[j] - m);        \
+            for (int64_t j = 0; j < n - start; j++) total += scores[j];                     \
             float acc[D];                                                                   \
             for (int i = 0; i < D; i++) acc[i] = 0.0f;                                      \
-            for (int64_t first = 0, b = 0; first < n; first += L->bs, b++) {                \
-                const T *page = base + table[b] * L->block_stride + L->v_off + col;         \
-                const int64_t slots = n - first < L->bs ? n - first : L->bs;                \
-                for (int64_t s = 0; s < slots; s++) {                                       \
-                    const T *v = page + s * L->token_stride;                                \
-                    const float p = scores[first + s];                                      \
-                    for (int i = 0; i < D; i++) acc[i] += p * VALUE(v[i]);                  \
-                }                                                                           \
+            for (int64_t j = start; j < n; j++) {                                           \
+                const T *v = base + table[j / L->bs] * L->block_stride + L->v_off + col     \
+                             + (j % L->bs) * L->token_stride;                               \
+                const float p = scores[j - start];                                          \
+                for (int i = 0; i < D; i++) acc[i] += p * VALUE(v[i]);                      \
             }                                                                               \
             float *oh = out + (t * L->hq + h) * D;                                          \
             for (int i = 0; i < D; i++) oh[i] = acc[i] / total;                             \
@@ -145,7 +141,8 @@ static inline v16 load16_bf16(const uint16_t *p) {
  * order, then the lanes folded), its softmax goes 16 scores at a time (v16_exp, the sum
  * folded the same way), and its output adds the V rows in key order: a row's result is
  * the same whatever else is in the call, and whichever order the passes run in.
- * scratch: hq x (lens[t] rounded up to 16, then D) floats: the scores, then the sums. */
+ * scratch: hq x (lens[t] rounded up to 16, then D) floats: the scores, then the sums
+ * (from the block holding starts[t], the keys before it masked). */
 #define MAX_GH 4
 
 /* The next block's keys or values on their way into the cache while this one's compute. */
@@ -209,12 +206,15 @@ static inline void prefetch_block(const void *start, int64_t bytes) {
             float *scratch) {                                                               \
         const int group = L->hq / L->hkv, V = D / 16;                                       \
         const int most = D <= 64 ? 4 : D <= 128 ? 2 : 1;  /* 16 accumulators a pass */      \
-        const int64_t n = L->lens[t], width = (n + 15) / 16 * 16;                           \
+        /* keys from the block holding starts[t]: scores[j] is key origin + j */            \
+        const int64_t n = L->lens[t], start = L->starts ? L->starts[t] : 0;                 \
+        const int64_t b0 = start / L->bs, origin = b0 * L->bs;                              \
+        const int64_t width = (n - origin + 15) / 16 * 16;                                  \
         const int64_t *table = L->tables + (L->rows ? L->rows[t] : t) * L->table_width;     \
         const T *base = kv + L->layer_off;                                                  \
         const float *qt = q + t * L->hq * D;                                                \
         float *scores = scratch, *sums = scratch + L->hq * width;                           \
-        for (int64_t first = 0, b = 0; first < n; first += L->bs, b++) {                    \
+        for (int64_t first = origin, b = b0; first < n; first += L->bs, b++) {              \
             const T *page = base + table[b] * L->block_stride;                              \
             const int64_t slots = n - first < L->bs ? n - first : L->bs;                    \
             if (first + L->bs < n) prefetch_block(base + table[b + 1] * L->block_stride,     \
@@ -224,7 +224,8 @@ static inline void prefetch_block(const void *start, int64_t bytes) {
         float total[L->hq];                                                                 \
         for (int h = 0; h < L->hq; h++) {                                                   \
             float *sh = scores + h * width;                                                 \
-            for (int64_t j = n; j < width; j++) sh[j] = -INFINITY;                          \
+            for (int64_t j = 0; j < start - origin; j++) sh[j] = -INFINITY;                 \
+            for (int64_t j = n - origin; j < width; j++) sh[j] = -INFINITY;                 \
             v16 top = load16_f32(sh);                                                       \
             for (int64_t j = 16; j < width; j += 16) top = MAX(top, load16_f32(sh + j));    \
             const float m = v16_max(top);                                                   \
@@ -237,7 +238,7 @@ static inline void prefetch_block(const void *start, int64_t bytes) {
             total[h] = v16_sum(sum);                                                        \
         }                                                                                   \
         memset(sums, 0, sizeof(float) * L->hq * D);                                         \
-        for (int64_t first = 0, b = 0; first < n; first += L->bs, b++) {                    \
+        for (int64_t first = origin, b = b0; first < n; first += L->bs, b++) {              \
             const T *page = base + table[b] * L->block_stride + L->v_off;                   \
             const int64_t slots = n - first < L->bs ? n - first : L->bs;                    \
             if (first + L->bs < n)                                                          \
@@ -254,9 +255,10 @@ static inline void prefetch_block(const void *start, int64_t bytes) {
         }                                                                                   \
     }
 #define SCORE(FN, h0, GH) FN(page + g * D, L->token_stride, slots, qt + (h0) * D, D, GH,   \
-                               L->scale, scores + (h0) * width + first, width)
+                               L->scale, scores + (h0) * width + first - origin, width)
 #define WEIGH(FN, h0, GH) FN(page + g * D, L->token_stride, slots,                           \
-                               scores + (h0) * width + first, width, D, GH, sums + (h0) * D)
+                               scores + (h0) * width + first - origin, width, D, GH,        \
+                               sums + (h0) * D)
 
 ITEM(item_f32, float, f32_value)
 ITEM(item_bf16, uint16_t, bf16_value)

@@ -1,0 +1,84 @@
+"""A CPU decode step of a model with sliding layers, side by side: its sliding layers read
+only the blocks of their window in place (the C kernel, common/model/cpu_attention.py,
+since 2026-11-29), or gather the whole context and mask it (the path before, which a
+soft-capped layer still takes), and the same model with every layer attending everything.
+Model: ``dummy-gemma3-1b`` (Gemma 3 1B's shape: 26 layers, 5 in 6 sliding over 512 keys,
+one KV head of 256, a 262k vocabulary), bfloat16 linears and KV, one thread.
+
+    python benchmarks/sliding_window.py [--contexts 1024,4096,8192] [--batches 1,4]
+
+Prints a table of milliseconds per step (the least of ``--rounds`` rounds, the variants
+in turn each round), then one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.decode_step import step_ms  # noqa: E402
+from common.engine import Engine, EngineConfig  # noqa: E402
+from common.model.attention import CpuPagedAttention, SdpaAttention  # noqa: E402
+from common.model.config import DUMMY_CONFIGS  # noqa: E402
+
+MODEL = "dummy-gemma3-1b"
+VARIANTS = ("window/kernel", "window/masked", "no-window/kernel")
+
+
+class _MaskedSlidingLayers(CpuPagedAttention):
+    """The backend before 2026-11-29: a sliding layer past its window gathers and masks."""
+
+    def attend_written(self, layer, q, k, v, meta, spec, context=None):
+        if not spec.plain_for(meta.longest):
+            return SdpaAttention.attend_written(self, layer, q, k, v, meta, spec, context)
+        return super().attend_written(layer, q, k, v, meta, spec, context)
+
+
+def make_engine(variant: str, blocks: int) -> Engine:
+    model = MODEL
+    if variant == "no-window/kernel":
+        model = f"{MODEL}-no-window"
+        DUMMY_CONFIGS[model] = dataclasses.replace(DUMMY_CONFIGS[MODEL], name=model,
+                                                   sliding_window=None)
+    engine = Engine(EngineConfig(model=model, kv_dtype="bfloat16", linear_dtype="bfloat16",
+                                 num_blocks=blocks, attention_backend="cpu"))
+    assert type(engine.attention) is CpuPagedAttention, "the CPU kernel did not build"
+    if variant == "window/masked":
+        engine.attention = _MaskedSlidingLayers(engine.kv, engine.attention.kernel,
+                                                engine.attention.prompt_rows_alone)
+    return engine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", default="1024,4096,8192")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    blocks = max(batches) * (max(contexts) + 120) // 16 + 64
+    engines = {name: make_engine(name, blocks) for name in VARIANTS}
+    res: dict[str, dict[str, float]] = {}
+    print(f"{MODEL}, one thread\n{'context':>8}{'batch':>6}"
+          + "".join(f"{n:>18}" for n in engines) + "  ms/step")
+    for context in contexts:
+        for batch in batches:
+            got: dict[str, list[float]] = {name: [] for name in engines}
+            for _ in range(args.rounds):
+                for name, engine in engines.items():
+                    got[name].append(step_ms(engine, batch, context))
+            row = res[f"ctx{context}_b{batch}"] = {n: round(min(v), 1) for n, v in got.items()}
+            print(f"{context:>8}{batch:>6}" + "".join(f"{row[n]:>18.1f}" for n in engines))
+    print(json.dumps({"model": MODEL, **res}))
+
+
+if __name__ == "__main__":
+    main()
