@@ -1,9 +1,11 @@
-"""A CPU decode step of a model with sliding layers, side by side: its sliding layers read
-only the blocks of their window in place (the C kernel, common/model/cpu_attention.py,
-since 2026-11-29), or gather the whole context and mask it (the path before, which a
-soft-capped layer still takes), and the same model with every layer attending everything.
-Model: ``dummy-gemma3-1b`` (Gemma 3 1B's shape: 26 layers, 5 in 6 sliding over 512 keys,
-one KV head of 256, a 262k vocabulary), bfloat16 linears and KV, one thread.
+"""A CPU decode step of a model with sliding layers, side by side: on the C kernel
+(common/model/cpu_attention.py), whose sliding layers read only the blocks of their window
+in place (since 2026-11-29), on the gathering path (``attention_backend = "sdpa"``, what
+a soft-capped layer and a GPU's windowed layers take: it gathers the window's blocks
+and masks them; before 2026-11-29 it gathered the whole context), and the same model with
+every layer attending everything, on the kernel. Model: ``dummy-gemma3-1b`` (Gemma 3 1B's
+shape: 26 layers, 5 in 6 sliding over 512 keys, one KV head of 256, a 262k vocabulary),
+bfloat16 linears and KV, one thread.
 
     python benchmarks/sliding_window.py [--contexts 1024,4096,8192] [--batches 1,4]
 
@@ -28,30 +30,22 @@ from common.model.attention import CpuPagedAttention, SdpaAttention  # noqa: E40
 from common.model.config import DUMMY_CONFIGS  # noqa: E402
 
 MODEL = "dummy-gemma3-1b"
-VARIANTS = ("window/kernel", "window/masked", "no-window/kernel")
-
-
-class _MaskedSlidingLayers(CpuPagedAttention):
-    """The backend before 2026-11-29: a sliding layer past its window gathers and masks."""
-
-    def attend_written(self, layer, q, k, v, meta, spec, context=None):
-        if not spec.plain_for(meta.longest):
-            return SdpaAttention.attend_written(self, layer, q, k, v, meta, spec, context)
-        return super().attend_written(layer, q, k, v, meta, spec, context)
+# variant -> (the model's sliding window kept, the attention backend)
+VARIANTS = {"window/kernel": (True, "cpu"), "window/gather": (True, "sdpa"),
+            "no-window/kernel": (False, "cpu")}
 
 
 def make_engine(variant: str, blocks: int) -> Engine:
+    window, backend = VARIANTS[variant]
     model = MODEL
-    if variant == "no-window/kernel":
+    if not window:
         model = f"{MODEL}-no-window"
         DUMMY_CONFIGS[model] = dataclasses.replace(DUMMY_CONFIGS[MODEL], name=model,
                                                    sliding_window=None)
     engine = Engine(EngineConfig(model=model, kv_dtype="bfloat16", linear_dtype="bfloat16",
-                                 num_blocks=blocks, attention_backend="cpu"))
-    assert type(engine.attention) is CpuPagedAttention, "the CPU kernel did not build"
-    if variant == "window/masked":
-        engine.attention = _MaskedSlidingLayers(engine.kv, engine.attention.kernel,
-                                                engine.attention.prompt_rows_alone)
+                                 num_blocks=blocks, attention_backend=backend))
+    want = CpuPagedAttention if backend == "cpu" else SdpaAttention
+    assert type(engine.attention) is want, f"{variant}: no {want.__name__}"
     return engine
 
 

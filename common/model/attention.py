@@ -129,6 +129,15 @@ class SdpaAttention:
         kk, vv = kv.gather(layer, tables, self._gather_buffers(numel))
         return kk.to(dtype), vv.to(dtype)
 
+    def _window_origin(self, meta: AttnMetadata, spec: AttnSpec) -> int:
+        """The first key any query of ``meta`` sees through ``spec``'s window, down to its
+        block's start (row b's first query is at position kv_lens[b] - q_len; from the
+        host's lengths: no device sync)."""
+        if spec.window is None:
+            return 0
+        first = min(meta.kv_lens_list) - meta.q_len - spec.window + 1
+        return max(0, first) // self.kv.block_size * self.kv.block_size
+
     def attend_written(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        meta: AttnMetadata, spec: AttnSpec,
                        context: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
@@ -139,14 +148,18 @@ class SdpaAttention:
         t, heads, hd = q.shape
         b, ql = meta.batch, meta.q_len
         qb = q.view(b, ql, heads, hd).transpose(1, 2)
+        end = meta.longest
+        origin = 0  # the first key gathered: a sliding window's first block, else 0
         if meta.fresh:
             kk, vv = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)
         else:
-            kk, vv = context or self._gathered(layer, meta.block_tables, q.dtype)
+            if context is None and not spec.plain_for(end):
+                origin = self._window_origin(meta, spec)
+            kk, vv = context or self._gathered(
+                layer, meta.block_tables[:, origin // self.kv.block_size:], q.dtype)
             kk, vv = kk.transpose(1, 2), vv.transpose(1, 2)
-        end = meta.longest
         if not spec.plain_for(end):
-            out = masked_attention(qb, kk, vv, meta.positions.view(b, ql), spec)
+            out = masked_attention(qb, kk, vv, meta.positions.view(b, ql), spec, origin)
         elif meta.fresh:
             out = F.scaled_dot_product_attention(qb, kk, vv, is_causal=True, scale=spec.scale,
                                                  enable_gqa=True)
@@ -162,12 +175,13 @@ QUERY_TILE = 512  # masked_attention's queries per pass: bounds its [heads, tile
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     positions: torch.Tensor, spec: AttnSpec) -> torch.Tensor:
+                     positions: torch.Tensor, spec: AttnSpec, origin: int = 0) -> torch.Tensor:
     """Attention with ``spec``'s soft-cap and window: ``q`` [B, heads, q_len, hd] at
-    ``positions`` [B, q_len] over ``k``/``v`` [B, kv heads, S, hd], key j being position j
-    of its sequence (what the paged memory gathers, and a fresh prompt's own K/V). Query
-    tiles of ``QUERY_TILE`` bound the score matrix a long prompt needs."""
-    keys = torch.arange(k.shape[2], device=q.device)
+    ``positions`` [B, q_len] over ``k``/``v`` [B, kv heads, S, hd], key j being position
+    ``origin`` + j of its sequence (what the paged memory gathers from block ``origin`` /
+    block size on, and a fresh prompt's own K/V). Query tiles of ``QUERY_TILE`` bound the
+    score matrix a long prompt needs."""
+    keys = torch.arange(origin, origin + k.shape[2], device=q.device)
     group = q.shape[1] // k.shape[1]
     if spec.softcap is not None and group > 1:
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
