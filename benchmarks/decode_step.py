@@ -4,8 +4,8 @@ common/model/cpu_attention.py), and the layers' linears in float32 or bfloat16
 (``linear_dtype``), each on oneDNN or on Crescent's kernels (common/model/cpu_linear.py;
 with bfloat16 linears the lm_head on the bfloat16 kernel too or in float32). One thread
 by default, as a decode worker has on 2 cores (``--threads``: torch's, which the kernels
-split on); bfloat16 KV; at each context and batch the variants run in turn, three rounds,
-the least step time of each.
+split on); bfloat16 KV; at each context and batch the variants run in turn (a round
+starting with the next), three rounds, the least step time of each.
 
     python benchmarks/decode_step.py [--contexts 128,600] [--batches 1,8,32] [--threads 1]
 
@@ -19,6 +19,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Callable, Iterable
 
 import torch
 
@@ -70,22 +71,34 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch's (the kernels split on them)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    print(f"threads {args.threads}")
+    res = compare(args, make_engine, VARIANTS)
+    print(json.dumps({"threads": args.threads, **res}))
+
+
+def compare(args: argparse.Namespace, make: Callable[[str, int], Engine],
+            variants: Iterable[str]) -> dict[str, dict[str, float]]:
+    """An engine of each variant (``make(variant, blocks)``), its step at each of
+    ``args.contexts`` and ``args.batches``, the variants in turn, ``args.rounds`` times
+    (each round starting with the next):
+    a table of the least ms per step, printed and returned (``ctx<context>_b<batch>``)."""
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     blocks = max(batches) * (max(contexts) + 120) // 16 + 64
-    engines = {name: make_engine(name, blocks) for name in VARIANTS}
+    engines = {name: make(name, blocks) for name in variants}
+    rounds = args.rounds
     res: dict[str, dict[str, float]] = {}
-    print(f"threads {args.threads}\n{'context':>8}{'batch':>6}" + "".join(f"{n:>20}" for n in engines)
-          + "  ms/step")
+    print(f"{'context':>8}{'batch':>6}" + "".join(f"{n:>20}" for n in engines) + "  ms/step")
     for context in contexts:
         for batch in batches:
             got: dict[str, list[float]] = {name: [] for name in engines}
-            for _ in range(args.rounds):
-                for name, engine in engines.items():
-                    got[name].append(step_ms(engine, batch, context))
+            names = list(engines)
+            for r in range(rounds):  # each round starts with the next variant: the first
+                for name in names[r % len(names):] + names[:r % len(names)]:  # runs slower
+                    got[name].append(step_ms(engines[name], batch, context))
             row = res[f"ctx{context}_b{batch}"] = {n: round(min(v), 1) for n, v in got.items()}
             print(f"{context:>8}{batch:>6}" + "".join(f"{row[n]:>20.1f}" for n in engines))
-    print(json.dumps({"threads": args.threads, **res}))
+    return res
 
 
 if __name__ == "__main__":

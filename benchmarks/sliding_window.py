@@ -10,7 +10,7 @@ bfloat16 linears and KV, one thread.
     python benchmarks/sliding_window.py [--contexts 1024,4096,8192] [--batches 1,4]
 
 Prints a table of milliseconds per step (the least of ``--rounds`` rounds, the variants
-in turn each round), then one JSON line.
+in turn each round, a round starting with the next), then one JSON line.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.decode_step import step_ms  # noqa: E402
+from benchmarks.decode_step import compare  # noqa: E402
 from common.engine import Engine, EngineConfig  # noqa: E402
 from common.model.attention import CpuPagedAttention, SdpaAttention  # noqa: E402
 from common.model.config import DUMMY_CONFIGS  # noqa: E402
@@ -53,24 +53,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="1024,4096,8192")
     ap.add_argument("--batches", default="1,4")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    contexts = [int(c) for c in args.contexts.split(",")]
-    batches = [int(b) for b in args.batches.split(",")]
-    blocks = max(batches) * (max(contexts) + 120) // 16 + 64
-    engines = {name: make_engine(name, blocks) for name in VARIANTS}
-    res: dict[str, dict[str, float]] = {}
-    print(f"{MODEL}, one thread\n{'context':>8}{'batch':>6}"
-          + "".join(f"{n:>18}" for n in engines) + "  ms/step")
-    for context in contexts:
-        for batch in batches:
-            got: dict[str, list[float]] = {name: [] for name in engines}
-            for _ in range(args.rounds):
-                for name, engine in engines.items():
-                    got[name].append(step_ms(engine, batch, context))
-            row = res[f"ctx{context}_b{batch}"] = {n: round(min(v), 1) for n, v in got.items()}
-            print(f"{context:>8}{batch:>6}" + "".join(f"{row[n]:>18.1f}" for n in engines))
+    print(f"{MODEL}, one thread")
+    res = compare(args, make_engine, VARIANTS)
     print(json.dumps({"model": MODEL, **res}))
 
 

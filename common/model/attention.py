@@ -318,15 +318,15 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
 class CpuPagedAttention(SdpaAttention):
     """The CPU's backend where common/model/cpu_attention.py's kernel builds: a decode
     part (one new token per sequence) reads each sequence's blocks in place, with no
-    gather, no padding to the longest and no mask, every row alone (batch invariant); in a
-    sliding layer only the blocks of its window (not on soft-capped layers: Gemma 2's).
-    With ``prompt_rows`` (batch invariance) so does a prompt chunk (its rows over their
-    sequence's blocks, each alone) where the blocks are of 16 tokens and the attention
-    plain: the same rows whatever chunks the load cuts a prompt into; on one thread as
+    gather, no padding to the longest and no mask, every row alone (batch invariant); a
+    sliding layer's rows read only the blocks of their window. With ``prompt_rows``
+    (batch invariance) so does a prompt chunk (its rows over their sequence's blocks, each
+    alone) where the blocks are of 16 tokens and the heads 64 or 128 wide: the same rows
+    whatever chunks the load cuts a prompt into; on one thread as
     fast as torch's flash attention over the whole chunk and 1.1-1.2x faster than over
     16-token parts (what batch invariance cost before), on two 0.8x the whole chunk's
     (torch's spinning OpenMP workers slow the kernel's second thread). Other prompt
-    chunks attend through SDPA."""
+    chunks, and soft-capped layers (Gemma 2's), attend through SDPA."""
 
     decode_mask = False
 
@@ -340,17 +340,15 @@ class CpuPagedAttention(SdpaAttention):
                        meta: AttnMetadata, spec: AttnSpec,
                        context: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                        ) -> torch.Tensor:
-        decode = meta.q_len == 1 and not meta.fresh
-        if decode and spec.softcap is None:  # a sliding window starts each row later
-            starts = None if spec.plain_for(meta.longest) else \
-                (meta.kv_lens - spec.window).clamp_(min=0)
-            out = self.kernel.attend(q, self.kv, layer, meta.block_tables, None,
-                                     meta.kv_lens, spec.scale, meta.longest, starts)
-        elif not spec.plain_for(meta.longest):
+        if spec.softcap is not None:
             return super().attend_written(layer, q, k, v, meta, spec, context)
+        if meta.q_len == 1 and not meta.fresh:
+            out = self.kernel.attend(q, self.kv, layer, meta.block_tables, None,
+                                     meta.kv_lens, spec.scale, meta.longest, spec.window)
         elif meta.batch == 1 and self.prompt_rows_alone:
             out = self.kernel.attend_chunk(q, self.kv, layer, meta.block_tables[0],
-                                           meta.longest - meta.q_len, spec.scale)
+                                           meta.longest - meta.q_len, spec.scale,
+                                           spec.window)
         else:
             return super().attend_written(layer, q, k, v, meta, spec, context)
         return out.to(q.dtype).view(q.shape[0], -1)

@@ -36,9 +36,9 @@ _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 class _Layout(ctypes.Structure):
     """The C ``Layout``: where a layer's keys and values are and which rows read them."""
     _fields_ = [("tables", _P), ("table_width", _I64), ("rows", _P), ("lens", _P),
-                ("starts", _P), ("hq", _I), ("hkv", _I), ("d", _I), ("bs", _I), ("block_stride", _I64),
+                ("hq", _I), ("hkv", _I), ("d", _I), ("bs", _I), ("block_stride", _I64),
                 ("layer_off", _I64), ("v_off", _I64), ("token_stride", _I64),
-                ("scale", ctypes.c_float)]
+                ("scale", ctypes.c_float), ("window", _I64)]
 
 
 class PagedAttentionKernel:
@@ -54,9 +54,12 @@ class PagedAttentionKernel:
             fn.restype = None
             self._fns[dtype] = fn
             gather = getattr(lib, GATHERS[dtype])
-            gather.argtypes = [ctypes.POINTER(_Layout), _P, _I64, _P, _P]
+            gather.argtypes = [ctypes.POINTER(_Layout), _P, _I64, _I64, _P, _P]
             gather.restype = None
             self._gathers[dtype] = gather
+        self._first_block = lib.chunk_first_block
+        self._first_block.argtypes = [ctypes.POINTER(_Layout), _I64]
+        self._first_block.restype = _I64
         self._chunk_rows = lib.chunk_rows_par
         self._chunk_rows.argtypes = [ctypes.POINTER(_Layout), _P, _P, _P, _I64, _I64, _P, _I64]
         self._chunk_rows.restype = None
@@ -70,23 +73,25 @@ class PagedAttentionKernel:
         return self.supports(kv) and kv.block_size == 16 and kv.head_dim in (64, 128)
 
     def attend_chunk(self, q: torch.Tensor, kv: PagedKVMemory, layer: int,
-                     table: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+                     table: torch.Tensor, start: int, scale: float,
+                     window: Optional[int] = None) -> torch.Tensor:
         """Attention of a prompt chunk's query rows ``q`` [T, heads, d] at positions
         [start, start + T) of the sequence whose blocks are ``table`` (at least
-        ceil((start + T) / 16) of them), row t over keys [0, start + t]: [T, heads, d]
-        float32. Each row alone (csrc/paged_attention.c, chunk_rows)."""
+        ceil((start + T) / 16) of them), row t over keys [0, start + t], or of them the
+        last ``window``: [T, heads, d] float32. Each row alone (csrc/paged_attention.c,
+        chunk_rows)."""
         t, hq, d = q.shape
         end, data = start + t, kv.data
         q = q.to(torch.float32).contiguous()
         table = table.to(torch.int64).contiguous()
-        layout = _Layout(table.data_ptr(), table.shape[-1], None, None, None, hq,
-                         kv.num_kv_heads, d, kv.block_size, data.stride(0),
-                         layer * data.stride(1), data.stride(2), data.stride(3), scale)
-        blocks = -(-end // 16)
+        layout = _Layout(table.data_ptr(), table.shape[-1], None, None, hq, kv.num_kv_heads,
+                         d, kv.block_size, data.stride(0), layer * data.stride(1),
+                         data.stride(2), data.stride(3), scale, window or 0)
+        blocks = -(-end // 16) - self._first_block(ctypes.byref(layout), start)
         kt = torch.empty(blocks * kv.num_kv_heads * d * 16, dtype=torch.float32)
         vv = torch.empty_like(kt)
-        self._gathers[kv.dtype](ctypes.byref(layout), data.data_ptr(), end, kt.data_ptr(),
-                                vv.data_ptr())
+        self._gathers[kv.dtype](ctypes.byref(layout), data.data_ptr(), start, end,
+                                kt.data_ptr(), vv.data_ptr())
         out = torch.empty_like(q)
         self._chunk_rows(ctypes.byref(layout), q.data_ptr(), kt.data_ptr(), vv.data_ptr(),
                          start, t, out.data_ptr(), native.threads(-(-t // CHUNK_ROWS)))
@@ -94,13 +99,12 @@ class PagedAttentionKernel:
 
     def attend(self, q: torch.Tensor, kv: PagedKVMemory, layer: int, tables: torch.Tensor,
                rows: Optional[torch.Tensor], lens: torch.Tensor, scale: float,
-               longest: Optional[int] = None, starts: Optional[torch.Tensor] = None,
-               ) -> torch.Tensor:
-        """Attention of query rows ``q`` [T, heads, d] over keys [starts[t], lens[t]) of
-        block table row ``rows[t]`` (None: row t) of ``tables`` [R, width]: [T, heads, d]
-        float32; ``starts`` None: from key 0, else a sliding window's first keys (the
-        blocks before them are not read). ``longest``: max(lens), where the caller knows
-        it. The caller keeps every table entry below ``kv``'s block count."""
+               longest: Optional[int] = None, window: Optional[int] = None) -> torch.Tensor:
+        """Attention of query rows ``q`` [T, heads, d] over keys [0, lens[t]) of block
+        table row ``rows[t]`` (None: row t) of ``tables`` [R, width], or of them the last
+        ``window`` (the blocks before it are not read): [T, heads, d] float32.
+        ``longest``: max(lens), where the caller knows it. The caller keeps every table
+        entry below ``kv``'s block count."""
         t, hq, d = q.shape
         data = kv.data
         q = q.to(torch.float32).contiguous()
@@ -108,14 +112,12 @@ class PagedAttentionKernel:
         lens = lens.to(torch.int32).contiguous()  # a decode step's kv_lens already are
         if rows is not None:
             rows = rows.to(torch.int64).contiguous()
-        if starts is not None:
-            starts = starts.to(torch.int32).contiguous()
         out = torch.empty_like(q)
         layout = _Layout(tables.data_ptr(), tables.shape[1],
                          None if rows is None else rows.data_ptr(), lens.data_ptr(),
-                         None if starts is None else starts.data_ptr(), hq, kv.num_kv_heads,
-                         d, kv.block_size, data.stride(0), layer * data.stride(1),
-                         data.stride(2), data.stride(3), scale)
+                         hq, kv.num_kv_heads, d, kv.block_size, data.stride(0),
+                         layer * data.stride(1), data.stride(2), data.stride(3), scale,
+                         window or 0)
         longest = int(lens.max()) if longest is None else longest
         threads = native.threads(t // ROWS_PER_THREAD)
         per_thread = hq * (-(-longest // 16) * 16 + d)  # a thread's scores (padded), sums

@@ -58,29 +58,31 @@ def test_equals_torch_attention(dtype: torch.dtype, heads: int, kv_heads: int,
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 1, 256), (4, 4, 24)])
 def test_a_sliding_window_reads_only_its_keys(dtype: torch.dtype, heads: int, kv_heads: int,
                                               head_dim: int) -> None:
-    """Rows that start later (a sliding layer's window: keys [start, n)) equal torch's
-    attention over those keys alone, whether the window starts on a block's first key, in
-    a block, or at 0; the blocks before it are not read (their table entries point past
-    the memory); and each such row is the same alone as beside others (vector and scalar
-    code)."""
+    """Decode rows of a sliding layer (the last ``window`` keys) equal torch's attention
+    over those keys alone, whether the window starts on a block's first key, inside a
+    block, or at 0 (a row shorter than it); the blocks before it are not read (their
+    table entries point past the memory); and each row is the same alone as beside
+    others (vector and scalar code)."""
     kv = _memory(dtype, kv_heads, head_dim)
     g = torch.Generator().manual_seed(head_dim)
-    cases = [(0, 9), (16, 33), (21, 80), (47, 48), (5, 6)]  # (start, n)
-    tables = [torch.randperm(40, generator=g)[:6].tolist() for _ in cases]
-    for table, (start, _) in zip(tables, cases):
-        table[:start // 16] = [10 ** 9] * (start // 16)  # never read
-    q = torch.randn(len(cases), heads, head_dim, generator=g)
-    starts, lens = (torch.tensor(c) for c in zip(*cases))
-    got = KERNEL.attend(q, kv, 1, torch.tensor(tables), None, lens, 0.2, starts=starts)
-    for t, (start, n) in enumerate(cases):
+    window = 17
+    lens = [9, 33, 80, 64, 6]  # first keys 0, 16, 63, 47, 0
+    tables = [torch.randperm(40, generator=g)[:6].tolist() for _ in lens]
+    for table, n in zip(tables, lens):
+        first = max(0, n - window)
+        table[:first // 16] = [10 ** 9] * (first // 16)  # never read
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    got = KERNEL.attend(q, kv, 1, torch.tensor(tables), None, torch.tensor(lens), 0.2,
+                        window=window)
+    for t, n in enumerate(lens):
         table = [b if b < 40 else 0 for b in tables[t]]
-        keys, values = (x[start:n].float().transpose(0, 1)[None] for x in
+        keys, values = (x[max(0, n - window):n].float().transpose(0, 1)[None] for x in
                         kv.gather(1, torch.tensor(table)))
         want = F.scaled_dot_product_attention(q[t][None, :, None], keys, values, scale=0.2,
                                               enable_gqa=True)[0, :, 0]
-        assert torch.allclose(got[t], want, atol=2e-6), (start, n)
+        assert torch.allclose(got[t], want, atol=2e-6), n
         alone = KERNEL.attend(q[t:t + 1], kv, 1, torch.tensor(tables[t:t + 1]), None,
-                              lens[t:t + 1], 0.2, starts=starts[t:t + 1])
+                              torch.tensor(lens[t:t + 1]), 0.2, window=window)
         assert torch.equal(alone[0], got[t])
 
 
@@ -113,42 +115,49 @@ def test_rows_are_batch_invariant() -> None:
         assert torch.equal(shifted[0], batch[t])
 
 
+@pytest.mark.parametrize("window", [None, 50])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128)])
 def test_a_prompt_chunk_equals_torch_causal_attention(dtype: torch.dtype, heads: int,
-                                                      kv_heads: int, head_dim: int) -> None:
-    """Query rows at positions [37, 300) over their prompt's keys, causally, blocks in any
-    order: torch's masked attention over the gathered keys."""
+                                                      kv_heads: int, head_dim: int,
+                                                      window: int) -> None:
+    """Query rows at positions [37, 300) over their prompt's keys, causally (a sliding
+    layer's: the last 50 of them; the chunk's first row's window starts in block 0, its
+    last's in block 15), blocks in any order: torch's masked attention over the gathered
+    keys."""
     kv = _memory(dtype, kv_heads, head_dim)
     g = torch.Generator().manual_seed(heads)
     table = torch.randperm(40, generator=g)[:19]
     start, end = 37, 300
     q = torch.randn(end - start, heads, head_dim, generator=g)
-    got = KERNEL.attend_chunk(q, kv, 1, table, start, 0.125)
+    got = KERNEL.attend_chunk(q, kv, 1, table, start, 0.125, window)
     keys, values = (x[:end].float().transpose(0, 1)[None] for x in kv.gather(1, table))
-    seen = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+    behind = torch.arange(start, end)[:, None] - torch.arange(end)[None, :]
+    seen = (behind >= 0) & (behind < (window or end))
     want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values,
                                           attn_mask=seen[None, None], scale=0.125,
                                           enable_gqa=True)[0].transpose(0, 1)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
-def test_prompt_rows_do_not_depend_on_the_chunks() -> None:
+@pytest.mark.parametrize("window", [None, 40])
+def test_prompt_rows_do_not_depend_on_the_chunks(window: int) -> None:
     """A prompt's rows are bit for bit the same computed at once, in chunks ending
-    anywhere (mid-block too), and split over threads."""
+    anywhere (mid-block too), and split over threads; in a sliding layer too (a chunk's
+    copy of the blocks then starts at its first row's window, elsewhere each time)."""
     kv = _memory(torch.bfloat16)
     g = torch.Generator().manual_seed(4)
     table = torch.randperm(40, generator=g)[:20]
     q = torch.randn(300, 9, 64, generator=g)
-    whole = KERNEL.attend_chunk(q, kv, 0, table, 0, 0.125)
+    whole = KERNEL.attend_chunk(q, kv, 0, table, 0, 0.125, window)
     for cuts in ([0, 7, 100, 133, 300], [0, 16, 32, 256, 300], [0, 299, 300]):
-        parts = [KERNEL.attend_chunk(q[a:b], kv, 0, table, a, 0.125)
+        parts = [KERNEL.attend_chunk(q[a:b], kv, 0, table, a, 0.125, window)
                  for a, b in zip(cuts, cuts[1:])]
         assert torch.equal(torch.cat(parts), whole), cuts
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(SPLIT)
-        assert torch.equal(KERNEL.attend_chunk(q, kv, 0, table, 0, 0.125), whole)
+        assert torch.equal(KERNEL.attend_chunk(q, kv, 0, table, 0, 0.125, window), whole)
     finally:
         torch.set_num_threads(threads)
 
@@ -197,3 +206,20 @@ def test_engine_decode_equals_the_gathering_path() -> None:
     assert together == _greedy(sdpa, prompts, 12)
     assert _greedy(cpu, prompts[:1], 12) == together[:1]
     assert _greedy(cpu, prompts[2:3], 12) == together[2:3]
+
+
+def test_a_sliding_model_on_the_kernel_equals_transformers(tmp_path) -> None:
+    """A Mistral checkpoint (every layer sliding over 20 keys) with heads the prompt
+    kernel takes: its prompt in chunks of 23 (each past the window) and its decode steps
+    on the kernel give transformers' logits."""
+    from tests.model.tiny_checkpoints import assert_decodes_as, write_checkpoint
+
+    hf = write_checkpoint("mistral", tmp_path, hidden_size=128, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=64, sliding_window=20)
+    engine = Engine(EngineConfig(model=str(tmp_path), num_blocks=32, prefill_chunk=23,
+                                 chunk_align=16))  # batch invariance: rows alone
+    assert isinstance(engine.attention, CpuPagedAttention)
+    assert engine.attention.prompt_rows_alone
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (70, 31)]
+    assert_decodes_as(engine, hf, prompts, steps=3)

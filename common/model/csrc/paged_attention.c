@@ -1,9 +1,9 @@
 /* Paged attention on the CPU that reads each sequence's KV blocks in place.
  *
- * Query row t (hq heads of d floats) attends keys [starts[t], lens[t]) of block table
- * row rows[t] (row t without ``rows``; keys from 0 without ``starts``: a sliding window
- * starts later, and the blocks before it are not read); kv head g serves query heads
- * [g * group, (g + 1) * group). A query row is computed by the same code in the same order whatever else is in
+ * Query row t (hq heads of d floats) attends the first lens[t] keys of block table row
+ * rows[t] (row t without ``rows``), or of them the last ``window`` (a sliding layer's: the
+ * blocks before its window are not read); kv head g serves query heads [g * group,
+ * (g + 1) * group). A query row is computed by the same code in the same order whatever else is in
  * the call: its output does not depend on the batch, the padding, the thread count or
  * how a caller splits the rows (the decode of common/model/cpu_attention.py is batch
  * invariant).
@@ -33,12 +33,17 @@ typedef struct {
     const int64_t *tables;   /* [rows, table_width] block ids */
     int64_t table_width;
     const int64_t *rows;     /* [T] the table row of each query row; NULL: row t */
-    const int32_t *lens;     /* [T] keys each query row attends: those below lens[t] */
-    const int32_t *starts;   /* [T] and from starts[t] on; NULL: from 0 */
+    const int32_t *lens;     /* [T] keys each query row attends */
     int hq, hkv, d, bs;
     int64_t block_stride, layer_off, v_off, token_stride;
     float scale;
+    int64_t window;          /* keys a query sees, itself included (sliding); 0: all before */
 } Layout;
+
+/* The first key a query at ``pos`` sees. */
+static inline int64_t first_key(const Layout *L, int64_t pos) {
+    return L->window > 0 && pos >= L->window ? pos - L->window + 1 : 0;
+}
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
@@ -83,12 +88,12 @@ static inline float v16_sum(v16 x) {
 
 /* One query row, any head width (the self-check's small case, widths not a multiple of
  * 16): head by head, the scores of every key, their softmax, then the V rows weighted in
- * key order. scratch: lens[t] - starts[t] floats. */
+ * key order. scratch: lens[t] floats. */
 #define ITEM(NAME, T, VALUE)                                                                \
     static inline void NAME(const Layout *L, const float *q, const T *kv, int64_t t,        \
                             int D, float *out, float *scores) {                             \
         const int group = L->hq / L->hkv;                                                   \
-        const int64_t n = L->lens[t], start = L->starts ? L->starts[t] : 0;                 \
+        const int64_t n = L->lens[t], start = first_key(L, n - 1);                          \
         const int64_t *table = L->tables + (L->rows ? L->rows[t] : t) * L->table_width;     \
         const T *base = kv + L->layer_off;                                                  \
         for (int h = 0; h < L->hq; h++) {                                                   \
@@ -142,7 +147,7 @@ static inline v16 load16_bf16(const uint16_t *p) {
  * folded the same way), and its output adds the V rows in key order: a row's result is
  * the same whatever else is in the call, and whichever order the passes run in.
  * scratch: hq x (lens[t] rounded up to 16, then D) floats: the scores, then the sums
- * (from the block holding starts[t], the keys before it masked). */
+ * (from the block of the row's first key, the keys before it masked). */
 #define MAX_GH 4
 
 /* The next block's keys or values on their way into the cache while this one's compute. */
@@ -206,8 +211,8 @@ static inline void prefetch_block(const void *start, int64_t bytes) {
             float *scratch) {                                                               \
         const int group = L->hq / L->hkv, V = D / 16;                                       \
         const int most = D <= 64 ? 4 : D <= 128 ? 2 : 1;  /* 16 accumulators a pass */      \
-        /* keys from the block holding starts[t]: scores[j] is key origin + j */            \
-        const int64_t n = L->lens[t], start = L->starts ? L->starts[t] : 0;                 \
+        /* keys from the block of the row's first: scores[j] is key origin + j */           \
+        const int64_t n = L->lens[t], start = first_key(L, n - 1);                          \
         const int64_t b0 = start / L->bs, origin = b0 * L->bs;                              \
         const int64_t width = (n - origin + 15) / 16 * 16;                                  \
         const int64_t *table = L->tables + (L->rows ? L->rows[t] : t) * L->table_width;     \
@@ -287,7 +292,9 @@ ENTRY(paged_attention_bf16, uint16_t, item_bf16, vitem_bf16)
 
 /* ------------------------------------------------------------------------------------
  * A prompt chunk's attention over its sequence's blocks: query rows at positions
- * [start, end) of one sequence, row t (position start + t) attending keys [0, start + t].
+ * [start, end) of one sequence, row t (position start + t) attending keys [0, start + t]
+ * (of them the last ``window``: a block wholly before a row's window is skipped as one
+ * after it is, and the chunk's copy starts at its first row's window).
  *
  * Row invariant like the decode rows above: a row's output is computed by the same
  * operations in the same order whatever the chunk it is in (where it starts and ends),
@@ -298,7 +305,8 @@ ENTRY(paged_attention_bf16, uint16_t, item_bf16, vitem_bf16)
  * position is skipped: processing it would change nothing (its probabilities are 0, its
  * rescale factor exactly 1), so where the tile's other rows stop does not matter.
  *
- * ``chunk_gather`` first copies the blocks [0, ceil(end / 16)) of the layer, as float32,
+ * ``chunk_gather`` first copies the blocks [first, ceil(end / 16)) of the layer
+ * (``chunk_first_block``), as float32,
  * keys transposed ([block, kv head, d, 16]) and values as they are ([block, kv head, 16,
  * d]); ``chunk_rows`` then computes the query rows from that copy (threads take
  * interleaved tiles of them). Query rows hold every head ([T, hq, d] float32), as does the output.
@@ -309,11 +317,18 @@ ENTRY(paged_attention_bf16, uint16_t, item_bf16, vitem_bf16)
 #define ROWS 8
 #endif
 
+/* The first block a chunk starting at ``start`` reads: its first row's window's. */
+int64_t chunk_first_block(const Layout *L, int64_t start) {
+    return first_key(L, start) / 16;
+}
+
 #define GATHER(NAME, T, VALUE)                                                              \
-    void NAME(const Layout *L, const T *kv, int64_t end, float *kt, float *vv) {            \
-        const int64_t nb = (end + 15) / 16, D = L->d, H = L->hkv;                           \
+    void NAME(const Layout *L, const T *kv, int64_t start, int64_t end, float *kt,          \
+              float *vv) {                                                                  \
+        const int64_t b0 = chunk_first_block(L, start), nb = (end + 15) / 16 - b0;          \
+        const int64_t D = L->d, H = L->hkv;                                                 \
         for (int64_t b = 0; b < nb; b++) {                                                  \
-            const T *page = kv + L->layer_off + L->tables[b] * L->block_stride;             \
+            const T *page = kv + L->layer_off + L->tables[b0 + b] * L->block_stride;        \
             for (int64_t g = 0; g < H; g++) {                                               \
                 float *kb = kt + (b * H + g) * D * 16, *vb = vv + (b * H + g) * 16 * D;     \
                 for (int64_t j = 0; j < 16; j++) {                                          \
@@ -347,9 +362,10 @@ static inline void chunk_tile(const Layout *L, const float *q, const float *kt,
     for (int i = 0; i < D; i++) {
         for (int r = 0; r < ROWS; r++) qt[i * ROWS + r] = r < rn ? q[((t0 + r) * L->hq + h) * D + i] : 0.0f;
     }
-    const int64_t blocks = (start + t0 + rn - 1) / 16 + 1;
-    for (int64_t b = 0; b < blocks; b++) {
-        const float *kb = kt + (b * H + g) * D * 16, *vb = vv + (b * H + g) * 16 * D;
+    const int64_t blocks = (start + t0 + rn - 1) / 16 + 1, b0 = chunk_first_block(L, start);
+    for (int64_t b = first_key(L, start + t0) / 16; b < blocks; b++) {
+        const float *kb = kt + ((b - b0) * H + g) * D * 16;
+        const float *vb = vv + ((b - b0) * H + g) * 16 * D;
         v16 s[ROWS];  /* every row of the tile: a fixed count keeps them in registers */
 #pragma GCC unroll 16
         for (int r = 0; r < ROWS; r++) s[r] = (v16){0};
@@ -360,11 +376,13 @@ static inline void chunk_tile(const Layout *L, const float *q, const float *kt,
         }
         for (int r = 0; r < rn; r++) {
             const int64_t seen = start + t0 + r - b * 16;  /* last key of the block it sees */
-            if (seen < 0) continue;  /* the whole block is after this row */
+            const int64_t before = first_key(L, start + t0 + r) - b * 16;  /* keys unseen */
+            if (seen < 0 || before > 15) continue;  /* the whole block after or before it */
             v16 x = s[r] * L->scale;
             if (seen < 15) {
                 for (int j = (int)seen + 1; j < 16; j++) x[j] = -INFINITY;
             }
+            for (int j = 0; j < before; j++) x[j] = -INFINITY;
             const float mn = fmaxf(m[r], v16_max(x));
             float p[16];
             *(v16 *)p = v16_exp(x - mn);
