@@ -117,7 +117,7 @@ def test_rows_are_batch_invariant() -> None:
 
 @pytest.mark.parametrize("window", [None, 50])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (4, 1, 256)])
 def test_a_prompt_chunk_equals_torch_causal_attention(dtype: torch.dtype, heads: int,
                                                       kv_heads: int, head_dim: int,
                                                       window: int) -> None:

@@ -352,7 +352,7 @@ static inline void chunk_tile(const Layout *L, const float *q, const float *kt,
                               int D, float *out) {
     const int group = L->hq / L->hkv, H = L->hkv, g = h / group, V = D / 16;
     float m[ROWS], l[ROWS];
-    v16 acc[ROWS][8];  /* D <= 128 */
+    v16 acc[ROWS][16];  /* D <= 256 */
     for (int r = 0; r < rn; r++) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
@@ -414,7 +414,8 @@ void chunk_rows(const Layout *L, const float *q, const float *kt, const float *v
         for (int64_t t0 = part * ROWS; t0 < T; t0 += parts * ROWS) {
             const int rn = T - t0 < ROWS ? (int)(T - t0) : ROWS;
             if (L->d == 64) chunk_tile(L, q, kt, vv, start, t0, rn, h, 64, out);
-            else chunk_tile(L, q, kt, vv, start, t0, rn, h, 128, out);
+            else if (L->d == 128) chunk_tile(L, q, kt, vv, start, t0, rn, h, 128, out);
+            else chunk_tile(L, q, kt, vv, start, t0, rn, h, 256, out);
         }
     }
 }
