@@ -99,7 +99,7 @@ def config_from_hf(d: Mapping[str, Any], name: str, weights_id: str = "") -> Mod
                                     f"({', '.join(ACTIVATIONS)})")
     layers = d["num_hidden_layers"]
     heads = d["num_attention_heads"]
-    global_rope, local_rope = _rope(d, arch)
+    global_rope, local_rope = (_yarn_lengths(r, d) for r in _rope(d, arch))
     eos = d.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     attention_bias = bool(d.get("attention_bias", False))
@@ -164,6 +164,22 @@ def _rope(d: Mapping[str, Any], arch: str) -> tuple[Rope, Optional[Rope]]:
     if gemma3:  # transformers 4: the local base beside the global one
         return full, (float(d.get("rope_local_base_freq", _LOCAL_THETA_DEFAULT)), None)
     return full, None
+
+
+def _yarn_lengths(rope: Optional[Rope], d: Mapping[str, Any]) -> Optional[Rope]:
+    """A YaRN scaling with the pretraining length it extends, as transformers completes
+    it: config.json's top-level ``original_max_position_embeddings`` first (Phi-3 keeps
+    it there), else the scaling's, else ``max_position_embeddings``."""
+    if rope is None or (rope[1] or {}).get("rope_type", (rope[1] or {}).get("type")) != "yarn":
+        return rope
+    scaling = dict(rope[1])
+    if scaling.get("factor") is None:
+        raise UnsupportedModelError("rope scaling 'yarn' without a factor")
+    scaling["original_max_position_embeddings"] = (
+        d.get("original_max_position_embeddings")
+        or scaling.get("original_max_position_embeddings")
+        or d.get("max_position_embeddings", 2048))
+    return rope[0], scaling
 
 
 def _rope_of(p: Mapping[str, Any], theta: Optional[float]) -> Rope:

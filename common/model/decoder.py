@@ -24,7 +24,7 @@ from common.model import cpu_linear, triton_ops
 from common.model.arch import family
 from common.model.attention import AttentionBackend, AttnMetadata, AttnSpec
 from common.model.config import ModelConfig
-from common.model.rope import apply_rope, cos_sin, inv_frequencies
+from common.model.rope import apply_rope, attention_factor, cos_sin, inv_frequencies
 
 LayerHook = Callable[[int], None]
 
@@ -280,6 +280,10 @@ class DecoderModel:
         p = f"model.layers.{layer}."
         norms = {role: read.norm(f"{p}{name}.weight") for role, name in self.family.norms.items()}
         qk_norm = self.family.qk_norm
+        local = "local" in self.inv_freqs and layer in cfg.sliding_layers
+        # YaRN scales cos and sin, so q . k by the square: folded into the scale here
+        scale = cfg.attention_scale * attention_factor(
+            cfg.local_rope_scaling if local else cfg.rope_scaling) ** 2
         return LayerWeights(
             input_norm=read.norm(p + "input_layernorm.weight"),
             wqkv=read.linear([f"{p}self_attn.{n}_proj" for n in "qkv"], cfg.qkv_bias, pack),
@@ -287,9 +291,8 @@ class DecoderModel:
             mlp_norm=norms["mlp_norm"],
             w_gate_up=read.linear([p + "mlp.gate_proj", p + "mlp.up_proj"], cfg.mlp_bias, pack),
             w_down=read.linear([p + "mlp.down_proj"], cfg.mlp_bias, pack),
-            attn=AttnSpec(cfg.attention_scale, cfg.attn_softcap, cfg.window(layer)),
-            rope="local" if "local" in self.inv_freqs and layer in cfg.sliding_layers
-            else "global",
+            attn=AttnSpec(scale, cfg.attn_softcap, cfg.window(layer)),
+            rope="local" if local else "global",
             q_norm=read.norm(p + "self_attn.q_norm.weight") if qk_norm else None,
             k_norm=read.norm(p + "self_attn.k_norm.weight") if qk_norm else None,
             attn_out_norm=norms.get("attn_out_norm"), mlp_out_norm=norms.get("mlp_out_norm"))

@@ -76,6 +76,15 @@ def _rope_scaling(reader: Any, arch: str) -> Optional[dict]:
     orig = _field(reader, f"{arch}.rope.scaling.original_context_length")
     if orig is not None:
         scaling["original_max_position_embeddings"] = int(orig)
+    if kind == "yarn":
+        for key in ("beta_fast", "beta_slow"):
+            value = _field(reader, f"{arch}.rope.scaling.yarn_{key}")
+            if value is not None:
+                scaling[key] = float(value)
+        for key in ("attn_factor", "yarn_attn_factor", "yarn_ext_factor", "yarn_log_multiplier"):
+            if f"{arch}.rope.scaling.{key}" in reader.fields:  # llama.cpp's own terms
+                raise UnsupportedModelError(f"GGUF YaRN with {arch}.rope.scaling.{key}: "
+                                            "not supported")
     return scaling
 
 
