@@ -77,15 +77,17 @@ class Tokenizer:
         return self._tk.id_to_token(token_id) or ""
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: Optional[list[dict]] = None) -> str:
+                    tools: Optional[list[dict]] = None, **extra: Any) -> str:
+        """``extra``: the request's ``chat_template_kwargs`` (``enable_thinking``...)."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         return _render(self.chat_template, messages, add_generation_prompt, tools,
-                       bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                       bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                       **extra)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: Optional[list[dict]] = None) -> list[int]:
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools),
+                            tools: Optional[list[dict]] = None, **extra: Any) -> list[int]:
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools, **extra),
                            add_special_tokens=False)
 
 
@@ -117,11 +119,11 @@ class ByteTokenizer:
         return f"<{token_id}>"
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: Optional[list[dict]] = None) -> str:
-        return _render(self.chat_template, messages, add_generation_prompt, tools)
+                    tools: Optional[list[dict]] = None, **extra: Any) -> str:
+        return _render(self.chat_template, messages, add_generation_prompt, tools, **extra)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: Optional[list[dict]] = None) -> list[int]:
-        ids = self.encode(self.render_chat(messages, add_generation_prompt, tools),
+                            tools: Optional[list[dict]] = None, **extra: Any) -> list[int]:
+        ids = self.encode(self.render_chat(messages, add_generation_prompt, tools, **extra),
                           add_special_tokens=False)
         return [self.bos_token_id] + ids

@@ -13,10 +13,15 @@ content as the model writes calls (``<tool_call>{"name": ..., "arguments": ...}
 template, with its ``tool_call_id``; its id must be one of an earlier assistant call's.
 The deprecated ``function`` role, ``function_call``, ``refusal`` and ``audio`` are accepted
 only empty.
+
+``chat_template_kwargs`` (vLLM's and SGLang's field: Qwen 3's ``{"enable_thinking":
+false}``) are further variables for the template, as transformers' ``apply_chat_template``
+takes them; the names the renderer binds itself are refused.
 """
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from services.router.errors import invalid
@@ -24,6 +29,11 @@ from services.router.request_fields import only
 from services.router.tool_calls import call_text
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
+# what the renderer binds (common/model/tokenizer.py): a request may not set them
+TEMPLATE_NAMES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                  "raise_exception", "strftime_now")
+MAX_TEMPLATE_KWARGS = 32
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _ASSISTANT_EMPTY = {"function_call": {}, "refusal": "", "audio": {}}
 _NOT_EMPTY = "is only accepted empty: no function calls, refusals or audio to replay"
 _CALL = "must be {\"id\": str, \"type\": \"function\", \"function\": {\"name\": str, " \
@@ -119,6 +129,24 @@ def _tool_call_id(msg: dict, i: int, call_ids: set[str]) -> str:
         raise invalid(f"'{param}' {value!r} is not the id of an earlier assistant tool "
                       "call", param, "invalid_value")
     return value
+
+
+def parse_template_kwargs(value: Any, param: str = "chat_template_kwargs") -> dict[str, Any]:
+    """``chat_template_kwargs``: at most 32 variables named as in a template, JSON values,
+    none of the renderer's own (``TEMPLATE_NAMES``); null is none."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_TEMPLATE_KWARGS:
+        raise invalid(f"'{param}' must be an object of at most {MAX_TEMPLATE_KWARGS} "
+                      "template variables", param, "invalid_type")
+    for name in value:
+        if not _NAME.match(name):
+            raise invalid(f"'{param}' names a variable {name!r} that is not an identifier",
+                          f"{param}.{name}", "invalid_value")
+        if name in TEMPLATE_NAMES:
+            raise invalid(f"'{param}' may not set {name!r}: the server renders it",
+                          f"{param}.{name}", "invalid_value")
+    return dict(value)
 
 
 def parse_messages(value: Any) -> list[dict[str, str]]:

@@ -56,7 +56,8 @@ def _tokenize(state: RouterState, req: GenerationRequest, prompt: Optional[Promp
               param: str = "prompt") -> list[int]:
     tok = state.tokenizer
     if req.kind == "chat":
-        return encode_chat(tok, req.messages or [], tools=req.tools)
+        return encode_chat(tok, req.messages or [], tools=req.tools,
+                           template_kwargs=req.template_kwargs)
     if isinstance(prompt, str):
         return tok.encode_text(prompt)
     ids = list(prompt or [])

@@ -25,7 +25,8 @@ _SHARED = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p
            "frequency_penalty", "presence_penalty", "logit_bias",
            "top_k", "ignore_eos", "stop_token_ids"}  # the last three: vLLM's extensions
 PARSED = {CHAT: _SHARED | {"messages", "top_logprobs", "response_format", "tools",
-                          "tool_choice", "parallel_tool_calls"},  # the last 4: structured.py
+                          "tool_choice", "parallel_tool_calls",  # these 4: structured.py
+                          "chat_template_kwargs"},  # vLLM's, chat_messages.py
           COMPLETION: _SHARED | {"prompt", "best_of", "echo"}}
 
 Check = Callable[[str, Any], None]  # raises ApiError (400) naming the field

@@ -10,8 +10,8 @@ tokenizer's BOS on top of the template's) and answers ``{"count", "max_model_len
 request with those tools and a ``tool_choice`` other than ``"none"`` shows them, so the
 count is that request's prompt. As on the generation endpoints, a field is honoured or
 refused with a 400 naming it; vLLM's template options that Crescent lacks
-(``continue_final_message``, ``chat_template``, ``chat_template_kwargs``, multimodal
-kwargs) are refused unless off.
+(``continue_final_message``, ``chat_template``, multimodal kwargs) are refused unless
+off; ``chat_template_kwargs`` are honoured as on chat requests.
 """
 from __future__ import annotations
 
@@ -20,15 +20,15 @@ from typing import Any, Optional
 
 from jinja2.exceptions import TemplateError
 
-from services.router.chat_messages import parse_messages
+from services.router.chat_messages import parse_messages, parse_template_kwargs
 from services.router.errors import invalid
 from services.router.request_fields import boolean, only
 from services.router.structured import functions_of
 from services.router.tokenizer import PromptTokenizer
 from services.router.validation import check_model
 
-_OFF = {"continue_final_message": False, "chat_template": "", "chat_template_kwargs": {},
-        "media_io_kwargs": {}, "mm_processor_kwargs": {}}
+_OFF = {"continue_final_message": False, "chat_template": "", "media_io_kwargs": {},
+        "mm_processor_kwargs": {}}
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class TokenizeRequest:
     add_generation_prompt: bool = True
     return_token_strs: bool = False
     tools: tuple[dict, ...] = ()  # chat: the functions shown to the model
+    template_kwargs: Optional[dict[str, Any]] = None  # chat: chat_template_kwargs
 
     @property
     def size(self) -> int:
@@ -85,9 +86,11 @@ def parse_tokenize(body: Any, served_model: str) -> TokenizeRequest:
         return TokenizeRequest(prompt=body["prompt"],
                                add_special_tokens=_flag(body, "add_special_tokens", True),
                                return_token_strs=_flag(body, "return_token_strs", False))
-    _check_keys(body, flags | {"messages", "add_generation_prompt", "tools"})
+    _check_keys(body, flags | {"messages", "add_generation_prompt", "tools",
+                               "chat_template_kwargs"})
     return TokenizeRequest(
         messages=parse_messages(body["messages"]),
+        template_kwargs=parse_template_kwargs(body.get("chat_template_kwargs")),
         tools=tuple(functions_of(body.get("tools") or []).values()),
         add_special_tokens=_flag(body, "add_special_tokens", False),
         add_generation_prompt=_flag(body, "add_generation_prompt", True),
@@ -98,7 +101,7 @@ def tokenize(tok: PromptTokenizer, req: TokenizeRequest) -> dict:
     """The /tokenize answer."""
     if req.messages is not None:
         ids = encode_chat(tok, req.messages, req.add_generation_prompt,
-                          req.add_special_tokens, list(req.tools) or None)
+                          req.add_special_tokens, list(req.tools) or None, req.template_kwargs)
     else:
         ids = tok.encode_text(req.prompt or "", req.add_special_tokens)
     return {"count": len(ids), "max_model_len": tok.context_length, "tokens": ids,
@@ -123,11 +126,13 @@ def parse_detokenize(body: Any, tok: PromptTokenizer, served_model: str) -> list
 
 def encode_chat(tok: PromptTokenizer, messages: list[dict[str, str]],
                 add_generation_prompt: bool = True, add_special_tokens: bool = False,
-                tools: Optional[list[dict]] = None) -> list[int]:
-    """The chat template's tokens (with ``tools`` shown to the model); a 400 when the
-    model's template refuses the messages."""
+                tools: Optional[list[dict]] = None,
+                template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+    """The chat template's tokens (with ``tools`` shown to the model and the request's
+    ``template_kwargs``); a 400 when the model's template refuses the messages."""
     try:
-        return tok.encode_chat(messages, add_generation_prompt, add_special_tokens, tools)
+        return tok.encode_chat(messages, add_generation_prompt, add_special_tokens, tools,
+                               template_kwargs)
     except TemplateError as exc:
         raise invalid(f"chat template: {exc}", "messages", "invalid_value") from None
 

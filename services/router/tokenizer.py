@@ -106,10 +106,11 @@ class PromptTokenizer:
         return self.model_config.vocab_size
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    add_special_tokens: bool = False,
-                    tools: Optional[list[dict]] = None) -> list[int]:
+                    add_special_tokens: bool = False, tools: Optional[list[dict]] = None,
+                    template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
         """The chat template's tokens; ``add_special_tokens`` adds the tokenizer's own
-        (BOS) on top of what the template wrote, as vLLM's /tokenize does. ``tools``
+        (BOS) on top of what the template wrote, as vLLM's /tokenize does;
+        ``template_kwargs``: the request's further template variables. ``tools``
         (OpenAI's function objects) reach the model: as the template's ``tools`` when it
         renders them, else as a system text (tool_calls.py's ``tools_prompt``) after the
         first system message's content, or as a first system message; where the template
@@ -120,13 +121,15 @@ class PromptTokenizer:
         elif tools:
             try:
                 return self.encode_chat(with_tools_prompt(messages, tools),
-                                        add_generation_prompt, add_special_tokens)
+                                        add_generation_prompt, add_special_tokens,
+                                        template_kwargs=template_kwargs)
             except TemplateError:
                 if not messages or messages[0]["role"] != "user":
                     raise  # the template refuses these messages, tools or not
                 messages = with_tools_prompt(messages, tools, into="user")
         ids = list(self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tools=template_tools))
+            messages, add_generation_prompt=add_generation_prompt, tools=template_tools,
+            **(template_kwargs or {})))
         if add_special_tokens:  # what encoding "" adds is exactly the special prefix
             ids = self.encode_text("") + ids
         return ids

@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 
 from common.sampling_params import (MAX_BIAS, MAX_CHOICES, MAX_PENALTY, MAX_TOP_LOGPROBS,
                                    SamplingParams)
-from services.router.chat_messages import parse_messages
+from services.router.chat_messages import parse_messages, parse_template_kwargs
 from services.router.errors import ApiError, invalid
 from services.router.request_fields import boolean, check_fields, only
 from services.router.structured import response_format, tool_plan
@@ -44,6 +44,7 @@ class GenerationRequest:
     # sampled: more with best_of, the best ``returned`` of them answer
     tagged_calls: bool = False  # tool_choice auto/required: <tool_call> blocks to split
     tools: Optional[list[dict]] = None  # the functions the prompt shows the model
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
 
 
 def _is_int(value: Any) -> bool:
@@ -319,6 +320,7 @@ def parse_request(body: Any, kind: str, served_model: str,
         if "messages" not in body:
             raise invalid("'messages' is required", "messages", "missing_required_parameter")
         req.messages = parse_messages(body["messages"])
+        req.template_kwargs = parse_template_kwargs(body.get("chat_template_kwargs"))
     else:
         if "prompt" not in body:
             raise invalid("'prompt' is required", "prompt", "missing_required_parameter")

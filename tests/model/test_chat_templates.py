@@ -70,3 +70,25 @@ def test_the_family_template_is_the_served_one(tmp_path: Path) -> None:
     assert served.model_config.eos_token_ids == (ids["<|im_end|>"],)
     text = served.tokenizer.render_chat(CHATS["plain"])
     assert text == "<|im_start|>user\nHello, world!<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}, {"enable_thinking": True}])
+def test_template_kwargs_render_as_transformers_does(tmp_path: Path, kwargs: dict) -> None:
+    """A request's ``chat_template_kwargs`` (Qwen 3's ``enable_thinking``) are the
+    template's variables here as in transformers' ``apply_chat_template(**kwargs)``."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    write_checkpoint("qwen3", tmp_path)
+    write_chat_tokenizer(tmp_path, "qwen")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] += ("{%- if add_generation_prompt and enable_thinking is defined "
+                                "and enable_thinking is false %}<think>\n\n</think>\n\n"
+                                "{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = Tokenizer(_hf_tokenizer_spec(str(tmp_path)))
+    want = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(
+        CHATS["system"], tokenize=False, add_generation_prompt=True, **kwargs)
+    assert ours.render_chat(CHATS["system"], **kwargs) == want
+    assert ("<think>" in want) == (kwargs.get("enable_thinking") is False)

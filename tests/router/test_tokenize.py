@@ -80,7 +80,8 @@ def test_detokenize_round_trip(smol: PromptTokenizer) -> None:
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ({"messages": USER, "continue_final_message": True}, "continue_final_message"),
     ({"messages": USER, "chat_template": "{{ messages }}"}, "chat_template"),
-    ({"messages": USER, "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
+    ({"messages": USER, "chat_template_kwargs": {"tools": 1}}, "chat_template_kwargs.tools"),
+    ({"prompt": "a", "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs"),
     ({"messages": USER, "tools": [{"type": "function"}]}, "tools"),
 ])
 def test_tokenize_refusals(smol: PromptTokenizer, body: Any, param: str) -> None:

@@ -82,3 +82,47 @@ def test_a_template_without_a_system_turn_gets_them_in_the_first_user_message(
     assert _prompt(tok, "auto") == f"<user>{system}\n\nWeather in Oslo?"
     with pytest.raises(ApiError, match="System role not supported"):  # refused either way
         _prompt(tok, "auto", [{"role": "system", "content": "Be brief."}, *USER])
+
+
+THINKING = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and "
+            "enable_thinking is false %}<think></think>{% endif %}{% endif %}")
+
+
+def _thinking(smol: PromptTokenizer) -> PromptTokenizer:
+    spec = {"tokenizer_json": smol.tokenizer._tk.to_str(), "chat_template": THINKING}
+    return PromptTokenizer(Tokenizer(spec), smol.model_config)
+
+
+@pytest.mark.parametrize("kwargs, want", [
+    (None, "<user>Weather in Oslo?<assistant>"),
+    ({"enable_thinking": False}, "<user>Weather in Oslo?<assistant><think></think>"),
+    ({"enable_thinking": True, "unread": [1, {"a": None}]}, "<user>Weather in Oslo?<assistant>"),
+])
+def test_chat_template_kwargs_reach_the_template(smol: PromptTokenizer, kwargs: Any,
+                                                 want: str) -> None:
+    """Qwen 3's switch, as vLLM and SGLang take it: on the ids a chat request is
+    submitted with and on /tokenize's; a variable the template does not read changes
+    nothing."""
+    from services.router.tokenize import parse_tokenize, tokenize
+
+    tok = _thinking(smol)
+    req = parse_request({"messages": USER, "chat_template_kwargs": kwargs}, "chat", MODEL, 16)
+    ids = _tokenize(SimpleNamespace(tokenizer=tok), req)
+    assert tok.decode(ids) == want
+    body = {"messages": USER, "chat_template_kwargs": kwargs}
+    assert tokenize(tok, parse_tokenize(body, MODEL))["tokens"] == ids
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"messages": []}, "chat_template_kwargs.messages"),
+    ({"bos_token": "<x>"}, "chat_template_kwargs.bos_token"),
+    ({"not a name": 1}, "chat_template_kwargs.not a name"),
+    ([["enable_thinking", False]], "chat_template_kwargs"),
+    ({f"v{i}": i for i in range(33)}, "chat_template_kwargs"),
+])
+def test_chat_template_kwargs_may_not_set_what_the_server_renders(kwargs: Any,
+                                                                  param: str) -> None:
+    with pytest.raises(ApiError) as info:
+        parse_request({"messages": USER, "chat_template_kwargs": kwargs}, "chat", MODEL, 16)
+    assert (info.value.status, info.value.body()["error"]["param"]) == (400, param)
