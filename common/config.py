@@ -23,6 +23,8 @@ from common.kv.dtypes import resolve_kv_dtype
 from common.security import SecurityConfig
 from common.store.policy import MetadataConfig
 
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # services/router/reasoning.py
+
 # Ports at fixed offsets from ``base_port``; the per-instance inboxes start at +10.
 FIXED_PORTS = {"router": 0, "conductor": 1, "store_master": 2, "conductor_http": 3,
                "store_master_http": 4, "store_events": 5}
@@ -169,6 +171,9 @@ class ClusterConfig:
     max_batch_size: int = 64
     max_queue: int = 256  # admission: requests waiting for prefill, cluster-wide
     default_max_tokens: int = 256
+    # A thinking model's answers: "qwen3" or "deepseek_r1" split its <think> block into the
+    # chat message's reasoning_content (services/router/reasoning.py); None: all content
+    reasoning_parser: Optional[str] = None
     scheduler: str = "load_balance"  # random | round_robin | load_balance | local_cache_aware | kvcache_centric
     admission: str = "early"  # none | early | predicted
     expected_decode_s: float = 10.0  # "predicted": typical decode time until 32 decodes finished
@@ -217,6 +222,9 @@ class ClusterConfig:
         if self.prefill_stages > 1 and groups != 0 and self.kv_layerwise is False:
             raise ValueError("prefill_stages > 1 needs kv_layerwise = true: each stage moves "
                              "its own layers of a block, so store I/O is layer-wise")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS} or unset, "
+                             f"not {self.reasoning_parser!r}")
         if not self.worker_wait_s >= 0:
             raise ValueError(f"worker_wait_s must be >= 0, not {self.worker_wait_s!r}")
         if self.prefill_max_wait_s is None:

@@ -121,6 +121,9 @@ def _choices(state: RouterState, req: GenerationRequest, request_id: str,
     text (a string prompt as sent, token ids decoded) and its tokens."""
     tok = state.tokenizer
     cls = TaggedCallsBuilder if req.tagged_calls else ResponseBuilder
+    # a JSON answer (response_format) is held to its grammar from the first token
+    json_only = req.sampling.response_format is not None and not req.tagged_calls
+    reasoning = None if json_only else state.config.reasoning_parser
     created = int(time.time())
     echo = None
     if req.echo:
@@ -130,7 +133,7 @@ def _choices(state: RouterState, req: GenerationRequest, request_id: str,
                         want_logprobs=req.sampling.logprobs,
                         want_top=req.sampling.top_logprobs, include_usage=req.include_usage,
                         tool_call=req.tool_call, index=i, echo=echo,
-                        prompt_ids=list(ids) if req.echo else [])
+                        prompt_ids=list(ids) if req.echo else [], reasoning=reasoning)
                     for i in range(req.sampling.n)], req.returned)
 
 

@@ -9,6 +9,7 @@ import orjson
 from common.protocol import TokenDelta
 from common.sampling_params import PromptLogprobs, TopLogprobs
 from services.router.errors import ApiError
+from services.router.reasoning import ThinkSplitter
 
 DONE = b"data: [DONE]\n\n"
 
@@ -70,6 +71,7 @@ class ResponseBuilder:
     echo: Optional[str] = None  # completions' ``echo``: the prompt's text, before the answer
     prompt_ids: list[int] = field(default_factory=list)  # with echo: the prompt's tokens
     prompt_logprobs: Optional[PromptLogprobs] = None  # with echo and logprobs: the worker's
+    reasoning: Optional[str] = None  # chat: the reasoning parser (reasoning.py), if any
     texts: list[str] = field(default_factory=list)
     token_strs: list[str] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -80,6 +82,13 @@ class ResponseBuilder:
     completion_tokens: int = 0
     cached_tokens: int = 0
     cumulative_logprob: float = 0.0  # of the tokens sampled, where the wire carried them
+    think: Optional[ThinkSplitter] = None  # with ``reasoning``: the answer's split so far
+    reasoning_texts: list[str] = field(default_factory=list)
+    content_texts: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.reasoning is not None and self.kind == "chat" and self.tool_call is None:
+            self.think = ThinkSplitter(self.reasoning)
 
     def _head(self, obj: str) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created,
@@ -122,9 +131,46 @@ class ResponseBuilder:
             self.finish_reason = delta.finish_reason
         self.cumulative_logprob += sum(delta.logprobs or ())
         has_logprobs = self.want_logprobs and bool(delta.logprobs)
-        if not delta.text and not has_logprobs:
-            return None
-        return self.add(delta.text, delta.token_ids, delta.logprobs, delta.top_logprobs)
+        chunk = None
+        if delta.text or has_logprobs:
+            chunk = self.add(delta.text, delta.token_ids, delta.logprobs, delta.top_logprobs)
+        if delta.finish_reason is not None:
+            chunk = self._flush(chunk, self.finish())
+        if chunk is not None and chunk["choices"][0].get("delta") == {} and \
+                chunk["choices"][0]["logprobs"] is None:
+            return None  # all of its text held back (a tag's beginning)
+        return chunk
+
+    def finish(self) -> dict:
+        """The delta of what the answer's parsers held back, at its last delta."""
+        return self._split_delta(*self.think.finish()) if self.think is not None else {}
+
+    def _flush(self, chunk: Optional[dict], tail: dict) -> Optional[dict]:
+        """``chunk`` (a new one if None) with ``tail``'s texts appended to its delta's."""
+        if not tail:
+            return chunk
+        if chunk is None:
+            chunk = self._chunk({"index": self.index, "delta": {}, "logprobs": None,
+                                 "finish_reason": None})
+        delta = chunk["choices"][0]["delta"]
+        for key, value in tail.items():
+            old = delta.get(key)
+            delta[key] = value if old is None else old + value
+        return chunk
+
+    def _content_delta(self, content: str) -> dict:
+        """A chat delta's part for ``content`` (tool_response.py splits out the calls)."""
+        if self.think is not None:
+            self.content_texts.append(content)
+        return {"content": content}
+
+    def _split_delta(self, reasoning: str, content: str) -> dict:
+        """A chat delta of a reasoning answer's two parts (each only if written)."""
+        delta = self._content_delta(content) if content else {}
+        if reasoning:
+            self.reasoning_texts.append(reasoning)
+            delta["reasoning_content"] = reasoning
+        return delta
 
     def _call(self, arguments: str) -> dict:
         """OpenAI's ``tool_calls`` entry for the named function (one call per answer)."""
@@ -149,8 +195,10 @@ class ResponseBuilder:
         if self.tool_call is not None:
             choice = {"index": self.index, "delta": {"tool_calls": [
                 {"index": 0, "function": {"arguments": text}}]}}
+        elif self.think is not None:
+            choice = {"index": self.index, "delta": self._split_delta(*self.think.feed(text))}
         elif self.kind == "chat":
-            choice = {"index": self.index, "delta": {"content": text}}
+            choice = {"index": self.index, "delta": self._content_delta(text)}
         else:
             choice = {"index": self.index, "text": text}
         choice.update(logprobs=lp, finish_reason=None)
@@ -200,10 +248,18 @@ class ResponseBuilder:
             if self.tool_call is not None:
                 message = {"role": "assistant", "content": None,
                            "tool_calls": [self._call(text)]}
+            elif self.think is not None:
+                message = self.with_reasoning(
+                    {"role": "assistant", "content": "".join(self.content_texts)})
             return {"index": index, "message": message, "logprobs": lp,
                     "finish_reason": self.finish_reason}
         return {"index": index, "text": text, "logprobs": lp,
                 "finish_reason": self.finish_reason}
+
+    def with_reasoning(self, message: dict) -> dict:
+        """``message`` with the answer's ``reasoning_content`` (null when it had none)."""
+        reasoning = "".join(self.reasoning_texts)
+        return {**message, "reasoning_content": reasoning or None}
 
     def response(self, choices: list[dict], usage: dict) -> dict:
         """The non-streaming response object."""

@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional
 
-from common.protocol import TokenDelta
-from common.sampling_params import TopLogprobs
 from services.router.openai_format import ResponseBuilder
 from services.router.tool_calls import CallSplitter, Event, SplitAnswer, collect
 
@@ -65,31 +62,19 @@ class TaggedCallsBuilder(ResponseBuilder):
         chunk["choices"][0]["delta"]["content"] = None  # content comes only if written
         return chunk
 
-    def add(self, text: str, token_ids: list[int], lps: Optional[list[float]],
-            tops: Optional[list[TopLogprobs]] = None) -> dict:
-        chunk = super().add(text, token_ids, lps, tops)
-        chunk["choices"][0]["delta"] = self._events(self.splitter.feed(text))
-        return chunk
+    def _content_delta(self, content: str) -> dict:
+        return self._events(self.splitter.feed(content))
 
-    def absorb(self, delta: TokenDelta) -> Optional[dict]:
-        """As the plain builder, with the held-back text flushed at the last delta; a
-        chunk whose text was all held back (and has no logprobs) is not sent."""
-        chunk = super().absorb(delta)
-        if delta.finish_reason is not None:
-            tail = self._events(self.splitter.finish())
-            if tail and chunk is None:
-                chunk = self._chunk({"index": self.index, "delta": {}, "logprobs": None,
-                                     "finish_reason": None})
-            if chunk is not None:
-                for key, value in tail.items():
-                    old = chunk["choices"][0]["delta"].get(key)
-                    chunk["choices"][0]["delta"][key] = value if old is None else old + value
-            if self.answer.calls and self.finish_reason == "stop":
-                self.finish_reason = "tool_calls"
-        if chunk is not None and not chunk["choices"][0]["delta"] and \
-                chunk["choices"][0].get("logprobs") is None:
-            return None
-        return chunk
+    def finish(self) -> dict:
+        """What the reasoning split and then the call splitter held back; a call made
+        turns a ``"stop"`` into ``"tool_calls"``."""
+        tail = super().finish()
+        more = self._events(self.splitter.finish())
+        for key, value in more.items():
+            tail[key] = value if key not in tail else tail[key] + value
+        if self.answer.calls and self.finish_reason == "stop":
+            self.finish_reason = "tool_calls"
+        return tail
 
     def choice(self, index: int) -> dict:
         out = super().choice(index)
@@ -99,5 +84,5 @@ class TaggedCallsBuilder(ResponseBuilder):
                 {"id": call_id, "type": "function",
                  "function": {"name": name, "arguments": arguments}}
                 for call_id, (name, arguments) in zip(self.call_ids, self.answer.calls)]
-        out["message"] = message
+        out["message"] = self.with_reasoning(message) if self.think is not None else message
         return out

@@ -111,6 +111,24 @@ def router_process(config: ClusterConfig, path: Path, log: Path) -> Iterator[str
             proc.wait(5)
 
 
+@contextlib.contextmanager
+def own_router(tmp: Path, settings: str) -> Iterator[tuple[str, FakeCluster]]:
+    """A router subprocess on a config of its own (fresh ports, then ``settings``: TOML
+    lines) behind a fake cluster of its own: (its base URL, the fake) until the block
+    ends."""
+    http, base = _pick_ports()
+    path = tmp / "cluster.toml"
+    path.write_text(f"http_port = {http}\nbase_port = {base}\n{settings}")
+    config = ClusterConfig.load(str(path))
+    fake = FakeCluster(config)
+    fake.start()
+    try:
+        with router_process(config, path, tmp / "router.log") as url:
+            yield url, fake
+    finally:
+        fake.stop()
+
+
 @pytest.fixture(scope="session")
 def router(router_config: tuple[ClusterConfig, Path], fake: FakeCluster,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:

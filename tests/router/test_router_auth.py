@@ -10,12 +10,10 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 
-from common.config import ClusterConfig
-from common.status_protocol import ClusterStatus
 from common.security import SecurityConfig
 from common.service import StartupError
 from services.router.auth import load_api_keys
-from tests.router.conftest import _pick_ports, router_process
+from tests.router.conftest import own_router
 from tests.router.fake_cluster import WORDS, FakeCluster
 from tests.router.http_client import request
 
@@ -32,22 +30,12 @@ REFUSED = {"type": "invalid_request_error", "param": None, "code": "invalid_api_
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, FakeCluster]]:
     """(base URL, fake cluster) of a router that requires one of two keys."""
-    http, base = _pick_ports()
     tmp = tmp_path_factory.mktemp("router-auth")
     (tmp / "keys.txt").write_text(f"# one key per line\n\n  {FILE_KEY}  \n")
-    path = tmp / "cluster.toml"
-    path.write_text(f"http_port = {http}\nbase_port = {base}\nrequest_timeout_s = 1.5\n"
-                    f"heartbeat_interval_s = 0.2\n[security]\napi_keys = [\"{KEY}\"]\n"
-                    f"api_key_file = \"{tmp / 'keys.txt'}\"\n")
-    config = ClusterConfig.load(str(path))
-    fake = FakeCluster(config)
-    fake.status = ClusterStatus(True, [])
-    fake.start()
-    try:
-        with router_process(config, path, tmp / "router.log") as url:
-            yield url, fake
-    finally:
-        fake.stop()
+    with own_router(tmp, f"request_timeout_s = 1.5\nheartbeat_interval_s = 0.2\n"
+                         f"[security]\napi_keys = [\"{KEY}\"]\n"
+                         f"api_key_file = \"{tmp / 'keys.txt'}\"\n") as running:
+        yield running
 
 
 MISSING, WRONG = "You didn't provide an API key", "Incorrect API key provided."
