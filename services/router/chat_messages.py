@@ -2,8 +2,11 @@
 is honoured or refused (400 naming ``messages[i].<key>``), like the request's fields.
 
 Honoured: ``role`` (``developer`` is OpenAI's newer name for ``system`` and becomes one),
-``content`` (a string or text parts, joined) and ``name`` (passed to the template, as vLLM
-and Hugging Face do; whether it shows in the prompt is the template's choice).
+``content`` (a string or text parts, joined), ``name`` and an assistant's
+``reasoning_content`` (a thinking model's earlier reasoning, as a reasoning parser returned
+it) (passed to the template, as vLLM and Hugging Face do; whether they show in the prompt
+is the template's choice: Qwen 3's shows the reasoning of the turns after the last user
+message).
 
 Tool history: an assistant message's ``tool_calls`` (``[{"id", "type": "function",
 "function": {"name", "arguments"}}]``; its content may then be null) are rendered into its
@@ -66,7 +69,7 @@ def _check_keys(msg: dict, role: str, i: int) -> None:
         param = f"messages[{i}].{key}"
         if key in ("role", "content") or value is None:
             continue
-        if key == "name":
+        if key == "name" or role == "assistant" and key == "reasoning_content":
             if not isinstance(value, str):
                 raise invalid(f"'{param}' must be a string", param, "invalid_type")
         elif role == "assistant" and key in _ASSISTANT_EMPTY:
@@ -175,7 +178,8 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
         call_ids.update(call_id for call_id, _ in calls)
         if role == "tool":
             parsed["tool_call_id"] = _tool_call_id(msg, i, call_ids)
-        if msg.get("name") is not None:
-            parsed["name"] = msg["name"]
+        for key in ("name", "reasoning_content"):  # the template's to show or not
+            if msg.get(key) is not None:
+                parsed[key] = msg[key]
         out.append(parsed)
     return out

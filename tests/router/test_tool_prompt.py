@@ -126,3 +126,17 @@ def test_chat_template_kwargs_may_not_set_what_the_server_renders(kwargs: Any,
     with pytest.raises(ApiError) as info:
         parse_request({"messages": USER, "chat_template_kwargs": kwargs}, "chat", MODEL, 16)
     assert (info.value.status, info.value.body()["error"]["param"]) == (400, param)
+
+
+def test_an_assistants_reasoning_reaches_the_template(smol: PromptTokenizer) -> None:
+    """A reasoning parser's ``reasoning_content``, sent back in the history, is the
+    template's to show (Qwen 3's shows it after the last user message)."""
+    spec = {"tokenizer_json": smol.tokenizer._tk.to_str(),
+            "chat_template": "{% for m in messages %}{% if m.reasoning_content %}<think>"
+                             "{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}|"
+                             "{% endfor %}"}
+    tok = PromptTokenizer(Tokenizer(spec), smol.model_config)
+    history = [*USER, {"role": "assistant", "content": "Rain.", "reasoning_content": "Oslo."}]
+    req = parse_request({"messages": history}, "chat", MODEL, 16)
+    assert tok.decode(_tokenize(SimpleNamespace(tokenizer=tok), req)) == \
+        "Weather in Oslo?|<think>Oslo.</think>Rain.|"
