@@ -152,11 +152,16 @@ class ResponseBuilder:
         if chunk is None:
             chunk = self._chunk({"index": self.index, "delta": {}, "logprobs": None,
                                  "finish_reason": None})
-        delta = chunk["choices"][0]["delta"]
-        for key, value in tail.items():
+        self.append(chunk["choices"][0]["delta"], tail)
+        return chunk
+
+    @staticmethod
+    def append(delta: dict, more: dict) -> dict:
+        """``delta`` with each of ``more``'s texts (or lists) appended to its own."""
+        for key, value in more.items():
             old = delta.get(key)
             delta[key] = value if old is None else old + value
-        return chunk
+        return delta
 
     def _content_delta(self, content: str) -> dict:
         """A chat delta's part for ``content`` (tool_response.py splits out the calls)."""

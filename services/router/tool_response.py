@@ -68,10 +68,7 @@ class TaggedCallsBuilder(ResponseBuilder):
     def finish(self) -> dict:
         """What the reasoning split and then the call splitter held back; a call made
         turns a ``"stop"`` into ``"tool_calls"``."""
-        tail = super().finish()
-        more = self._events(self.splitter.finish())
-        for key, value in more.items():
-            tail[key] = value if key not in tail else tail[key] + value
+        tail = self.append(super().finish(), self._events(self.splitter.finish()))
         if self.answer.calls and self.finish_reason == "stop":
             self.finish_reason = "tool_calls"
         return tail
