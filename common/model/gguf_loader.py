@@ -20,7 +20,7 @@ families of common/model/arch.py serve it exactly as they serve a directory:
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -175,20 +175,29 @@ def _hf_names(arch: str, config: ModelConfig) -> dict[str, str]:
     return names
 
 
-def read_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """All model tensors dequantized to float32, in HF names and layout."""
+def read_weights(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each model tensor dequantized to float32, in its HF name and layout, one at a
+    time (a model's float32 copy need never be in memory at once); every name and shape
+    is checked (``check_weights``) before the first is read."""
     from gguf.quants import dequantize
 
     arch = _architecture(reader)
     names = _hf_names(arch, config)
-    llama = ARCHITECTURES[arch] == "LlamaForCausalLM"
-    gemma = arch in _GEMMA_27B_LAYERS
-    out: dict[str, torch.Tensor] = {}
+    hf_names: dict[str, str] = {}
     for t in reader.tensors:
         name = ROPE_FREQS if t.name == "rope_freqs.weight" else names.get(t.name)
         if name is None:
             raise UnsupportedModelError(f"GGUF tensor {t.name!r} is not a weight this model "
                                         "reads: refusing to ignore it")
+        hf_names[t.name] = name
+    shapes = {hf_names[t.name]: torch.empty(tuple(int(n) for n in reversed(t.shape)),
+                                            device="meta")
+              for t in reader.tensors if t.name != "rope_freqs.weight"}
+    check_weights(config, shapes)
+    llama = ARCHITECTURES[arch] == "LlamaForCausalLM"
+    gemma = arch in _GEMMA_27B_LAYERS
+    for t in reader.tensors:
+        name = hf_names[t.name]
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if llama and t.name.endswith("attn_q.weight"):
             w = unpermute_qk(w, config.num_heads)
@@ -196,12 +205,7 @@ def read_weights(reader: Any, config: ModelConfig) -> dict[str, torch.Tensor]:
             w = unpermute_qk(w, config.num_kv_heads)
         elif gemma and name.endswith("norm.weight"):
             w = w - 1.0  # the convert script stored Gemma's 1 + weight
-        out[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
-    freqs = out.pop(ROPE_FREQS, None)
-    check_weights(config, out)
-    if freqs is not None:
-        out[ROPE_FREQS] = freqs
-    return out
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
 
 
 def read_tokenizer(path: str, reader: Any) -> dict[str, Any]:
@@ -223,7 +227,9 @@ def read_tokenizer(path: str, reader: Any) -> dict[str, Any]:
     }
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+def load_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]],
+                                   dict[str, Any]]:
+    """(config, its tensors one at a time, tokenizer spec) of the file at ``path``."""
     from gguf import GGUFReader
 
     reader = GGUFReader(path)

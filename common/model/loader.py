@@ -3,7 +3,13 @@
 Sources: the default GGUF ("smollm2-135m"), any .gguf path, an HF safetensors directory
 (config.json + *.safetensors + tokenizer.json), or a named dummy config with seeded random
 weights. Dequantized GGUF weights are cached on disk (CRESCENT_CACHE_DIR or
-~/.cache/crescent), keyed by path, size and mtime, so a warm load takes about a second.
+~/.cache/crescent), keyed by the file's size and ends, so a warm load takes about a second.
+
+A GGUF is dequantized a few tensors at a time into the cache's shards, never whole in
+float32 (a cold load of a 1.4 GB float32 model peaked at 3.27 GB of anonymous memory with
+the whole dequantized copy, 1.88 GB with shards); the shards, like an HF directory's
+files, are read memory-mapped (``load_file``), so their bytes are page cache, not the
+process's own.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import glob
 import importlib.util
 import json
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Optional
 
 import xxhash
@@ -19,7 +26,9 @@ from common.model.arch import check_weights, config_from_hf
 from common.model.config import DUMMY_CONFIGS, ModelConfig
 
 DEFAULT_MODEL = "smollm2-135m"
-_CACHE_VERSION = "v3"  # v2: ModelConfig names its architecture and weights; v3: a GGUF's turn ends
+# v2: ModelConfig names its architecture and weights; v3: a GGUF's turn ends; v4: shards
+_CACHE_VERSION = "v4"
+SHARD_BYTES = 256 << 20  # a GGUF cache shard: what a cold load holds dequantized at once
 if TYPE_CHECKING:  # the router reads configs and tokenizers here and never imports torch
     import torch
 
@@ -82,30 +91,76 @@ def _cache_key(path: str) -> str:
     return digest.hexdigest()
 
 
+def _read_shards(directory: str) -> dict[str, "torch.Tensor"]:
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
+        weights.update(load_file(file))
+    return weights
+
+
 def _load_gguf_cached(path: str) -> ModelSource:
-    from safetensors.torch import load_file, save_file
+    """The GGUF's weights dequantized, from the cache (a directory of safetensors shards
+    beside a JSON of its config and tokenizer), written first if missing."""
+    import shutil
+    import tempfile
 
     base = os.path.join(cache_dir(), f"gguf-{_cache_key(path)}")
-    if os.path.isfile(base + ".json") and os.path.isfile(base + ".safetensors"):
+    if os.path.isfile(base + ".json") and os.path.isdir(base):
         with open(base + ".json") as f:
             meta = json.load(f)
-        return ModelConfig.from_dict(meta["config"]), load_file(base + ".safetensors"), meta["tokenizer"]
+        return ModelConfig.from_dict(meta["config"]), _read_shards(base), meta["tokenizer"]
     from common.model.gguf_loader import load_gguf
 
-    config, weights, tok = load_gguf(path)
-    # Workers often start together: each writes its own temporary file, and the renames
-    # are atomic, so a reader never sees a half-written cache.
-    tmp = f".tmp{os.getpid()}"
+    config, tensors, tok = load_gguf(path)
     try:
         os.makedirs(cache_dir(), exist_ok=True)
-        save_file(weights, base + ".safetensors" + tmp)
-        os.replace(base + ".safetensors" + tmp, base + ".safetensors")
-        with open(base + ".json" + tmp, "w") as f:
+        tmp = tempfile.mkdtemp(prefix=os.path.basename(base) + ".", dir=cache_dir())
+    except OSError:  # a read-only cache: shards of this load's own, gone with it
+        tmp = tempfile.mkdtemp(prefix="crescent-gguf-")
+        try:
+            _write_shards(tensors, tmp)
+            return config, _read_shards(tmp), tok  # mapped files outlive their names
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    # Workers often start together: each writes its own directory and JSON, and the
+    # renames are atomic, so a reader never sees a half-written cache (the first
+    # directory renamed stays: a later rename over it fails, and its copy is dropped).
+    try:
+        _write_shards(tensors, tmp)
+        try:
+            os.rename(tmp, base)
+        except OSError:
+            if not os.path.isdir(base):
+                raise
+        with open(tmp + ".json", "w") as f:
             json.dump({"config": config.to_dict(), "tokenizer": tok, "source": path}, f)
-        os.replace(base + ".json" + tmp, base + ".json")
-    except OSError:
-        pass  # a read-only cache only costs load time
-    return config, weights, tok
+        os.replace(tmp + ".json", base + ".json")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return config, _read_shards(base), tok
+
+
+def _write_shards(tensors: Iterable[tuple[str, "torch.Tensor"]], directory: str) -> None:
+    """``tensors`` in files of about ``SHARD_BYTES`` each, in order (five digits a name)."""
+    from safetensors.torch import save_file
+
+    shard: dict[str, torch.Tensor] = {}
+    size = count = 0
+
+    def flush() -> None:
+        nonlocal shard, size, count
+        if shard:
+            save_file(shard, os.path.join(directory, f"{count:05d}.safetensors"))
+            shard, size, count = {}, 0, count + 1
+
+    for name, tensor in tensors:
+        shard[name] = tensor
+        size += tensor.numel() * tensor.element_size()
+        if size >= SHARD_BYTES:
+            flush()
+    flush()
 
 
 def load_hf_dir(path: str) -> ModelSource:

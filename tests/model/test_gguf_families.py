@@ -108,3 +108,36 @@ def test_gemma_query_scale_follows_llama_cpp(tmp_path: Path, layers: int, hidden
     w.write_kv_data_to_file()
     w.close()
     assert hf_config(gguf.GGUFReader(str(tmp_path / "g.gguf")))["query_pre_attn_scalar"] == scalar
+
+
+def test_the_cache_is_written_in_shards_once_and_read_back(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cold load streams the dequantized tensors into shards (never all in memory at
+    once), renamed into place whole; a warm load reads the same tensors back; a load that
+    finds another's cache in place keeps it; a cache it cannot write costs only time."""
+    import gguf
+
+    from common.model import loader
+    from common.model.gguf_loader import read_config, read_weights
+
+    path = write_family("qwen3", tmp_path / "m")[2]
+    reader = gguf.GGUFReader(str(path))
+    want = dict(read_weights(reader, read_config(reader, "m", str(path))))
+    monkeypatch.setattr(loader, "SHARD_BYTES", 64 << 10)  # the tiny model in several shards
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CRESCENT_CACHE_DIR", str(cache))
+    for _ in range(2):  # cold, then warm
+        _, got, _ = loader._load_gguf_cached(str(path))
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[n], want[n]) for n in want)
+    (shards,) = [p for p in cache.iterdir() if p.is_dir() and p.name.startswith("gguf-")]
+    assert len(list(shards.glob("*.safetensors"))) > 2
+    assert sorted(p.name for p in cache.iterdir() if p.name.startswith("gguf-")) == \
+        [shards.name, shards.name + ".json"]  # no half-written leftovers
+    (shards.parent / (shards.name + ".json")).unlink()  # as if another load were writing
+    _, got, _ = loader._load_gguf_cached(str(path))  # its directory stays, the JSON comes
+    assert got.keys() == want.keys() and (shards.parent / (shards.name + ".json")).is_file()
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("CRESCENT_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    _, got, _ = loader._load_gguf_cached(str(path))
+    assert all(torch.equal(got[n], want[n]) for n in want)
