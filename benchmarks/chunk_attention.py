@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.model.attention import _CUDA_SPLIT, chunk_attention, splits_chunks  # noqa: E402
+from common.model.chunk_attention import _CUDA_SPLIT, chunk_attention, splits_chunks  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 

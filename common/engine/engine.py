@@ -23,7 +23,8 @@ from common.kv.dtypes import resolve_kv_dtype
 from common.kv.memory import KV_DTYPES, PagedKVMemory
 from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.prompt_graphs import prompt_graphs
-from common.model.attention import AttnMetadata, TritonAttention, make_backend, splits_chunks
+from common.model.attention import AttnMetadata, TritonAttention, make_backend
+from common.model.chunk_attention import splits_chunks
 from common.model.arch import UnsupportedModelError
 from common.model.config import ModelConfig
 from common.model.decoder import DecoderModel

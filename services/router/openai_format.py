@@ -135,14 +135,14 @@ class ResponseBuilder:
         if delta.text or has_logprobs:
             chunk = self.add(delta.text, delta.token_ids, delta.logprobs, delta.top_logprobs)
         if delta.finish_reason is not None:
-            chunk = self._flush(chunk, self.finish())
+            chunk = self._flush(chunk, self.closing_delta())
         if chunk is not None and chunk["choices"][0].get("delta") == {} and \
                 chunk["choices"][0]["logprobs"] is None:
             return None  # all of its text held back (a tag's beginning)
         return chunk
 
-    def finish(self) -> dict:
-        """The delta of what the answer's parsers held back, at its last delta."""
+    def closing_delta(self) -> dict:
+        """What the answer's last delta adds: the text its parsers held back."""
         return self._split_delta(*self.think.finish()) if self.think is not None else {}
 
     def _flush(self, chunk: Optional[dict], tail: dict) -> Optional[dict]:

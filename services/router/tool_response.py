@@ -65,10 +65,10 @@ class TaggedCallsBuilder(ResponseBuilder):
     def _content_delta(self, content: str) -> dict:
         return self._events(self.splitter.feed(content))
 
-    def finish(self) -> dict:
+    def closing_delta(self) -> dict:
         """What the reasoning split and then the call splitter held back; a call made
         turns a ``"stop"`` into ``"tool_calls"``."""
-        tail = self.append(super().finish(), self._events(self.splitter.finish()))
+        tail = self.append(super().closing_delta(), self._events(self.splitter.finish()))
         if self.answer.calls and self.finish_reason == "stop":
             self.finish_reason = "tool_calls"
         return tail

@@ -1,15 +1,15 @@
 """A prompt chunk's attention as two unmasked flash calls merged by their log-sum-exps
-(common/model/attention.py) equals the masked softmax over its keys."""
+(common/model/chunk_attention.py) equals the masked softmax over its keys."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from common.model import attention
-from common.model.attention import chunk_attention
+from common.model import chunk_attention as split
+from common.model.chunk_attention import chunk_attention
 
-pytestmark = pytest.mark.skipif(attention._FLASH_CPU is None,
+pytestmark = pytest.mark.skipif(split._FLASH_CPU is None,
                                 reason="this torch has no CPU flash attention op")
 
 
@@ -37,7 +37,7 @@ def test_equals_the_masked_softmax(heads: int, kv_heads: int, start: int, q_len:
 def test_which_chunks_split() -> None:
     """On the CPU every chunk of several queries after a prefix; on a GPU only 16-bit
     chunks of at least SPLIT_MIN_PAIRS_CUDA (decided before any CUDA call)."""
-    from common.model.attention import SPLIT_MIN_PAIRS_CUDA, splits_chunks
+    from common.model.chunk_attention import SPLIT_MIN_PAIRS_CUDA, splits_chunks
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert splits_chunks(cpu, torch.float32, 2, 1) and splits_chunks(cpu, torch.bfloat16, 416, 3680)
@@ -58,7 +58,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 def test_cuda_chunks_attend_unmasked(dtype: torch.dtype) -> None:
     """On a GPU a chunk after a prefix takes the unmasked split (cuDNN's or flash's op),
     equal to the masked softmax at LLaMA-3-8B's heads, over the padding of whole blocks."""
-    from common.model.attention import _CUDA_SPLIT, splits_chunks
+    from common.model.chunk_attention import _CUDA_SPLIT, splits_chunks
 
     device = torch.device("cuda")
     assert splits_chunks(device, dtype), "no unmasked attention with log-sum-exp here"
