@@ -1,5 +1,5 @@
 """A prompt chunk's attention after a prefix: the masked SDPA call against the unmasked
-split (common/model/attention.py ``chunk_attention``), at LLaMA-3-8B's heads (32 query,
+split (common/model/chunk_attention.py), at LLaMA-3-8B's heads (32 query,
 8 KV, 128 wide), one layer.
 
 ``python benchmarks/chunk_attention.py [--device cuda] [--dtype bfloat16]`` (seconds on a

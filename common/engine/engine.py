@@ -317,7 +317,7 @@ class Engine:
         positions = torch.arange(start, end, device=self.device)
         nb = self.blocks_needed(end)
         # a chunk after a prefix needs a mask, except where attention splits it (several
-        # queries: common/model/attention.py chunk_attention)
+        # queries: common/model/chunk_attention.py)
         masked = start > 0 and not splits_chunks(self.device, self.dtype, end - start, start)
         mask = self._chunk_mask(start, end - start, nb * bs)[None, None] if masked else None
         return AttnMetadata(
