@@ -145,7 +145,7 @@ profiled_pass() {  # LENGTHS; CRESCENT_PROFILE_DIR: where a warm prompt's step s
   tar czf "$OUT/profiles.tgz" -C /tmp prof 2>/dev/null
 }
 
-chunk_checks() {  # common/model/attention.py's split of a chunk after a prefix
+chunk_checks() {  # common/model/chunk_attention.py's split of a chunk after a prefix
   log "chunk attention after a prefix: GPU tests, then masked vs split (benchmarks/chunk_attention.py)"
   { timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu -s \
       tests/model/test_chunk_attention.py tests/model/test_cuda.py 2>&1 | grep -v "^[IWE][0-9]" | tail -15
