@@ -24,6 +24,7 @@ from common.security import SecurityConfig
 from common.store.policy import MetadataConfig
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # services/router/reasoning.py
+QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0")  # common/model/quant.py
 
 # Ports at fixed offsets from ``base_port``; the per-instance inboxes start at +10.
 FIXED_PORTS = {"router": 0, "conductor": 1, "store_master": 2, "conductor_http": 3,
@@ -113,6 +114,13 @@ class ClusterConfig:
     # norms, attention, residual in ``dtype``). None: ``dtype``. "auto": bfloat16 where the
     # CPU computes it natively and dtype is float32 (common/model/decoder.py Linear).
     linear_dtype: Optional[str] = None
+    # A model's quantized linears (common/model/quant.py; decode CPU steps of the default
+    # model: BENCHMARKS.md, "Quantized linears"): "auto" keeps a GGUF's Q4_0 ... Q6_K
+    # matrices as the file holds them on a float32 CPU worker whose CPU runs the kernel
+    # (the same float32 results, a fraction of the bytes), else expands them; "none"
+    # always expands them; "q8_0" or "q4_0" quantizes a float checkpoint's (an HF
+    # directory, a dummy model) at load, as llama.cpp rounds it
+    quantization: str = "auto"
     kv_dtype: str = "auto"  # paged KV storage: auto (= dtype) | float32 | bfloat16 | float16
     kv_path: str = "auto"  # prefill → decode KV: auto (shm on one host) | shm | transfer_engine
     device: str = "cpu"
@@ -203,6 +211,9 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         """Every check and derived default, however the config is made (``from_dict``, a
         TOML file, or ``ClusterConfig(...)`` in code)."""
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not "
+                             f"{self.quantization!r}")
         for name in ("prefill_dtype", "linear_dtype"):
             if getattr(self, name) not in (None, "auto", "float32", "bfloat16", "float16"):
                 raise ValueError(f"{name} must be auto, float32, bfloat16 or float16, not "

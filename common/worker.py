@@ -68,6 +68,7 @@ def engine_config(config: ClusterConfig, role: str, index: int = 0) -> EngineCon
         model=config.model,
         dtype=prefill_dtype(config) if role == "prefill" else config.dtype,
         linear_dtype=linear_dtype(config, role),
+        quantization=config.quantization,
         chunk_align=config.chunk_align(),
         kv_dtype=config.kv_storage_dtype,  # one KV dtype for all
         device=config.device,

@@ -13,6 +13,10 @@ class EngineConfig:
     # stored in it, activations cast at each): "bfloat16" in a float32 decode engine on a
     # CPU with AVX-512 BF16 or AMX (common/model/decoder.py Linear). None: ``dtype``.
     linear_dtype: Optional[str] = None
+    # A model's quantized linears (common/model/quant.py): "auto" keeps a GGUF's as the
+    # file holds them on a float32 CPU engine, "none" expands them to float, "q8_0" and
+    # "q4_0" quantize a float checkpoint's at load (ClusterConfig.quantization)
+    quantization: str = "auto"
     kv_dtype: str = "auto"  # paged KV storage dtype; auto = dtype (see common/kv/memory.py)
     kv_shm_path: Optional[str] = None  # back the paged KV with this new /dev/shm file
     device: str = "cpu"

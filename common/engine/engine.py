@@ -14,22 +14,24 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
+from common.config import QUANTIZATIONS
 from common.engine.config import DecodeInput, EngineConfig, PrefillChunk, stage_layers
+from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.errors import EngineInputError, UnknownModelError
 from common.engine.profiling import StepProfiler
+from common.engine.prompt_graphs import prompt_graphs
 from common.kv.block_keys import compute_block_keys, model_fingerprint
 from common.kv.block_pool import BlockPool
 from common.kv.dtypes import resolve_kv_dtype
 from common.kv.memory import KV_DTYPES, PagedKVMemory
-from common.engine.cuda_graphs import DecodeGraphs
-from common.engine.prompt_graphs import prompt_graphs
+from common.model.arch import UnsupportedModelError
 from common.model.attention import AttnMetadata, TritonAttention, make_backend
 from common.model.chunk_attention import splits_chunks
-from common.model.arch import UnsupportedModelError
 from common.model.config import ModelConfig
 from common.model.decoder import DecoderModel
 from common.model.dummy_weights import random_weights
 from common.model.loader import ModelNotFoundError, load_model_source
+from common.model.quant import quantize_matrices
 from common.model.tokenizer import ByteTokenizer, Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,7 +46,7 @@ _PREBUILT: dict[tuple, Built] = {}
 
 def _model_key(config: EngineConfig) -> tuple:
     return (config.model, config.num_layers, config.dtype, config.linear_dtype, config.device,
-            config.stage)
+            config.stage, config.quantization)
 
 
 def build_model(config: EngineConfig) -> Built:
@@ -56,11 +58,17 @@ def build_model(config: EngineConfig) -> Built:
     if not weights:
         weights = random_weights(model_config, seed=0)
     try:
+        if config.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not "
+                             f"{config.quantization!r}")
         layers = stage_layers(model_config.num_layers, config.stage[1], config.stage[0])
+        if config.quantization in ("q8_0", "q4_0"):
+            weights = quantize_matrices(weights, config.quantization, layers)
         model = DecoderModel(model_config, weights, _DTYPES[config.dtype],
                              torch.device(config.device), layers=layers,
                              linear_dtype=_DTYPES[config.linear_dtype]
-                             if config.linear_dtype else None)
+                             if config.linear_dtype else None,
+                             quantized=config.quantization != "none")
     except ValueError as exc:
         raise EngineInputError(str(exc)) from exc
     return model_config, model, tok_spec
@@ -95,7 +103,8 @@ class Engine:
         self.layers = self.model.layer_range  # a pipeline stage's layers [a, b) of the model
         self.tokenizer = (Tokenizer(tok_spec) if tok_spec is not None
                           else ByteTokenizer(model_config.vocab_size))
-        self.fingerprint: bytes = model_fingerprint(model_config, self.kv_dtype)
+        self.fingerprint: bytes = model_fingerprint(model_config, self.kv_dtype,
+                                                      config.quantization)
         self.kv = PagedKVMemory(config.num_blocks, len(self.layers), config.block_size,
                                 model_config.num_kv_heads, model_config.head_dim,
                                 KV_DTYPES[self.kv_dtype], self.device, config.kv_shm_path)

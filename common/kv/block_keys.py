@@ -39,11 +39,16 @@ def compute_block_keys(
     return keys
 
 
-def model_fingerprint(config: Any, kv_dtype: str = "float32") -> bytes:
-    """16-byte fingerprint of a model config (a dataclass or a dict) and the dtype its KV
-    is stored in, stable across hosts: blocks of one prompt in different KV dtypes are
-    different bytes, so they get different keys and never mix in the pool or the store.
-    Every process that names blocks (engine, router) must pass the same resolved dtype."""
+def model_fingerprint(config: Any, kv_dtype: str = "float32",
+                      quantization: str = "auto") -> bytes:
+    """16-byte fingerprint of a model config (a dataclass or a dict), the dtype its KV
+    is stored in and the rounding its weights were given at load, stable across hosts:
+    blocks of one prompt in different KV dtypes, or from weights quantized at load
+    (``quantization`` "q8_0", "q4_0"), are different bytes, so they get different keys
+    and never mix in the pool or the store ("auto" and "none" compute the same floats).
+    Every process that names blocks (engine, router) must pass the same values."""
     fields = asdict(config) if is_dataclass(config) else dict(config)
     blob = json.dumps(fields, sort_keys=True, default=str).encode()
-    return xxhash.xxh3_128(b"crescent-model-v1" + blob + b"|kv:" + kv_dtype.encode()).digest()
+    rounded = f"|weights:{quantization}".encode() if quantization not in ("auto", "none") else b""
+    return xxhash.xxh3_128(b"crescent-model-v1" + blob + b"|kv:" + kv_dtype.encode()
+                           + rounded).digest()

@@ -7,6 +7,10 @@ once in tiles of 64 outputs (``PackedLinear``), the sums in float32, each output
 * float32, on CPUs with AVX-512: a float32 model's linears, any number of rows. At a
   decode step's few rows it reads the weights at twice oneDNN's rate; at a prompt's
   hundreds it computes as fast (SmolLM2's projections on one AMD EPYC core).
+* quantized (csrc/linear_q.c, ``QuantLinear``), on CPUs with AVX-512: a GGUF's Q4_0 ...
+  Q6_K linears kept as the file holds them (common/model/quant.py), their float32
+  expansion made in registers: bit for bit the float32 kernel's result on the expanded
+  weights, reading 0.75-1.25 bytes a weight instead of 4.
 
 Where a kernel is not built (no compiler, not the instructions) or fails its check,
 ``kernel()`` is None and common/model/decoder.py ``Linear`` keeps oneDNN. A decode step
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from common.model import native
+from common.model.quant import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +79,80 @@ class PackedLinear:
             self.fn(x.data_ptr(), self.packed.data_ptr(), y.data_ptr(), m, n, k,
                     native.threads(-(-n // TILE)))
         return y
+
+
+class QuantLinear:
+    """y = x W^T, ``weight`` quantized (common/model/quant.py), packed for csrc/linear_q.c:
+    codes as [N / 64, K, 64] bytes, or [N / 64, K, 32] of two nibbles (output j low,
+    j + 32 high); scales and offsets as [N / 64, K / group, 2, 64] float32; N padded to
+    tiles of 64 with zero rows (code, scale and offset 0)."""
+
+    # rows a unit of a thread: a unit makes its tile's weights once (csrc/linear_q.c), so
+    # more rows than the float32 kernel's ROW_BLOCK
+    ROW_BLOCK = 96
+
+    def __init__(self, fn: ctypes._CFuncPtr, weight: QuantizedWeight):
+        n, k = weight.shape
+        self.fn, self.out_features, self.in_features = fn, n, k
+        self.bits, self.group = weight.bits, weight.group
+        self.dtype = torch.float32  # what x is rounded to (none: it is float32)
+        tiles = -(-n // TILE)
+        codes = torch.zeros(tiles * TILE, k, dtype=torch.uint8)
+        codes[:n] = weight.unpacked_codes()
+        codes = codes.view(tiles, TILE, k).transpose(1, 2)
+        if self.bits == 4:
+            codes = codes[..., :TILE // 2] | (codes[..., TILE // 2:] << 4)
+        self.codes = codes.contiguous()
+        params = torch.zeros(2, tiles * TILE, k // self.group)
+        params[0, :n], params[1, :n] = weight.scale, weight.offset
+        self.params = params.view(2, tiles, TILE, -1).permute(1, 3, 0, 2).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [M, K] (any float dtype; made float32) → [M, N] float32."""
+        x = x.to(torch.float32).contiguous()
+        m, n, k = x.shape[0], self.out_features, self.in_features
+        y = torch.empty(m, n, dtype=torch.float32)
+        units = -(-n // TILE) * -(-m // self.ROW_BLOCK)
+        self.fn(x.data_ptr(), self.codes.data_ptr(), self.params.data_ptr(), y.data_ptr(),
+                m, n, k, self.group, self.bits, self.ROW_BLOCK, native.threads(units))
+        return y
+
+
+def quant_kernel() -> Optional[ctypes._CFuncPtr]:
+    """csrc/linear_q.c's entry point; None where absent (no compiler, no AVX-512), off
+    (``CRESCENT_CPU_LINEAR=0``) or failing its check: a quantized linear is then
+    expanded to float (common/model/decoder.py)."""
+    if os.environ.get("CRESCENT_CPU_LINEAR", "1") == "0":
+        return None
+    return _checked_quant()
+
+
+@functools.cache
+def _checked_quant() -> Optional[ctypes._CFuncPtr]:
+    """The entry point, checked against torch on the expanded weights (4- and 8-bit
+    codes, groups of 16 and 32, a partial tile, rows the fused and the chunked way)."""
+    lib = native.library()
+    fn = getattr(lib, "linear_q_par", None) if lib is not None else None
+    if fn is None:
+        return None
+    fn.argtypes = [_P, _P, _P, _P, *[_I64] * 7]
+    fn.restype = None
+    g = torch.Generator().manual_seed(0)
+    for bits, group in ((4, 32), (8, 16)):
+        n, k = 80, 96
+        weight = QuantizedWeight(
+            torch.randint(0, 256, (n, k * bits // 8), generator=g, dtype=torch.uint8),
+            torch.rand(n, k // group, generator=g) / 64,
+            torch.randn(n, k // group, generator=g) / 8, bits)
+        x = torch.randn(21, k, generator=g)
+        for rows in (x[:3], x):  # the fused way, the chunked way
+            got = QuantLinear(fn, weight)(rows)
+            err = (got - F.linear(rows, weight.dequantize())).abs().max().item()
+            if not err < 1e-4:
+                log.warning("the CPU quantized linear differs from torch's by %.3g: "
+                            "quantized weights are expanded to float instead", err)
+                return None
+    return fn
 
 
 def kernel(dtype: torch.dtype = torch.bfloat16) -> Optional[ctypes._CFuncPtr]:

@@ -4,6 +4,8 @@ its ``Family`` and ``ModelConfig`` (biases, per-head q/k norms, norms around the
 and MLP outputs, the activation, the embedding scale, soft-capping, sliding windows).
 
 Weights arrive as a dict in HF names; Q/K/V and gate/up are fused into one matmul each.
+A quantized linear (common/model/quant.py: a GGUF's Q4_0 ... Q6_K) stays quantized on a
+float32 CPU model where csrc/linear_q.c runs (``quantized``), else is expanded to float.
 Attention is delegated to a backend that writes/reads the paged KV memory.
 
 A pipeline stage holds only a contiguous range of layers (``layers``): the first stage
@@ -24,6 +26,7 @@ from common.model import cpu_linear, triton_ops
 from common.model.arch import family
 from common.model.attention import AttentionBackend, AttnMetadata, AttnSpec
 from common.model.config import ModelConfig
+from common.model.quant import QuantizedWeight, is_quantized
 from common.model.rope import apply_rope, attention_factor, cos_sin, inv_frequencies
 
 LayerHook = Callable[[int], None]
@@ -53,17 +56,30 @@ class Linear:
     read a decode step's weights at 10-14 GB/s where the core streams 21-26), bfloat16
     ones of a float32 model on a CPU with AVX-512 BF16 (oneDNN's small-M bfloat16 path
     read them at 7-8 GB/s where the core streams 18).
+
+    A ``QuantizedWeight`` runs on the quantized kernel there (float32 out, ``dtype``
+    ignored: it reads fewer bytes than bfloat16 and rounds nothing); elsewhere it is
+    expanded to float32 first.
     """
 
     BATCH_HINT = 32  # oneDNN picks its blocking for this M; any M works
 
-    def __init__(self, weight: torch.Tensor, pack: bool = True,
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, pack: bool = True,
                  bias: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None,
                  native_only: bool = False):
         """``native_only``: multiply in ``dtype`` only on Crescent's kernel (float32 sums
         and outputs), else in the weight's own dtype (the lm_head: rounded logits
         change greedy answers)."""
         self.out_features, self.in_features = weight.shape
+        self.native: Optional[cpu_linear.PackedLinear | cpu_linear.QuantLinear] = None
+        if is_quantized(weight):
+            fn = cpu_linear.quant_kernel() if pack else None
+            if fn is not None:
+                self.native, self.bias = cpu_linear.QuantLinear(fn, weight), bias
+                self.cast = self.weight = self.packed = None
+                self.pad_single_row = False
+                return
+            weight = weight.dequantize()
         # Crescent's kernels, where they run: bfloat16 multiplies of a float32 (or other)
         # weight, and float32 ones of a float32 weight
         kind: Optional[torch.dtype] = None
@@ -83,7 +99,6 @@ class Linear:
         self.weight: Optional[torch.Tensor] = weight
         self.bias = bias
         self.packed: Optional[torch.Tensor] = None
-        self.native: Optional[cpu_linear.PackedLinear] = None
         self.pad_single_row = weight.device.type == "cpu"
         if fn is not None:
             self.native, self.weight = cpu_linear.PackedLinear(fn, weight, kind), None
@@ -204,16 +219,29 @@ def lm_head_native() -> bool:
 class _Checkpoint:
     """A model's weights (HF names), read to the device and dtype it runs in."""
 
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | QuantizedWeight]
     device: torch.device
     dtype: torch.dtype
     norm_offset: float  # Gemma stores a norm's scale less 1
     linear_dtype: Optional[torch.dtype] = None  # the linears multiply in it (Linear)
+    quantized: bool = True  # quantized linears stay so where they can (``matrix``)
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weights:
             raise KeyError(f"checkpoint is missing weight {name!r}")
-        return self.weights[name].to(device=self.device, dtype=self.dtype)
+        weight = self.weights[name]
+        if is_quantized(weight):
+            weight = weight.dequantize()
+        return weight.to(device=self.device, dtype=self.dtype)
+
+    def matrix(self, name: str) -> torch.Tensor | QuantizedWeight:
+        """A linear's weight: as quantized as the file holds it, on a float32 CPU model
+        (``Linear`` runs it on the quantized kernel), else ``get``'s."""
+        weight = self.weights.get(name)
+        if (self.quantized and is_quantized(weight) and self.device.type == "cpu"
+                and self.dtype is torch.float32):
+            return weight
+        return self.get(name)
 
     def norm(self, name: str) -> torch.Tensor:
         """A norm's scale (the offset added in float32)."""
@@ -221,19 +249,24 @@ class _Checkpoint:
 
     def linear(self, names: list[str], bias: bool, pack: bool) -> Linear:
         """One matmul for the linears ``names`` of a layer (q/k/v, gate/up)."""
-        weight = torch.cat([self.get(n + ".weight") for n in names])
+        parts = [self.matrix(n + ".weight") for n in names]
+        weight = (QuantizedWeight.cat(parts) if all(map(is_quantized, parts))
+                  else torch.cat([p.dequantize() if is_quantized(p) else p for p in parts]))
         return Linear(weight, pack, torch.cat([self.get(n + ".bias") for n in names])
                       if bias else None, self.linear_dtype)
 
 
 class DecoderModel:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor | QuantizedWeight],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  pack_weights: bool = True, layers: Optional[range] = None,
-                 fused: Optional[bool] = None, linear_dtype: Optional[torch.dtype] = None):
+                 fused: Optional[bool] = None, linear_dtype: Optional[torch.dtype] = None,
+                 quantized: bool = True):
         """``fused``: the layer's elementwise steps as Triton kernels (``TritonOps``);
         None: on a CUDA device where triton is installed. ``linear_dtype``: the dtype the
-        layers' linears multiply in (``Linear``; not the lm_head's), None: ``dtype``."""
+        layers' linears multiply in (``Linear``; not the lm_head's), None: ``dtype``.
+        ``quantized``: quantized weights stay so where they can (``_Checkpoint.matrix``);
+        False: all expanded to float."""
         self.config = config
         self.family = family(config)
         self.dtype = dtype
@@ -243,19 +276,21 @@ class DecoderModel:
                 and self.layer_range.step == 1):
             raise ValueError(f"layers {self.layer_range} is not a contiguous, non-empty range "
                              f"of the model's {config.num_layers} layers")
-        read = _Checkpoint(weights, self.device, dtype, self.family.norm_offset, linear_dtype)
+        read = _Checkpoint(weights, self.device, dtype, self.family.norm_offset, linear_dtype,
+                           quantized and pack_weights)
 
-        self.embed: Optional[torch.Tensor] = None
+        # quantized as the file holds it on a float32 CPU model (rows expanded as looked up)
+        self.embed: Optional[torch.Tensor | QuantizedWeight] = None
         self.lm_head: Optional[Linear] = None
         if self.first_stage or (self.last_stage and config.tie_word_embeddings):
-            self.embed = read.get("model.embed_tokens.weight")
+            self.embed = read.matrix("model.embed_tokens.weight")
         if self.last_stage:
             self.norm = read.norm("model.norm.weight")
             # the logits in ``dtype``: a bfloat16 lm_head's rounded logits changed SmolLM2's
             # greedy answers (Paris became "L'Étoile, la Marseillaise, ..."); bfloat16 weights
             # on Crescent's kernel sum and return float32 (``lm_head_native``)
             self.lm_head = Linear(self.embed if config.tie_word_embeddings
-                                  else read.get("lm_head.weight"), pack_weights,
+                                  else read.matrix("lm_head.weight"), pack_weights,
                                   dtype=linear_dtype if lm_head_native() else None,
                                   native_only=True)
         # Gemma: embeddings times sqrt(hidden_size), rounded to the model's dtype as in HF
@@ -342,7 +377,8 @@ class DecoderModel:
         return h
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed.index_select(0, token_ids)
+        h = (self.embed.rows(token_ids).dequantize() if is_quantized(self.embed)
+             else self.embed.index_select(0, token_ids))
         return h if self.embed_scale is None else h * self.embed_scale
 
     def ropes(self, positions: torch.Tensor) -> dict[str, Rope]:

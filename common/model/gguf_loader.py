@@ -1,4 +1,4 @@
-"""Read a GGUF file (llama.cpp's format): config, dequantized weights (HF names), tokenizer.
+"""Read a GGUF file (llama.cpp's format): config, weights (HF names), tokenizer.
 
 A GGUF is read as the HF checkpoint llama.cpp's convert script made it from, so that the
 families of common/model/arch.py serve it exactly as they serve a directory:
@@ -12,6 +12,8 @@ families of common/model/arch.py serve it exactly as they serve a directory:
   (``gguf.get_tensor_name_map``) and undoes what the convert script did to it: the
   permuted rows of LLaMA's attn_q / attn_k (llama.cpp's interleaved RoPE), and the 1 it
   added to every Gemma norm. ``check_weights`` refuses a tensor the family does not read.
+  A quantized matrix stays as the file holds it (common/model/quant.py), the rest is
+  dequantized to float32.
 - The tokenizer is transformers' reading of the file's vocabulary; a turn ends at the
   file's end-of-sequence, end-of-turn and end-of-message ids and at the tokens llama.cpp
   ends generation on by their text (``END_OF_GENERATION``): a Gemma file names ``<eos>``
@@ -32,6 +34,7 @@ from common.model.arch import (
     weight_shapes,
 )
 from common.model.config import ModelConfig
+from common.model.quant import QuantizedWeight, from_gguf
 
 # general.architecture -> the HF architecture whose family serves it. The convert script
 # writes a Mistral as "llama", without its sliding window; "mistral" is older files' name.
@@ -175,10 +178,12 @@ def _hf_names(arch: str, config: ModelConfig) -> dict[str, str]:
     return names
 
 
-def read_weights(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each model tensor dequantized to float32, in its HF name and layout, one at a
-    time (a model's float32 copy need never be in memory at once); every name and shape
-    is checked (``check_weights``) before the first is read."""
+def read_weights(reader: Any, config: ModelConfig
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Each model tensor in its HF name and layout, one at a time: a matrix of a type
+    common/model/quant.py takes as it is quantized (``QuantizedWeight``), any other
+    tensor dequantized to float32 (a model's float32 copy need never be in memory at
+    once). Every name and shape is checked (``check_weights``) before the first is read."""
     from gguf.quants import dequantize
 
     arch = _architecture(reader)
@@ -198,11 +203,19 @@ def read_weights(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.
     gemma = arch in _GEMMA_27B_LAYERS
     for t in reader.tensors:
         name = hf_names[t.name]
+        heads = (config.num_heads if t.name.endswith("attn_q.weight") else config.num_kv_heads
+                 if t.name.endswith("attn_k.weight") else None) if llama else None
+        shape = tuple(int(n) for n in reversed(t.shape))
+        quantized = from_gguf(t.data, t.tensor_type.name, shape) if len(shape) == 2 else None
+        if quantized is not None:
+            if heads is not None:  # the same permutation of whole rows
+                rows = unpermute_qk(np.arange(shape[0]), heads)
+                quantized = quantized.rows(torch.from_numpy(rows))
+            yield name, quantized
+            continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        if llama and t.name.endswith("attn_q.weight"):
-            w = unpermute_qk(w, config.num_heads)
-        elif llama and t.name.endswith("attn_k.weight"):
-            w = unpermute_qk(w, config.num_kv_heads)
+        if heads is not None:
+            w = unpermute_qk(w, heads)
         elif gemma and name.endswith("norm.weight"):
             w = w - 1.0  # the convert script stored Gemma's 1 + weight
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
@@ -227,7 +240,8 @@ def read_tokenizer(path: str, reader: Any) -> dict[str, Any]:
     }
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]],
+def load_gguf(path: str) -> tuple[ModelConfig,
+                                  Iterator[tuple[str, torch.Tensor | QuantizedWeight]],
                                    dict[str, Any]]:
     """(config, its tensors one at a time, tokenizer spec) of the file at ``path``."""
     from gguf import GGUFReader

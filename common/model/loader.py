@@ -1,15 +1,16 @@
-"""Resolve a model name or path to (ModelConfig, float weights in HF names, tokenizer spec).
+"""Resolve a model name or path to (ModelConfig, weights in HF names, tokenizer spec).
 
 Sources: the default GGUF ("smollm2-135m"), any .gguf path, an HF safetensors directory
 (config.json + *.safetensors + tokenizer.json), or a named dummy config with seeded random
-weights. Dequantized GGUF weights are cached on disk (CRESCENT_CACHE_DIR or
-~/.cache/crescent), keyed by the file's size and ends, so a warm load takes about a second.
+weights. A GGUF's weights, read into Crescent's forms (its quantized matrices as
+``QuantizedWeight``s of common/model/quant.py, the rest dequantized to float32), are
+cached on disk (CRESCENT_CACHE_DIR or ~/.cache/crescent), keyed by the file's size and
+ends, so a warm load takes about a second.
 
-A GGUF is dequantized a few tensors at a time into the cache's shards, never whole in
-float32 (a cold load of a 1.4 GB float32 model peaked at 3.27 GB of anonymous memory with
-the whole dequantized copy, 1.88 GB with shards); the shards, like an HF directory's
-files, are read memory-mapped (``load_file``), so their bytes are page cache, not the
-process's own.
+A GGUF is read a few tensors at a time into the cache's shards, never whole (a cold load
+of a 1.4 GB float32 model peaked at 3.27 GB of anonymous memory with the whole
+dequantized copy, 1.88 GB with shards); the shards, like an HF directory's files, are
+read memory-mapped (``load_file``), so their bytes are page cache, not the process's own.
 """
 from __future__ import annotations
 
@@ -26,13 +27,17 @@ from common.model.arch import check_weights, config_from_hf
 from common.model.config import DUMMY_CONFIGS, ModelConfig
 
 DEFAULT_MODEL = "smollm2-135m"
-# v2: ModelConfig names its architecture and weights; v3: a GGUF's turn ends; v4: shards
-_CACHE_VERSION = "v4"
+# v2: ModelConfig names its architecture and weights; v3: a GGUF's turn ends; v4: shards;
+# v5: quantized matrices as the file holds them
+_CACHE_VERSION = "v5"
 SHARD_BYTES = 256 << 20  # a GGUF cache shard: what a cold load holds dequantized at once
 if TYPE_CHECKING:  # the router reads configs and tokenizers here and never imports torch
     import torch
 
-ModelSource = tuple[ModelConfig, "dict[str, torch.Tensor]", Optional[dict[str, Any]]]
+    from common.model.quant import QuantizedWeight
+
+ModelSource = tuple[ModelConfig, "dict[str, torch.Tensor | QuantizedWeight]",
+                    Optional[dict[str, Any]]]
 
 
 class ModelNotFoundError(ValueError):
@@ -91,13 +96,15 @@ def _cache_key(path: str) -> str:
     return digest.hexdigest()
 
 
-def _read_shards(directory: str) -> dict[str, "torch.Tensor"]:
+def _read_shards(directory: str) -> dict[str, "torch.Tensor | QuantizedWeight"]:
     from safetensors.torch import load_file
+
+    from common.model.quant import gather
 
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(glob.glob(os.path.join(directory, "*.safetensors"))):
         weights.update(load_file(file))
-    return weights
+    return gather(weights)
 
 
 def _load_gguf_cached(path: str) -> ModelSource:
@@ -142,9 +149,13 @@ def _load_gguf_cached(path: str) -> ModelSource:
     return config, _read_shards(base), tok
 
 
-def _write_shards(tensors: Iterable[tuple[str, "torch.Tensor"]], directory: str) -> None:
-    """``tensors`` in files of about ``SHARD_BYTES`` each, in order (five digits a name)."""
+def _write_shards(tensors: Iterable[tuple[str, "torch.Tensor | QuantizedWeight"]],
+                  directory: str) -> None:
+    """``tensors`` in files of about ``SHARD_BYTES`` each, in order (five digits a name; a
+    quantized weight as its parts, ``QuantizedWeight.flatten``)."""
     from safetensors.torch import save_file
+
+    from common.model.quant import is_quantized
 
     shard: dict[str, torch.Tensor] = {}
     size = count = 0
@@ -155,9 +166,10 @@ def _write_shards(tensors: Iterable[tuple[str, "torch.Tensor"]], directory: str)
             save_file(shard, os.path.join(directory, f"{count:05d}.safetensors"))
             shard, size, count = {}, 0, count + 1
 
-    for name, tensor in tensors:
-        shard[name] = tensor
-        size += tensor.numel() * tensor.element_size()
+    for name, weight in tensors:
+        parts = weight.flatten(name) if is_quantized(weight) else {name: weight}
+        shard.update(parts)
+        size += sum(t.numel() * t.element_size() for t in parts.values())
         if size >= SHARD_BYTES:
             flush()
     flush()

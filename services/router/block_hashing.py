@@ -14,10 +14,10 @@ BlockHasher = Callable[[list[int]], list[str]]
 
 
 def make_block_hasher(block_size: int, model_config: ModelConfig,
-                      kv_dtype: str = "float32") -> BlockHasher:
+                      kv_dtype: str = "float32", quantization: str = "auto") -> BlockHasher:
     """``token_ids → [hex key of each full block]`` (``kv_dtype``: the workers' resolved
-    KV dtype, part of the fingerprint)."""
-    fingerprint = model_fingerprint(model_config, kv_dtype)
+    KV dtype, and ``quantization``, part of the fingerprint)."""
+    fingerprint = model_fingerprint(model_config, kv_dtype, quantization)
 
     def block_keys(token_ids: list[int]) -> list[str]:
         return [k.hex() for k in compute_block_keys(token_ids, block_size, fingerprint)]

@@ -72,13 +72,15 @@ def _check_llama_cpp_fixes(arch: str, config: dict[str, Any]) -> None:
 
 
 def write_gguf(hf_dir: Path, path: Path, arch: str, *, eos_token: Optional[str] = None,
-               head_dim_rotated: Optional[int] = None, extra_tensor: Optional[str] = None
-               ) -> Path:
+               head_dim_rotated: Optional[int] = None, extra_tensor: Optional[str] = None,
+               matrices: str = "F32") -> Path:
     """``hf_dir`` as llama.cpp's convert script writes it, architecture ``arch``, its
     end-of-sequence token ``eos_token`` (tokenizer_config.json's by default: a Gemma file
-    names ``<eos>``); ``head_dim_rotated`` and ``extra_tensor`` make files Crescent must
-    refuse."""
+    names ``<eos>``), its matrices of GGML type ``matrices`` (quantized as llama.cpp's
+    quantize rounds them: Q8_0, Q4_0, ...); ``head_dim_rotated`` and ``extra_tensor`` make
+    files Crescent must refuse."""
     import gguf
+    from gguf.quants import quantize
     from safetensors.numpy import load_file
 
     config = json.loads((hf_dir / "config.json").read_text())
@@ -122,7 +124,13 @@ def write_gguf(hf_dir: Path, path: Path, arch: str, *, eos_token: Optional[str] 
             data = _permute(data, kv_heads)
         elif arch.startswith("gemma") and name.endswith("norm.weight"):
             data = data + 1.0
-        w.add_tensor(f"{table.get_name(base)}.{suffix}", np.ascontiguousarray(data))
+        data = np.ascontiguousarray(data)
+        if matrices != "F32" and data.ndim == 2:
+            kind = gguf.GGMLQuantizationType[matrices]
+            w.add_tensor(f"{table.get_name(base)}.{suffix}", quantize(data, kind),
+                         raw_dtype=kind)
+        else:
+            w.add_tensor(f"{table.get_name(base)}.{suffix}", data)
     if extra_tensor:
         w.add_tensor(extra_tensor, np.ones(config["hidden_size"], dtype=np.float32))
     w.write_header_to_file()

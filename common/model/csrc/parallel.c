@@ -113,3 +113,27 @@ void linear_f32_par(const float *x, const float *w, float *y, int64_t m, int64_t
     })
 }
 #endif
+
+#if defined(__AVX512F__)
+/* linear_q.c */
+void linear_q(const float *x, const uint8_t *codes, const float *params, float *y, int64_t m,
+              int64_t n, int64_t k, int64_t group, int64_t bits, int64_t n0, int64_t n1);
+
+/* As linear_f32_par: units of a tile by ``block`` rows (a tile's weights are made once a
+ * unit: at a prompt's rows, once per ``block`` of them). */
+void linear_q_par(const float *x, const uint8_t *codes, const float *params, float *y,
+                  int64_t m, int64_t n, int64_t k, int64_t group, int64_t bits, int64_t block,
+                  int64_t threads) {
+    const int64_t blocks = (m + block - 1) / block, tiles = (n + 63) / 64;
+    EACH(threads, {
+        int64_t first, last;
+        piece(tiles * blocks, 1, part, parts, &first, &last);
+        for (int64_t u = first; u < last; u++) {
+            const int64_t c = u / blocks * 64, r0 = u % blocks * block;
+            const int64_t rows = m - r0 < block ? m - r0 : block;
+            linear_q(x + r0 * k, codes, params, y + r0 * n, rows, n, k, group, bits, c,
+                     c + 64 < n ? c + 64 : n);
+        }
+    })
+}
+#endif

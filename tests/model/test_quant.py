@@ -1,0 +1,208 @@
+"""Quantized linears (common/model/quant.py, csrc/linear_q.c): every GGUF type the form
+takes gives gguf's own float32 weights; the kernel gives the float32 kernel's result on
+them bit for bit, each row alone whatever the batch; a GGUF's matrices stay quantized in
+the cache and the model, which answers as the expanded one did, logit for logit; a float
+checkpoint quantized at load keys its KV apart."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import ClusterConfig
+from common.engine import Engine, EngineConfig, EngineInputError
+from common.kv.block_keys import model_fingerprint
+from common.model import cpu_linear
+from common.model.decoder import Linear
+from common.model.quant import QuantizedWeight, from_gguf, gather, quantize
+from tests.model.gguf_files import write_family
+from tests.model.tiny_checkpoints import assert_decodes_as
+
+QUANT = cpu_linear.quant_kernel()
+F32 = cpu_linear.kernel(torch.float32)
+needs_kernels = pytest.mark.skipif(
+    QUANT is None or F32 is None, reason="the CPU quantized and float32 linear kernels did "
+    "not build (no C compiler or no AVX-512): quantized weights are expanded to float")
+# the float16 fields of each type's block (offsets): random bytes there could be NaN
+HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+          "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
+    """An [n, k] tensor of ``type_name`` as a GGUF holds it: random codes and scales."""
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    for at in HALVES[type_name]:
+        data[..., at:at + 2] = rng.normal(0, 0.05, (n, k // block, 1)).astype(
+            np.float16).view(np.uint8)
+    return data.reshape(n, -1)
+
+
+@pytest.mark.parametrize("type_name", list(HALVES))
+def test_each_type_gives_ggufs_own_float32_weights(type_name: str) -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    data = random_blocks(type_name, 6, 512, seed=len(type_name))
+    want = dequantize(data, GGMLQuantizationType[type_name]).reshape(6, 512)
+    got = from_gguf(data, type_name, (6, 512))
+    assert got is not None and got.shape == (6, 512)
+    assert got.bits == (4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    assert got.group == (16 if type_name == "Q6_K" else 32)
+    assert np.array_equal(got.dequantize().numpy(), want)  # bit for bit (0.0 == -0.0)
+
+
+def test_other_types_are_read_as_float() -> None:
+    assert from_gguf(np.zeros((2, 84 * 2), np.uint8), "Q2_K", (2, 512)) is None
+    assert from_gguf(np.zeros((2, 128), np.uint8), "F32", (2, 32)) is None
+
+
+def test_joined_rows_keep_every_weight_and_the_parts_round_trip() -> None:
+    """A layer's q/k/v of different types (a Q4_K_M file: Q6_K v beside Q4_K q and k) in
+    one matmul: the widest codes, the smallest group, the same floats."""
+    q = from_gguf(random_blocks("Q4_K", 8, 256, 1), "Q4_K", (8, 256))
+    v = from_gguf(random_blocks("Q6_K", 4, 256, 2), "Q6_K", (4, 256))
+    joined = QuantizedWeight.cat([q, v, q.rows(slice(0, 2))])
+    assert (joined.bits, joined.group, joined.shape) == (8, 16, (14, 256))
+    assert torch.equal(joined.dequantize(), torch.cat([q.dequantize(), v.dequantize(),
+                                                       q.dequantize()[:2]]))
+    back = gather({**q.flatten("a.weight"), **v.flatten("b.weight"), "c": torch.ones(2)})
+    assert set(back) == {"a.weight", "b.weight", "c"}
+    assert torch.equal(back["a.weight"].dequantize(), q.dequantize())
+    assert torch.equal(back["b.weight"].dequantize(), v.dequantize())
+
+
+def _expanded(weight: QuantizedWeight) -> cpu_linear.PackedLinear:
+    return cpu_linear.PackedLinear(F32, weight.dequantize(), torch.float32)
+
+
+@needs_kernels
+@pytest.mark.parametrize("type_name, n, k", [("Q4_0", 200, 96), ("Q8_0", 64, 64),
+                                             ("Q6_K", 130, 512), ("Q4_K", 576, 256),
+                                             ("Q5_1", 3, 160)])
+def test_the_kernel_is_the_float32_kernel_on_the_expanded_weights(type_name: str, n: int,
+                                                                  k: int) -> None:
+    """Bit for bit, at a decode step's rows (the fused way) and a prompt's (chunked),
+    every row the same alone, in any batch, on one thread or two."""
+    weight = from_gguf(random_blocks(type_name, n, k, seed=n), type_name, (n, k))
+    x = torch.randn(150, k, generator=torch.Generator().manual_seed(k))
+    quant, expanded = cpu_linear.QuantLinear(QUANT, weight), _expanded(weight)
+    alone = torch.cat([quant(x[i:i + 1]) for i in range(0, 150, 7)])
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for m in (1, 2, 3, 5, 6, 7, 13, 16, 17, 40, 150):
+                got = quant(x[:m])
+                assert torch.equal(got, expanded(x[:m])), (t, m)
+                assert torch.equal(got[::7], alone[:len(got[::7])]), (t, m)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernels
+def test_linear_runs_a_quantized_weight_on_the_kernel() -> None:
+    weight = quantize(torch.randn(96, 64), "q8_0")
+    bias = torch.randn(96)
+    linear = Linear(weight, bias=bias, dtype=torch.bfloat16)  # the kernel's float32 wins
+    assert isinstance(linear.native, cpu_linear.QuantLinear) and linear.weight is None
+    x = torch.randn(3, 64)
+    assert torch.equal(linear(x), _expanded(weight)(x) + bias)
+    unpacked = Linear(weight, pack=False)  # no kernel: expanded
+    assert unpacked.native is None and torch.equal(unpacked.weight, weight.dequantize())
+
+
+@pytest.fixture(scope="module")
+def quantized_llama(tmp_path_factory: pytest.TempPathFactory):
+    """A LLaMA GGUF whose matrices are Q8_0 (its q and k rows permuted, as the convert
+    script writes them), with a cache of its own; and transformers' model of the
+    checkpoint with each matrix rounded as the file's (row by row, as Q8_0 rounds)."""
+    path = tmp_path_factory.mktemp("q8")
+    hf, _, gguf = write_family("llama", path, matrices="Q8_0")
+    with torch.no_grad():
+        for param in hf.parameters():
+            if param.dim() == 2:
+                param.copy_(quantize(param, "q8_0").dequantize())
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("CRESCENT_CACHE_DIR", str(path / "cache"))
+        yield gguf, path / "cache", hf
+
+
+def _logits(engine: Engine, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """A prefill of each prompt, then greedy decode steps of them together: every row."""
+    from common.engine.config import DecodeInput
+
+    tables = [engine.pool.allocate(engine.blocks_needed(len(p) + steps)) for p in prompts]
+    seqs = [list(p) for p in prompts]
+    rows = [engine.prefill(p, t) for p, t in zip(prompts, tables)]
+    out = list(rows)
+    for _ in range(steps):
+        for row, seq in zip(rows, seqs):
+            seq.append(int(row.argmax()))
+        rows = list(engine.decode_step([DecodeInput(s[-1], len(s) - 1, t)
+                                        for s, t in zip(seqs, tables)]))
+        out += rows
+    for t in tables:
+        engine.pool.free(t)
+    return out
+
+
+def test_a_quantized_gguf_answers_as_its_expansion_logit_for_logit(quantized_llama) -> None:
+    """Kept quantized ("auto") or expanded ("none"): the same float32 logits, bit for
+    bit, on a prefill in chunks and batched decode steps, and transformers' on the
+    rounded checkpoint (the un-permuted q/k rows, the joined q/k/v, the tied LM head);
+    the cache holds the codes, not floats."""
+    gguf, cache, hf = quantized_llama
+    prompts = [[(7 * i + 3) % 300 for i in range(37)], [(5 * i + 1) % 300 for i in range(13)]]
+    got = {}
+    for mode in ("auto", "none"):
+        engine = Engine(EngineConfig(model=str(gguf), quantization=mode, num_blocks=96,
+                                     block_size=4, prefill_chunk=7))
+        kept = isinstance(engine.model.layers[0].wqkv.native, cpu_linear.QuantLinear)
+        assert kept == (mode == "auto" and QUANT is not None)
+        got[mode] = _logits(engine, prompts, steps=4)
+        assert_decodes_as(engine, hf, prompts, steps=4)
+    assert all(torch.equal(a, b) for a, b in zip(got["auto"], got["none"]))
+    (shards,) = [p for p in cache.iterdir() if p.is_dir()]
+    names = set()
+    for file in shards.glob("*.safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(str(file), "pt") as f:
+            names |= set(f.keys())
+    assert "model.layers.0.self_attn.q_proj.weight.q8codes" in names
+    assert "model.layers.0.self_attn.q_proj.weight" not in names
+
+
+def test_a_float_checkpoint_quantized_at_load_keys_its_kv_apart() -> None:
+    plain = Engine(EngineConfig(model="dummy-tiny", num_blocks=32))
+    q8 = Engine(EngineConfig(model="dummy-tiny", quantization="q8_0", num_blocks=32))
+    if QUANT is not None:
+        assert isinstance(q8.model.layers[0].w_down.native, cpu_linear.QuantLinear)
+        assert isinstance(q8.model.lm_head.native, cpu_linear.QuantLinear)
+    a, b = _logits(plain, [list(range(20))], 2), _logits(q8, [list(range(20))], 2)
+    assert all(torch.allclose(x, y, atol=0.05) and not torch.equal(x, y) for x, y in zip(a, b))
+    assert q8.fingerprint != plain.fingerprint  # its blocks are other bytes
+    assert q8.fingerprint == model_fingerprint(q8.model_config, "float32", "q8_0")
+    assert plain.fingerprint == model_fingerprint(plain.model_config, "float32", "none")
+
+
+def test_an_unknown_quantization_is_refused() -> None:
+    with pytest.raises(ValueError, match="quantization must be one of auto, none"):
+        ClusterConfig(quantization="int4")
+    with pytest.raises(EngineInputError, match="quantization must be one of"):
+        Engine(EngineConfig(model="dummy-tiny", quantization="int4"))
+
+
+def test_the_worker_passes_it_on(tmp_path: Path) -> None:
+    from common.worker import engine_config
+
+    config = ClusterConfig(quantization="q4_0")
+    assert engine_config(config, "decode").quantization == "q4_0"
+    assert engine_config(config, "prefill").quantization == "q4_0"
