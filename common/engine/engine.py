@@ -7,6 +7,7 @@ token each in one forward pass. Both write K/V into the caller's blocks.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from contextlib import contextmanager
@@ -34,6 +35,7 @@ from common.model.loader import ModelNotFoundError, load_model_source
 from common.model.quant import quantize_matrices
 from common.model.tokenizer import ByteTokenizer, Tokenizer
 
+log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LayerHookFn = Callable[[int, int, int], None]
 
@@ -71,6 +73,13 @@ def build_model(config: EngineConfig) -> Built:
                              quantized=config.quantization != "none")
     except ValueError as exc:
         raise EngineInputError(str(exc)) from exc
+    if model.expanded_quantized:
+        log.info("%s: %.2fB parameters of quantized matrices expanded to %s linears (%s); "
+                 "float32 linears on a CPU with AVX-512 keep them quantized", config.model,
+                 model.expanded_quantized / 1e9, config.linear_dtype or config.dtype,
+                 f"quantization {config.quantization}" if config.quantization == "none"
+                 else f"dtype {config.dtype}, linear_dtype {config.linear_dtype}, "
+                 f"device {config.device}")
     return model_config, model, tok_spec
 
 

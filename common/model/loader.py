@@ -108,8 +108,9 @@ def _read_shards(directory: str) -> dict[str, "torch.Tensor | QuantizedWeight"]:
 
 
 def _load_gguf_cached(path: str) -> ModelSource:
-    """The GGUF's weights dequantized, from the cache (a directory of safetensors shards
-    beside a JSON of its config and tokenizer), written first if missing."""
+    """The GGUF's weights as ``read_weights`` gives them, from the cache (a directory of
+    safetensors shards beside a JSON of its config and tokenizer), written first if
+    missing."""
     import shutil
     import tempfile
 

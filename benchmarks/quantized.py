@@ -1,0 +1,125 @@
+"""Quantized linears on the CPU (common/model/quant.py, csrc/linear_q.c), side by side with
+the float ones, on the default model (SmolLM2-135M, whose GGUF is Q4_1, its tied
+embeddings Q8_0):
+
+- ``quantized``: ``quantization = "auto"``, the file's codes on the quantized kernel;
+- ``f32``: ``"none"``, the weights expanded to float32 on Crescent's float32 kernel (what
+  every CPU worker ran before 2026-11-29: the same results, bit for bit);
+- ``bf16``: ``"none"`` with ``linear_dtype = "bfloat16"`` (``auto`` on a CPU with AVX-512
+  BF16): the expansion rounded to bfloat16 on the bfloat16 kernel.
+
+Then a LLaMA-3-8B-shaped model (``dummy-llama3-8b``, ``--big-layers`` of its layers and its
+LM head) quantized at load (``q8_0``, ``q4_0``) against float32. For each: decode steps
+(context ``--contexts``, batches ``--batches``; the least ms per step of ``--rounds``
+rounds, the variants in turn), a prompt's prefill (the least of the rounds), and the bytes
+of the weights each engine holds. One thread by default (a decode worker's on 2 cores).
+
+    python benchmarks/quantized.py [--batches 1,4,8,16,32] [--threads 1] [--big-layers 2]
+
+Prints the tables, then one JSON line (``--out`` writes it to a file too).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.decode_step import compare  # noqa: E402
+from common.engine import Engine, EngineConfig  # noqa: E402
+from common.model import cpu_linear  # noqa: E402
+
+SMALL = {"quantized": dict(quantization="auto"), "f32": dict(quantization="none"),
+         "bf16": dict(quantization="none", linear_dtype="bfloat16")}
+BIG_MODEL = "dummy-llama3-8b"
+BIG = {"q4_0": dict(quantization="q4_0"), "q8_0": dict(quantization="q8_0"),
+       "f32": dict(quantization="none")}
+
+
+def weight_bytes(engine: Engine) -> int:
+    """Bytes of the weights the engine's linears (as packed) and embeddings hold."""
+    model, total = engine.model, 0
+    linears = [model.lm_head] + [getattr(lw, name) for lw in model.layers
+                                 for name in ("wqkv", "wo", "w_gate_up", "w_down")]
+    for linear in linears:
+        native = linear.native
+        parts = ([native.codes, native.params] if isinstance(native, cpu_linear.QuantLinear)
+                 else [native.packed] if native is not None
+                 else [t for t in (linear.packed, linear.weight) if t is not None])
+        total += sum(t.nbytes for t in parts if isinstance(t, torch.Tensor))
+    embed = model.embed  # the lookup's own (a tied LM head packs a copy)
+    if embed is not None:
+        total += (embed.nbytes if isinstance(embed, torch.Tensor)
+                  else embed.codes.nbytes + embed.scale.nbytes + embed.offset.nbytes)
+    return total
+
+
+def prefill_s(engine: Engine, tokens: int, rounds: int) -> float:
+    prompt = [(7 * i + 11) % (engine.model_config.vocab_size - 10) + 5 for i in range(tokens)]
+    table = engine.pool.allocate(engine.blocks_needed(tokens))
+    best = float("inf")
+    try:
+        for _ in range(rounds):
+            started = time.perf_counter()
+            engine.prefill(prompt, table)
+            best = min(best, time.perf_counter() - started)
+    finally:
+        engine.pool.free(table)
+    return best
+
+
+def run(model: str, variants: dict[str, dict], args: argparse.Namespace,
+        layers: int | None = None) -> dict:
+    def make(name: str, blocks: int) -> Engine:
+        return Engine(EngineConfig(model=model, num_layers=layers, kv_dtype="bfloat16",
+                                   num_blocks=blocks, **variants[name]))
+
+    engines: dict[str, Engine] = {}
+
+    def made(name: str, blocks: int) -> Engine:
+        engines[name] = make(name, blocks)
+        return engines[name]
+
+    print(f"\n{model}" + (f", {layers} layers" if layers else "") + ": ms per decode step")
+    steps = compare(args, made, variants)
+    prefill = {name: round(prefill_s(e, args.prompt, args.rounds), 3)
+               for name, e in engines.items()}
+    sizes = {name: round(weight_bytes(e) / 2**20, 1) for name, e in engines.items()}
+    print(f"{'':>14}" + "".join(f"{n:>20}" for n in engines))
+    print(f"{f'prefill {args.prompt} s':>14}" + "".join(f"{prefill[n]:>20.3f}" for n in engines))
+    print(f"{'weights MiB':>14}" + "".join(f"{sizes[n]:>20.1f}" for n in engines))
+    return {"steps_ms": steps, f"prefill_{args.prompt}_s": prefill, "weights_mib": sizes}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", default="600")
+    ap.add_argument("--batches", default="1,4,8,16,32")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=512, help="tokens of the timed prefill")
+    ap.add_argument("--threads", type=int, default=1, help="torch's (the kernels split on them)")
+    ap.add_argument("--big-layers", type=int, default=2,
+                    help=f"layers of {BIG_MODEL} (0: skip it)")
+    ap.add_argument("--out", help="also write the JSON line here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if cpu_linear.quant_kernel() is None:
+        sys.exit("the quantized kernel does not run on this CPU (no compiler or no AVX-512)")
+    result = {"threads": args.threads, "smollm2-135m": run("smollm2-135m", SMALL, args)}
+    if args.big_layers:
+        big_args = argparse.Namespace(**{**vars(args), "batches": "1,8"})
+        result[BIG_MODEL] = run(BIG_MODEL, BIG, big_args, args.big_layers)
+    line = json.dumps(result)
+    print(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
