@@ -27,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.engine import DecodeInput, Engine, EngineConfig  # noqa: E402
 
+# the file's Q4_1 weights expanded to float in every variant (benchmarks/quantized.py
+# compares them kept quantized)
 VARIANTS = {"sdpa/f32-onednn": dict(attention_backend="sdpa"),
             "kernel/f32-onednn": dict(attention_backend="cpu"),
             "kernel/f32": dict(attention_backend="cpu"),
@@ -42,7 +44,8 @@ def make_engine(name: str, blocks: int) -> Engine:
     os.environ["CRESCENT_CPU_LINEAR"] = "0" if name in ONEDNN else "1"
     os.environ["CRESCENT_LM_HEAD_NATIVE"] = "0" if name in F32_HEAD else "1"
     try:
-        return Engine(EngineConfig(kv_dtype="bfloat16", num_blocks=blocks, **VARIANTS[name]))
+        return Engine(EngineConfig(kv_dtype="bfloat16", num_blocks=blocks, quantization="none",
+                                   **VARIANTS[name]))
     finally:
         del os.environ["CRESCENT_CPU_LINEAR"], os.environ["CRESCENT_LM_HEAD_NATIVE"]
 

@@ -89,6 +89,7 @@ def calibration_key(engine: Engine, phase: str, budget: int) -> dict:
     return {"version": VERSION, "phase": phase, "machine": machine_name(c.device),
             "device": c.device, "model": c.model, "dtype": c.dtype,
             "linear_dtype": c.linear_dtype, "kv_dtype": c.kv_dtype,
+            "quantized": engine.model.kept_quantized > 0,
             "threads": torch.get_num_threads() if c.device == "cpu" else 0,
             "block_size": c.block_size, "chunk_align": c.chunk_align,
             "attention": _attention_name(engine),

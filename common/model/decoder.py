@@ -226,6 +226,7 @@ class _Checkpoint:
     linear_dtype: Optional[torch.dtype] = None  # the linears multiply in it (Linear)
     quantized: bool = True  # quantized linears stay so where they can (``matrix``)
     expanded: int = 0  # parameters of quantized matrices ``matrix`` expanded to float
+    kept: int = 0  # and of those it kept quantized
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weights:
@@ -247,6 +248,7 @@ class _Checkpoint:
         if (self.quantized and self.device.type == "cpu" and self.dtype is torch.float32
                 and self.linear_dtype in (None, torch.float32)
                 and cpu_linear.quant_kernel() is not None):
+            self.kept += weight.shape[0] * weight.shape[1]
             return weight
         self.expanded += weight.shape[0] * weight.shape[1]
         return self.get(name)
@@ -312,7 +314,8 @@ class DecoderModel:
                                              config.local_rope_scaling)
         self.inv_freqs = {kind: f.to(self.device) for kind, f in freqs.items()}
         self.layers = [self._layer(read, l, pack_weights) for l in self.layer_range]
-        self.expanded_quantized = read.expanded  # quantized parameters held as floats
+        # parameters of quantized matrices held as floats, and held quantized
+        self.expanded_quantized, self.kept_quantized = read.expanded, read.kept
         if fused is None:
             fused = self.device.type == "cuda" and triton_ops.available()
         self.ops = TritonOps if fused else TorchOps

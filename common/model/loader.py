@@ -147,7 +147,30 @@ def _load_gguf_cached(path: str) -> ModelSource:
         os.replace(tmp + ".json", base + ".json")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _drop_stale(path, base)
     return config, _read_shards(base), tok
+
+
+def _drop_stale(path: str, base: str) -> None:
+    """Remove what earlier versions (or earlier contents of the file) cached from ``path``
+    beside ``base``, the cache just written: an upgrade would otherwise keep every old
+    copy (the default model's float32 one took 538 MB)."""
+    import shutil
+
+    for meta in glob.glob(os.path.join(os.path.dirname(base), "gguf-*.json")):
+        stem = meta.removesuffix(".json")
+        if stem == base:
+            continue
+        try:
+            with open(meta) as f:
+                if json.load(f).get("source") != path:
+                    continue
+            os.remove(meta)  # first: a cache without its JSON is never read
+        except (OSError, ValueError):
+            continue
+        shutil.rmtree(stem, ignore_errors=True)
+        for old in glob.glob(stem + ".*safetensors"):  # before v4: one file
+            os.remove(old)
 
 
 def _write_shards(tensors: Iterable[tuple[str, "torch.Tensor | QuantizedWeight"]],

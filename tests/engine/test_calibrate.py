@@ -98,12 +98,16 @@ def test_a_damaged_or_foreign_cache_file_is_measured_again(
         assert machine_cost(engine, ["prefill"], 64).prefill == PrefillCoefficients(c0=7.0)
 
 
-def test_key_names_what_changes_the_time(engine: Engine) -> None:
+def test_key_names_what_changes_the_time(engine: Engine,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     key = calibration_key(engine, "decode", 256)
     assert key["machine"] and key["model"] == "dummy-tiny" and key["threads"] >= 1
     assert {"dtype", "linear_dtype", "kv_dtype", "chunk_align", "version"} <= set(key)
     assert key["budget"] == 0  # a decode step does not depend on the prefill budget
     assert calibration_key(engine, "prefill", 256)["budget"] == 256
+    assert key["quantized"] is False  # a float model's; quantized linears are re-measured
+    monkeypatch.setattr(engine.model, "kept_quantized", 1)
+    assert calibration_key(engine, "decode", 256)["quantized"] is True
 
 
 def test_workers_starting_together_measure_once(engine: Engine, cache: Path,

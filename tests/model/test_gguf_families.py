@@ -141,3 +141,29 @@ def test_the_cache_is_written_in_shards_once_and_read_back(tmp_path: Path,
     monkeypatch.setenv("CRESCENT_CACHE_DIR", str(tmp_path / "file" / "cache"))
     _, got, _ = loader._load_gguf_cached(str(path))
     assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_a_cold_load_drops_what_older_versions_cached_from_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A v4 directory and a pre-v4 file cached from the same path go; another file's
+    cache stays."""
+    import json
+
+    from common.model import loader
+
+    path = write_family("qwen3", tmp_path / "m")[2]
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CRESCENT_CACHE_DIR", str(cache))
+    cache.mkdir()
+    for stem, source, shards in (("gguf-old4", str(path), True), ("gguf-old2", str(path), False),
+                                 ("gguf-other", str(tmp_path / "x.gguf"), True)):
+        (cache / f"{stem}.json").write_text(json.dumps({"source": source}))
+        if shards:
+            (cache / stem).mkdir()
+            (cache / stem / "00000.safetensors").write_bytes(b"x")
+        else:
+            (cache / f"{stem}.safetensors").write_bytes(b"x")
+    loader._load_gguf_cached(str(path))
+    left = sorted(p.name for p in cache.iterdir())
+    assert [n for n in left if "old" in n] == []
+    assert {"gguf-other", "gguf-other.json"} <= set(left) and len(left) == 4

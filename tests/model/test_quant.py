@@ -180,6 +180,19 @@ def test_a_quantized_gguf_answers_as_its_expansion_logit_for_logit(quantized_lla
     assert "model.layers.0.self_attn.q_proj.weight" not in names
 
 
+def test_bfloat16_linears_take_the_expansion(quantized_llama) -> None:
+    """Where the linears multiply in bfloat16 (faster there at 8 rows and more) the
+    matrices are expanded, and counted for the worker's log."""
+    gguf = quantized_llama[0]
+    bf16 = Engine(EngineConfig(model=str(gguf), linear_dtype="bfloat16", num_blocks=16))
+    assert not isinstance(bf16.model.layers[0].wqkv.native, cpu_linear.QuantLinear)
+    assert bf16.model.kept_quantized == 0 and bf16.model.expanded_quantized > 0
+    f32 = Engine(EngineConfig(model=str(gguf), num_blocks=16))
+    if QUANT is not None:
+        assert f32.model.expanded_quantized == 0
+        assert f32.model.kept_quantized == bf16.model.expanded_quantized
+
+
 def test_a_float_checkpoint_quantized_at_load_keys_its_kv_apart() -> None:
     plain = Engine(EngineConfig(model="dummy-tiny", num_blocks=32))
     q8 = Engine(EngineConfig(model="dummy-tiny", quantization="q8_0", num_blocks=32))
