@@ -1,18 +1,25 @@
-"""Quantized linears on the CPU (common/model/quant.py, csrc/linear_q.c), side by side with
-the float ones, on the default model (SmolLM2-135M, whose GGUF is Q4_1, its tied
-embeddings Q8_0):
+"""Quantized linears on the CPU (common/model/quant.py, csrc/linear_q.c, csrc/linear_int8.c),
+side by side with the float ones, on the default model (SmolLM2-135M, whose GGUF is Q4_1,
+its tied embeddings Q8_0):
 
-- ``quantized``: ``quantization = "auto"``, the file's codes on the quantized kernel;
+- ``quantized``: ``quantization = "auto"``, the file's codes on the quantized kernel,
+  float32 inputs;
+- ``int8``: the same codes, ``linear_dtype = "int8"``: inputs rounded to int8 per group,
+  integer dot products (llama.cpp's way);
 - ``f32``: ``"none"``, the weights expanded to float32 on Crescent's float32 kernel (what
-  every CPU worker ran before 2026-11-29: the same results, bit for bit);
+  every CPU worker ran before 2026-11-29: the same results as ``quantized``, bit for bit);
 - ``bf16``: ``"none"`` with ``linear_dtype = "bfloat16"`` (``auto`` on a CPU with AVX-512
   BF16): the expansion rounded to bfloat16 on the bfloat16 kernel.
 
+For each: decode steps (context ``--contexts``, batches ``--batches``; the least ms per
+step of ``--rounds`` rounds, the variants in turn), a prompt's prefill (the least of the
+rounds), the bytes of the weights each engine holds, and how far its next-token
+distributions are from float32's (``f32``) over 512 positions of README.md fed one step at
+a time (8 sequences of 64): the mean KL divergence and how often the top token agrees.
 Then a LLaMA-3-8B-shaped model (``dummy-llama3-8b``, ``--big-layers`` of its layers and its
-LM head) quantized at load (``q8_0``, ``q4_0``) against float32. For each: decode steps
-(context ``--contexts``, batches ``--batches``; the least ms per step of ``--rounds``
-rounds, the variants in turn), a prompt's prefill (the least of the rounds), and the bytes
-of the weights each engine holds. One thread by default (a decode worker's on 2 cores).
+LM head, random weights) quantized at load (``q8_0``, ``q4_0``) against float32 and
+bfloat16 (steps, prefill and bytes only). One thread by default (a decode worker's on 2
+cores).
 
     python benchmarks/quantized.py [--batches 1,4,8,16,32] [--threads 1] [--big-layers 2]
 
@@ -34,11 +41,16 @@ from benchmarks.decode_step import compare  # noqa: E402
 from common.engine import Engine, EngineConfig  # noqa: E402
 from common.model import cpu_linear  # noqa: E402
 
-SMALL = {"quantized": dict(quantization="auto"), "f32": dict(quantization="none"),
+SMALL = {"quantized": dict(quantization="auto"),
+         "int8": dict(quantization="auto", linear_dtype="int8"),
+         "f32": dict(quantization="none"),
          "bf16": dict(quantization="none", linear_dtype="bfloat16")}
 BIG_MODEL = "dummy-llama3-8b"
-BIG = {"q4_0": dict(quantization="q4_0"), "q8_0": dict(quantization="q8_0"),
-       "f32": dict(quantization="none")}
+BIG = {"q4_0": dict(quantization="q4_0"), "q4_0/int8": dict(quantization="q4_0",
+                                                            linear_dtype="int8"),
+       "q8_0/int8": dict(quantization="q8_0", linear_dtype="int8"),
+       "f32": dict(quantization="none"), "bf16": dict(linear_dtype="bfloat16")}
+REFERENCE = "f32"  # the distributions the others are compared with
 
 
 def weight_bytes(engine: Engine) -> int:
@@ -73,8 +85,41 @@ def prefill_s(engine: Engine, tokens: int, rounds: int) -> float:
     return best
 
 
+def next_token_logprobs(engine: Engine, text: str, sequences: int = 8,
+                        length: int = 64) -> torch.Tensor:
+    """[sequences * length, vocab] log-probabilities of each next token of ``text``'s
+    first ``sequences * length`` tokens, cut into ``sequences`` fed one step at a time
+    together (the decode path)."""
+    from common.engine.config import DecodeInput
+
+    ids = engine.encode(text)[:sequences * length]
+    cuts = [ids[i * length:(i + 1) * length] for i in range(sequences)]
+    tables = [engine.pool.allocate(engine.blocks_needed(length)) for _ in cuts]
+    rows = []
+    try:
+        for p in range(length):
+            step = [DecodeInput(cut[p], p, table) for cut, table in zip(cuts, tables)]
+            rows.append(torch.log_softmax(engine.decode_step(step).float(), -1))
+    finally:
+        for table in tables:
+            engine.pool.free(table)
+    return torch.stack(rows, 1).flatten(0, 1)
+
+
+def fidelity(engines: dict[str, Engine]) -> dict[str, dict[str, float]]:
+    """Each engine's mean KL(``REFERENCE`` || it) and top-1 agreement over README.md."""
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "README.md")) as f:
+        text = f.read()
+    logprobs = {name: next_token_logprobs(e, text) for name, e in engines.items()}
+    ref = logprobs[REFERENCE]
+    return {name: {"kl": float((ref.exp() * (ref - lp)).sum(-1).mean()),
+                   "top1_agree": float((ref.argmax(-1) == lp.argmax(-1)).float().mean())}
+            for name, lp in logprobs.items() if name != REFERENCE}
+
+
 def run(model: str, variants: dict[str, dict], args: argparse.Namespace,
-        layers: int | None = None) -> dict:
+        layers: int | None = None, compare_tokens: bool = True) -> dict:
     def make(name: str, blocks: int) -> Engine:
         return Engine(EngineConfig(model=model, num_layers=layers, kv_dtype="bfloat16",
                                    num_blocks=blocks, **variants[name]))
@@ -93,7 +138,14 @@ def run(model: str, variants: dict[str, dict], args: argparse.Namespace,
     print(f"{'':>14}" + "".join(f"{n:>20}" for n in engines))
     print(f"{f'prefill {args.prompt} s':>14}" + "".join(f"{prefill[n]:>20.3f}" for n in engines))
     print(f"{'weights MiB':>14}" + "".join(f"{sizes[n]:>20.1f}" for n in engines))
-    return {"steps_ms": steps, f"prefill_{args.prompt}_s": prefill, "weights_mib": sizes}
+    result = {"steps_ms": steps, f"prefill_{args.prompt}_s": prefill, "weights_mib": sizes}
+    if compare_tokens:
+        near = result[f"kl_top1_vs_{REFERENCE}"] = fidelity(engines)
+        print(f"{f'KL vs {REFERENCE}':>14}" + "".join(
+            f"{near[n]['kl'] if n in near else 0:>20.2e}" for n in engines))
+        print(f"{'top-1 agrees':>14}" + "".join(
+            f"{near[n]['top1_agree'] if n in near else 1:>20.3f}" for n in engines))
+    return result
 
 
 def main() -> None:
@@ -113,7 +165,8 @@ def main() -> None:
     result = {"threads": args.threads, "smollm2-135m": run("smollm2-135m", SMALL, args)}
     if args.big_layers:
         big_args = argparse.Namespace(**{**vars(args), "batches": "1,8"})
-        result[BIG_MODEL] = run(BIG_MODEL, BIG, big_args, args.big_layers)
+        result[BIG_MODEL] = run(BIG_MODEL, BIG, big_args, args.big_layers,
+                                compare_tokens=False)  # random weights: no text to read
     line = json.dumps(result)
     print(line)
     if args.out:

@@ -113,6 +113,9 @@ class ClusterConfig:
     # The dtype a decode or colocated worker's linears multiply in (weights stored in it;
     # norms, attention, residual in ``dtype``). None: ``dtype``. "auto": bfloat16 where the
     # CPU computes it natively and dtype is float32 (common/model/decoder.py Linear).
+    # "int8": a quantized model's codes times its inputs rounded to int8 per group, as
+    # llama.cpp multiplies (csrc/linear_int8.c, where AVX-512 VNNI is; float matrices
+    # multiply in float32): the fastest, other answers (docs/models.md)
     linear_dtype: Optional[str] = None
     # A model's quantized linears (common/model/quant.py; decode CPU steps of the default
     # model: BENCHMARKS.md, "Quantized linears"): "auto" keeps a GGUF's Q4_0 ... Q6_K
@@ -214,10 +217,12 @@ class ClusterConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not "
                              f"{self.quantization!r}")
-        for name in ("prefill_dtype", "linear_dtype"):
-            if getattr(self, name) not in (None, "auto", "float32", "bfloat16", "float16"):
-                raise ValueError(f"{name} must be auto, float32, bfloat16 or float16, not "
-                                 f"{getattr(self, name)!r}")
+        if self.prefill_dtype not in (None, "auto", "float32", "bfloat16", "float16"):
+            raise ValueError("prefill_dtype must be auto, float32, bfloat16 or float16, not "
+                             f"{self.prefill_dtype!r}")
+        if self.linear_dtype not in (None, "auto", "float32", "bfloat16", "float16", "int8"):
+            raise ValueError("linear_dtype must be auto, float32, bfloat16, float16 or int8, "
+                             f"not {self.linear_dtype!r}")
         if not isinstance(self.routers, int) or isinstance(self.routers, bool) \
                 or self.routers < 1:
             raise ValueError(f"routers must be a positive integer, not {self.routers!r}")

@@ -37,6 +37,9 @@ from common.model.tokenizer import ByteTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# what linears may multiply in: int8, a quantized model's codes times its inputs rounded
+# to int8 (common/model/decoder.py Linear)
+_LINEAR_DTYPES = {**_DTYPES, "int8": torch.int8}
 LayerHookFn = Callable[[int, int, int], None]
 
 
@@ -68,7 +71,7 @@ def build_model(config: EngineConfig) -> Built:
             weights = quantize_matrices(weights, config.quantization, layers)
         model = DecoderModel(model_config, weights, _DTYPES[config.dtype],
                              torch.device(config.device), layers=layers,
-                             linear_dtype=_DTYPES[config.linear_dtype]
+                             linear_dtype=_LINEAR_DTYPES[config.linear_dtype]
                              if config.linear_dtype else None,
                              quantized=config.quantization != "none")
     except ValueError as exc:
@@ -94,9 +97,11 @@ def prebuild(config: EngineConfig) -> None:
 
 class Engine:
     def __init__(self, config: EngineConfig):
-        for name in (config.dtype, config.linear_dtype or config.dtype):
-            if name not in _DTYPES:
-                raise EngineInputError(f"unknown dtype {name!r} ({sorted(_DTYPES)})")
+        if config.dtype not in _DTYPES:
+            raise EngineInputError(f"unknown dtype {config.dtype!r} ({sorted(_DTYPES)})")
+        if (config.linear_dtype or config.dtype) not in _LINEAR_DTYPES:
+            raise EngineInputError(f"unknown linear_dtype {config.linear_dtype!r} "
+                                   f"({sorted(_LINEAR_DTYPES)})")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config

@@ -82,26 +82,35 @@ class PackedLinear:
 
 
 class QuantLinear:
-    """y = x W^T, ``weight`` quantized (common/model/quant.py), packed for csrc/linear_q.c:
-    codes as [N / 64, K, 64] bytes, or [N / 64, K, 32] of two nibbles (output j low,
-    j + 32 high); scales and offsets as [N / 64, K / group, 2, 64] float32; N padded to
-    tiles of 64 with zero rows (code, scale and offset 0)."""
+    """y = x W^T, ``weight`` quantized (common/model/quant.py), packed for csrc/linear_q.c
+    (float32 inputs) or, with ``int8``, for csrc/linear_int8.c (inputs rounded to int8).
+    linear_q.c: codes as [N / 64, K, 64] bytes, or [N / 64, K, 32] of two nibbles
+    (output j low, j + 32 high). linear_int8.c: codes as [N / 64, K / 4, 64, 4] bytes, or
+    [N / 64, K / 4, 2, 64] of two nibbles (see its top). Both: scales and offsets as
+    [N / 64, K / group, 2, 64] float32; N padded to tiles of 64 with zero rows (code,
+    scale and offset 0)."""
 
     # rows a unit of a thread: a unit makes its tile's weights once (csrc/linear_q.c), so
     # more rows than the float32 kernel's ROW_BLOCK
     ROW_BLOCK = 96
 
-    def __init__(self, fn: ctypes._CFuncPtr, weight: QuantizedWeight):
+    def __init__(self, fn: ctypes._CFuncPtr, weight: QuantizedWeight, int8: bool = False):
         n, k = weight.shape
         self.fn, self.out_features, self.in_features = fn, n, k
-        self.bits, self.group = weight.bits, weight.group
-        self.dtype = torch.float32  # what x is rounded to (none: it is float32)
+        self.bits, self.group, self.int8 = weight.bits, weight.group, int8
+        self.dtype = torch.int8 if int8 else torch.float32  # what the inputs are made
         tiles = -(-n // TILE)
         codes = torch.zeros(tiles * TILE, k, dtype=torch.uint8)
         codes[:n] = weight.unpacked_codes()
-        codes = codes.view(tiles, TILE, k).transpose(1, 2)
-        if self.bits == 4:
-            codes = codes[..., :TILE // 2] | (codes[..., TILE // 2:] << 4)
+        if int8:  # [tiles, quads, 64, 4]; 4 bits: outputs 16-31 of each half high
+            codes = codes.view(tiles, TILE, k // 4, 4).transpose(1, 2)
+            if self.bits == 4:
+                halves = codes.reshape(tiles, k // 4, 2, 2, 16, 4)
+                codes = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)
+        else:  # [tiles, k, 64]; 4 bits: outputs 32-63 high
+            codes = codes.view(tiles, TILE, k).transpose(1, 2)
+            if self.bits == 4:
+                codes = codes[..., :TILE // 2] | (codes[..., TILE // 2:] << 4)
         self.codes = codes.contiguous()
         params = torch.zeros(2, tiles * TILE, k // self.group)
         params[0, :n], params[1, :n] = weight.scale, weight.offset
@@ -112,30 +121,57 @@ class QuantLinear:
         x = x.to(torch.float32).contiguous()
         m, n, k = x.shape[0], self.out_features, self.in_features
         y = torch.empty(m, n, dtype=torch.float32)
-        units = -(-n // TILE) * -(-m // self.ROW_BLOCK)
-        self.fn(x.data_ptr(), self.codes.data_ptr(), self.params.data_ptr(), y.data_ptr(),
-                m, n, k, self.group, self.bits, self.ROW_BLOCK, native.threads(units))
+        threads = native.threads(-(-n // TILE) * -(-m // self.ROW_BLOCK))
+        if self.int8:  # scratch: the rounded inputs (int8), then their d and s (float32)
+            rounded = -(-m * k // 64) * 64
+            scratch = torch.empty(rounded + 8 * m * (k // self.group), dtype=torch.uint8)
+            q = scratch.data_ptr()
+            d = q + rounded
+            self.fn(x.data_ptr(), q, d, d + 4 * m * (k // self.group), self.codes.data_ptr(),
+                    self.params.data_ptr(), y.data_ptr(), m, n, k, self.group, self.bits,
+                    self.ROW_BLOCK, threads)
+        else:
+            self.fn(x.data_ptr(), self.codes.data_ptr(), self.params.data_ptr(),
+                    y.data_ptr(), m, n, k, self.group, self.bits, self.ROW_BLOCK, threads)
         return y
 
 
-def quant_kernel() -> Optional[ctypes._CFuncPtr]:
-    """csrc/linear_q.c's entry point; None where absent (no compiler, no AVX-512), off
-    (``CRESCENT_CPU_LINEAR=0``) or failing its check: a quantized linear is then
-    expanded to float (common/model/decoder.py)."""
+def int8_reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """What csrc/linear_int8.c computes, in float64 from the same rounded inputs (its
+    only other rounding: float32 sums, in its order)."""
+    m, k = x.shape
+    n, group = weight.shape[0], weight.group
+    xg = x.float().view(m, k // group, group)
+    d = xg.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(xg * inv[..., None]).double()
+    codes = weight.unpacked_codes().double().view(n, k // group, group)
+    sums = torch.einsum("mgi,ngi->mng", q, codes)
+    return ((sums * weight.scale.double()[None] * d.double()[:, None]).sum(-1)
+            + (weight.offset.double()[None] * xg.double().sum(-1)[:, None]).sum(-1))
+
+
+def quant_kernel(int8: bool = False) -> Optional[ctypes._CFuncPtr]:
+    """The quantized kernel's entry point: csrc/linear_q.c's (float32 inputs) or, with
+    ``int8``, csrc/linear_int8.c's; None where absent (no compiler, no AVX-512, for int8
+    no AVX-512 VNNI), off (``CRESCENT_CPU_LINEAR=0``) or failing its check: a quantized
+    linear then takes the other kernel or is expanded to float (common/model/decoder.py)."""
     if os.environ.get("CRESCENT_CPU_LINEAR", "1") == "0":
         return None
-    return _checked_quant()
+    return _checked_quant(int8)
 
 
 @functools.cache
-def _checked_quant() -> Optional[ctypes._CFuncPtr]:
-    """The entry point, checked against torch on the expanded weights (4- and 8-bit
-    codes, groups of 16 and 32, a partial tile, rows the fused and the chunked way)."""
+def _checked_quant(int8: bool) -> Optional[ctypes._CFuncPtr]:
+    """The entry point, checked against torch (4- and 8-bit codes, groups of 16 and 32, a
+    partial tile, a decode step's rows and a prompt's): on the expanded weights, or for
+    int8 against ``int8_reference``."""
     lib = native.library()
-    fn = getattr(lib, "linear_q_par", None) if lib is not None else None
+    name, arguments = ("linear_int8_par", 7) if int8 else ("linear_q_par", 4)
+    fn = getattr(lib, name, None) if lib is not None else None
     if fn is None:
         return None
-    fn.argtypes = [_P, _P, _P, _P, *[_I64] * 7]
+    fn.argtypes = [*[_P] * arguments, *[_I64] * 7]
     fn.restype = None
     g = torch.Generator().manual_seed(0)
     for bits, group in ((4, 32), (8, 16)):
@@ -145,12 +181,14 @@ def _checked_quant() -> Optional[ctypes._CFuncPtr]:
             torch.rand(n, k // group, generator=g) / 64,
             torch.randn(n, k // group, generator=g) / 8, bits)
         x = torch.randn(21, k, generator=g)
-        for rows in (x[:3], x):  # the fused way, the chunked way
-            got = QuantLinear(fn, weight)(rows)
-            err = (got - F.linear(rows, weight.dequantize())).abs().max().item()
+        for rows in (x[:3], x):
+            got = QuantLinear(fn, weight, int8)(rows)
+            want = (int8_reference(rows, weight).float() if int8
+                    else F.linear(rows, weight.dequantize()))
+            err = (got - want).abs().max().item()
             if not err < 1e-4:
-                log.warning("the CPU quantized linear differs from torch's by %.3g: "
-                            "quantized weights are expanded to float instead", err)
+                log.warning("the CPU quantized linear (%s) differs from torch's by %.3g: "
+                            "not used", name, err)
                 return None
     return fn
 

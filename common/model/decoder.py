@@ -57,9 +57,11 @@ class Linear:
     ones of a float32 model on a CPU with AVX-512 BF16 (oneDNN's small-M bfloat16 path
     read them at 7-8 GB/s where the core streams 18).
 
-    A ``QuantizedWeight`` runs on the quantized kernel there (float32 out, ``dtype``
-    ignored: it reads fewer bytes than bfloat16 and rounds nothing); elsewhere it is
-    expanded to float32 first.
+    A ``QuantizedWeight`` runs on a quantized kernel there: with ``dtype`` int8 its
+    inputs rounded to int8 (csrc/linear_int8.c, where AVX-512 VNNI is), else float32
+    ones (csrc/linear_q.c; it reads fewer bytes than bfloat16 and rounds nothing);
+    elsewhere it is expanded to float32 first. A float weight with ``dtype`` int8
+    multiplies in its own dtype.
     """
 
     BATCH_HINT = 32  # oneDNN picks its blocking for this M; any M works
@@ -72,13 +74,18 @@ class Linear:
         change greedy answers)."""
         self.out_features, self.in_features = weight.shape
         self.native: Optional[cpu_linear.PackedLinear | cpu_linear.QuantLinear] = None
+        int8 = dtype is torch.int8  # only quantized weights multiply in int8
+        if int8:
+            dtype = None
+        if is_quantized(weight) and pack:
+            for kind in (True, False) if int8 else (False,):
+                fn = cpu_linear.quant_kernel(kind)
+                if fn is not None:
+                    self.native, self.bias = cpu_linear.QuantLinear(fn, weight, kind), bias
+                    self.cast = self.weight = self.packed = None
+                    self.pad_single_row = False
+                    return
         if is_quantized(weight):
-            fn = cpu_linear.quant_kernel() if pack else None
-            if fn is not None:
-                self.native, self.bias = cpu_linear.QuantLinear(fn, weight), bias
-                self.cast = self.weight = self.packed = None
-                self.pad_single_row = False
-                return
             weight = weight.dequantize()
         # Crescent's kernels, where they run: bfloat16 multiplies of a float32 (or other)
         # weight, and float32 ones of a float32 weight
@@ -246,7 +253,7 @@ class _Checkpoint:
         if not is_quantized(weight):
             return self.get(name)
         if (self.quantized and self.device.type == "cpu" and self.dtype is torch.float32
-                and self.linear_dtype in (None, torch.float32)
+                and self.linear_dtype in (None, torch.float32, torch.int8)
                 and cpu_linear.quant_kernel() is not None):
             self.kept += weight.shape[0] * weight.shape[1]
             return weight

@@ -21,6 +21,7 @@ from tests.model.gguf_files import write_family
 from tests.model.tiny_checkpoints import assert_decodes_as
 
 QUANT = cpu_linear.quant_kernel()
+INT8 = cpu_linear.quant_kernel(int8=True)
 F32 = cpu_linear.kernel(torch.float32)
 needs_kernels = pytest.mark.skipif(
     QUANT is None or F32 is None, reason="the CPU quantized and float32 linear kernels did "
@@ -106,6 +107,34 @@ def test_the_kernel_is_the_float32_kernel_on_the_expanded_weights(type_name: str
         torch.set_num_threads(threads)
 
 
+@pytest.mark.skipif(INT8 is None, reason="the CPU int8 linear kernel did not build (no C "
+                    "compiler or no AVX-512 VNNI): linear_dtype int8 multiplies in float32")
+@pytest.mark.parametrize("type_name, n, k", [("Q4_0", 200, 96), ("Q8_0", 64, 64),
+                                             ("Q6_K", 130, 512), ("Q4_K", 576, 256)])
+def test_int8_inputs_give_the_reference_and_each_row_alone(type_name: str, n: int,
+                                                           k: int) -> None:
+    """csrc/linear_int8.c: its inputs rounded per group as ``int8_reference`` rounds them,
+    exact integer sums, float32 only at each group's end; a row the same alone, in any
+    batch, on one thread or two."""
+    weight = from_gguf(random_blocks(type_name, n, k, seed=n), type_name, (n, k))
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(k))
+    x[3, :16] = 0.0  # a group of zeros (its scale 0)
+    linear = cpu_linear.QuantLinear(INT8, weight, int8=True)
+    alone = torch.cat([linear(x[i:i + 1]) for i in range(40)])
+    want = cpu_linear.int8_reference(x, weight)
+    assert (alone.double() - want).abs().max() < 1e-6 * want.abs().max()  # float32 sums
+    exact = x.double() @ weight.dequantize().double().T  # what rounding the inputs costs
+    assert not torch.allclose(alone.double(), exact, atol=1e-6)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for m in (1, 2, 3, 4, 7, 40):
+                assert torch.equal(linear(x[:m]), alone[:m]), (t, m)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @needs_kernels
 def test_linear_runs_a_quantized_weight_on_the_kernel() -> None:
     weight = quantize(torch.randn(96, 64), "q8_0")
@@ -116,6 +145,10 @@ def test_linear_runs_a_quantized_weight_on_the_kernel() -> None:
     assert torch.equal(linear(x), _expanded(weight)(x) + bias)
     unpacked = Linear(weight, pack=False)  # no kernel: expanded
     assert unpacked.native is None and torch.equal(unpacked.weight, weight.dequantize())
+    int8 = Linear(weight, dtype=torch.int8)
+    assert int8.native.int8 == (INT8 is not None)
+    plain = Linear(torch.randn(96, 64), dtype=torch.int8)  # a float weight: its own dtype
+    assert plain.cast is None and not isinstance(plain.native, cpu_linear.QuantLinear)
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +226,28 @@ def test_bfloat16_linears_take_the_expansion(quantized_llama) -> None:
         assert f32.model.kept_quantized == bf16.model.expanded_quantized
 
 
+def test_int8_linears_decode_near_the_float_model_and_alone_as_in_a_batch(
+        quantized_llama) -> None:
+    """``linear_dtype = "int8"``: the model's linears on csrc/linear_int8.c, its logits
+    near the float32 ones (the inputs' rounding), a sequence's the same alone as beside
+    another."""
+    gguf = quantized_llama[0]
+    engine = Engine(EngineConfig(model=str(gguf), linear_dtype="int8", num_blocks=96,
+                                 block_size=4, prefill_chunk=7))
+    assert engine.model.kept_quantized > 0
+    assert engine.model.layers[0].w_down.native.int8 == (INT8 is not None)
+    plain = Engine(EngineConfig(model=str(gguf), num_blocks=96, block_size=4,
+                                prefill_chunk=7))
+    a, b = [(7 * i + 3) % 300 for i in range(37)], [(5 * i + 1) % 300 for i in range(13)]
+    together = _logits(engine, [a, b], steps=4)
+    alone = _logits(engine, [a], steps=4)
+    assert all(torch.equal(x, y) for x, y in zip(alone, together[0::2][:1] + together[2::2]))
+    # the same inputs: within what rounding them costs this random model (its weights'
+    # scale 0.2; SmolLM2's prompt logits moved 3 %, BENCHMARKS.md "Quantized linears")
+    for x, y in zip(together[:2], _logits(plain, [a, b], steps=0)):
+        assert 0 < (x - y).abs().max() < 0.25 * y.abs().max()
+
+
 def test_a_float_checkpoint_quantized_at_load_keys_its_kv_apart() -> None:
     plain = Engine(EngineConfig(model="dummy-tiny", num_blocks=32))
     q8 = Engine(EngineConfig(model="dummy-tiny", quantization="q8_0", num_blocks=32))
@@ -206,11 +261,18 @@ def test_a_float_checkpoint_quantized_at_load_keys_its_kv_apart() -> None:
     assert plain.fingerprint == model_fingerprint(plain.model_config, "float32", "none")
 
 
-def test_an_unknown_quantization_is_refused() -> None:
+def test_an_unknown_quantization_or_linear_dtype_is_refused() -> None:
     with pytest.raises(ValueError, match="quantization must be one of auto, none"):
         ClusterConfig(quantization="int4")
     with pytest.raises(EngineInputError, match="quantization must be one of"):
         Engine(EngineConfig(model="dummy-tiny", quantization="int4"))
+    with pytest.raises(ValueError, match="linear_dtype must be auto, .* or int8"):
+        ClusterConfig(linear_dtype="int4")
+    with pytest.raises(ValueError, match="prefill_dtype must be"):
+        ClusterConfig(prefill_dtype="int8")  # a prefill computes in a float dtype
+    with pytest.raises(EngineInputError, match="unknown linear_dtype 'int4'"):
+        Engine(EngineConfig(model="dummy-tiny", linear_dtype="int4"))
+    assert ClusterConfig(linear_dtype="int8").linear_dtype == "int8"
 
 
 def test_the_worker_passes_it_on(tmp_path: Path) -> None:

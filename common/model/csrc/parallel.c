@@ -137,3 +137,35 @@ void linear_q_par(const float *x, const uint8_t *codes, const float *params, flo
     })
 }
 #endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* linear_int8.c */
+void int8_row(const float *x, int64_t k, int64_t group, int8_t *q, float *d, float *s);
+void linear_int8(const int8_t *q, const float *d, const float *s, const uint8_t *codes,
+                 const float *params, float *y, int64_t m, int64_t n, int64_t k,
+                 int64_t group, int64_t bits, int64_t n0, int64_t n1);
+
+/* The rows rounded (``q``, ``d``, ``s``: the caller's scratch), a run of rows a thread;
+ * then units of a tile by ``block`` rows, as linear_f32_par. */
+void linear_int8_par(const float *x, int8_t *q, float *d, float *s, const uint8_t *codes,
+                     const float *params, float *y, int64_t m, int64_t n, int64_t k,
+                     int64_t group, int64_t bits, int64_t block, int64_t threads) {
+    const int64_t groups = k / group, blocks = (m + block - 1) / block, tiles = (n + 63) / 64;
+    EACH(threads, {
+        int64_t first, last;
+        piece(m, 1, part, parts, &first, &last);
+        for (int64_t r = first; r < last; r++)
+            int8_row(x + r * k, k, group, q + r * k, d + r * groups, s + r * groups);
+    })
+    EACH(threads, {
+        int64_t first, last;
+        piece(tiles * blocks, 1, part, parts, &first, &last);
+        for (int64_t u = first; u < last; u++) {
+            const int64_t c = u / blocks * 64, r0 = u % blocks * block;
+            const int64_t rows = m - r0 < block ? m - r0 : block;
+            linear_int8(q + r0 * k, d + r0 * groups, s + r0 * groups, codes, params,
+                        y + r0 * n, rows, n, k, group, bits, c, c + 64 < n ? c + 64 : n);
+        }
+    })
+}
+#endif
