@@ -74,18 +74,13 @@ class Linear:
         change greedy answers)."""
         self.out_features, self.in_features = weight.shape
         self.native: Optional[cpu_linear.PackedLinear | cpu_linear.QuantLinear] = None
-        int8 = dtype is torch.int8  # only quantized weights multiply in int8
-        if int8:
-            dtype = None
-        if is_quantized(weight) and pack:
-            for kind in (True, False) if int8 else (False,):
-                fn = cpu_linear.quant_kernel(kind)
-                if fn is not None:
-                    self.native, self.bias = cpu_linear.QuantLinear(fn, weight, kind), bias
-                    self.cast = self.weight = self.packed = None
-                    self.pad_single_row = False
-                    return
+        int8, dtype = dtype is torch.int8, None if dtype is torch.int8 else dtype
         if is_quantized(weight):
+            self.native = _quantized(weight, int8) if pack else None
+            if self.native is not None:
+                self.bias, self.cast, self.weight, self.packed = bias, None, None, None
+                self.pad_single_row = False
+                return
             weight = weight.dequantize()
         # Crescent's kernels, where they run: bfloat16 multiplies of a float32 (or other)
         # weight, and float32 ones of a float32 weight
@@ -133,6 +128,16 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
                                                       "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def _quantized(weight: QuantizedWeight, int8: bool) -> Optional[cpu_linear.QuantLinear]:
+    """``weight`` on the int8 kernel (``int8``, where it runs) or the float32-input one;
+    None where neither runs."""
+    for kind in (True, False) if int8 else (False,):
+        fn = cpu_linear.quant_kernel(kind)
+        if fn is not None:
+            return cpu_linear.QuantLinear(fn, weight, kind)
+    return None
 
 
 def _can_pack(weight: torch.Tensor, cast: bool = False) -> bool:
@@ -245,10 +250,10 @@ class _Checkpoint:
 
     def matrix(self, name: str) -> torch.Tensor | QuantizedWeight:
         """A linear's weight: as quantized as the file holds it where the linears
-        multiply in float32 on a CPU that runs the quantized kernel (``Linear``), else
-        ``get``'s, counted in ``expanded`` (bfloat16 linears keep their kernel's speed:
-        at a batch of 8 or a prompt it multiplies 1.4-1.7x faster than the float32 ones,
-        BENCHMARKS.md "Quantized linears")."""
+        multiply in float32 or int8 on a CPU that runs the quantized kernels (``Linear``),
+        else ``get``'s, counted in ``expanded``: bfloat16 linears keep their own kernel,
+        which multiplies 1.3-1.5x faster than the float32-input one at 8 rows and more
+        (BENCHMARKS.md, "Quantized linears")."""
         weight = self.weights.get(name)
         if not is_quantized(weight):
             return self.get(name)
