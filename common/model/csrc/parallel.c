@@ -43,6 +43,27 @@ static void piece(int64_t n, int64_t grain, int64_t part, int64_t parts, int64_t
     *last = (part + 1) * per < n ? (part + 1) * per : n;
 }
 
+/* The body (the macro's last argument) for each unit of a tile of 64 outputs by ``block``
+ * rows of a call of m rows and n outputs, a contiguous run of units a thread, tile by
+ * tile (a thread's rows of one tile read its weights from the cache): a prompt's many
+ * rows split over many threads even where the outputs are few tiles (576 outputs: 9).
+ * The body sees the unit's first output c, the end of its outputs c1, its first row r0
+ * and its count of rows. */
+#define TILES_BY_ROWS(threads, m, n, block, ...)                                           \
+    {                                                                                       \
+        const int64_t blocks_ = ((m) + (block) - 1) / (block), tiles_ = ((n) + 63) / 64;    \
+        EACH(threads, {                                                                     \
+            int64_t first, last;                                                            \
+            piece(tiles_ * blocks_, 1, part, parts, &first, &last);                         \
+            for (int64_t u = first; u < last; u++) {                                        \
+                const int64_t c = u / blocks_ * 64, r0 = u % blocks_ * (block);             \
+                const int64_t rows = (m) - r0 < (block) ? (m) - r0 : (block);               \
+                const int64_t c1 = c + 64 < (n) ? c + 64 : (n);                             \
+                __VA_ARGS__                                                                 \
+            }                                                                               \
+        })                                                                                  \
+    }
+
 /* paged_attention.c */
 typedef struct Layout Layout;
 void paged_attention_f32(const Layout *L, const float *q, const float *kv, int64_t first,
@@ -95,22 +116,11 @@ void linear_bf16_par(const uint16_t *x, const uint16_t *w, float *y, int64_t m, 
 void linear_f32(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k,
                 int64_t n0, int64_t n1);
 
-/* All m rows and n outputs, in units of a tile of 64 outputs by ``block`` rows, a
- * contiguous run of units a thread, tile by tile (a thread's rows of one tile read its
- * weights from the cache): a prompt's many rows split over many threads even where the
- * outputs are few tiles (576 outputs: 9). */
+/* All m rows and n outputs, in units of a tile by ``block`` rows (TILES_BY_ROWS). */
 void linear_f32_par(const float *x, const float *w, float *y, int64_t m, int64_t n, int64_t k,
                     int64_t block, int64_t threads) {
-    const int64_t blocks = (m + block - 1) / block, tiles = (n + 63) / 64;
-    EACH(threads, {
-        int64_t first, last;
-        piece(tiles * blocks, 1, part, parts, &first, &last);
-        for (int64_t u = first; u < last; u++) {
-            const int64_t c = u / blocks * 64, r0 = u % blocks * block;
-            const int64_t rows = m - r0 < block ? m - r0 : block;
-            linear_f32(x + r0 * k, w, y + r0 * n, rows, n, k, c, c + 64 < n ? c + 64 : n);
-        }
-    })
+    TILES_BY_ROWS(threads, m, n, block,
+                  { linear_f32(x + r0 * k, w, y + r0 * n, rows, n, k, c, c1); })
 }
 #endif
 
@@ -119,21 +129,13 @@ void linear_f32_par(const float *x, const float *w, float *y, int64_t m, int64_t
 void linear_q(const float *x, const uint8_t *codes, const float *params, float *y, int64_t m,
               int64_t n, int64_t k, int64_t group, int64_t bits, int64_t n0, int64_t n1);
 
-/* As linear_f32_par: units of a tile by ``block`` rows (a tile's weights are made once a
- * unit: at a prompt's rows, once per ``block`` of them). */
+/* As linear_f32_par (a tile's weights are made once a unit: at a prompt's rows, once per
+ * ``block`` of them). */
 void linear_q_par(const float *x, const uint8_t *codes, const float *params, float *y,
                   int64_t m, int64_t n, int64_t k, int64_t group, int64_t bits, int64_t block,
                   int64_t threads) {
-    const int64_t blocks = (m + block - 1) / block, tiles = (n + 63) / 64;
-    EACH(threads, {
-        int64_t first, last;
-        piece(tiles * blocks, 1, part, parts, &first, &last);
-        for (int64_t u = first; u < last; u++) {
-            const int64_t c = u / blocks * 64, r0 = u % blocks * block;
-            const int64_t rows = m - r0 < block ? m - r0 : block;
-            linear_q(x + r0 * k, codes, params, y + r0 * n, rows, n, k, group, bits, c,
-                     c + 64 < n ? c + 64 : n);
-        }
+    TILES_BY_ROWS(threads, m, n, block, {
+        linear_q(x + r0 * k, codes, params, y + r0 * n, rows, n, k, group, bits, c, c1);
     })
 }
 #endif
@@ -146,26 +148,20 @@ void linear_int8(const int8_t *q, const float *d, const float *s, const uint8_t 
                  int64_t group, int64_t bits, int64_t n0, int64_t n1);
 
 /* The rows rounded (``q``, ``d``, ``s``: the caller's scratch), a run of rows a thread;
- * then units of a tile by ``block`` rows, as linear_f32_par. */
+ * then units of a tile by ``block`` rows (TILES_BY_ROWS). */
 void linear_int8_par(const float *x, int8_t *q, float *d, float *s, const uint8_t *codes,
                      const float *params, float *y, int64_t m, int64_t n, int64_t k,
                      int64_t group, int64_t bits, int64_t block, int64_t threads) {
-    const int64_t groups = k / group, blocks = (m + block - 1) / block, tiles = (n + 63) / 64;
+    const int64_t groups = k / group;
     EACH(threads, {
         int64_t first, last;
         piece(m, 1, part, parts, &first, &last);
         for (int64_t r = first; r < last; r++)
             int8_row(x + r * k, k, group, q + r * k, d + r * groups, s + r * groups);
     })
-    EACH(threads, {
-        int64_t first, last;
-        piece(tiles * blocks, 1, part, parts, &first, &last);
-        for (int64_t u = first; u < last; u++) {
-            const int64_t c = u / blocks * 64, r0 = u % blocks * block;
-            const int64_t rows = m - r0 < block ? m - r0 : block;
-            linear_int8(q + r0 * k, d + r0 * groups, s + r0 * groups, codes, params,
-                        y + r0 * n, rows, n, k, group, bits, c, c + 64 < n ? c + 64 : n);
-        }
+    TILES_BY_ROWS(threads, m, n, block, {
+        linear_int8(q + r0 * k, d + r0 * groups, s + r0 * groups, codes, params, y + r0 * n,
+                    rows, n, k, group, bits, c, c1);
     })
 }
 #endif
