@@ -107,7 +107,8 @@ class ClusterConfig:
     served_model_name: Optional[str] = None  # name in /v1/models; default: the model's name
     dtype: str = "float32"
     # Compute dtype of prefill workers (None: ``dtype``; "auto": bfloat16 where the CPU has
-    # AVX-512 BF16 or AMX, ~1.35x faster there, ~7x slower on AVX2: common/worker.py). The
+    # AVX-512 BF16 or AMX, ~1.35x faster there, ~7x slower on AVX2: common/worker.py;
+    # "int8": float32, the linears of a quantized model in int8, as ``linear_dtype``). The
     # KV dtype stays the cluster's one.
     prefill_dtype: Optional[str] = None
     # The dtype a decode or colocated worker's linears multiply in (weights stored in it;
@@ -217,9 +218,9 @@ class ClusterConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not "
                              f"{self.quantization!r}")
-        if self.prefill_dtype not in (None, "auto", "float32", "bfloat16", "float16"):
-            raise ValueError("prefill_dtype must be auto, float32, bfloat16 or float16, not "
-                             f"{self.prefill_dtype!r}")
+        if self.prefill_dtype not in (None, "auto", "float32", "bfloat16", "float16", "int8"):
+            raise ValueError("prefill_dtype must be auto, float32, bfloat16, float16 or int8, "
+                             f"not {self.prefill_dtype!r}")
         if self.linear_dtype not in (None, "auto", "float32", "bfloat16", "float16", "int8"):
             raise ValueError("linear_dtype must be auto, float32, bfloat16, float16 or int8, "
                              f"not {self.linear_dtype!r}")

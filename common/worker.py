@@ -38,7 +38,10 @@ def native_bfloat16() -> bool:
 def prefill_dtype(config: ClusterConfig) -> str:
     """A prefill worker's compute dtype, resolved on its own host: ``prefill_dtype``,
     ``dtype`` when unset, and for ``auto`` bfloat16 on a CPU that computes it natively
-    (~1.35x faster prefill, BENCHMARKS.md) and ``dtype`` everywhere else."""
+    (~1.35x faster prefill, BENCHMARKS.md) and ``dtype`` everywhere else; for ``int8``
+    float32 (its linears in int8: ``linear_dtype``)."""
+    if config.prefill_dtype == "int8":
+        return "float32"
     if config.prefill_dtype != "auto":
         return config.prefill_dtype or config.dtype
     if config.device == "cpu" and native_bfloat16():
@@ -49,7 +52,10 @@ def prefill_dtype(config: ClusterConfig) -> str:
 def linear_dtype(config: ClusterConfig, role: str) -> Optional[str]:
     """A decode or colocated worker's ``linear_dtype``, resolved on its own host: for
     ``auto`` bfloat16 on a CPU that computes it natively when the worker computes in
-    float32, else None (its dtype). A prefill worker's linears take its compute dtype."""
+    float32, else None (its dtype). A prefill worker's linears take its compute dtype,
+    or int8 with ``prefill_dtype = "int8"``."""
+    if role == "prefill":
+        return "int8" if config.prefill_dtype == "int8" else None
     if role not in ("decode", "colocated") or config.linear_dtype is None:
         return None
     if config.linear_dtype != "auto":

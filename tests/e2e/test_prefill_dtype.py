@@ -23,7 +23,7 @@ def test_roles_get_their_dtype_and_share_one_kv_dtype() -> None:
     assert (p.dtype, d.dtype) == ("bfloat16", "float32")
     assert p.kv_dtype == d.kv_dtype == "float32"  # auto resolves from the cluster's dtype
     with pytest.raises(ValueError, match="prefill_dtype"):
-        ClusterConfig.from_dict({"prefill_dtype": "int8"})
+        ClusterConfig.from_dict({"prefill_dtype": "int4"})
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -51,3 +51,29 @@ def test_bfloat16_prefill_float32_decode_answers_paris(tmp_path) -> None:
         wait_no_leaks(cluster)
     finally:
         cluster.stop()
+
+
+def test_int8_linears_in_both_roles_answer_as_one_engine(tmp_path) -> None:
+    """The default model's Q4_1 codes times int8 inputs on both workers
+    (csrc/linear_int8.c): the answer of one engine computing the same way, token for
+    token (not "Paris": rounding the inputs to int8 turns this answer; BENCHMARKS.md,
+    "quantized linears")."""
+    from dataclasses import replace
+
+    from common.engine import Engine, SamplingParams, generate
+
+    cluster = start_cluster(tmp_path, http=19470, base=20130, store=False,
+                            extra='prefill_dtype = "int8"\nlinear_dtype = "int8"')
+    try:
+        text = chunk_text(stream_chat(cluster.url, PARIS, 24))
+        wait_no_leaks(cluster)
+    finally:
+        cluster.stop()
+    # the prefill worker's engine (its chunks' alignment, KV dtype): the decode worker's
+    # computes the same way
+    config = engine_config(ClusterConfig(prefill_dtype="int8", linear_dtype="int8"), "prefill")
+    assert (config.dtype, config.linear_dtype) == ("float32", "int8")
+    engine = Engine(replace(config, num_blocks=64))
+    want = generate(engine, engine.apply_chat_template(PARIS),
+                    SamplingParams(max_tokens=24, temperature=0.0)).text
+    assert text == want and text

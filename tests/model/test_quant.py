@@ -268,16 +268,23 @@ def test_an_unknown_quantization_or_linear_dtype_is_refused() -> None:
         Engine(EngineConfig(model="dummy-tiny", quantization="int4"))
     with pytest.raises(ValueError, match="linear_dtype must be auto, .* or int8"):
         ClusterConfig(linear_dtype="int4")
-    with pytest.raises(ValueError, match="prefill_dtype must be"):
-        ClusterConfig(prefill_dtype="int8")  # a prefill computes in a float dtype
+    with pytest.raises(ValueError, match="prefill_dtype must be .* or int8"):
+        ClusterConfig(prefill_dtype="int4")
     with pytest.raises(EngineInputError, match="unknown linear_dtype 'int4'"):
         Engine(EngineConfig(model="dummy-tiny", linear_dtype="int4"))
     assert ClusterConfig(linear_dtype="int8").linear_dtype == "int8"
 
 
-def test_the_worker_passes_it_on(tmp_path: Path) -> None:
+def test_the_workers_get_it(tmp_path: Path) -> None:
+    """``quantization`` on every worker; ``linear_dtype`` int8 on decode workers;
+    ``prefill_dtype`` int8: a prefill worker in float32, its linears in int8."""
     from common.worker import engine_config
 
-    config = ClusterConfig(quantization="q4_0")
-    assert engine_config(config, "decode").quantization == "q4_0"
-    assert engine_config(config, "prefill").quantization == "q4_0"
+    config = ClusterConfig(quantization="q4_0", linear_dtype="int8")
+    decode, prefill = engine_config(config, "decode"), engine_config(config, "prefill")
+    assert decode.quantization == prefill.quantization == "q4_0"
+    assert (decode.dtype, decode.linear_dtype) == ("float32", "int8")
+    assert (prefill.dtype, prefill.linear_dtype) == ("float32", None)
+    prefill = engine_config(ClusterConfig(prefill_dtype="int8"), "prefill")
+    assert (prefill.dtype, prefill.linear_dtype) == ("float32", "int8")
+    assert engine_config(ClusterConfig(prefill_dtype="int8"), "decode").linear_dtype is None
