@@ -2,12 +2,13 @@
 kernel of common/model/csrc/linear_q.c (``cpu_linear.QuantLinear``).
 
 Every supported GGUF type is one form: w[n][k] = code * scale + offset, one (scale,
-offset) for each ``group`` consecutive k of an output row, codes of 4 bits (Q4_0, Q4_1,
-Q4_K) or 8 (Q8_0, and the 5- and 6-bit Q5_0, Q5_1, Q5_K, Q6_K). The scales and offsets
-are what gguf's dequantization multiplies and adds (Q4_K: d times a sub-block's scale,
-less dmin times its min); each code times its scale is exact in float32, so the one
-rounding of the sum gives gguf's float32 weights bit for bit (``dequantize``; the tests
-compare every type). Other types (Q2_K, Q3_K, IQ*) are read as float32, as before.
+offset) for each ``group`` consecutive k of an output row (32, or 16 for Q2_K, Q3_K and
+Q6_K), codes of 4 bits (Q4_0, Q4_1, Q4_K, and the 2- and 3-bit Q2_K, Q3_K) or 8 (Q8_0,
+and the 5- and 6-bit Q5_0, Q5_1, Q5_K, Q6_K). The scales and offsets are what gguf's
+dequantization multiplies and adds (Q4_K: d times a sub-block's scale, less dmin times
+its min); each code times its scale is exact in float32, so the one rounding of the sum
+gives gguf's float32 weights bit for bit (``dequantize``; the tests compare every type).
+Other types (IQ*, the codebooks) are read as float32, as before.
 
 A float checkpoint's linears can be quantized at load (``quantize``: gguf's own Q8_0 or
 Q4_0 rounding, then the same form).
@@ -179,10 +180,36 @@ def _q6_k(b: np.ndarray) -> tuple:
     return codes, scale, -32 * scale
 
 
+_CRUMBS = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)  # 2-bit fields of a byte
+
+
+def _q2_k(b: np.ndarray) -> tuple:
+    lead, sc = b.shape[:-1], b[..., 0:16]
+    codes = ((b[..., 16:80].reshape(*lead, 2, 1, 32) >> _CRUMBS) & np.uint8(3))
+    scale = _half(b[..., 80:82]) * (sc & np.uint8(0x0F)).astype(np.float32)
+    offset = -(_half(b[..., 82:84]) * (sc >> 4).astype(np.float32))
+    return codes.reshape(*lead, 256), scale, offset
+
+
+def _q3_k(b: np.ndarray) -> tuple:
+    """Q3_K's q = low 2 bits - 4 where the high bit is clear: code = low | high << 2."""
+    lead, scales = b.shape[:-1], b[..., 96:108]
+    low = (b[..., 32:96].reshape(*lead, 2, 1, 32) >> _CRUMBS) & np.uint8(3)
+    high = _bits_of(b[..., 0:32, None], 8).swapaxes(-1, -2)  # bit j of byte i: row j
+    sc_low = scales[..., 0:8].reshape(*lead, 1, 8) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    sc_high = scales[..., 8:12].reshape(*lead, 1, 4) >> _CRUMBS
+    sc = ((sc_low.reshape(*lead, 16) & np.uint8(0x0F))
+          | ((sc_high.reshape(*lead, 16) & np.uint8(3)) << 4)).astype(np.int8) - np.int8(32)
+    scale = _half(b[..., 108:110]) * sc.astype(np.float32)
+    codes = low.reshape(*lead, 256) | (high.reshape(*lead, 256) << 2)
+    return codes, scale, -4 * scale
+
+
 # GGML type name -> (how its blocks unpack, code bits, elements a (scale, offset))
 _GGUF_TYPES = {"Q4_0": (_q4_0, 4, 32), "Q4_1": (_q4_1, 4, 32), "Q5_0": (_q5_0, 8, 32),
                "Q5_1": (_q5_1, 8, 32), "Q8_0": (_q8_0, 8, 32), "Q4_K": (_q4_k, 4, 32),
-               "Q5_K": (_q5_k, 8, 32), "Q6_K": (_q6_k, 8, 16)}
+               "Q5_K": (_q5_k, 8, 32), "Q6_K": (_q6_k, 8, 16), "Q2_K": (_q2_k, 4, 16),
+               "Q3_K": (_q3_k, 4, 16)}
 
 
 def from_gguf(data: np.ndarray, type_name: str,

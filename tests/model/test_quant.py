@@ -28,7 +28,7 @@ needs_kernels = pytest.mark.skipif(
     "not build (no C compiler or no AVX-512): quantized weights are expanded to float")
 # the float16 fields of each type's block (offsets): random bytes there could be NaN
 HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-          "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+          "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
@@ -54,13 +54,13 @@ def test_each_type_gives_ggufs_own_float32_weights(type_name: str) -> None:
     want = dequantize(data, GGMLQuantizationType[type_name]).reshape(6, 512)
     got = from_gguf(data, type_name, (6, 512))
     assert got is not None and got.shape == (6, 512)
-    assert got.bits == (4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8)
-    assert got.group == (16 if type_name == "Q6_K" else 32)
+    assert got.bits == (4 if type_name in ("Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K") else 8)
+    assert got.group == (16 if type_name in ("Q2_K", "Q3_K", "Q6_K") else 32)
     assert np.array_equal(got.dequantize().numpy(), want)  # bit for bit (0.0 == -0.0)
 
 
 def test_other_types_are_read_as_float() -> None:
-    assert from_gguf(np.zeros((2, 84 * 2), np.uint8), "Q2_K", (2, 512)) is None
+    assert from_gguf(np.zeros((2, 136 * 2), np.uint8), "IQ4_XS", (2, 512)) is None
     assert from_gguf(np.zeros((2, 128), np.uint8), "F32", (2, 32)) is None
 
 
@@ -86,7 +86,7 @@ def _expanded(weight: QuantizedWeight) -> cpu_linear.PackedLinear:
 @needs_kernels
 @pytest.mark.parametrize("type_name, n, k", [("Q4_0", 200, 96), ("Q8_0", 64, 64),
                                              ("Q6_K", 130, 512), ("Q4_K", 576, 256),
-                                             ("Q5_1", 3, 160)])
+                                             ("Q5_1", 3, 160), ("Q3_K", 70, 256)])
 def test_the_kernel_is_the_float32_kernel_on_the_expanded_weights(type_name: str, n: int,
                                                                   k: int) -> None:
     """Bit for bit, at a decode step's rows (the fused way) and a prompt's (chunked),
@@ -110,7 +110,8 @@ def test_the_kernel_is_the_float32_kernel_on_the_expanded_weights(type_name: str
 @pytest.mark.skipif(INT8 is None, reason="the CPU int8 linear kernel did not build (no C "
                     "compiler or no AVX-512 VNNI): linear_dtype int8 multiplies in float32")
 @pytest.mark.parametrize("type_name, n, k", [("Q4_0", 200, 96), ("Q8_0", 64, 64),
-                                             ("Q6_K", 130, 512), ("Q4_K", 576, 256)])
+                                             ("Q6_K", 130, 512), ("Q4_K", 576, 256),
+                                             ("Q2_K", 64, 256)])
 def test_int8_inputs_give_the_reference_and_each_row_alone(type_name: str, n: int,
                                                            k: int) -> None:
     """csrc/linear_int8.c: its inputs rounded per group as ``int8_reference`` rounds them,
