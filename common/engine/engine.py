@@ -68,7 +68,8 @@ def build_model(config: EngineConfig) -> Built:
                              f"{config.quantization!r}")
         layers = stage_layers(model_config.num_layers, config.stage[1], config.stage[0])
         if config.quantization in ("q8_0", "q4_0"):
-            weights = quantize_matrices(weights, config.quantization, layers)
+            weights = quantize_matrices(weights, config.quantization, layers,
+                                        model_config.weights_id)
         model = DecoderModel(model_config, weights, _DTYPES[config.dtype],
                              torch.device(config.device), layers=layers,
                              linear_dtype=_LINEAR_DTYPES[config.linear_dtype]

@@ -96,7 +96,7 @@ def _cache_key(path: str) -> str:
     return digest.hexdigest()
 
 
-def _read_shards(directory: str) -> dict[str, "torch.Tensor | QuantizedWeight"]:
+def read_shards(directory: str) -> dict[str, "torch.Tensor | QuantizedWeight"]:
     from safetensors.torch import load_file
 
     from common.model.quant import gather
@@ -111,30 +111,45 @@ def _load_gguf_cached(path: str) -> ModelSource:
     """The GGUF's weights as ``read_weights`` gives them, from the cache (a directory of
     safetensors shards beside a JSON of its config and tokenizer), written first if
     missing."""
-    import shutil
-    import tempfile
-
     base = os.path.join(cache_dir(), f"gguf-{_cache_key(path)}")
     if os.path.isfile(base + ".json") and os.path.isdir(base):
         with open(base + ".json") as f:
             meta = json.load(f)
-        return ModelConfig.from_dict(meta["config"]), _read_shards(base), meta["tokenizer"]
+        return ModelConfig.from_dict(meta["config"]), read_shards(base), meta["tokenizer"]
     from common.model.gguf_loader import load_gguf
 
     config, tensors, tok = load_gguf(path)
+    weights, cached = cached_shards(base, tensors)
+    if cached:  # the JSON last: a reader needs both
+        tmp = f"{base}.json.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"config": config.to_dict(), "tokenizer": tok, "source": path}, f)
+        os.replace(tmp, base + ".json")
+        _drop_stale(path, base)
+    return config, weights, tok
+
+
+def cached_shards(base: str, tensors: Iterable[tuple[str, "torch.Tensor | QuantizedWeight"]]
+                  ) -> tuple[dict[str, "torch.Tensor | QuantizedWeight"], bool]:
+    """``tensors`` written as the cache's directory ``base`` (shards, ``_write_shards``)
+    and read back memory-mapped; (them, whether the cache holds them). Workers often
+    start together: each writes its own directory, and the rename is atomic, so a reader
+    never sees a half-written one (the first renamed stays: a later rename over it fails,
+    and its copy is dropped). A read-only cache costs only time: the shards are this
+    load's own, gone with it."""
+    import shutil
+    import tempfile
+
     try:
         os.makedirs(cache_dir(), exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=os.path.basename(base) + ".", dir=cache_dir())
-    except OSError:  # a read-only cache: shards of this load's own, gone with it
-        tmp = tempfile.mkdtemp(prefix="crescent-gguf-")
+    except OSError:
+        tmp = tempfile.mkdtemp(prefix="crescent-weights-")
         try:
             _write_shards(tensors, tmp)
-            return config, _read_shards(tmp), tok  # mapped files outlive their names
+            return read_shards(tmp), False  # mapped files outlive their names
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    # Workers often start together: each writes its own directory and JSON, and the
-    # renames are atomic, so a reader never sees a half-written cache (the first
-    # directory renamed stays: a later rename over it fails, and its copy is dropped).
     try:
         _write_shards(tensors, tmp)
         try:
@@ -142,13 +157,9 @@ def _load_gguf_cached(path: str) -> ModelSource:
         except OSError:
             if not os.path.isdir(base):
                 raise
-        with open(tmp + ".json", "w") as f:
-            json.dump({"config": config.to_dict(), "tokenizer": tok, "source": path}, f)
-        os.replace(tmp + ".json", base + ".json")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _drop_stale(path, base)
-    return config, _read_shards(base), tok
+    return read_shards(base), True
 
 
 def _drop_stale(path: str, base: str) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+_FORM_VERSION = 1  # of what ``quantize_matrices`` caches
 # the cache's names of a quantized weight's parts (``flatten``, ``gather``)
 _PARTS = (".q4codes", ".q8codes", ".qscale", ".qoffset")
 
@@ -248,13 +249,29 @@ def quantize(weight: torch.Tensor, kind: str) -> QuantizedWeight:
     return quantized
 
 
-def quantize_matrices(weights: dict[str, Any], kind: str, layers: range) -> dict[str, Any]:
+def quantize_matrices(weights: dict[str, Any], kind: str, layers: range,
+                      identity: str = "") -> dict[str, Any]:
     """``weights`` with every matrix a pipeline stage of ``layers`` reads (its layers'
     linears, the embeddings, the LM head) quantized as ``kind`` (``quantize``), as
-    llama.cpp's quantize does with ``--pure``; the rest as it is."""
+    llama.cpp's quantize does with ``--pure``; the rest as it is. Where the checkpoint
+    has an ``identity`` (``ModelConfig.weights_id``) the result is cached (the rounding
+    takes ~15 s a billion parameters: every worker's start would pay it), keyed by it,
+    ``kind`` and ``layers``."""
     def ours(name: str, w: Any) -> bool:
         if len(w.shape) != 2 or is_quantized(w) or w.shape[1] % 32:
             return False  # a row not whole blocks stays float, as llama.cpp keeps it
         return not name.startswith("model.layers.") or int(name.split(".")[2]) in layers
 
-    return {name: quantize(w, kind) if ours(name, w) else w for name, w in weights.items()}
+    made = ((name, quantize(w, kind)) for name, w in weights.items() if ours(name, w))
+    if not identity:
+        return {**weights, **dict(made)}
+    import os
+
+    import xxhash
+
+    from common.model.loader import cache_dir, cached_shards, read_shards
+
+    key = xxhash.xxh3_64(f"{identity}|{kind}|{layers.start}-{layers.stop}|{_FORM_VERSION}".encode())
+    base = os.path.join(cache_dir(), f"{kind}-{key.hexdigest()}")
+    quantized = read_shards(base) if os.path.isdir(base) else cached_shards(base, made)[0]
+    return {**weights, **quantized}

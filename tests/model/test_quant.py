@@ -262,6 +262,26 @@ def test_a_float_checkpoint_quantized_at_load_keys_its_kv_apart() -> None:
     assert plain.fingerprint == model_fingerprint(plain.model_config, "float32", "none")
 
 
+def test_a_checkpoint_quantized_at_load_is_cached(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An HF directory with ``quantization = "q4_0"``: rounded once, then read from the
+    cache (the rounding is not called again), the same weights."""
+    from common.model import quant
+    from tests.model.tiny_checkpoints import write_checkpoint
+
+    write_checkpoint("llama", tmp_path / "m")
+    monkeypatch.setenv("CRESCENT_CACHE_DIR", str(tmp_path / "cache"))
+    config = EngineConfig(model=str(tmp_path / "m"), quantization="q4_0", num_blocks=16)
+    first = Engine(config)
+    (cached,) = [p for p in (tmp_path / "cache").iterdir() if p.name.startswith("q4_0-")]
+    assert list(cached.glob("*.safetensors"))
+    monkeypatch.setattr(quant, "quantize", lambda *_: pytest.fail("rounded again"))
+    again = Engine(config)
+    x = torch.randn(2, first.model.layers[0].w_down.in_features)
+    assert torch.equal(first.model.layers[0].w_down(x), again.model.layers[0].w_down(x))
+    assert again.model.kept_quantized == first.model.kept_quantized > 0
+
+
 def test_an_unknown_quantization_or_linear_dtype_is_refused() -> None:
     with pytest.raises(ValueError, match="quantization must be one of auto, none"):
         ClusterConfig(quantization="int4")
