@@ -1,5 +1,5 @@
-"""Linear weights kept block-quantized, as a GGUF holds them (Q4_0 ... Q6_K), for the CPU
-kernel of common/model/csrc/linear_q.c (``cpu_linear.QuantLinear``).
+"""Linear weights kept block-quantized, as a GGUF holds them (Q2_K ... Q8_0), for the CPU
+kernels of common/model/csrc/linear_q.c and linear_int8.c (``cpu_linear.QuantLinear``).
 
 Every supported GGUF type is one form: w[n][k] = code * scale + offset, one (scale,
 offset) for each ``group`` consecutive k of an output row (32, or 16 for Q2_K, Q3_K and
@@ -11,7 +11,7 @@ gives gguf's float32 weights bit for bit (``dequantize``; the tests compare ever
 Other types (IQ*, the codebooks) are read as float32, as before.
 
 A float checkpoint's linears can be quantized at load (``quantize``: gguf's own Q8_0 or
-Q4_0 rounding, then the same form).
+Q4_0 rounding, then the same form; ``quantize_matrices`` caches it).
 """
 from __future__ import annotations
 
