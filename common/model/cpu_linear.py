@@ -7,10 +7,13 @@ once in tiles of 64 outputs (``PackedLinear``), the sums in float32, each output
 * float32, on CPUs with AVX-512: a float32 model's linears, any number of rows. At a
   decode step's few rows it reads the weights at twice oneDNN's rate; at a prompt's
   hundreds it computes as fast (SmolLM2's projections on one AMD EPYC core).
-* quantized (csrc/linear_q.c, ``QuantLinear``), on CPUs with AVX-512: a GGUF's Q4_0 ...
-  Q6_K linears kept as the file holds them (common/model/quant.py), their float32
+* quantized (csrc/linear_q.c, ``QuantLinear``), on CPUs with AVX-512: a GGUF's Q2_K ...
+  Q8_0 linears kept as the file holds them (common/model/quant.py), their float32
   expansion made in registers: bit for bit the float32 kernel's result on the expanded
   weights, reading 0.75-1.25 bytes a weight instead of 4.
+* int8 (csrc/linear_int8.c, ``QuantLinear`` of ``int8``), on CPUs with AVX-512 VNNI: the
+  same codes times the inputs rounded to int8 per group (``linear_dtype = "int8"``),
+  integer dot products; ``int8_reference`` is what it computes.
 
 Where a kernel is not built (no compiler, not the instructions) or fails its check,
 ``kernel()`` is None and common/model/decoder.py ``Linear`` keeps oneDNN. A decode step
