@@ -65,6 +65,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "disagg-variant": {"batch_invariant": False},  # what batch invariance costs
     "disagg-arrival": {"prefill_order": "arrival"},  # prefill in arrival order, not shortest
     "disagg-nopreempt": {"prefill_preempt_tokens": 0},  # short prompts wait for the step
+    # the GGUF's codes times int8 inputs in both roles (csrc/linear_int8.c), not bfloat16
+    "disagg-int8": {"linear_dtype": "int8", "prefill_dtype": "int8"},
 }
 EXTERNAL = (vllm_cpu.CONFIG_NAME,)  # other servers, same replay (bench_vllm)
 class ReplayError(RuntimeError):
