@@ -32,9 +32,11 @@ def test_colocated_fails_clearly_where_the_mode_is_missing() -> None:
     with pytest.raises(ReplayError, match="unknown configuration"):
         cluster_config_data("nonesuch", 19800)
     assert set(CONFIGS) == {"disagg-store", "disagg-nostore", "colocated", "disagg-variant",
-                            "disagg-arrival", "disagg-nopreempt"}
+                            "disagg-arrival", "disagg-nopreempt", "disagg-int8"}
     assert cluster_config_data("disagg-variant", 19800)["batch_invariant"] is False
     assert cluster_config_data("disagg-arrival", 19800)["prefill_order"] == "arrival"
+    int8 = cluster_config_data("disagg-int8", 19800)
+    assert (int8["linear_dtype"], int8["prefill_dtype"]) == ("int8", "int8")
 
 
 def test_exported_tokenizer_loads_offline_and_matches_the_router(tmp_path: Path,
