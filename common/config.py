@@ -113,7 +113,7 @@ class ClusterConfig:
     prefill_dtype: Optional[str] = None
     # The dtype a decode or colocated worker's linears multiply in (weights stored in it;
     # norms, attention, residual in ``dtype``). None: ``dtype``. "auto": bfloat16 where the
-    # CPU computes it natively and dtype is float32 (common/model/decoder.py Linear).
+    # CPU computes it natively and dtype is float32 (common/model/linear.py Linear).
     # "int8": a quantized model's codes times its inputs rounded to int8 per group, as
     # llama.cpp multiplies (csrc/linear_int8.c, where AVX-512 VNNI is; float matrices
     # multiply in float32): the fastest, other answers (docs/models.md)

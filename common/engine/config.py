@@ -11,7 +11,7 @@ class EngineConfig:
     dtype: str = "float32"
     # The dtype the linear layers multiply in, where it differs from ``dtype`` (weights
     # stored in it, activations cast at each): "bfloat16" in a float32 decode engine on a
-    # CPU with AVX-512 BF16 or AMX (common/model/decoder.py Linear). None: ``dtype``.
+    # CPU with AVX-512 BF16 or AMX (common/model/linear.py Linear). None: ``dtype``.
     linear_dtype: Optional[str] = None
     # A model's quantized linears (common/model/quant.py): "auto" keeps a GGUF's as the
     # file holds them on a float32 CPU engine, "none" expands them to float, "q8_0" and

@@ -38,7 +38,7 @@ from common.model.tokenizer import ByteTokenizer, Tokenizer
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # what linears may multiply in: int8, a quantized model's codes times its inputs rounded
-# to int8 (common/model/decoder.py Linear)
+# to int8 (common/model/linear.py Linear)
 _LINEAR_DTYPES = {**_DTYPES, "int8": torch.int8}
 LayerHookFn = Callable[[int, int, int], None]
 

@@ -16,7 +16,7 @@ once in tiles of 64 outputs (``PackedLinear``), the sums in float32, each output
   integer dot products; ``int8_reference`` is what it computes.
 
 Where a kernel is not built (no compiler, not the instructions) or fails its check,
-``kernel()`` is None and common/model/decoder.py ``Linear`` keeps oneDNN. A decode step
+``kernel()`` is None and common/model/linear.py ``Linear`` keeps oneDNN. A decode step
 of SmolLM2 at batch 1-8 (one thread, AMD EPYC): see BENCHMARKS.md, "Engine"."""
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ def quant_kernel(int8: bool = False) -> Optional[ctypes._CFuncPtr]:
     """The quantized kernel's entry point: csrc/linear_q.c's (float32 inputs) or, with
     ``int8``, csrc/linear_int8.c's; None where absent (no compiler, no AVX-512, for int8
     no AVX-512 VNNI), off (``CRESCENT_CPU_LINEAR=0``) or failing its check: a quantized
-    linear then takes the other kernel or is expanded to float (common/model/decoder.py)."""
+    linear then takes the other kernel or is expanded to float (common/model/linear.py)."""
     if os.environ.get("CRESCENT_CPU_LINEAR", "1") == "0":
         return None
     return _checked_quant(int8)

@@ -15,11 +15,15 @@ Q4_0 rounding, then the same form; ``quantize_matrices`` caches it).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
 import torch
+import xxhash
+
+from common.model.loader import cache_dir, cached_shards, read_shards
 
 _FORM_VERSION = 1  # of what ``quantize_matrices`` caches
 # the cache's names of a quantized weight's parts (``flatten``, ``gather``)
@@ -265,11 +269,6 @@ def quantize_matrices(weights: dict[str, Any], kind: str, layers: range,
     made = ((name, quantize(w, kind)) for name, w in weights.items() if ours(name, w))
     if not identity:
         return {**weights, **dict(made)}
-    import os
-
-    import xxhash
-
-    from common.model.loader import cache_dir, cached_shards, read_shards
 
     key = xxhash.xxh3_64(f"{identity}|{kind}|{layers.start}-{layers.stop}|{_FORM_VERSION}".encode())
     base = os.path.join(cache_dir(), f"{kind}-{key.hexdigest()}")

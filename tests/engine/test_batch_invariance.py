@@ -5,7 +5,7 @@ same bit for bit alone, beside other prompts in one step, after a cached prefix 
 bigger chunks, when its chunks end and attend in parts where
 ``ClusterConfig.batch_invariant`` puts them (multiples of ``chunk_align()``); a decode
 row's logits are the same alone and in a batch (common/model/cpu_attention.py, and
-common/model/decoder.py Linear's single row)."""
+common/model/linear.py Linear's single row)."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -13,11 +13,11 @@ from typing import Sequence
 import pytest
 import torch
 
-from common.engine import DecodeInput, Engine, EngineConfig
 from common.config import ClusterConfig
+from common.engine import DecodeInput, Engine, EngineConfig
 from common.engine.config import PrefillChunk
 from common.model import cpu_attention
-from common.model.decoder import Linear
+from common.model.linear import Linear
 from common.worker import native_bfloat16
 
 ALIGN = ClusterConfig().chunk_align()  # where chunks end and attention parts are cut

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from common.model import cpu_linear, native
-from common.model.decoder import Linear
+from common.model.linear import Linear
 
 BF16, F32 = cpu_linear.kernel(torch.bfloat16), cpu_linear.kernel(torch.float32)
 needs_bf16 = pytest.mark.skipif(BF16 is None, reason="the CPU bfloat16 linear kernel did not "

@@ -15,7 +15,7 @@ from common.config import ClusterConfig
 from common.engine import Engine, EngineConfig, EngineInputError
 from common.kv.block_keys import model_fingerprint
 from common.model import cpu_linear
-from common.model.decoder import Linear
+from common.model.linear import Linear
 from common.model.quant import QuantizedWeight, from_gguf, gather, quantize
 from tests.model.gguf_files import write_family
 from tests.model.tiny_checkpoints import assert_decodes_as
