@@ -157,7 +157,7 @@ def matmul_floor(e: Engine, b: int, reps: int) -> float:
 
     def step() -> None:
         for lw in m.layers:
-            lw.wqkv(x), lw.wo(o), lw.w_gate_up(x), lw.w_down(act)
+            lw.wqkv(x), lw.wo(o), lw.mlp.gate_up(x), lw.mlp.down(act)
         m.lm_head(x)
 
     side = torch.cuda.Stream()

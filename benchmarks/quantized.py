@@ -56,9 +56,7 @@ REFERENCE = "f32"  # the distributions the others are compared with
 def weight_bytes(engine: Engine) -> int:
     """Bytes of the weights the engine's linears (as packed) and embeddings hold."""
     model, total = engine.model, 0
-    linears = [model.lm_head] + [getattr(lw, name) for lw in model.layers
-                                 for name in ("wqkv", "wo", "w_gate_up", "w_down")]
-    for linear in linears:
+    for _, linear in model.linears():
         native = linear.native
         parts = ([native.codes, native.params] if isinstance(native, cpu_linear.QuantLinear)
                  else [native.packed] if native is not None

@@ -130,7 +130,7 @@ class Engine:
         # (kind, seconds, sequences, tokens) of each step: a worker's metrics (common/worker.py)
         self.on_step: Optional[Callable[[str, float, int, int], None]] = None
         self.graphs: Optional[DecodeGraphs] = None
-        if (config.cuda_graphs and self.device.type == "cuda" and self.model.plain_attention
+        if (config.cuda_graphs and self.device.type == "cuda" and self.model.graphable
                 and len(self.layers) == model_config.num_layers
                 and isinstance(self.attention, TritonAttention)):
             self.graphs = DecodeGraphs(self.model, self.attention, self.kv,

@@ -13,6 +13,9 @@ base) are read from config.json into ``ModelConfig`` by ``config_from_hf``:
 | Qwen3ForCausalLM | an RMSNorm of each head's q and k before RoPE |
 | Gemma2ForCausalLM | norms scale by 1 + weight; the attention and MLP outputs are normed before the residual add; GELU (tanh); embeddings times sqrt(hidden); the query scale; soft-capped scores and logits; every other layer slides |
 | Gemma3ForCausalLM | Gemma2's, less the soft-capping, plus Qwen3's q/k norms; 5 layers of 6 slide, with their own RoPE base |
+| MixtralForCausalLM | Mistral's, with a mixture of experts for the MLP (``block_sparse_moe``: w1, w3, w2) |
+| Qwen2MoeForCausalLM | Qwen2's, with a mixture of experts and a shared expert (``mlp``) |
+| Qwen3MoeForCausalLM | Qwen3's, with a mixture of experts (``mlp``) |
 
 Anything else is refused by name (``UnsupportedModelError``), and so is a checkpoint with
 a weight the family does not read (``check_weights``): no weight is silently ignored.
@@ -32,6 +35,17 @@ class UnsupportedModelError(ValueError):
 
 
 @dataclass(frozen=True)
+class ExpertNames:
+    """Where a mixture's weights are, under ``model.layers.N.``: ``{block}.gate`` routes,
+    ``{block}.experts.E.{gate|up|down}`` are expert E's gated MLP."""
+
+    block: str = "mlp"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+
+@dataclass(frozen=True)
 class Family:
     # The weight names of a layer's norms (under ``model.layers.N.``):
     # ``mlp_norm`` before the MLP (LLaMA's post_attention_layernorm); Gemma's
@@ -44,6 +58,8 @@ class Family:
     default_activation: str = "silu"
     activation_key: str = "hidden_act"
     default_tied: bool = False
+    qkv_bias: bool = False       # q/k/v have biases whatever ``attention_bias`` says (Qwen2)
+    experts: Optional[ExpertNames] = None  # a mixture of experts' weight names
 
 
 _GEMMA_NORMS = {"attn_out_norm": "post_attention_layernorm",
@@ -56,15 +72,20 @@ _GEMMA = dict(norms=_GEMMA_NORMS, norm_offset=1.0, embed_scale=True,
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(),
     "MistralForCausalLM": Family(),
-    "Qwen2ForCausalLM": Family(),
+    "Qwen2ForCausalLM": Family(qkv_bias=True),
     "Qwen3ForCausalLM": Family(qk_norm=True),
     "Gemma2ForCausalLM": Family(**_GEMMA),
     "Gemma3ForCausalLM": Family(qk_norm=True, **_GEMMA),
+    "MixtralForCausalLM": Family(experts=ExpertNames("block_sparse_moe", "w1", "w3", "w2")),
+    "Qwen2MoeForCausalLM": Family(qkv_bias=True, experts=ExpertNames()),
+    "Qwen3MoeForCausalLM": Family(qk_norm=True, experts=ExpertNames()),
 }
 # config.json's model_type, for checkpoints that do not name their architecture
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Names a checkpoint may hold that are not weights: recomputed buffers
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -117,7 +138,7 @@ def config_from_hf(d: Mapping[str, Any], name: str, weights_id: str = "") -> Mod
         tie_word_embeddings=bool(d.get("tie_word_embeddings", fam.default_tied)),
         bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids,
         architecture=arch,
-        qkv_bias=attention_bias or arch == "Qwen2ForCausalLM", o_bias=attention_bias,
+        qkv_bias=attention_bias or fam.qkv_bias, o_bias=attention_bias,
         mlp_bias=bool(d.get("mlp_bias", False)), activation=ACTIVATIONS[act],
         sliding_window=int(window) if window and sliding else None,
         sliding_layers=sliding if window or local_rope else (),
@@ -126,7 +147,26 @@ def config_from_hf(d: Mapping[str, Any], name: str, weights_id: str = "") -> Mod
         final_softcap=d.get("final_logit_softcapping") if gemma else None,
         local_rope_theta=local_rope[0] if local_rope else None,
         local_rope_scaling=local_rope[1] if local_rope else None,
-        weights_id=weights_id)
+        weights_id=weights_id, **(_mixture(d, arch, layers) if fam.experts else {}))
+
+
+def _mixture(d: Mapping[str, Any], arch: str, layers: int) -> dict[str, Any]:
+    """A mixture's ``ModelConfig`` fields: Mixtral's every layer, Qwen's every
+    ``decoder_sparse_step``-th but ``mlp_only_layers``, as transformers builds them."""
+    experts = d.get("num_local_experts") or d.get("num_experts") or 0
+    if arch == "MixtralForCausalLM":
+        dense: tuple[int, ...] = ()
+        size, normalize = d["intermediate_size"], True
+    else:
+        step, only = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or ())
+        dense = tuple(i for i in range(layers)
+                      if i in only or not (experts > 0 and (i + 1) % step == 0))
+        size, normalize = d["moe_intermediate_size"], bool(d.get("norm_topk_prob", False))
+    return dict(num_experts=int(experts), experts_per_token=int(d["num_experts_per_tok"]),
+                expert_intermediate_size=int(size), normalize_experts=normalize,
+                shared_expert_intermediate_size=int(
+                    d.get("shared_expert_intermediate_size") or 0),
+                dense_layers=dense)
 
 
 def _slides(d: Mapping[str, Any], arch: str, layer: int) -> bool:
@@ -137,6 +177,11 @@ def _slides(d: Mapping[str, Any], arch: str, layer: int) -> bool:
         return types[layer] == "sliding_attention"
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         return bool(d.get("use_sliding_window")) and layer >= d.get("max_window_layers", 28)
+    if arch == "Qwen2MoeForCausalLM":  # transformers 5's layer_types, when it wrote none
+        return (bool(d.get("use_sliding_window")) and bool((layer + 1) % 2)
+                and layer < d.get("max_window_layers", 28))
+    if arch == "Qwen3MoeForCausalLM":
+        return bool(d.get("use_sliding_window"))
     if arch == "Gemma2ForCausalLM":
         return layer % 2 == 0
     if arch == "Gemma3ForCausalLM":
@@ -203,15 +248,15 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                                           "model.norm.weight": (d,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, d)
-    linears = {"self_attn.q_proj": (q, d, config.qkv_bias),
-               "self_attn.k_proj": (kv, d, config.qkv_bias),
-               "self_attn.v_proj": (kv, d, config.qkv_bias),
-               "self_attn.o_proj": (d, q, config.o_bias),
-               "mlp.gate_proj": (i, d, config.mlp_bias), "mlp.up_proj": (i, d, config.mlp_bias),
-               "mlp.down_proj": (d, i, config.mlp_bias)}
+    attention = {"self_attn.q_proj": (q, d, config.qkv_bias),
+                 "self_attn.k_proj": (kv, d, config.qkv_bias),
+                 "self_attn.v_proj": (kv, d, config.qkv_bias),
+                 "self_attn.o_proj": (d, q, config.o_bias)}
     for layer in range(config.num_layers):
         p = f"model.layers.{layer}."
-        for name, (rows, cols, bias) in linears.items():
+        mlp = (_mixture_linears(config, fam) if config.sparse(layer)
+               else _mlp_linears("mlp", i, d, config.mlp_bias))
+        for name, (rows, cols, bias) in {**attention, **mlp}.items():
             shapes[f"{p}{name}.weight"] = (rows, cols)
             if bias:
                 shapes[f"{p}{name}.bias"] = (rows,)
@@ -220,6 +265,31 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if fam.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (hd,)
     return shapes
+
+
+def _mlp_linears(prefix: str, inner: int, d: int, bias: bool = False,
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 ) -> dict[str, tuple[int, int, bool]]:
+    gate, up, down = names
+    return {f"{prefix}.{gate}": (inner, d, bias), f"{prefix}.{up}": (inner, d, bias),
+            f"{prefix}.{down}": (d, inner, bias)}
+
+
+def _mixture_linears(config: ModelConfig, fam: Family) -> dict[str, tuple[int, int, bool]]:
+    """A mixture layer's linears: the router, each expert's, a shared expert's and its
+    gate."""
+    names, d = fam.experts, config.hidden_size
+    assert names is not None
+    linears = {f"{names.block}.gate": (config.num_experts, d, False)}
+    for e in range(config.num_experts):
+        linears.update(_mlp_linears(f"{names.block}.experts.{e}",
+                                    config.expert_intermediate_size, d,
+                                    names=(names.gate, names.up, names.down)))
+    if config.shared_expert_intermediate_size:
+        linears.update(_mlp_linears(f"{names.block}.shared_expert",
+                                    config.shared_expert_intermediate_size, d))
+        linears[f"{names.block}.shared_expert_gate"] = (1, d, False)
+    return linears
 
 
 def check_weights(config: ModelConfig, weights: dict[str, Any]) -> None:

@@ -37,6 +37,17 @@ class ModelConfig:
     final_softcap: Optional[float] = None  # the same on the logits (Gemma2)
     local_rope_theta: Optional[float] = None  # the sliding layers' own RoPE base (Gemma3)
     local_rope_scaling: Optional[dict] = None
+    # A mixture of experts (common/model/moe.py; 0 experts: every layer's MLP is dense):
+    # each token's MLP is the ``experts_per_token`` of ``num_experts`` gated MLPs of
+    # ``expert_intermediate_size`` its router scores highest, weighted by their softmax
+    # probabilities (renormalized over the chosen ones where ``normalize_experts``), plus a
+    # shared expert of ``shared_expert_intermediate_size`` gated by a sigmoid (Qwen2-MoE)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    normalize_experts: bool = True
+    dense_layers: tuple[int, ...] = ()  # layers of a mixture whose MLP is dense
     # A sample of the weight files (common/model/loader.py weights_id): two checkpoints of
     # one config (fine-tunes of one base) get different block keys; "" for dummies
     weights_id: str = ""
@@ -45,6 +56,10 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} not a multiple of "
                              f"num_kv_heads {self.num_kv_heads}")
+        if self.num_experts and not (0 < self.experts_per_token <= self.num_experts
+                                     and self.expert_intermediate_size > 0):
+            raise ValueError(f"{self.experts_per_token} experts a token of {self.num_experts}, "
+                             f"each of {self.expert_intermediate_size}: not a mixture")
 
     @property
     def attention_scale(self) -> float:
@@ -55,18 +70,25 @@ class ModelConfig:
         every earlier key."""
         return self.sliding_window if layer in self.sliding_layers else None
 
+    def sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
     def with_layers(self, num_layers: int) -> ModelConfig:
         """The same model cut to its first `num_layers` layers (profiling huge models)."""
         if not 0 < num_layers <= self.num_layers:
             raise ValueError(f"num_layers must be in [1, {self.num_layers}], got {num_layers}")
         name = self.name if num_layers == self.num_layers else f"{self.name}@{num_layers}L"
-        return dataclasses.replace(self, num_layers=num_layers, name=name, sliding_layers=tuple(
-            layer for layer in self.sliding_layers if layer < num_layers))
+        return dataclasses.replace(
+            self, num_layers=num_layers, name=name,
+            sliding_layers=tuple(layer for layer in self.sliding_layers if layer < num_layers),
+            dense_layers=tuple(layer for layer in self.dense_layers if layer < num_layers))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["sliding_layers"] = list(self.sliding_layers)
+        d["dense_layers"] = list(self.dense_layers)
         return d
 
     @staticmethod
@@ -74,6 +96,7 @@ class ModelConfig:
         d = dict(d)
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
         d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
+        d["dense_layers"] = tuple(d.get("dense_layers", ()))
         return ModelConfig(**d)
 
 

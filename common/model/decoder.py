@@ -1,7 +1,8 @@
 """The decoder every family shares (common/model/arch.py): RMSNorm, RoPE, grouped-query
 attention and a gated MLP over a paged KV cache, with each family's differences read from
 its ``Family`` and ``ModelConfig`` (biases, per-head q/k norms, norms around the attention
-and MLP outputs, the activation, the embedding scale, soft-capping, sliding windows).
+and MLP outputs, the activation, the embedding scale, soft-capping, sliding windows, a
+mixture of experts for the MLP: common/model/moe.py).
 
 Weights arrive as a dict in HF names; Q/K/V and gate/up are fused into one matmul each
 (common/model/linear.py ``Linear``). A quantized linear (common/model/quant.py: a GGUF's
@@ -18,20 +19,22 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 
 from common.model import cpu_linear, triton_ops
-from common.model.arch import family
+from common.model.arch import ExpertNames, family
 from common.model.attention import AttentionBackend, AttnMetadata, AttnSpec
 from common.model.config import ModelConfig
 from common.model.linear import Linear
+from common.model.moe import GatedMLP, Mixture
 from common.model.quant import QuantizedWeight, is_quantized
 from common.model.rope import apply_rope, attention_factor, cos_sin, inv_frequencies
 
 LayerHook = Callable[[int], None]
+_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -40,8 +43,7 @@ class LayerWeights:
     wqkv: Linear
     wo: Linear
     mlp_norm: torch.Tensor  # before the MLP (LLaMA's post_attention_layernorm)
-    w_gate_up: Linear
-    w_down: Linear
+    mlp: GatedMLP | Mixture
     attn: AttnSpec
     rope: str  # "global", or "local": a sliding layer's own RoPE base (Gemma3)
     q_norm: Optional[torch.Tensor] = None  # per head, before RoPE (Qwen3, Gemma3)
@@ -162,6 +164,25 @@ class _Checkpoint:
         return Linear(weight, pack, torch.cat([self.get(n + ".bias") for n in names])
                       if bias else None, self.linear_dtype)
 
+    def gated_mlp(self, prefix: str, names: tuple[str, str, str], bias: bool,
+                  pack: bool) -> GatedMLP:
+        gate, up, down = (f"{prefix}.{n}" for n in names)
+        return GatedMLP(self.linear([gate, up], bias, pack), self.linear([down], bias, pack))
+
+    def mixture(self, config: ModelConfig, prefix: str, names: ExpertNames,
+                pack: bool) -> Mixture:
+        """Layer ``prefix``'s mixture of experts: its router multiplies in the model's
+        dtype, unquantized (as llama.cpp keeps it); the experts as any linear."""
+        block = f"{prefix}{names.block}"
+        experts = [self.gated_mlp(f"{block}.experts.{e}", (names.gate, names.up, names.down),
+                                  False, pack) for e in range(config.num_experts)]
+        shared = shared_gate = None
+        if config.shared_expert_intermediate_size:
+            shared = self.gated_mlp(f"{block}.shared_expert", _MLP_NAMES, False, pack)
+            shared_gate = Linear(self.get(f"{block}.shared_expert_gate.weight"), pack)
+        return Mixture(Linear(self.get(f"{block}.gate.weight"), pack), experts,
+                       config.experts_per_token, config.normalize_experts, shared, shared_gate)
+
 
 class DecoderModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor | QuantizedWeight],
@@ -233,8 +254,8 @@ class DecoderModel:
             wqkv=read.linear([f"{p}self_attn.{n}_proj" for n in "qkv"], cfg.qkv_bias, pack),
             wo=read.linear([p + "self_attn.o_proj"], cfg.o_bias, pack),
             mlp_norm=norms["mlp_norm"],
-            w_gate_up=read.linear([p + "mlp.gate_proj", p + "mlp.up_proj"], cfg.mlp_bias, pack),
-            w_down=read.linear([p + "mlp.down_proj"], cfg.mlp_bias, pack),
+            mlp=(read.mixture(cfg, p, self.family.experts, pack) if cfg.sparse(layer)
+                 else read.gated_mlp(p + "mlp", _MLP_NAMES, cfg.mlp_bias, pack)),
             attn=AttnSpec(scale, cfg.attn_softcap, cfg.window(layer)),
             rope="local" if local else "global",
             q_norm=read.norm(p + "self_attn.q_norm.weight") if qk_norm else None,
@@ -250,10 +271,21 @@ class DecoderModel:
         return self.layer_range.stop == self.config.num_layers
 
     @property
-    def plain_attention(self) -> bool:
-        """Whether every layer attends plainly: no soft-cap, no sliding window (what a
-        CUDA graph's decode kernel serves)."""
-        return all(lw.attn.softcap is None and lw.attn.window is None for lw in self.layers)
+    def graphable(self) -> bool:
+        """Whether a CUDA graph's decode step serves every layer: each attends plainly (no
+        soft-cap, no sliding window: what its decode kernel does) and none routes tokens
+        to experts (which are data: common/model/moe.py)."""
+        return all(lw.attn.softcap is None and lw.attn.window is None
+                   and isinstance(lw.mlp, GatedMLP) for lw in self.layers)
+
+    def linears(self) -> Iterator[tuple[str, Linear]]:
+        """Every linear of this stage, named ("layer 0 wqkv", "layer 1 experts.3.down",
+        "lm_head")."""
+        for i, lw in enumerate(self.layers):
+            yield from ((f"layer {i} {name}", lin) for name, lin in
+                        [("wqkv", lw.wqkv), ("wo", lw.wo), *lw.mlp.linears()])
+        if self.lm_head is not None:
+            yield "lm_head", self.lm_head
 
     def forward(self, token_ids: torch.Tensor, meta: AttnMetadata, attention: AttentionBackend,
                 layer_hook: Optional[LayerHook] = None, hidden: Optional[torch.Tensor] = None,
@@ -318,7 +350,7 @@ class DecoderModel:
         if lw.attn_out_norm is not None:
             o = ops.rms_norm(o, lw.attn_out_norm, eps)
         h, x = ops.add_rms_norm(h, o, lw.mlp_norm, eps)
-        down = lw.w_down(self.gated(lw.w_gate_up(x)))
+        down = lw.mlp(x, self.gated)
         if lw.mlp_out_norm is not None:
             down = ops.rms_norm(down, lw.mlp_out_norm, eps)
         if index + 1 < len(self.layers):  # the residual add and the next layer's norm

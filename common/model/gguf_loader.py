@@ -22,6 +22,7 @@ families of common/model/arch.py serve it exactly as they serve a directory:
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -40,7 +41,13 @@ from common.model.quant import QuantizedWeight, from_gguf
 # writes a Mistral as "llama", without its sliding window; "mistral" is older files' name.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+# a "llama" file with experts is a Mixtral; whether llama.cpp renormalizes the chosen
+# experts' probabilities where the file does not say (``expert_weights_norm``)
+_MIXTURE_ARCH = {"llama": "MixtralForCausalLM", "mistral": "MixtralForCausalLM"}
+_NORMALIZED_EXPERTS = {"llama": True, "mistral": True, "qwen2moe": False, "qwen3moe": True}
+_LLAMA_ROWS = ("llama", "mistral")  # files whose q/k rows the convert script permuted
 # gguf's name table for each (a "mistral" file uses LLaMA's tensor names)
 _NAME_TABLE = {"mistral": "llama"}
 # llama.cpp's layer count of the 27B Gemmas, whose query scale is 1/sqrt(hidden / heads)
@@ -139,6 +146,16 @@ def hf_config(reader: Any) -> dict[str, Any]:
     if ARCHITECTURES[arch] == "LlamaForCausalLM":
         d["attention_bias"] = "blk.0.attn_q.bias" in tensors
         d["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    experts = int(meta("expert_count", 0))
+    if experts:
+        if arch in _MIXTURE_ARCH:
+            d["architectures"] = [_MIXTURE_ARCH[arch]]
+        d.update(num_experts=experts, num_experts_per_tok=int(meta("expert_used_count")),
+                 moe_intermediate_size=int(meta("expert_feed_forward_length",
+                                                d["intermediate_size"])),
+                 shared_expert_intermediate_size=int(
+                     meta("expert_shared_feed_forward_length", 0)),
+                 norm_topk_prob=bool(meta("expert_weights_norm", _NORMALIZED_EXPERTS[arch])))
     if arch in _GEMMA_27B_LAYERS:
         big = layers == _GEMMA_27B_LAYERS[arch]
         d["query_pre_attn_scalar"] = hidden // heads if big else head_dim
@@ -162,20 +179,38 @@ def read_config(reader: Any, name: str, path: str) -> ModelConfig:
     return config_from_hf(hf_config(reader), name, weights_id([path]))
 
 
-def _hf_names(arch: str, config: ModelConfig) -> dict[str, str]:
-    """GGUF tensor name -> HF name, for every weight the family reads."""
+def _hf_names(arch: str, config: ModelConfig) -> dict[str, list[str]]:
+    """GGUF tensor name -> the HF names it holds, for every weight the family reads: one,
+    or each expert's in order, where the file stacks a layer's experts in one tensor
+    (``blk.N.ffn_gate_exps``: [experts, rows, columns])."""
     import gguf
 
     arch = _NAME_TABLE.get(arch, arch)
     index = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
     table = gguf.get_tensor_name_map(index, config.num_layers)
-    names: dict[str, str] = {}
+    names: dict[str, list[str]] = {}
     for hf in weight_shapes(config):
         base, _, suffix = hf.rpartition(".")
-        gguf_name = table.get_name(base)
+        gguf_name = table.get_name(_EXPERT_INDEX.sub(".experts.", base))
         if gguf_name is not None:
-            names[f"{gguf_name}.{suffix}"] = hf
+            names.setdefault(f"{gguf_name}.{suffix}", []).append(hf)
     return names
+
+
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
+
+
+def _parts(name: str, hf: list[str], shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """Each HF weight of a GGUF tensor of ``shape`` with its shape: the experts of a
+    stacked one, one by one; a 1-D shared expert gate as the [1, hidden] it was."""
+    if len(hf) > 1:
+        if len(shape) != 3 or shape[0] != len(hf):
+            raise UnsupportedModelError(f"GGUF tensor {name!r} of shape {shape} does not "
+                                        f"stack {len(hf)} experts")
+        return [(n, shape[1:]) for n in hf]
+    if hf[0].endswith("shared_expert_gate.weight") and len(shape) == 1:
+        return [(hf[0], (1, *shape))]
+    return [(hf[0], shape)]
 
 
 def read_weights(reader: Any, config: ModelConfig
@@ -188,37 +223,46 @@ def read_weights(reader: Any, config: ModelConfig
 
     arch = _architecture(reader)
     names = _hf_names(arch, config)
-    hf_names: dict[str, str] = {}
+    parts: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     for t in reader.tensors:
-        name = ROPE_FREQS if t.name == "rope_freqs.weight" else names.get(t.name)
-        if name is None:
+        shape = tuple(int(n) for n in reversed(t.shape))
+        if t.name == "rope_freqs.weight":
+            parts[t.name] = [(ROPE_FREQS, shape)]
+        elif t.name in names:
+            parts[t.name] = _parts(t.name, names[t.name], shape)
+        else:
             raise UnsupportedModelError(f"GGUF tensor {t.name!r} is not a weight this model "
                                         "reads: refusing to ignore it")
-        hf_names[t.name] = name
-    shapes = {hf_names[t.name]: torch.empty(tuple(int(n) for n in reversed(t.shape)),
-                                            device="meta")
-              for t in reader.tensors if t.name != "rope_freqs.weight"}
-    check_weights(config, shapes)
-    llama = ARCHITECTURES[arch] == "LlamaForCausalLM"
+    check_weights(config, {name: torch.empty(shape, device="meta")
+                           for t in reader.tensors if t.name != "rope_freqs.weight"
+                           for name, shape in parts[t.name]})
+    llama = arch in _LLAMA_ROWS
     gemma = arch in _GEMMA_27B_LAYERS
     for t in reader.tensors:
-        name = hf_names[t.name]
         heads = (config.num_heads if t.name.endswith("attn_q.weight") else config.num_kv_heads
                  if t.name.endswith("attn_k.weight") else None) if llama else None
         shape = tuple(int(n) for n in reversed(t.shape))
-        quantized = from_gguf(t.data, t.tensor_type.name, shape) if len(shape) == 2 else None
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 0
+        quantized = (from_gguf(t.data, t.tensor_type.name, (rows, shape[-1]))
+                     if len(shape) > 1 else None)
         if quantized is not None:
             if heads is not None:  # the same permutation of whole rows
-                rows = unpermute_qk(np.arange(shape[0]), heads)
-                quantized = quantized.rows(torch.from_numpy(rows))
-            yield name, quantized
+                order = unpermute_qk(np.arange(shape[0]), heads)
+                quantized = quantized.rows(torch.from_numpy(order))
+            each = rows // len(parts[t.name])  # an expert's rows of a stacked tensor
+            for i, (name, _) in enumerate(parts[t.name]):
+                yield name, (quantized.rows(slice(i * each, (i + 1) * each))
+                             if len(parts[t.name]) > 1 else quantized)
             continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if heads is not None:
             w = unpermute_qk(w, heads)
-        elif gemma and name.endswith("norm.weight"):
+        elif gemma and parts[t.name][0][0].endswith("norm.weight"):
             w = w - 1.0  # the convert script stored Gemma's 1 + weight
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+        stacked = len(parts[t.name]) > 1
+        for i, (name, part_shape) in enumerate(parts[t.name]):
+            part = w[i] if stacked else w.reshape(part_shape)
+            yield name, torch.from_numpy(np.array(part, dtype=np.float32, order="C"))
 
 
 def read_tokenizer(path: str, reader: Any) -> dict[str, Any]:

@@ -264,6 +264,8 @@ def quantize_matrices(weights: dict[str, Any], kind: str, layers: range,
     def ours(name: str, w: Any) -> bool:
         if len(w.shape) != 2 or is_quantized(w) or w.shape[1] % 32:
             return False  # a row not whole blocks stays float, as llama.cpp keeps it
+        if name.endswith("gate.weight"):
+            return False  # a mixture's router (and shared expert gate), as llama.cpp's
         return not name.startswith("model.layers.") or int(name.split(".")[2]) in layers
 
     made = ((name, quantize(w, kind)) for name, w in weights.items() if ours(name, w))

@@ -12,6 +12,7 @@ local RoPE base, the query scale) is asserted of the checkpoint: a file cannot s
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,7 +38,18 @@ FAMILIES = {
                                "head_dim": 24, "query_pre_attn_scalar": 24,
                                "final_logit_softcapping": 3.0,
                                "rope_parameters": _GEMMA3_ROPE}, "gemma", "<eos>"),
+    # mixtures of experts, their experts stacked a layer in one tensor (ffn_gate_exps)
+    "mixtral": ("mixtral", {"num_local_experts": 6, "num_experts_per_tok": 2,
+                            "intermediate_size": 32}, "qwen", None),
+    "qwen2moe": ("qwen2_moe", {"num_experts": 6, "num_experts_per_tok": 2,
+                               "moe_intermediate_size": 32,
+                               "shared_expert_intermediate_size": 48}, "qwen", None),
+    "qwen3moe": ("qwen3_moe", {"num_experts": 6, "num_experts_per_tok": 3,
+                               "moe_intermediate_size": 32, "norm_topk_prob": True},
+                 "qwen", None),
 }
+GGUF_ARCH = {"mixtral": "llama"}  # the convert script writes a Mixtral as "llama"
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 # llama.cpp's token types (gguf.TokenType)
@@ -109,11 +121,20 @@ def write_gguf(hf_dir: Path, path: Path, arch: str, *, eos_token: Optional[str] 
             w.add_final_logit_softcapping(config["final_logit_softcapping"])
     if arch == "gemma2":
         w.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        if "moe_intermediate_size" in config:
+            w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     _add_tokenizer(w, hf_dir, config["vocab_size"], eos_token)
 
     table = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch],
                                      config["num_hidden_layers"])
-    for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    for name, tensor in _stack_experts(tensors).items():
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
         base, _, suffix = name.rpartition(".")
@@ -125,7 +146,7 @@ def write_gguf(hf_dir: Path, path: Path, arch: str, *, eos_token: Optional[str] 
         elif arch.startswith("gemma") and name.endswith("norm.weight"):
             data = data + 1.0
         data = np.ascontiguousarray(data)
-        if matrices != "F32" and data.ndim == 2:
+        if matrices != "F32" and data.ndim >= 2 and not base.endswith("gate"):  # routers stay
             kind = gguf.GGMLQuantizationType[matrices]
             w.add_tensor(f"{table.get_name(base)}.{suffix}", quantize(data, kind),
                          raw_dtype=kind)
@@ -138,6 +159,23 @@ def write_gguf(hf_dir: Path, path: Path, arch: str, *, eos_token: Optional[str] 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each layer's experts' weights of one kind as one [experts, rows, columns] tensor
+    named without the index (``mlp.experts.gate_proj.weight``), as the convert script
+    merges them."""
+    out: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, tensor in tensors.items():
+        found = _EXPERT.search(name)
+        if found is None:
+            out[name] = tensor
+        else:
+            stacks.setdefault(_EXPERT.sub(".experts.", name), {})[int(found.group(1))] = tensor
+    for name, by_index in stacks.items():
+        out[name] = np.stack([by_index[i] for i in range(len(by_index))])
+    return out
 
 
 def _add_tokenizer(w: Any, hf_dir: Path, vocab_size: int, eos_token: Optional[str]) -> None:
@@ -171,5 +209,5 @@ def write_family(arch: str, path: Path, **case: Any) -> tuple[Any, dict[str, int
     config = {**config, **{k: case.pop(k) for k in list(case) if k in SMALL}}
     hf = write_checkpoint(model_type, path, **config)
     specials = write_chat_tokenizer(path, chat)
-    return hf, specials, write_gguf(path, path / f"{arch}-tiny.gguf", arch,
+    return hf, specials, write_gguf(path, path / f"{arch}-tiny.gguf", GGUF_ARCH.get(arch, arch),
                                     eos_token=eos_token, **case)

@@ -36,6 +36,14 @@ FAMILIES = {
                                                            "rope_theta": 1e5},
                                         "sliding_attention": {"rope_type": "default",
                                                               "rope_theta": 1e3}}},
+    # mixtures of experts: 6 experts, 2 a token (prompts of 5-41 tokens route to all)
+    "mixtral": {"sliding_window": WINDOW, "num_local_experts": 6, "num_experts_per_tok": 2,
+                "intermediate_size": 32},
+    "qwen2_moe": {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                  "shared_expert_intermediate_size": 40, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [1], "norm_topk_prob": False},
+    "qwen3_moe": {"num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 24,
+                  "norm_topk_prob": True, "decoder_sparse_step": 2},
 }
 
 

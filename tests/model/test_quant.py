@@ -18,7 +18,7 @@ from common.model import cpu_linear
 from common.model.linear import Linear
 from common.model.quant import QuantizedWeight, from_gguf, gather, quantize
 from tests.model.gguf_files import write_family
-from tests.model.tiny_checkpoints import assert_decodes_as
+from tests.model.tiny_checkpoints import assert_decodes_as, greedy_rows
 
 QUANT = cpu_linear.quant_kernel()
 INT8 = cpu_linear.quant_kernel(int8=True)
@@ -168,25 +168,6 @@ def quantized_llama(tmp_path_factory: pytest.TempPathFactory):
         yield gguf, path / "cache", hf
 
 
-def _logits(engine: Engine, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
-    """A prefill of each prompt, then greedy decode steps of them together: every row."""
-    from common.engine.config import DecodeInput
-
-    tables = [engine.pool.allocate(engine.blocks_needed(len(p) + steps)) for p in prompts]
-    seqs = [list(p) for p in prompts]
-    rows = [engine.prefill(p, t) for p, t in zip(prompts, tables)]
-    out = list(rows)
-    for _ in range(steps):
-        for row, seq in zip(rows, seqs):
-            seq.append(int(row.argmax()))
-        rows = list(engine.decode_step([DecodeInput(s[-1], len(s) - 1, t)
-                                        for s, t in zip(seqs, tables)]))
-        out += rows
-    for t in tables:
-        engine.pool.free(t)
-    return out
-
-
 def test_a_quantized_gguf_answers_as_its_expansion_logit_for_logit(quantized_llama) -> None:
     """Kept quantized ("auto") or expanded ("none"): the same float32 logits, bit for
     bit, on a prefill in chunks and batched decode steps, and transformers' on the
@@ -200,7 +181,7 @@ def test_a_quantized_gguf_answers_as_its_expansion_logit_for_logit(quantized_lla
                                      block_size=4, prefill_chunk=7))
         kept = isinstance(engine.model.layers[0].wqkv.native, cpu_linear.QuantLinear)
         assert kept == (mode == "auto" and QUANT is not None)
-        got[mode] = _logits(engine, prompts, steps=4)
+        got[mode] = greedy_rows(engine, prompts, steps=4)
         assert_decodes_as(engine, hf, prompts, steps=4)
     assert all(torch.equal(a, b) for a, b in zip(got["auto"], got["none"]))
     (shards,) = [p for p in cache.iterdir() if p.is_dir()]
@@ -236,16 +217,16 @@ def test_int8_linears_decode_near_the_float_model_and_alone_as_in_a_batch(
     engine = Engine(EngineConfig(model=str(gguf), linear_dtype="int8", num_blocks=96,
                                  block_size=4, prefill_chunk=7))
     assert engine.model.kept_quantized > 0
-    assert engine.model.layers[0].w_down.native.int8 == (INT8 is not None)
+    assert engine.model.layers[0].mlp.down.native.int8 == (INT8 is not None)
     plain = Engine(EngineConfig(model=str(gguf), num_blocks=96, block_size=4,
                                 prefill_chunk=7))
     a, b = [(7 * i + 3) % 300 for i in range(37)], [(5 * i + 1) % 300 for i in range(13)]
-    together = _logits(engine, [a, b], steps=4)
-    alone = _logits(engine, [a], steps=4)
+    together = greedy_rows(engine, [a, b], steps=4)
+    alone = greedy_rows(engine, [a], steps=4)
     assert all(torch.equal(x, y) for x, y in zip(alone, together[0::2][:1] + together[2::2]))
     # the same inputs: within what rounding them costs this random model (its weights'
     # scale 0.2; SmolLM2's prompt logits moved 3 %, BENCHMARKS.md "Quantized linears")
-    for x, y in zip(together[:2], _logits(plain, [a, b], steps=0)):
+    for x, y in zip(together[:2], greedy_rows(plain, [a, b], steps=0)):
         assert 0 < (x - y).abs().max() < 0.25 * y.abs().max()
 
 
@@ -253,9 +234,9 @@ def test_a_float_checkpoint_quantized_at_load_keys_its_kv_apart() -> None:
     plain = Engine(EngineConfig(model="dummy-tiny", num_blocks=32))
     q8 = Engine(EngineConfig(model="dummy-tiny", quantization="q8_0", num_blocks=32))
     if QUANT is not None:
-        assert isinstance(q8.model.layers[0].w_down.native, cpu_linear.QuantLinear)
+        assert isinstance(q8.model.layers[0].mlp.down.native, cpu_linear.QuantLinear)
         assert isinstance(q8.model.lm_head.native, cpu_linear.QuantLinear)
-    a, b = _logits(plain, [list(range(20))], 2), _logits(q8, [list(range(20))], 2)
+    a, b = greedy_rows(plain, [list(range(20))], 2), greedy_rows(q8, [list(range(20))], 2)
     assert all(torch.allclose(x, y, atol=0.05) and not torch.equal(x, y) for x, y in zip(a, b))
     assert q8.fingerprint != plain.fingerprint  # its blocks are other bytes
     assert q8.fingerprint == model_fingerprint(q8.model_config, "float32", "q8_0")
@@ -277,8 +258,8 @@ def test_a_checkpoint_quantized_at_load_is_cached(tmp_path: Path,
     assert list(cached.glob("*.safetensors"))
     monkeypatch.setattr(quant, "quantize", lambda *_: pytest.fail("rounded again"))
     again = Engine(config)
-    x = torch.randn(2, first.model.layers[0].w_down.in_features)
-    assert torch.equal(first.model.layers[0].w_down(x), again.model.layers[0].w_down(x))
+    x = torch.randn(2, first.model.layers[0].mlp.down.in_features)
+    assert torch.equal(first.model.layers[0].mlp.down(x), again.model.layers[0].mlp.down(x))
     assert again.model.kept_quantized == first.model.kept_quantized > 0
 
 

@@ -126,3 +126,22 @@ def assert_decodes_as(engine: Any, hf: torch.nn.Module, prompts: list[list[int]]
                                      for s, t in zip(seqs, tables)])
     for t in tables:
         engine.pool.free(t)
+
+
+def greedy_rows(engine: Any, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """A prefill of each prompt, then greedy decode steps of them together: every row."""
+    from common.engine.config import DecodeInput
+
+    tables = [engine.pool.allocate(engine.blocks_needed(len(p) + steps)) for p in prompts]
+    seqs = [list(p) for p in prompts]
+    rows = [engine.prefill(p, t) for p, t in zip(prompts, tables)]
+    out = list(rows)
+    for _ in range(steps):
+        for row, seq in zip(rows, seqs):
+            seq.append(int(row.argmax()))
+        rows = list(engine.decode_step([DecodeInput(s[-1], len(s) - 1, t)
+                                        for s, t in zip(seqs, tables)]))
+        out += rows
+    for t in tables:
+        engine.pool.free(t)
+    return out

@@ -1,0 +1,94 @@
+"""A mixture of experts in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE;
+``ModelConfig.num_experts``): a router scores every expert for each token, the token's MLP
+is the sum of its ``k`` best experts' gated MLPs, each weighted by its softmax probability
+(renormalized over the k where the family does), plus a shared expert gated by a sigmoid
+where the family has one (Qwen2-MoE).
+
+Each expert multiplies only the rows routed to it, gathered into one block, on the same
+kernels as a dense linear (common/model/linear.py: quantized experts stay so on the CPU).
+A token's k results are added in the order its router ranked them, one [T, hidden] add at
+a time: a row's answer is the same alone as in any batch, on any device (no scattered
+atomic adds), given kernels whose rows do not depend on each other (the CPU's).
+
+Which experts run is data: the step reads the routed counts back to the host once a layer,
+so a mixture is not captured in CUDA graphs (``DecoderModel.graphable``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from common.model.linear import Linear
+
+
+@dataclass
+class GatedMLP:
+    gate_up: Linear  # gate and up in one matmul
+    down: Linear
+
+    def __call__(self, x: torch.Tensor, gated: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> torch.Tensor:
+        return self.down(gated(self.gate_up(x)))
+
+    def linears(self) -> Iterator[tuple[str, Linear]]:
+        yield from (("gate_up", self.gate_up), ("down", self.down))
+
+
+@dataclass
+class Mixture:
+    router: Linear  # [experts, hidden], in the model's dtype (llama.cpp keeps it unquantized)
+    experts: list[GatedMLP]
+    top_k: int
+    normalize: bool  # the k probabilities renormalized to sum to 1
+    shared: Optional[GatedMLP] = None
+    shared_gate: Optional[Linear] = None  # [1, hidden]: sigmoid(x . g) scales ``shared``
+
+    def linears(self) -> Iterator[tuple[str, Linear]]:
+        yield "router", self.router
+        for e, expert in enumerate(self.experts):
+            yield from ((f"experts.{e}.{name}", lin) for name, lin in expert.linears())
+        if self.shared is not None and self.shared_gate is not None:
+            yield from ((f"shared.{name}", lin) for name, lin in self.shared.linears())
+            yield "shared_gate", self.shared_gate
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, experts [T, k]) of each row, best first."""
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), chosen
+
+    def __call__(self, x: torch.Tensor, gated: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> torch.Tensor:
+        t, k = x.shape[0], self.top_k
+        weights, chosen = self.route(x)
+        flat = chosen.reshape(-1)  # row r's j-th choice at r * k + j
+        order = torch.argsort(flat, stable=True)  # grouped by expert, rows ascending
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        xs = x.index_select(0, order // k)
+        ys = torch.empty_like(xs)
+        start = 0
+        for expert, n in zip(self.experts, counts):
+            if n:
+                ys[start:start + n] = expert(xs[start:start + n], gated)
+                start += n
+        out = torch.empty_like(ys)
+        out[order] = ys  # back to [row, choice]
+        out = out.view(t, k, -1) * weights.unsqueeze(-1)
+        total = out[:, 0]
+        for j in range(1, k):
+            total = total + out[:, j]
+        if self.shared is not None:
+            assert self.shared_gate is not None
+            total = total + _row_sigmoid(self.shared_gate(x)) * self.shared(x, gated)
+        return total
+
+
+def _row_sigmoid(column: torch.Tensor) -> torch.Tensor:
+    """sigmoid of a [T, 1] column, each row's the same whatever T: torch computes a
+    contiguous run's whole vectors one way and its tail another, so each value is spread
+    over a row of 64 (a whole number of any CPU's unrolled vectors) first."""
+    return torch.sigmoid(column.expand(-1, 64).contiguous())[:, :1]
