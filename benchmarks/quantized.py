@@ -165,10 +165,15 @@ def main() -> None:
         big_args = argparse.Namespace(**{**vars(args), "batches": "1,8"})
         result[BIG_MODEL] = run(BIG_MODEL, BIG, big_args, args.big_layers,
                                 compare_tokens=False)  # random weights: no text to read
+    emit(result, args.out)
+
+
+def emit(result: dict, out: str | None) -> None:
+    """The benchmark's last line: ``result`` as JSON, written to ``out`` too if given."""
     line = json.dumps(result)
     print(line)
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(line + "\n")
 
 

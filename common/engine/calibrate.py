@@ -182,7 +182,10 @@ def decode_samples(engine: Engine, repeats: int = REPEATS,
     for batch, context in _within(fits, limit_s):
         tables = [engine.pool.allocate(engine.blocks_needed(context + 1)) for _ in range(batch)]
         try:
-            inputs = [DecodeInput(token_id=11, position=context, block_table=t) for t in tables]
+            # each row its own token: a mixture of experts' rows of one token would all
+            # run the same experts, a fraction of what a real batch runs
+            inputs = [DecodeInput(token_id=token, position=context, block_table=t)
+                      for token, t in zip(_tokens(engine, batch), tables)]
             engine.decode_step(inputs)  # warm-up (on a GPU: this batch size's graph)
             samples.append((batch, batch * context,
                             _fastest(engine, lambda: engine.decode_step(inputs), repeats)))

@@ -103,6 +103,14 @@ class ModelConfig:
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
+_QWEN3_30B_A3B = ModelConfig(
+    name="dummy-qwen3-30b-a3b", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+    num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1e6,
+    rope_scaling=None, rms_norm_eps=1e-6, max_position_embeddings=40960,
+    tie_word_embeddings=False, bos_token_id=None, eos_token_ids=(151645, 151643),
+    architecture="Qwen3MoeForCausalLM", num_experts=128, experts_per_token=8,
+    expert_intermediate_size=768, normalize_experts=True)
+
 DUMMY_CONFIGS: dict[str, ModelConfig] = {
     "dummy-tiny": ModelConfig(
         name="dummy-tiny", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -137,6 +145,12 @@ DUMMY_CONFIGS: dict[str, ModelConfig] = {
         rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5,
         max_position_embeddings=32768, tie_word_embeddings=False, bos_token_id=1,
         eos_token_ids=(2,)),
+    # benchmarks/moe.py: Qwen3-30B-A3B's shape (128 experts of 768, 8 a token), and its
+    # dense twin: the same layer with one MLP as wide as the 8 experts a token runs
+    "dummy-qwen3-30b-a3b": _QWEN3_30B_A3B,
+    "dummy-qwen3-a3b-dense": dataclasses.replace(
+        _QWEN3_30B_A3B, name="dummy-qwen3-a3b-dense", architecture="Qwen3ForCausalLM",
+        num_experts=0, experts_per_token=0, expert_intermediate_size=0),
     # benchmarks/sliding_window.py: Gemma 3 1B's shape, 5 layers in 6 sliding over 512 keys
     "dummy-gemma3-1b": ModelConfig(
         name="dummy-gemma3-1b", vocab_size=262144, hidden_size=1152, intermediate_size=6912,

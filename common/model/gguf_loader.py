@@ -7,11 +7,14 @@ families of common/model/arch.py serve it exactly as they serve a directory:
   does not store but fixes per architecture (``llama_model_load_hparams``): Gemma 2's
   every other layer sliding and Gemma 3's five in six with a RoPE base of 10,000, and the
   query scale (1/sqrt(hidden / heads) for the 27B models, 1/sqrt(head_dim) otherwise);
-  ``config_from_hf`` then reads it as any config.json.
+  ``config_from_hf`` then reads it as any config.json. A mixture of experts' settings
+  come from its ``expert_*`` keys (a "llama" file with experts is a Mixtral).
 - ``read_weights`` names each tensor by gguf's own table of HF to GGUF names
   (``gguf.get_tensor_name_map``) and undoes what the convert script did to it: the
   permuted rows of LLaMA's attn_q / attn_k (llama.cpp's interleaved RoPE), and the 1 it
-  added to every Gemma norm. ``check_weights`` refuses a tensor the family does not read.
+  added to every Gemma norm. A layer's experts, stacked in one tensor
+  (``ffn_gate_exps``: [experts, rows, columns]), are split into each expert's weight.
+  ``check_weights`` refuses a tensor the family does not read.
   A quantized matrix stays as the file holds it (common/model/quant.py), the rest is
   dequantized to float32.
 - The tokenizer is transformers' reading of the file's vocabulary; a turn ends at the

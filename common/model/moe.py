@@ -65,21 +65,20 @@ class Mixture:
                  ) -> torch.Tensor:
         t, k = x.shape[0], self.top_k
         weights, chosen = self.route(x)
-        flat = chosen.reshape(-1)  # row r's j-th choice at r * k + j
-        order = torch.argsort(flat, stable=True)  # grouped by expert, rows ascending
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        xs = x.index_select(0, order // k)
-        ys = torch.empty_like(xs)
-        start = 0
-        for expert, n in zip(self.experts, counts):
-            if n:
-                ys[start:start + n] = expert(xs[start:start + n], gated)
-                start += n
-        out = torch.empty_like(ys)
-        out[order] = ys  # back to [row, choice]
+        if t == 1:  # a decode step of one: its experts in rank order, no grouping
+            out = torch.cat([self.experts[e](x, gated) for e in chosen[0].tolist()])
+        else:
+            flat = chosen.reshape(-1)  # row r's j-th choice at r * k + j
+            order = torch.argsort(flat, stable=True)  # grouped by expert, rows ascending
+            counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+            blocks = x.index_select(0, order // k).split(counts)
+            ys = torch.cat([expert(rows, gated) for expert, rows in zip(self.experts, blocks)
+                            if rows.shape[0]])
+            out = torch.empty_like(ys)
+            out[order] = ys  # back to [row, choice]
         out = out.view(t, k, -1) * weights.unsqueeze(-1)
         total = out[:, 0]
-        for j in range(1, k):
+        for j in range(1, k):  # in rank order, as a row alone adds them
             total = total + out[:, j]
         if self.shared is not None:
             assert self.shared_gate is not None

@@ -18,7 +18,11 @@ from common.model import cpu_linear
 from common.model.linear import Linear
 from common.model.quant import QuantizedWeight, from_gguf, gather, quantize
 from tests.model.gguf_files import write_family
-from tests.model.tiny_checkpoints import assert_decodes_as, greedy_rows
+from tests.model.tiny_checkpoints import (
+    assert_alone_as_in_a_batch,
+    assert_decodes_as,
+    greedy_rows,
+)
 
 QUANT = cpu_linear.quant_kernel()
 INT8 = cpu_linear.quant_kernel(int8=True)
@@ -221,9 +225,7 @@ def test_int8_linears_decode_near_the_float_model_and_alone_as_in_a_batch(
     plain = Engine(EngineConfig(model=str(gguf), num_blocks=96, block_size=4,
                                 prefill_chunk=7))
     a, b = [(7 * i + 3) % 300 for i in range(37)], [(5 * i + 1) % 300 for i in range(13)]
-    together = greedy_rows(engine, [a, b], steps=4)
-    alone = greedy_rows(engine, [a], steps=4)
-    assert all(torch.equal(x, y) for x, y in zip(alone, together[0::2][:1] + together[2::2]))
+    together = assert_alone_as_in_a_batch(engine, [a, b], steps=4)
     # the same inputs: within what rounding them costs this random model (its weights'
     # scale 0.2; SmolLM2's prompt logits moved 3 %, BENCHMARKS.md "Quantized linears")
     for x, y in zip(together[:2], greedy_rows(plain, [a, b], steps=0)):

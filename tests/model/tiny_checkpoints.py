@@ -145,3 +145,13 @@ def greedy_rows(engine: Any, prompts: list[list[int]], steps: int) -> list[torch
     for t in tables:
         engine.pool.free(t)
     return out
+
+
+def assert_alone_as_in_a_batch(engine: Any, prompts: list[list[int]], steps: int
+                               ) -> list[torch.Tensor]:
+    """The first prompt's rows (``greedy_rows``) are the same bit for bit alone as decoded
+    beside the others; all the rows, batched, back."""
+    together = greedy_rows(engine, prompts, steps)
+    alone = greedy_rows(engine, prompts[:1], steps)
+    assert all(torch.equal(x, y) for x, y in zip(alone, together[0::len(prompts)]))
+    return together
