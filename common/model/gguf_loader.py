@@ -201,6 +201,7 @@ def _hf_names(arch: str, config: ModelConfig) -> dict[str, list[str]]:
 
 
 _EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
+_SPLIT_EXPERT = re.compile(r"blk\.\d+\.ffn_(gate|down|up)\.\d+\.weight")  # before 2024
 
 
 def _parts(name: str, hf: list[str], shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
@@ -233,6 +234,11 @@ def read_weights(reader: Any, config: ModelConfig
             parts[t.name] = [(ROPE_FREQS, shape)]
         elif t.name in names:
             parts[t.name] = _parts(t.name, names[t.name], shape)
+        elif _SPLIT_EXPERT.fullmatch(t.name):
+            raise UnsupportedModelError(
+                f"GGUF tensor {t.name!r}: an older Mixtral file, each expert its own tensor, "
+                "which llama.cpp no longer reads either: use a file converted since 2024 "
+                "(experts stacked in blk.N.ffn_gate_exps)")
         else:
             raise UnsupportedModelError(f"GGUF tensor {t.name!r} is not a weight this model "
                                         "reads: refusing to ignore it")

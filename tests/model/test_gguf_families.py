@@ -79,10 +79,13 @@ def test_a_gguf_of_another_architecture_is_refused_by_name(tmp_path: Path) -> No
     ({"extra_tensor": "blk.0.attn_norm_2.weight"},
      "GGUF tensor 'blk.0.attn_norm_2.weight' is not a weight this model reads"),
     ({"head_dim_rotated": 8}, r"rotates 8 of each head's 16 dimensions \(partial RoPE\)"),
+    ({"arch": "mixtral", "extra_tensor": "blk.0.ffn_gate.3.weight"},
+     "an older Mixtral file, each expert its own tensor"),
 ])
 def test_a_gguf_the_family_would_misread_is_refused(tmp_path: Path, case: dict,
                                                      match: str) -> None:
-    gguf = write_family("qwen3", tmp_path, **case)[2]
+    case = dict(case)  # the parameter's own dict stays whole
+    gguf = write_family(case.pop("arch", "qwen3"), tmp_path, **case)[2]
     with pytest.raises(UnknownModelError, match=match):
         Engine(EngineConfig(model=str(gguf), num_blocks=8, block_size=4))
 

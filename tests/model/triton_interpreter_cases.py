@@ -119,6 +119,8 @@ def test_padded_graph_batch_equals_the_eager_sdpa_engine() -> None:
                                 attention_backend=backend))
         if backend == "triton":
             e.model.ops = TritonOps  # chosen on CUDA only
+            if e.model.config.activation == "silu":
+                e.model.gated = TritonOps.silu_mul
         return e
 
     ids = torch.randint(3, 500, (40,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -143,12 +145,13 @@ def test_padded_graph_batch_equals_the_eager_sdpa_engine() -> None:
     assert changed == changed_ref  # the blocks of positions 40, 24, 33 only
 
 
-def test_the_triton_path_serves_other_families(tmp_path) -> None:
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen2_moe"])
+def test_the_triton_path_serves_other_families(tmp_path, model_type: str) -> None:
     """Gemma3's per-head q/k norms (a Triton RMSNorm, as Qwen3's), its query scale (the
-    decode kernel's ``scale``) and sliding layers (the masked SDPA path) on the Triton
+    decode kernel's ``scale``) and sliding layers (the masked SDPA path), and Qwen2-MoE's
+    experts and shared expert (the Triton SiLU of each expert's rows), on the Triton
     path: the SDPA engine's logits (tests/model/test_architectures.py checks those
     against transformers), on a prefill and a decode batch past the window."""
-    model_type = "gemma3_text"
     from common.engine import DecodeInput, Engine, EngineConfig
     from common.model.decoder import TritonOps
     from tests.model.test_architectures import FAMILIES
@@ -164,6 +167,8 @@ def test_the_triton_path_serves_other_families(tmp_path) -> None:
                                 attention_backend=backend))
         if backend == "triton":
             e.model.ops = TritonOps  # chosen on CUDA only
+            if e.model.config.activation == "silu":
+                e.model.gated = TritonOps.silu_mul
         a, b = e.pool.allocate(e.blocks_needed(24)), e.pool.allocate(e.blocks_needed(24))
         first = e.prefill(ids, a)
         e.prefill(ids[:10], b)
@@ -189,6 +194,8 @@ def test_prompt_graph_pieces_on_the_triton_path() -> None:
                                 attention_backend=backend))
         if backend == "triton":
             e.model.ops = TritonOps  # chosen on CUDA only
+            if e.model.config.activation == "silu":
+                e.model.gated = TritonOps.silu_mul
             e.prompt_graphs = PromptGraphs(e.model, 32, capture=False)
         table = e.pool.allocate(e.blocks_needed(len(ids)))
         e.prefill(ids[:20], table)
