@@ -5,7 +5,8 @@ Qwen3-30B-A3B's shape (``dummy-qwen3-30b-a3b``: 128 experts of 768, 8 a token; `
 of its 48 layers and its LM head, random weights quantized at load as ``--quantization``)
 beside its dense twin (``dummy-qwen3-a3b-dense``: the same layers with one MLP as wide as
 the 8 experts, 6,144: the same multiplies a token), each with float32 inputs on the
-quantized kernel and with ``linear_dtype = "int8"``. For each: the least ms per decode step
+quantized kernel and with ``linear_dtype = "int8"``; the mixture also with each expert's
+projections a kernel call of their own ("apart"), as before their one grouped call. For each: the least ms per decode step
 of ``--rounds`` rounds at context ``--contexts`` and batch ``--batches`` (the variants in
 turn; each sequence its own token, so that the rows route apart), the distinct experts a
 step of each batch runs per layer, a prompt's prefill, and the bytes of the weights held.
@@ -34,8 +35,12 @@ from common.model import cpu_linear  # noqa: E402
 from common.model.moe import Mixture  # noqa: E402
 
 MOE, DENSE = "dummy-qwen3-30b-a3b", "dummy-qwen3-a3b-dense"
-VARIANTS = {"moe": dict(model=MOE), "dense": dict(model=DENSE),
+# "apart": the experts' projections a kernel call each, as before their grouped call
+# (cpu_linear.ExpertLinears)
+VARIANTS = {"moe": dict(model=MOE), "moe apart": dict(model=MOE, apart=True),
+            "dense": dict(model=DENSE),
             "moe int8": dict(model=MOE, linear_dtype="int8"),
+            "int8 apart": dict(model=MOE, linear_dtype="int8", apart=True),
             "dense int8": dict(model=DENSE, linear_dtype="int8")}
 
 
@@ -97,13 +102,17 @@ def main() -> None:
     engines = {}
     for name, kw in VARIANTS.items():
         started = time.perf_counter()
+        kw = dict(kw)
+        apart = kw.pop("apart", False)
         engines[name] = Engine(EngineConfig(num_layers=args.layers, kv_dtype="bfloat16",
                                             quantization=args.quantization,
                                             num_blocks=blocks, **kw))
+        for lw in engines[name].model.layers if apart else ():
+            lw.mlp.grouped = None
         print(f"{name}: built in {time.perf_counter() - started:.0f} s", flush=True)
     print(f"\n{args.layers} layers, {args.quantization}, {args.threads} thread(s): "
           "ms per decode step")
-    print(f"{'context':>8}{'batch':>6}" + "".join(f"{n:>14}" for n in engines)
+    print(f"{'context':>8}{'batch':>6}" + "".join(f"{n:>12}" for n in engines)
           + f"{'experts/layer':>15}")
     steps: dict[str, dict[str, float]] = {}
     experts: dict[str, float] = {}
@@ -117,13 +126,13 @@ def main() -> None:
             key = f"ctx{context}_b{batch}"
             row = steps[key] = {n: round(min(v), 1) for n, v in got.items()}
             experts[key] = experts_run(engines["moe"], batch, context)
-            print(f"{context:>8}{batch:>6}" + "".join(f"{row[n]:>14.1f}" for n in engines)
+            print(f"{context:>8}{batch:>6}" + "".join(f"{row[n]:>12.1f}" for n in engines)
                   + f"{experts[key]:>15}")
     prefill = {name: round(prefill_s(e, args.prompt, args.rounds), 3)
                for name, e in engines.items()}
     sizes = {name: round(weight_bytes(e) / 2**20, 1) for name, e in engines.items()}
-    print(f"{f'prefill {args.prompt} s':>14}" + "".join(f"{prefill[n]:>14.3f}" for n in engines))
-    print(f"{'weights MiB':>14}" + "".join(f"{sizes[n]:>14.1f}" for n in engines))
+    print(f"{f'prefill {args.prompt} s':>14}" + "".join(f"{prefill[n]:>12.3f}" for n in engines))
+    print(f"{'weights MiB':>14}" + "".join(f"{sizes[n]:>12.1f}" for n in engines))
     result = {"layers": args.layers, "quantization": args.quantization,
               "threads": args.threads, "steps_ms": steps, "experts_per_layer": experts,
               f"prefill_{args.prompt}_s": prefill, "weights_mib": sizes}

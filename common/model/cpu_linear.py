@@ -139,6 +139,92 @@ class QuantLinear:
         return y
 
 
+class ExpertLinears:
+    """The quantized linears of a mixture's experts (common/model/moe.py), one shape and
+    kind, in one call of csrc/parallel.c's ``linear_q_experts_par`` (or
+    ``linear_int8_experts_par``): expert e multiplies rows [starts[e], starts[e + 1]) of
+    its input, each row as its ``QuantLinear`` computes it alone, the units of all experts
+    split over one team of threads (a step at batch 8 runs ~50 of 128 experts: as many
+    calls of one or two rows, each forking the team, before)."""
+
+    def __init__(self, fn: ctypes._CFuncPtr, linears: list[QuantLinear]):
+        first = linears[0]
+        self.fn, self.linears = fn, linears  # the linears hold the codes and params
+        self.out_features, self.in_features = first.out_features, first.in_features
+        self.group, self.bits, self.int8 = first.group, first.bits, first.int8
+        self.codes = torch.tensor([lin.codes.data_ptr() for lin in linears], dtype=torch.int64)
+        self.params = torch.tensor([lin.params.data_ptr() for lin in linears],
+                                   dtype=torch.int64)
+
+    @staticmethod
+    def of(linears: list[Optional[QuantLinear | PackedLinear]]) -> Optional[ExpertLinears]:
+        """The experts' linears in one call; None unless all are ``QuantLinear`` of one
+        shape, group, width and kind, with the grouped entry point built."""
+        if not linears or not all(isinstance(lin, QuantLinear) for lin in linears):
+            return None
+        shapes = {(lin.out_features, lin.in_features, lin.group, lin.bits, lin.int8)
+                  for lin in linears}  # type: ignore[union-attr]
+        fn = experts_kernel(linears[0].int8) if len(shapes) == 1 else None  # type: ignore[union-attr]
+        return ExpertLinears(fn, linears) if fn is not None else None  # type: ignore[arg-type]
+
+    def __call__(self, x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """``x`` [M, K] float32, expert e's rows at [starts[e], starts[e + 1]) (``starts``
+        int64 [experts + 1], starts[-1] = M) → [M, N] float32."""
+        x = x.to(torch.float32).contiguous()
+        m, n, k = x.shape[0], self.out_features, self.in_features
+        y = torch.empty(m, n, dtype=torch.float32)
+        experts = len(self.linears)
+        threads = native.threads(-(-n // TILE) * max(1, experts))
+        if self.int8:
+            rounded = -(-m * k // 64) * 64
+            scratch = torch.empty(rounded + 8 * m * (k // self.group), dtype=torch.uint8)
+            q = scratch.data_ptr()
+            d = q + rounded
+            self.fn(x.data_ptr(), q, d, d + 4 * m * (k // self.group), starts.data_ptr(),
+                    experts, self.codes.data_ptr(), self.params.data_ptr(), y.data_ptr(), n, k,
+                    self.group, self.bits, QuantLinear.ROW_BLOCK, threads)
+        else:
+            self.fn(x.data_ptr(), starts.data_ptr(), experts, self.codes.data_ptr(),
+                    self.params.data_ptr(), y.data_ptr(), n, k, self.group, self.bits,
+                    QuantLinear.ROW_BLOCK, threads)
+        return y
+
+
+def experts_kernel(int8: bool = False) -> Optional[ctypes._CFuncPtr]:
+    """csrc/parallel.c's grouped entry point over ``quant_kernel(int8)``'s kernel; None
+    where that is absent or the grouped one fails its check."""
+    return _checked_experts(int8) if quant_kernel(int8) is not None else None
+
+
+@functools.cache
+def _checked_experts(int8: bool) -> Optional[ctypes._CFuncPtr]:
+    """The entry point, checked against each expert's own ``QuantLinear`` bit for bit
+    (three experts, one of them given no rows, rows across row blocks)."""
+    lib = native.library()
+    name, pointers = ("linear_int8_experts_par", 5) if int8 else ("linear_q_experts_par", 2)
+    fn = getattr(lib, name, None) if lib is not None else None
+    if fn is None:
+        return None
+    fn.argtypes = [*[_P] * pointers, _I64, _P, _P, _P, *[_I64] * 6]
+    fn.restype = None
+    g = torch.Generator().manual_seed(1)
+    single = quant_kernel(int8)
+    linears = [QuantLinear(single, QuantizedWeight(
+        torch.randint(0, 256, (80, 48), generator=g, dtype=torch.uint8),
+        torch.rand(80, 3, generator=g) / 64, torch.randn(80, 3, generator=g) / 8, 4), int8)
+        for _ in range(3)]
+    counts = [2, 0, QuantLinear.ROW_BLOCK + 5]
+    x = torch.randn(sum(counts), 96, generator=g)
+    starts = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int64)
+    got = ExpertLinears(fn, linears)(x, starts)
+    want = torch.cat([lin(x[a:b]) for lin, a, b in zip(linears, starts[:-1], starts[1:])])
+    if not torch.equal(got, want):
+        log.warning("the CPU grouped quantized linear (%s) differs from its experts' own: "
+                    "not used", name)
+        return None
+    return fn
+
+
 def int8_reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """What csrc/linear_int8.c computes, in float64 from the same rounded inputs (its
     only other rounding: float32 sums, in its order)."""

@@ -5,7 +5,8 @@ is the sum of its ``k`` best experts' gated MLPs, each weighted by its softmax p
 where the family has one (Qwen2-MoE).
 
 Each expert multiplies only the rows routed to it, gathered into one block, on the same
-kernels as a dense linear (common/model/linear.py: quantized experts stay so on the CPU).
+kernels as a dense linear (common/model/linear.py: quantized experts stay so on the CPU,
+where each projection of all the experts is one kernel call: cpu_linear.ExpertLinears).
 A token's k results are added in the order its router ranked them, one [T, hidden] add at
 a time: a row's answer is the same alone as in any batch, on any device (no scattered
 atomic adds), given kernels whose rows do not depend on each other (the CPU's).
@@ -20,6 +21,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from common.model.cpu_linear import ExpertLinears
 from common.model.linear import Linear
 
 
@@ -45,6 +47,15 @@ class Mixture:
     shared: Optional[GatedMLP] = None
     shared_gate: Optional[Linear] = None  # [1, hidden]: sigmoid(x . g) scales ``shared``
 
+    def __post_init__(self) -> None:
+        # quantized experts on the CPU: each projection of all of them in one kernel call
+        self.grouped: Optional[tuple[ExpertLinears, ExpertLinears]] = None
+        if all(e.gate_up.bias is None and e.down.bias is None for e in self.experts):
+            gate_up = ExpertLinears.of([e.gate_up.native for e in self.experts])
+            down = ExpertLinears.of([e.down.native for e in self.experts])
+            if gate_up is not None and down is not None:
+                self.grouped = gate_up, down
+
     def linears(self) -> Iterator[tuple[str, Linear]]:
         yield "router", self.router
         for e, expert in enumerate(self.experts):
@@ -65,15 +76,22 @@ class Mixture:
                  ) -> torch.Tensor:
         t, k = x.shape[0], self.top_k
         weights, chosen = self.route(x)
-        if t == 1:  # a decode step of one: its experts in rank order, no grouping
+        if t == 1 and self.grouped is None:  # one row: its experts in rank order
             out = torch.cat([self.experts[e](x, gated) for e in chosen[0].tolist()])
         else:
             flat = chosen.reshape(-1)  # row r's j-th choice at r * k + j
             order = torch.argsort(flat, stable=True)  # grouped by expert, rows ascending
-            counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-            blocks = x.index_select(0, order // k).split(counts)
-            ys = torch.cat([expert(rows, gated) for expert, rows in zip(self.experts, blocks)
-                            if rows.shape[0]])
+            counts = torch.bincount(flat, minlength=len(self.experts))
+            xs = x.index_select(0, order // k)
+            if self.grouped is not None:
+                starts = torch.zeros(len(self.experts) + 1, dtype=torch.int64)
+                torch.cumsum(counts, 0, out=starts[1:])
+                gate_up, down = self.grouped
+                ys = down(gated(gate_up(xs, starts)), starts).to(x.dtype)
+            else:
+                ys = torch.cat([expert(rows, gated) for expert, rows
+                                in zip(self.experts, xs.split(counts.tolist()))
+                                if rows.shape[0]])
             out = torch.empty_like(ys)
             out[order] = ys  # back to [row, choice]
         out = out.view(t, k, -1) * weights.unsqueeze(-1)

@@ -179,3 +179,24 @@ def test_a_checkpoint_missing_an_expert_is_refused_by_name(qwen3_moe, tmp_path: 
     with pytest.raises(UnknownModelError,
                        match="missing weight 'model.layers.1.mlp.experts.4.up_proj.weight'"):
         Engine(EngineConfig(model=str(tmp_path), num_blocks=8, block_size=4))
+
+
+@pytest.mark.skipif(cpu_linear.experts_kernel() is None, reason="the CPU quantized kernels "
+                    "did not build (no compiler or no AVX-512): experts run one by one")
+@pytest.mark.parametrize("linear_dtype", [None, "int8"])
+def test_quantized_experts_in_one_call_are_each_experts_own(quantized_mixture,
+                                                            linear_dtype) -> None:
+    """Each projection of all of a layer's experts in one kernel call
+    (cpu_linear.ExpertLinears) gives what the experts' calls one by one give, bit for bit,
+    and a row alone what it gives in a batch."""
+    gguf, _ = quantized_mixture
+    engine = Engine(EngineConfig(model=str(gguf), linear_dtype=linear_dtype, num_blocks=96,
+                                 block_size=4, prefill_chunk=7))
+    mixtures = [lw.mlp for lw in engine.model.layers if isinstance(lw.mlp, Mixture)]
+    assert mixtures and all(m.grouped is not None for m in mixtures)
+    prompts = [[(7 * i + 3) % 300 for i in range(37)], [(5 * i + 1) % 300 for i in range(13)]]
+    grouped = assert_alone_as_in_a_batch(engine, prompts, steps=4)
+    for mixture in mixtures:
+        mixture.grouped = None
+    one_by_one = greedy_rows(engine, prompts, steps=4)
+    assert all(torch.equal(a, b) for a, b in zip(grouped, one_by_one))

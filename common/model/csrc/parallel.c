@@ -64,6 +64,35 @@ static void piece(int64_t n, int64_t grain, int64_t part, int64_t parts, int64_t
         })                                                                                  \
     }
 
+/* TILES_BY_ROWS over the linears of one shape of a mixture of experts, in one team: linear
+ * e takes the call's rows [starts[e], starts[e + 1]) (``starts``: experts + 1 offsets).
+ * The units, expert by expert, then tile by tile, split in contiguous runs over the
+ * threads; the body also sees the unit's expert e (r0 counts from the call's first row). */
+#define EXPERT_TILES(threads, experts, starts, n, block, ...)                              \
+    {                                                                                       \
+        const int64_t tiles_ = ((n) + 63) / 64;                                             \
+        int64_t total_ = 0;                                                                 \
+        for (int64_t e_ = 0; e_ < (experts); e_++)                                          \
+            total_ += tiles_ * ((starts[e_ + 1] - starts[e_] + (block) - 1) / (block));     \
+        EACH(threads, {                                                                     \
+            int64_t first, last, e = 0, base = 0, blocks_ = 0;                              \
+            piece(total_, 1, part, parts, &first, &last);                                   \
+            for (int64_t u = first; u < last; u++) {                                        \
+                for (;;) { /* the expert of unit u: those before it end at base */          \
+                    blocks_ = (starts[e + 1] - starts[e] + (block) - 1) / (block);          \
+                    if (u < base + tiles_ * blocks_) break;                                 \
+                    base += tiles_ * blocks_;                                               \
+                    e++;                                                                    \
+                }                                                                           \
+                const int64_t v = u - base, c = v / blocks_ * 64;                           \
+                const int64_t r0 = starts[e] + v % blocks_ * (block);                       \
+                const int64_t rows = starts[e + 1] - r0 < (block) ? starts[e + 1] - r0 : (block); \
+                const int64_t c1 = c + 64 < (n) ? c + 64 : (n);                             \
+                __VA_ARGS__                                                                 \
+            }                                                                               \
+        })                                                                                  \
+    }
+
 /* paged_attention.c */
 typedef struct Layout Layout;
 void paged_attention_f32(const Layout *L, const float *q, const float *kv, int64_t first,
@@ -138,6 +167,18 @@ void linear_q_par(const float *x, const uint8_t *codes, const float *params, flo
         linear_q(x + r0 * k, codes, params, y + r0 * n, rows, n, k, group, bits, c, c1);
     })
 }
+
+/* Each expert's rows by its own weights (``codes``, ``params``: an address an expert), in
+ * one team (EXPERT_TILES). */
+void linear_q_experts_par(const float *x, const int64_t *starts, int64_t experts,
+                          const int64_t *codes, const int64_t *params, float *y, int64_t n,
+                          int64_t k, int64_t group, int64_t bits, int64_t block,
+                          int64_t threads) {
+    EXPERT_TILES(threads, experts, starts, n, block, {
+        linear_q(x + r0 * k, (const uint8_t *)codes[e], (const float *)params[e], y + r0 * n,
+                 rows, n, k, group, bits, c, c1);
+    })
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -162,6 +203,24 @@ void linear_int8_par(const float *x, int8_t *q, float *d, float *s, const uint8_
     TILES_BY_ROWS(threads, m, n, block, {
         linear_int8(q + r0 * k, d + r0 * groups, s + r0 * groups, codes, params, y + r0 * n,
                     rows, n, k, group, bits, c, c1);
+    })
+}
+
+/* linear_int8_par for each expert's rows (EXPERT_TILES), all rows rounded first. */
+void linear_int8_experts_par(const float *x, int8_t *q, float *d, float *s,
+                             const int64_t *starts, int64_t experts, const int64_t *codes,
+                             const int64_t *params, float *y, int64_t n, int64_t k,
+                             int64_t group, int64_t bits, int64_t block, int64_t threads) {
+    const int64_t groups = k / group;
+    EACH(threads, {
+        int64_t first, last;
+        piece(starts[experts], 1, part, parts, &first, &last);
+        for (int64_t r = first; r < last; r++)
+            int8_row(x + r * k, k, group, q + r * k, d + r * groups, s + r * groups);
+    })
+    EXPERT_TILES(threads, experts, starts, n, block, {
+        linear_int8(q + r0 * k, d + r0 * groups, s + r0 * groups, (const uint8_t *)codes[e],
+                    (const float *)params[e], y + r0 * n, rows, n, k, group, bits, c, c1);
     })
 }
 #endif
