@@ -39,6 +39,12 @@ def compute_block_keys(
     return keys
 
 
+# ModelConfig's fields of a mixture of experts (added 2026-11-29): left out of a dense
+# model's fingerprint, so that its blocks keep the keys they had (in a store, on disk)
+MIXTURE_FIELDS = ("num_experts", "experts_per_token", "expert_intermediate_size",
+                  "shared_expert_intermediate_size", "normalize_experts", "dense_layers")
+
+
 def model_fingerprint(config: Any, kv_dtype: str = "float32",
                       quantization: str = "auto") -> bytes:
     """16-byte fingerprint of a model config (a dataclass or a dict), the dtype its KV
@@ -48,6 +54,9 @@ def model_fingerprint(config: Any, kv_dtype: str = "float32",
     and never mix in the pool or the store ("auto" and "none" compute the same floats).
     Every process that names blocks (engine, router) must pass the same values."""
     fields = asdict(config) if is_dataclass(config) else dict(config)
+    if not fields.get("num_experts"):  # a dense model's fingerprint as before mixtures
+        for name in MIXTURE_FIELDS:
+            fields.pop(name, None)
     blob = json.dumps(fields, sort_keys=True, default=str).encode()
     rounded = f"|weights:{quantization}".encode() if quantization not in ("auto", "none") else b""
     return xxhash.xxh3_128(b"crescent-model-v1" + blob + b"|kv:" + kv_dtype.encode()

@@ -45,3 +45,24 @@ def test_fingerprint_stable_across_processes() -> None:
     assert out == [fp.hex(), compute_block_keys(list(range(32)), 16, fp)[1].hex()]
     assert len(fp) == 16
     assert model_fingerprint(DUMMY_CONFIGS["dummy-llama3-8b"]) != fp
+
+
+def test_a_dense_models_fingerprint_is_what_it_was_before_mixtures() -> None:
+    """A dense model's blocks keep their keys across the upgrade that added the mixture
+    fields (in a store, on disk): its fingerprint is that of its config without them
+    (dummy-tiny's, float32, as every version before printed it); a mixture's changes with
+    each of them."""
+    import dataclasses
+
+    from common.kv.block_keys import MIXTURE_FIELDS
+
+    assert model_fingerprint(DUMMY_CONFIGS["dummy-tiny"]).hex() == \
+        "bedff85858a3db7c1ea7f48059a5fdf1"
+    moe = DUMMY_CONFIGS["dummy-qwen3-30b-a3b"]
+    changed = {"num_experts": 64, "experts_per_token": 4, "expert_intermediate_size": 512,
+               "shared_expert_intermediate_size": 256, "normalize_experts": False,
+               "dense_layers": (0,)}
+    assert set(changed) == set(MIXTURE_FIELDS)
+    fps = {model_fingerprint(dataclasses.replace(moe, **{name: value}))
+           for name, value in changed.items()}
+    assert len(fps | {model_fingerprint(moe)}) == len(changed) + 1
