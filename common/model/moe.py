@@ -11,8 +11,10 @@ A token's k results are added in the order its router ranked them, one [T, hidde
 a time: a row's answer is the same alone as in any batch, on any device (no scattered
 atomic adds), given kernels whose rows do not depend on each other (the CPU's).
 
-Which experts run is data: the step reads the routed counts back to the host once a layer,
-so a mixture is not captured in CUDA graphs (``DecoderModel.graphable``).
+On a CUDA device in bfloat16 the experts' weights are stacked and each projection of all of
+them is one ``torch._grouped_mm`` over the routed rows (``Mixture.stack``); elsewhere the
+loop over the experts reads the routed counts back to the host once a layer. Neither is
+captured in CUDA graphs yet (``DecoderModel.graphable``; not yet run on a GPU).
 """
 from __future__ import annotations
 
@@ -50,11 +52,34 @@ class Mixture:
     def __post_init__(self) -> None:
         # quantized experts on the CPU: each projection of all of them in one kernel call
         self.grouped: Optional[tuple[ExpertLinears, ExpertLinears]] = None
-        if all(e.gate_up.bias is None and e.down.bias is None for e in self.experts):
-            gate_up = ExpertLinears.of([e.gate_up.native for e in self.experts])
-            down = ExpertLinears.of([e.down.native for e in self.experts])
-            if gate_up is not None and down is not None:
-                self.grouped = gate_up, down
+        # or all the experts' weights stacked for torch._grouped_mm (``stack``)
+        self.stacked: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        if any(e.gate_up.bias is not None or e.down.bias is not None for e in self.experts):
+            return
+        gate_up = ExpertLinears.of([e.gate_up.native for e in self.experts])
+        down = ExpertLinears.of([e.down.native for e in self.experts])
+        if gate_up is not None and down is not None:
+            self.grouped = gate_up, down
+        elif _grouped_mm_serves(self.experts[0].gate_up.weight):
+            self.stack()
+
+    def stack(self) -> None:
+        """Each projection of all the experts as one ``torch._grouped_mm`` over their
+        weights stacked [experts, out, in] (each expert's ``Linear`` then holds its slice:
+        no copy kept): a step's routed rows in two matmuls, no count read back to the
+        host. Done at build on a CUDA model in bfloat16 (cuBLAS's grouped GEMM); any
+        device can run it (tests run it on the CPU)."""
+        stacks = []
+        for name in ("gate_up", "down"):
+            linears = [getattr(e, name) for e in self.experts]
+            weights = [lin.weight for lin in linears]
+            if any(w is None for w in weights):
+                raise ValueError("stacking experts needs their weights as plain tensors")
+            stack = torch.stack(weights)  # type: ignore[arg-type]
+            for i, lin in enumerate(linears):
+                lin.weight = stack[i]
+            stacks.append(stack.transpose(1, 2))  # [experts, in, out]: grouped_mm's B
+        self.stacked = stacks[0], stacks[1]
 
     def linears(self) -> Iterator[tuple[str, Linear]]:
         yield "router", self.router
@@ -76,22 +101,13 @@ class Mixture:
                  ) -> torch.Tensor:
         t, k = x.shape[0], self.top_k
         weights, chosen = self.route(x)
-        if t == 1 and self.grouped is None:  # one row: its experts in rank order
+        if t == 1 and self.grouped is None and self.stacked is None:
+            # one row on the expert-by-expert path: its experts in rank order
             out = torch.cat([self.experts[e](x, gated) for e in chosen[0].tolist()])
         else:
             flat = chosen.reshape(-1)  # row r's j-th choice at r * k + j
             order = torch.argsort(flat, stable=True)  # grouped by expert, rows ascending
-            counts = torch.bincount(flat, minlength=len(self.experts))
-            xs = x.index_select(0, order // k)
-            if self.grouped is not None:
-                starts = torch.zeros(len(self.experts) + 1, dtype=torch.int64)
-                torch.cumsum(counts, 0, out=starts[1:])
-                gate_up, down = self.grouped
-                ys = down(gated(gate_up(xs, starts)), starts).to(x.dtype)
-            else:
-                ys = torch.cat([expert(rows, gated) for expert, rows
-                                in zip(self.experts, xs.split(counts.tolist()))
-                                if rows.shape[0]])
+            ys = self._routed(x.index_select(0, order // k), flat, gated)
             out = torch.empty_like(ys)
             out[order] = ys  # back to [row, choice]
         out = out.view(t, k, -1) * weights.unsqueeze(-1)
@@ -102,6 +118,33 @@ class Mixture:
             assert self.shared_gate is not None
             total = total + _row_sigmoid(self.shared_gate(x)) * self.shared(x, gated)
         return total
+
+    def _routed(self, xs: torch.Tensor, flat: torch.Tensor,
+                gated: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The routed rows ``xs``, grouped by expert in ascending order (``flat``: each
+        row's expert, unsorted), each through its expert."""
+        experts = len(self.experts)
+        if self.stacked is not None:  # offsets made on the device: nothing read back
+            ends = torch.zeros(experts, dtype=torch.int64, device=xs.device)
+            offsets = ends.scatter_add_(0, flat, torch.ones_like(flat)).cumsum_(0).int()
+            gate_up, down = self.stacked
+            return torch._grouped_mm(gated(torch._grouped_mm(xs, gate_up, offs=offsets)),
+                                     down, offs=offsets)
+        counts = torch.bincount(flat, minlength=experts)
+        if self.grouped is not None:
+            starts = torch.zeros(experts + 1, dtype=torch.int64)
+            torch.cumsum(counts, 0, out=starts[1:])
+            gate_up, down = self.grouped
+            return down(gated(gate_up(xs, starts)), starts).to(xs.dtype)
+        return torch.cat([expert(rows, gated) for expert, rows
+                          in zip(self.experts, xs.split(counts.tolist())) if rows.shape[0]])
+
+
+def _grouped_mm_serves(weight: Optional[torch.Tensor]) -> bool:
+    """Whether ``torch._grouped_mm`` serves experts of this weight at build: bfloat16 on a
+    CUDA device (cuBLAS's grouped GEMM on Hopper; elsewhere it may be a loop)."""
+    return (weight is not None and weight.device.type == "cuda"
+            and weight.dtype is torch.bfloat16 and hasattr(torch, "_grouped_mm"))
 
 
 def _row_sigmoid(column: torch.Tensor) -> torch.Tensor:

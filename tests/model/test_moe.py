@@ -32,11 +32,12 @@ QWEN3_MOE = {"num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size"
 
 
 def _mixture(experts: int, k: int, normalize: bool, hidden: int = 32, inner: int = 16,
-             shared: bool = False, seed: int = 0) -> Mixture:
+             shared: bool = False, seed: int = 0, pack: bool = True) -> Mixture:
+    """``pack``: the CPU's packed kernels, else plain weights (a GPU's)."""
     gen = torch.Generator().manual_seed(seed)
 
     def linear(rows: int, cols: int) -> Linear:
-        return Linear(torch.randn(rows, cols, generator=gen) * 0.3)
+        return Linear(torch.randn(rows, cols, generator=gen) * 0.3, pack)
 
     def mlp() -> GatedMLP:
         return GatedMLP(linear(2 * inner, hidden), linear(hidden, inner))
@@ -200,3 +201,21 @@ def test_quantized_experts_in_one_call_are_each_experts_own(quantized_mixture,
         mixture.grouped = None
     one_by_one = greedy_rows(engine, prompts, steps=4)
     assert all(torch.equal(a, b) for a, b in zip(grouped, one_by_one))
+
+
+def test_stacked_experts_in_grouped_matmuls_give_the_loops_answer() -> None:
+    """``Mixture.stack`` (a CUDA model's path in bfloat16: torch._grouped_mm over the
+    stacked weights, offsets made on the device), run here on the CPU in float32: the
+    expert-by-expert answer, for rows routed to few or many experts, an expert given no
+    row, and one row; no second copy of the weights."""
+    moe = _mixture(8, 3, True, shared=True, pack=False)
+    x = torch.randn(23, 32, generator=torch.Generator().manual_seed(4))
+    want = moe(x, _silu_mul)
+    one = moe(x[:1], _silu_mul)
+    moe.stack()
+    assert moe.stacked is not None
+    assert moe.experts[3].down.weight.data_ptr() == moe.stacked[1][3].data_ptr()
+    assert torch.allclose(moe(x, _silu_mul), want, atol=1e-5)
+    assert torch.allclose(moe(x[:1], _silu_mul), one, atol=1e-5)
+    few = x[:2]  # 6 choices of 8 experts: some get none
+    assert torch.allclose(moe(few, _silu_mul), want[:2], atol=1e-5)
