@@ -179,9 +179,11 @@ class PromptGraphs:
 
 def prompt_graphs(model: DecoderModel, max_tokens: int) -> Optional[PromptGraphs]:
     """A whole model's prompt graphs, captured; None for a pipeline stage, a mixture of
-    experts (which experts run is data), or where the capture fails (logged: its prompt
+    experts (which experts run is data) or latent attention (not yet tried), or where
+    the capture fails (logged: its prompt
     steps run the model's forward)."""
-    if not (model.first_stage and model.last_stage) or model.config.num_experts:
+    if (not (model.first_stage and model.last_stage) or model.config.num_experts
+            or model.config.kv_lora_rank):
         return None
     try:
         return PromptGraphs(model, max_tokens)

@@ -39,10 +39,16 @@ def compute_block_keys(
     return keys
 
 
-# ModelConfig's fields of a mixture of experts (added 2026-11-29): left out of a dense
-# model's fingerprint, so that its blocks keep the keys they had (in a store, on disk)
-MIXTURE_FIELDS = ("num_experts", "experts_per_token", "expert_intermediate_size",
-                  "shared_expert_intermediate_size", "normalize_experts", "dense_layers")
+# ModelConfig's fields added 2026-11-29 (mixtures of experts, latent attention), with the
+# value a model without them has: left out of a fingerprint where they have it, so that
+# the other models' blocks keep the keys they had (in a store, on disk)
+ADDED_FIELDS = {"num_experts": 0, "experts_per_token": 0, "expert_intermediate_size": 0,
+                "shared_expert_intermediate_size": 0, "normalize_experts": True,
+                "dense_layers": (), "router_scoring": "softmax", "router_bias": False,
+                "expert_groups": 1, "expert_groups_per_token": 1, "expert_group_score": 2,
+                "routed_scaling": 1.0,
+                "q_lora_rank": 0, "kv_lora_rank": 0, "qk_nope_head_dim": 0, "v_head_dim": 0,
+                "rope_dim": 0, "rope_interleaved": False}
 
 
 def model_fingerprint(config: Any, kv_dtype: str = "float32",
@@ -54,9 +60,10 @@ def model_fingerprint(config: Any, kv_dtype: str = "float32",
     and never mix in the pool or the store ("auto" and "none" compute the same floats).
     Every process that names blocks (engine, router) must pass the same values."""
     fields = asdict(config) if is_dataclass(config) else dict(config)
-    if not fields.get("num_experts"):  # a dense model's fingerprint as before mixtures
-        for name in MIXTURE_FIELDS:
-            fields.pop(name, None)
+    for name, absent in ADDED_FIELDS.items():
+        if name in fields and (tuple(fields[name]) if isinstance(fields[name], list)
+                               else fields[name]) == absent:
+            del fields[name]
     blob = json.dumps(fields, sort_keys=True, default=str).encode()
     rounded = f"|weights:{quantization}".encode() if quantization not in ("auto", "none") else b""
     return xxhash.xxh3_128(b"crescent-model-v1" + blob + b"|kv:" + kv_dtype.encode()

@@ -16,6 +16,8 @@ base) are read from config.json into ``ModelConfig`` by ``config_from_hf``:
 | MixtralForCausalLM | Mistral's, with a mixture of experts for the MLP (``block_sparse_moe``: w1, w3, w2) |
 | Qwen2MoeForCausalLM | Qwen2's, with a mixture of experts and a shared expert (``mlp``) |
 | Qwen3MoeForCausalLM | Qwen3's, with a mixture of experts (``mlp``) |
+| DeepseekV2ForCausalLM | latent attention and, from the ``first_k_dense_replace``-th layer, a mixture with shared experts and V2's router (softmax scores, greedy or group-limited, a scaling) |
+| DeepseekV3ForCausalLM | latent attention (``ModelConfig.kv_lora_rank``); from the ``first_k_dense_replace``-th layer a mixture with shared experts and DeepSeek's router (sigmoid scores, a choice bias, expert groups, a scaling) |
 
 Anything else is refused by name (``UnsupportedModelError``), and so is a checkpoint with
 a weight the family does not read (``check_weights``): no weight is silently ignored.
@@ -23,6 +25,8 @@ The KV layout is every family's: [layers, K/V, heads, head_dim] per token.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -43,6 +47,8 @@ class ExpertNames:
     gate: str = "gate_proj"
     up: str = "up_proj"
     down: str = "down_proj"
+    shared: str = "shared_expert"  # ``{block}.{shared}``: the shared expert, if any
+    shared_gate: Optional[str] = "shared_expert_gate"  # its sigmoid gate; None: ungated
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ class Family:
     default_tied: bool = False
     qkv_bias: bool = False       # q/k/v have biases whatever ``attention_bias`` says (Qwen2)
     experts: Optional[ExpertNames] = None  # a mixture of experts' weight names
+    latent: bool = False  # multi-head latent attention (DeepSeek)
 
 
 _GEMMA_NORMS = {"attn_out_norm": "post_attention_layernorm",
@@ -68,6 +75,8 @@ _GEMMA_NORMS = {"attn_out_norm": "post_attention_layernorm",
 _GEMMA = dict(norms=_GEMMA_NORMS, norm_offset=1.0, embed_scale=True,
               default_activation="gelu_pytorch_tanh", activation_key="hidden_activation",
               default_tied=True)
+
+_DEEPSEEK = Family(experts=ExpertNames(shared="shared_experts", shared_gate=None), latent=True)
 
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(),
@@ -79,13 +88,16 @@ FAMILIES: dict[str, Family] = {
     "MixtralForCausalLM": Family(experts=ExpertNames("block_sparse_moe", "w1", "w3", "w2")),
     "Qwen2MoeForCausalLM": Family(qkv_bias=True, experts=ExpertNames()),
     "Qwen3MoeForCausalLM": Family(qk_norm=True, experts=ExpertNames()),
+    "DeepseekV2ForCausalLM": _DEEPSEEK,
+    "DeepseekV3ForCausalLM": _DEEPSEEK,
 }
 # config.json's model_type, for checkpoints that do not name their architecture
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                  "deepseek_v3": "DeepseekV3ForCausalLM"}
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Names a checkpoint may hold that are not weights: recomputed buffers
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -127,7 +139,7 @@ def config_from_hf(d: Mapping[str, Any], name: str, weights_id: str = "") -> Mod
     window = d.get("sliding_window")
     sliding = tuple(i for i in range(layers) if _slides(d, arch, i))
     gemma = fam.norm_offset != 0.0
-    return ModelConfig(
+    config = ModelConfig(
         name=name, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
         intermediate_size=d["intermediate_size"], num_layers=layers,
         num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
@@ -147,16 +159,73 @@ def config_from_hf(d: Mapping[str, Any], name: str, weights_id: str = "") -> Mod
         final_softcap=d.get("final_logit_softcapping") if gemma else None,
         local_rope_theta=local_rope[0] if local_rope else None,
         local_rope_scaling=local_rope[1] if local_rope else None,
-        weights_id=weights_id, **(_mixture(d, arch, layers) if fam.experts else {}))
+        weights_id=weights_id)
+    extra = {**(_mixture(d, arch, layers) if fam.experts else {}),
+             **(_latent(d, global_rope[1]) if fam.latent else {})}
+    return dataclasses.replace(config, **extra) if extra else config
+
+
+def _deepseek_router(d: Mapping[str, Any], v3: bool, experts: int, layers: int
+                     ) -> dict[str, Any]:
+    """DeepSeek's mixture fields, as transformers routes: V3 by sigmoid scores with a
+    choice bias, in groups scored by their two best, renormalized (``norm_topk_prob``);
+    V2 by softmax scores, greedily or (``group_limited_greedy``) in groups scored by
+    their best, never renormalized; both scaled by ``routed_scaling_factor``."""
+    method = d.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    grouped = v3 or method == "group_limited_greedy"
+    if not v3 and method not in ("greedy", "group_limited_greedy"):
+        raise UnsupportedModelError(f"DeepSeek V2 topk_method {method!r} is not supported")
+    groups = int(d.get("n_group") or 1) if grouped else 1
+    if experts % groups:
+        raise UnsupportedModelError(f"{experts} experts in {groups} groups")
+    return dict(num_experts=int(experts), experts_per_token=int(d["num_experts_per_tok"]),
+                expert_intermediate_size=int(d["moe_intermediate_size"]),
+                normalize_experts=bool(d.get("norm_topk_prob", True)) if v3 else False,
+                shared_expert_intermediate_size=int(
+                    d["moe_intermediate_size"] * (d.get("n_shared_experts") or 0)),
+                dense_layers=tuple(range(min(layers, d.get("first_k_dense_replace",
+                                                           3 if v3 else 0)))),
+                router_scoring="sigmoid" if v3 else "softmax", router_bias=v3,
+                expert_groups=groups,
+                expert_groups_per_token=int(d.get("topk_group") or 1) if grouped else 1,
+                expert_group_score=2 if v3 else 1,
+                routed_scaling=float(d.get("routed_scaling_factor", 1.0)))
+
+
+def _latent(d: Mapping[str, Any], scaling: Optional[dict]) -> dict[str, Any]:
+    """Latent attention's ``ModelConfig`` fields (DeepSeek V3), which also set the KV
+    cache's heads (every head its own k and v, made from the latent) and width (q and k's
+    plain and rotated dimensions), and the query scale (YaRN's ``mscale_all_dim``
+    squared, as transformers' ``yarn_apply_mscale``)."""
+    from common.model.rope import attention_factor
+
+    if d.get("attention_bias"):
+        raise UnsupportedModelError("latent attention with attention_bias is not supported")
+    nope, rope = int(d["qk_nope_head_dim"]), int(d["qk_rope_head_dim"])
+    if attention_factor(scaling) != 1.0:  # it would scale the rotated part's q . k only
+        raise UnsupportedModelError("latent attention with a YaRN whose mscale differs from "
+                                    "its mscale_all_dim is not supported")
+    scale = (nope + rope) ** -0.5
+    if scaling and scaling.get("mscale_all_dim") and float(scaling.get("factor", 1)) > 1:
+        scale *= (0.1 * float(scaling["mscale_all_dim"]) * math.log(scaling["factor"]) + 1) ** 2
+    return dict(q_lora_rank=int(d.get("q_lora_rank") or 0), kv_lora_rank=int(d["kv_lora_rank"]),
+                qk_nope_head_dim=nope, v_head_dim=int(d["v_head_dim"]), rope_dim=rope,
+                rope_interleaved=bool(d.get("rope_interleave", True)),
+                head_dim=nope + rope, num_kv_heads=int(d["num_attention_heads"]),
+                query_scale=scale)
 
 
 def _mixture(d: Mapping[str, Any], arch: str, layers: int) -> dict[str, Any]:
     """A mixture's ``ModelConfig`` fields: Mixtral's every layer, Qwen's every
-    ``decoder_sparse_step``-th but ``mlp_only_layers``, as transformers builds them."""
-    experts = d.get("num_local_experts") or d.get("num_experts") or 0
+    ``decoder_sparse_step``-th but ``mlp_only_layers``, DeepSeek's from the
+    ``first_k_dense_replace``-th, as transformers builds them."""
+    experts = (d.get("num_local_experts") or d.get("num_experts") or d.get("n_routed_experts")
+               or 0)
     if arch == "MixtralForCausalLM":
         dense: tuple[int, ...] = ()
         size, normalize = d["intermediate_size"], True
+    elif arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        return _deepseek_router(d, arch == "DeepseekV3ForCausalLM", experts, layers)
     else:
         step, only = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or ())
         dense = tuple(i for i in range(layers)
@@ -252,6 +321,8 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                  "self_attn.k_proj": (kv, d, config.qkv_bias),
                  "self_attn.v_proj": (kv, d, config.qkv_bias),
                  "self_attn.o_proj": (d, q, config.o_bias)}
+    if fam.latent:
+        attention = _latent_linears(config)
     for layer in range(config.num_layers):
         p = f"model.layers.{layer}."
         mlp = (_mixture_linears(config, fam) if config.sparse(layer)
@@ -260,6 +331,12 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}{name}.weight"] = (rows, cols)
             if bias:
                 shapes[f"{p}{name}.bias"] = (rows,)
+        if fam.latent:
+            shapes[p + "self_attn.kv_a_layernorm.weight"] = (config.kv_lora_rank,)
+            if config.q_lora_rank:
+                shapes[p + "self_attn.q_a_layernorm.weight"] = (config.q_lora_rank,)
+        if config.sparse(layer) and config.router_bias:
+            shapes[p + "mlp.gate.e_score_correction_bias"] = (config.num_experts,)
         for norm in ("input_layernorm", *fam.norms.values()):
             shapes[f"{p}{norm}.weight"] = (d,)
         if fam.qk_norm:
@@ -275,6 +352,20 @@ def _mlp_linears(prefix: str, inner: int, d: int, bias: bool = False,
             f"{prefix}.{down}": (d, inner, bias)}
 
 
+def _latent_linears(config: ModelConfig) -> dict[str, tuple[int, int, bool]]:
+    """Latent attention's linears (DeepSeek's names)."""
+    d, heads, rank = config.hidden_size, config.num_heads, config.kv_lora_rank
+    q = heads * config.head_dim
+    linears = ({"self_attn.q_a_proj": (config.q_lora_rank, d, False),
+                "self_attn.q_b_proj": (q, config.q_lora_rank, False)} if config.q_lora_rank
+               else {"self_attn.q_proj": (q, d, False)})
+    return {**linears,
+            "self_attn.kv_a_proj_with_mqa": (rank + config.rope_dim, d, False),
+            "self_attn.kv_b_proj": (heads * (config.qk_nope_head_dim + config.v_head_dim),
+                                    rank, False),
+            "self_attn.o_proj": (d, heads * config.v_head_dim, False)}
+
+
 def _mixture_linears(config: ModelConfig, fam: Family) -> dict[str, tuple[int, int, bool]]:
     """A mixture layer's linears: the router, each expert's, a shared expert's and its
     gate."""
@@ -286,9 +377,10 @@ def _mixture_linears(config: ModelConfig, fam: Family) -> dict[str, tuple[int, i
                                     config.expert_intermediate_size, d,
                                     names=(names.gate, names.up, names.down)))
     if config.shared_expert_intermediate_size:
-        linears.update(_mlp_linears(f"{names.block}.shared_expert",
+        linears.update(_mlp_linears(f"{names.block}.{names.shared}",
                                     config.shared_expert_intermediate_size, d))
-        linears[f"{names.block}.shared_expert_gate"] = (1, d, False)
+        if names.shared_gate:
+            linears[f"{names.block}.{names.shared_gate}"] = (1, d, False)
     return linears
 
 

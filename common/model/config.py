@@ -48,6 +48,27 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     normalize_experts: bool = True
     dense_layers: tuple[int, ...] = ()  # layers of a mixture whose MLP is dense
+    # DeepSeek's routers: V3's sigmoid scores, a bias added to choose (not to weigh);
+    # experts in ``expert_groups`` groups of which a token chooses from its best
+    # ``expert_groups_per_token``; weights times ``routed_scaling``
+    router_scoring: str = "softmax"  # or "sigmoid"
+    router_bias: bool = False
+    expert_groups: int = 1
+    expert_groups_per_token: int = 1
+    expert_group_score: int = 2  # a group's score: the sum of its best this many (V2: 1)
+    routed_scaling: float = 1.0
+    # Multi-head latent attention (DeepSeek V3, Kimi K2, Moonlight; kv_lora_rank 0: none):
+    # k and v of every head are made from one latent of ``kv_lora_rank`` a token (and q
+    # from one of ``q_lora_rank``, where 0: directly); each head's q and k are
+    # ``qk_nope_head_dim`` plain dimensions then ``rope_dim`` rotated ones (head_dim, the
+    # KV cache's width; the rotated part of k is one for all heads), its v
+    # ``v_head_dim`` (the cache holds it padded to head_dim)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_dim: int = 0  # the dimensions of a head RoPE rotates, its last; 0: all of them
+    rope_interleaved: bool = False  # their pairs interleaved (x0, x1), (x2, x3), ...
     # A sample of the weight files (common/model/loader.py weights_id): two checkpoints of
     # one config (fine-tunes of one base) get different block keys; "" for dummies
     weights_id: str = ""

@@ -29,6 +29,7 @@ from common.model.arch import ExpertNames, family
 from common.model.attention import AttentionBackend, AttnMetadata, AttnSpec
 from common.model.config import ModelConfig
 from common.model.linear import Linear
+from common.model.latent import LatentAttention, deinterleaved
 from common.model.moe import GatedMLP, Mixture
 from common.model.quant import QuantizedWeight, is_quantized
 from common.model.rope import apply_rope, attention_factor, cos_sin, inv_frequencies
@@ -40,7 +41,7 @@ _MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    wqkv: Linear
+    wqkv: Optional[Linear]  # None where ``latent`` makes q, k and v
     wo: Linear
     mlp_norm: torch.Tensor  # before the MLP (LLaMA's post_attention_layernorm)
     mlp: GatedMLP | Mixture
@@ -50,6 +51,7 @@ class LayerWeights:
     k_norm: Optional[torch.Tensor] = None
     attn_out_norm: Optional[torch.Tensor] = None  # of the attention's output (Gemma)
     mlp_out_norm: Optional[torch.Tensor] = None   # of the MLP's output (Gemma)
+    latent: Optional[LatentAttention] = None  # DeepSeek's q, k and v (common/model/latent.py)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -164,6 +166,31 @@ class _Checkpoint:
         return Linear(weight, pack, torch.cat([self.get(n + ".bias") for n in names])
                       if bias else None, self.linear_dtype)
 
+    def rows(self, name: str, order: Optional[torch.Tensor], pack: bool) -> Linear:
+        """A linear of weight ``name`` (no bias), its rows in ``order`` (None: as stored)."""
+        weight = self.matrix(name + ".weight")
+        if order is not None:
+            weight = (weight.rows(order) if is_quantized(weight)
+                      else weight.index_select(0, order.to(weight.device)))
+        return Linear(weight, pack, None, self.linear_dtype)
+
+    def latent(self, cfg: ModelConfig, prefix: str, pack: bool) -> LatentAttention:
+        """Layer ``prefix``'s latent attention, interleaved rotary rows made halves."""
+        p = prefix + "self_attn."
+        q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.kv_lora_rank + cfg.rope_dim
+        q_order = kv_order = None
+        if cfg.rope_interleaved:
+            q_order = deinterleaved(cfg, q_rows, cfg.head_dim, cfg.qk_nope_head_dim)
+            kv_order = deinterleaved(cfg, kv_rows, kv_rows, cfg.kv_lora_rank)
+        lora = bool(cfg.q_lora_rank)
+        return LatentAttention(
+            q=self.rows(p + ("q_b_proj" if lora else "q_proj"), q_order, pack),
+            q_a=self.rows(p + "q_a_proj", None, pack) if lora else None,
+            q_a_norm=self.norm(p + "q_a_layernorm.weight") if lora else None,
+            kv_a=self.rows(p + "kv_a_proj_with_mqa", kv_order, pack),
+            kv_a_norm=self.norm(p + "kv_a_layernorm.weight"),
+            kv_b=self.rows(p + "kv_b_proj", None, pack))
+
     def gated_mlp(self, prefix: str, names: tuple[str, str, str], bias: bool,
                   pack: bool) -> GatedMLP:
         gate, up, down = (f"{prefix}.{n}" for n in names)
@@ -178,10 +205,16 @@ class _Checkpoint:
                                   False, pack) for e in range(config.num_experts)]
         shared = shared_gate = None
         if config.shared_expert_intermediate_size:
-            shared = self.gated_mlp(f"{block}.shared_expert", _MLP_NAMES, False, pack)
-            shared_gate = Linear(self.get(f"{block}.shared_expert_gate.weight"), pack)
+            shared = self.gated_mlp(f"{block}.{names.shared}", _MLP_NAMES, False, pack)
+            if names.shared_gate:
+                shared_gate = Linear(self.get(f"{block}.{names.shared_gate}.weight"), pack)
         return Mixture(Linear(self.get(f"{block}.gate.weight"), pack), experts,
-                       config.experts_per_token, config.normalize_experts, shared, shared_gate)
+                       config.experts_per_token, config.normalize_experts, shared, shared_gate,
+                       sigmoid=config.router_scoring == "sigmoid",
+                       bias=(self.get(f"{block}.gate.e_score_correction_bias").float()
+                             if config.router_bias else None),
+                       groups=config.expert_groups, groups_per_token=config.expert_groups_per_token,
+                       group_score=config.expert_group_score, scale=config.routed_scaling)
 
 
 class DecoderModel:
@@ -225,10 +258,11 @@ class DecoderModel:
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype)
                             if self.family.embed_scale else None)
         factors = weights.get("model.rope_freqs")  # llama.cpp's (llama3 GGUFs)
-        freqs = {"global": inv_frequencies(config.head_dim, config.rope_theta,
-                                           config.rope_scaling, factors)}
+        rotated = config.rope_dim or config.head_dim
+        freqs = {"global": inv_frequencies(rotated, config.rope_theta, config.rope_scaling,
+                                           factors)}
         if config.local_rope_theta is not None:
-            freqs["local"] = inv_frequencies(config.head_dim, config.local_rope_theta,
+            freqs["local"] = inv_frequencies(rotated, config.local_rope_theta,
                                              config.local_rope_scaling)
         self.inv_freqs = {kind: f.to(self.device) for kind, f in freqs.items()}
         self.layers = [self._layer(read, l, pack_weights) for l in self.layer_range]
@@ -249,9 +283,12 @@ class DecoderModel:
         # YaRN scales cos and sin, so q . k by the square: folded into the scale here
         scale = cfg.attention_scale * attention_factor(
             cfg.local_rope_scaling if local else cfg.rope_scaling) ** 2
+        latent = self.family.latent
         return LayerWeights(
             input_norm=read.norm(p + "input_layernorm.weight"),
-            wqkv=read.linear([f"{p}self_attn.{n}_proj" for n in "qkv"], cfg.qkv_bias, pack),
+            wqkv=None if latent else read.linear([f"{p}self_attn.{n}_proj" for n in "qkv"],
+                                                 cfg.qkv_bias, pack),
+            latent=read.latent(cfg, p, pack) if latent else None,
             wo=read.linear([p + "self_attn.o_proj"], cfg.o_bias, pack),
             mlp_norm=norms["mlp_norm"],
             mlp=(read.mixture(cfg, p, self.family.experts, pack) if cfg.sparse(layer)
@@ -273,17 +310,20 @@ class DecoderModel:
     @property
     def graphable(self) -> bool:
         """Whether a CUDA graph's decode step serves every layer: each attends plainly (no
-        soft-cap, no sliding window: what its decode kernel does) and none routes tokens
-        to experts (which are data: common/model/moe.py)."""
-        return all(lw.attn.softcap is None and lw.attn.window is None
+        soft-cap, no sliding window: what its decode kernel does; no latent attention,
+        not yet tried in a graph) and none routes tokens to experts (common/model/moe.py)."""
+        return all(lw.attn.softcap is None and lw.attn.window is None and lw.latent is None
                    and isinstance(lw.mlp, GatedMLP) for lw in self.layers)
 
     def linears(self) -> Iterator[tuple[str, Linear]]:
         """Every linear of this stage, named ("layer 0 wqkv", "layer 1 experts.3.down",
         "lm_head")."""
         for i, lw in enumerate(self.layers):
+            attention = ([("wqkv", lw.wqkv)] if lw.wqkv is not None else
+                         [(name, getattr(lw.latent, name)) for name in ("q", "q_a", "kv_a", "kv_b")
+                          if getattr(lw.latent, name) is not None])
             yield from ((f"layer {i} {name}", lin) for name, lin in
-                        [("wqkv", lw.wqkv), ("wo", lw.wo), *lw.mlp.linears()])
+                        [*attention, ("wo", lw.wo), *lw.mlp.linears()])
         if self.lm_head is not None:
             yield "lm_head", self.lm_head
 
@@ -332,6 +372,9 @@ class DecoderModel:
         """Layer ``index``'s q [T, heads, hd], k and v [T, kv heads, hd] of its normed
         input ``x``, rotated (``ropes``)."""
         cfg, lw, t = self.config, self.layers[index], x.shape[0]
+        if lw.latent is not None:
+            return lw.latent.qkv(x, cfg, self.ops, ropes[lw.rope])
+        assert lw.wqkv is not None
         nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
         q, k, v = lw.wqkv(x).split([nq, nkv, nkv], dim=-1)
         q, k = q.view(t, cfg.num_heads, hd), k.view(t, cfg.num_kv_heads, hd)
@@ -346,7 +389,7 @@ class DecoderModel:
         """After layer ``index``'s attention ``o``: (the residual stream, the next layer's
         normed input; None after this stage's last layer)."""
         ops, eps, lw = self.ops, self.config.rms_norm_eps, self.layers[index]
-        o = lw.wo(o)
+        o = lw.wo(o if lw.latent is None else LatentAttention.output(o, self.config))
         if lw.attn_out_norm is not None:
             o = ops.rms_norm(o, lw.attn_out_norm, eps)
         h, x = ops.add_rms_norm(h, o, lw.mlp_norm, eps)

@@ -1,8 +1,9 @@
-"""A mixture of experts in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE;
+"""A mixture of experts in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek V3;
 ``ModelConfig.num_experts``): a router scores every expert for each token, the token's MLP
 is the sum of its ``k`` best experts' gated MLPs, each weighted by its softmax probability
-(renormalized over the k where the family does), plus a shared expert gated by a sigmoid
-where the family has one (Qwen2-MoE).
+(renormalized over the k where the family does), plus a shared expert, gated by a sigmoid
+where the family has one (Qwen2-MoE). DeepSeek V3 scores by sigmoids, chooses within
+each token's best groups of experts with a bias, and scales the weights.
 
 Each expert multiplies only the rows routed to it, gathered into one block, on the same
 kernels as a dense linear (common/model/linear.py: quantized experts stay so on the CPU,
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
+import torch.nn.functional as F
 
 from common.model.cpu_linear import ExpertLinears
 from common.model.linear import Linear
@@ -48,6 +50,15 @@ class Mixture:
     normalize: bool  # the k probabilities renormalized to sum to 1
     shared: Optional[GatedMLP] = None
     shared_gate: Optional[Linear] = None  # [1, hidden]: sigmoid(x . g) scales ``shared``
+    # DeepSeek's routers (ModelConfig.router_scoring ...): V3's sigmoid scores, ``bias``
+    # added to them to choose (not to weigh), the choice within each row's best
+    # ``groups_per_token`` of ``groups`` groups, the weights times ``scale``
+    sigmoid: bool = False
+    bias: Optional[torch.Tensor] = None  # float32 [experts]
+    groups: int = 1
+    groups_per_token: int = 1
+    group_score: int = 2  # a group's score: the sum of its best this many
+    scale: float = 1.0
 
     def __post_init__(self) -> None:
         # quantized experts on the CPU: each projection of all of them in one kernel call
@@ -91,11 +102,22 @@ class Mixture:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, experts [T, k]) of each row, best first."""
-        probs = torch.softmax(self.router(x).float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        logits = self.router(x).float()
+        scores = _row_sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
+        choice = scores if self.bias is None else scores + self.bias
+        if self.groups > 1:  # only the experts of the row's best groups
+            t = choice.shape[0]
+            by_group = choice.view(t, self.groups, -1)
+            best = (by_group.topk(self.group_score, dim=-1).values.sum(-1)
+                    .topk(self.groups_per_token, dim=-1))
+            keep = torch.zeros(t, self.groups, 1, dtype=torch.bool, device=x.device)
+            keep[torch.arange(t, device=x.device)[:, None], best.indices] = True
+            choice = by_group.masked_fill(~keep, float("-inf")).view(t, -1)
+        chosen = torch.topk(choice, self.top_k, dim=-1).indices
+        weights = scores.gather(1, chosen)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), chosen
+        return (weights * self.scale).to(x.dtype), chosen
 
     def __call__(self, x: torch.Tensor, gated: Callable[[torch.Tensor], torch.Tensor]
                  ) -> torch.Tensor:
@@ -115,8 +137,9 @@ class Mixture:
         for j in range(1, k):  # in rank order, as a row alone adds them
             total = total + out[:, j]
         if self.shared is not None:
-            assert self.shared_gate is not None
-            total = total + _row_sigmoid(self.shared_gate(x)) * self.shared(x, gated)
+            shared = self.shared(x, gated)
+            total = total + (shared if self.shared_gate is None
+                             else _row_sigmoid(self.shared_gate(x)) * shared)
         return total
 
     def _routed(self, xs: torch.Tensor, flat: torch.Tensor,
@@ -147,8 +170,12 @@ def _grouped_mm_serves(weight: Optional[torch.Tensor]) -> bool:
             and weight.dtype is torch.bfloat16 and hasattr(torch, "_grouped_mm"))
 
 
-def _row_sigmoid(column: torch.Tensor) -> torch.Tensor:
-    """sigmoid of a [T, 1] column, each row's the same whatever T: torch computes a
-    contiguous run's whole vectors one way and its tail another, so each value is spread
-    over a row of 64 (a whole number of any CPU's unrolled vectors) first."""
-    return torch.sigmoid(column.expand(-1, 64).contiguous())[:, :1]
+def _row_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid of [T, n], each row's the same whatever T: torch computes a contiguous
+    run's whole vectors one way and its tail another, so each row is made a whole number
+    of 64 values (of any CPU's unrolled vectors) first: a column spread, wider rows
+    padded."""
+    n = x.shape[1]
+    wide = (x.expand(-1, 64).contiguous() if n == 1
+            else F.pad(x, (0, -n % 64)) if n % 64 else x)
+    return torch.sigmoid(wide)[:, :n]

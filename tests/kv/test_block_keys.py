@@ -49,20 +49,27 @@ def test_fingerprint_stable_across_processes() -> None:
 
 def test_a_dense_models_fingerprint_is_what_it_was_before_mixtures() -> None:
     """A dense model's blocks keep their keys across the upgrade that added the mixture
-    fields (in a store, on disk): its fingerprint is that of its config without them
-    (dummy-tiny's, float32, as every version before printed it); a mixture's changes with
-    each of them."""
+    and latent-attention fields (in a store, on disk): its fingerprint is that of its
+    config without them (dummy-tiny's, float32, as every version before printed it); a
+    model that has them changes with each."""
     import dataclasses
 
-    from common.kv.block_keys import MIXTURE_FIELDS
+    from common.kv.block_keys import ADDED_FIELDS
 
     assert model_fingerprint(DUMMY_CONFIGS["dummy-tiny"]).hex() == \
         "bedff85858a3db7c1ea7f48059a5fdf1"
     moe = DUMMY_CONFIGS["dummy-qwen3-30b-a3b"]
     changed = {"num_experts": 64, "experts_per_token": 4, "expert_intermediate_size": 512,
                "shared_expert_intermediate_size": 256, "normalize_experts": False,
-               "dense_layers": (0,)}
-    assert set(changed) == set(MIXTURE_FIELDS)
+               "dense_layers": (0,), "router_scoring": "sigmoid", "router_bias": True,
+               "expert_groups": 8, "expert_groups_per_token": 4, "expert_group_score": 1,
+               "routed_scaling": 2.5,
+               "q_lora_rank": 64, "kv_lora_rank": 128, "qk_nope_head_dim": 96,
+               "v_head_dim": 128, "rope_dim": 32, "rope_interleaved": True}
+    assert set(changed) == set(ADDED_FIELDS)
     fps = {model_fingerprint(dataclasses.replace(moe, **{name: value}))
            for name, value in changed.items()}
     assert len(fps | {model_fingerprint(moe)}) == len(changed) + 1
+    # a model's own defaults are those the fingerprint leaves out
+    defaults = {f.name: f.default for f in dataclasses.fields(type(moe)) if f.name in changed}
+    assert defaults == ADDED_FIELDS

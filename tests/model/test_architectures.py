@@ -44,6 +44,23 @@ FAMILIES = {
                   "mlp_only_layers": [1], "norm_topk_prob": False},
     "qwen3_moe": {"num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 24,
                   "norm_topk_prob": True, "decoder_sparse_step": 2},
+    # latent attention (q through its own latent), 8 experts in 4 groups scored by their
+    # best, 2 groups a token, no renormalization, a shared expert
+    "deepseek_v2": {"num_key_value_heads": 4, "head_dim": 8, "q_lora_rank": 24,
+                    "kv_lora_rank": 32,
+                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+                    "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4,
+                    "topk_group": 2, "topk_method": "group_limited_greedy",
+                    "moe_intermediate_size": 24, "n_shared_experts": 2,
+                    "first_k_dense_replace": 1, "routed_scaling_factor": 1.5},
+    # latent attention (q directly, interleaved rotary pairs) and 8 experts in 4 groups,
+    # 2 groups a token, a shared expert, the first layer dense
+    "deepseek_v3": {"num_key_value_heads": 4, "head_dim": 8, "q_lora_rank": None,
+                    "kv_lora_rank": 32,
+                    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12,
+                    "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
+                    "topk_group": 2, "moe_intermediate_size": 24, "n_shared_experts": 1,
+                    "first_k_dense_replace": 1, "routed_scaling_factor": 2.5},
 }
 
 

@@ -39,4 +39,4 @@ def test_kernels_in_the_interpreter() -> None:
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "-rs", CASES], env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
-    assert "18 passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+    assert "19 passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]

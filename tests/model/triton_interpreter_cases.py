@@ -145,12 +145,13 @@ def test_padded_graph_batch_equals_the_eager_sdpa_engine() -> None:
     assert changed == changed_ref  # the blocks of positions 40, 24, 33 only
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen2_moe", "deepseek_v3"])
 def test_the_triton_path_serves_other_families(tmp_path, model_type: str) -> None:
     """Gemma3's per-head q/k norms (a Triton RMSNorm, as Qwen3's), its query scale (the
-    decode kernel's ``scale``) and sliding layers (the masked SDPA path), and Qwen2-MoE's
-    experts and shared expert (the Triton SiLU of each expert's rows), on the Triton
-    path: the SDPA engine's logits (tests/model/test_architectures.py checks those
+    decode kernel's ``scale``) and sliding layers (the masked SDPA path), Qwen2-MoE's
+    experts and shared expert (the Triton SiLU of each expert's rows), and DeepSeek V3's
+    latent attention (the rotation of each head's last dimensions and of one shared key
+    part, the latent's norm, heads 24 wide), on the Triton path: the SDPA engine's logits (tests/model/test_architectures.py checks those
     against transformers), on a prefill and a decode batch past the window."""
     from common.engine import DecodeInput, Engine, EngineConfig
     from common.model.decoder import TritonOps
