@@ -193,10 +193,10 @@ def _deepseek_router(d: Mapping[str, Any], v3: bool, experts: int, layers: int
 
 
 def _latent(d: Mapping[str, Any], scaling: Optional[dict]) -> dict[str, Any]:
-    """Latent attention's ``ModelConfig`` fields (DeepSeek V3), which also set the KV
-    cache's heads (every head its own k and v, made from the latent) and width (q and k's
-    plain and rotated dimensions), and the query scale (YaRN's ``mscale_all_dim``
-    squared, as transformers' ``yarn_apply_mscale``)."""
+    """Latent attention's ``ModelConfig`` fields (DeepSeek), which also set the KV
+    cache's head (one: the latent and the rotated key, common/model/latent.py) and the
+    query scale (1/sqrt of a head's q width; YaRN's ``mscale_all_dim`` squared, as
+    transformers' ``yarn_apply_mscale``)."""
     from common.model.rope import attention_factor
 
     if d.get("attention_bias"):
@@ -208,11 +208,11 @@ def _latent(d: Mapping[str, Any], scaling: Optional[dict]) -> dict[str, Any]:
     scale = (nope + rope) ** -0.5
     if scaling and scaling.get("mscale_all_dim") and float(scaling.get("factor", 1)) > 1:
         scale *= (0.1 * float(scaling["mscale_all_dim"]) * math.log(scaling["factor"]) + 1) ** 2
-    return dict(q_lora_rank=int(d.get("q_lora_rank") or 0), kv_lora_rank=int(d["kv_lora_rank"]),
+    rank = int(d["kv_lora_rank"])
+    return dict(q_lora_rank=int(d.get("q_lora_rank") or 0), kv_lora_rank=rank,
                 qk_nope_head_dim=nope, v_head_dim=int(d["v_head_dim"]), rope_dim=rope,
                 rope_interleaved=bool(d.get("rope_interleave", True)),
-                head_dim=nope + rope, num_kv_heads=int(d["num_attention_heads"]),
-                query_scale=scale)
+                head_dim=rank + rope, num_kv_heads=1, query_scale=scale)
 
 
 def _mixture(d: Mapping[str, Any], arch: str, layers: int) -> dict[str, Any]:
@@ -355,7 +355,7 @@ def _mlp_linears(prefix: str, inner: int, d: int, bias: bool = False,
 def _latent_linears(config: ModelConfig) -> dict[str, tuple[int, int, bool]]:
     """Latent attention's linears (DeepSeek's names)."""
     d, heads, rank = config.hidden_size, config.num_heads, config.kv_lora_rank
-    q = heads * config.head_dim
+    q = heads * (config.qk_nope_head_dim + config.rope_dim)
     linears = ({"self_attn.q_a_proj": (config.q_lora_rank, d, False),
                 "self_attn.q_b_proj": (q, config.q_lora_rank, False)} if config.q_lora_rank
                else {"self_attn.q_proj": (q, d, False)})

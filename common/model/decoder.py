@@ -29,7 +29,7 @@ from common.model.arch import ExpertNames, family
 from common.model.attention import AttentionBackend, AttnMetadata, AttnSpec
 from common.model.config import ModelConfig
 from common.model.linear import Linear
-from common.model.latent import LatentAttention, deinterleaved
+from common.model.latent import LatentAttention, absorbed, deinterleaved
 from common.model.moe import GatedMLP, Mixture
 from common.model.quant import QuantizedWeight, is_quantized
 from common.model.rope import apply_rope, attention_factor, cos_sin, inv_frequencies
@@ -175,21 +175,25 @@ class _Checkpoint:
         return Linear(weight, pack, None, self.linear_dtype)
 
     def latent(self, cfg: ModelConfig, prefix: str, pack: bool) -> LatentAttention:
-        """Layer ``prefix``'s latent attention, interleaved rotary rows made halves."""
+        """Layer ``prefix``'s latent attention, interleaved rotary rows made halves,
+        kv_b_proj absorbed a head at a time (in float: it is small)."""
         p = prefix + "self_attn."
-        q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.kv_lora_rank + cfg.rope_dim
+        width = cfg.qk_nope_head_dim + cfg.rope_dim  # of a head's q
+        q_rows, kv_rows = cfg.num_heads * width, cfg.kv_lora_rank + cfg.rope_dim
         q_order = kv_order = None
         if cfg.rope_interleaved:
-            q_order = deinterleaved(cfg, q_rows, cfg.head_dim, cfg.qk_nope_head_dim)
+            q_order = deinterleaved(cfg, q_rows, width, cfg.qk_nope_head_dim)
             kv_order = deinterleaved(cfg, kv_rows, kv_rows, cfg.kv_lora_rank)
         lora = bool(cfg.q_lora_rank)
+        absorb_q, absorb_v = absorbed(cfg, self.get(p + "kv_b_proj.weight").float(), pack,
+                                      self.linear_dtype)
         return LatentAttention(
             q=self.rows(p + ("q_b_proj" if lora else "q_proj"), q_order, pack),
             q_a=self.rows(p + "q_a_proj", None, pack) if lora else None,
             q_a_norm=self.norm(p + "q_a_layernorm.weight") if lora else None,
             kv_a=self.rows(p + "kv_a_proj_with_mqa", kv_order, pack),
             kv_a_norm=self.norm(p + "kv_a_layernorm.weight"),
-            kv_b=self.rows(p + "kv_b_proj", None, pack))
+            absorb_q=absorb_q, absorb_v=absorb_v)
 
     def gated_mlp(self, prefix: str, names: tuple[str, str, str], bias: bool,
                   pack: bool) -> GatedMLP:
@@ -319,9 +323,8 @@ class DecoderModel:
         """Every linear of this stage, named ("layer 0 wqkv", "layer 1 experts.3.down",
         "lm_head")."""
         for i, lw in enumerate(self.layers):
-            attention = ([("wqkv", lw.wqkv)] if lw.wqkv is not None else
-                         [(name, getattr(lw.latent, name)) for name in ("q", "q_a", "kv_a", "kv_b")
-                          if getattr(lw.latent, name) is not None])
+            attention = ([("wqkv", lw.wqkv)] if lw.latent is None
+                         else list(lw.latent.linears()))
             yield from ((f"layer {i} {name}", lin) for name, lin in
                         [*attention, ("wo", lw.wo), *lw.mlp.linears()])
         if self.lm_head is not None:
@@ -389,7 +392,7 @@ class DecoderModel:
         """After layer ``index``'s attention ``o``: (the residual stream, the next layer's
         normed input; None after this stage's last layer)."""
         ops, eps, lw = self.ops, self.config.rms_norm_eps, self.layers[index]
-        o = lw.wo(o if lw.latent is None else LatentAttention.output(o, self.config))
+        o = lw.wo(o if lw.latent is None else lw.latent.output(o, self.config))
         if lw.attn_out_norm is not None:
             o = ops.rms_norm(o, lw.attn_out_norm, eps)
         h, x = ops.add_rms_norm(h, o, lw.mlp_norm, eps)

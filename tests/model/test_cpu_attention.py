@@ -35,7 +35,8 @@ def _reference(q: torch.Tensor, kv: PagedKVMemory, layer: int, table: list[int],
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (8, 2, 128), (14, 2, 64),
-                                                     (6, 3, 80), (4, 2, 256), (4, 4, 24)])
+                                                     (6, 3, 80), (4, 2, 256), (4, 4, 24),
+                                                     (16, 1, 576)])  # DeepSeek's latent
 def test_equals_torch_attention(dtype: torch.dtype, heads: int, kv_heads: int,
                                 head_dim: int) -> None:
     """Lengths of one key, of part of a block, of whole blocks; tables in any order; the

@@ -32,16 +32,16 @@ def yarn_v3(tmp_path_factory: pytest.TempPathFactory):
                                   rope_parameters=YARN)
 
 
-def test_yarns_softmax_factor_and_the_cache_of_every_heads_k_and_v(yarn_v3) -> None:
+def test_yarns_softmax_factor_and_a_cache_of_the_latent(yarn_v3) -> None:
     """YaRN's mscale_all_dim squared scales the softmax (transformers'
-    yarn_apply_mscale); the cache holds each head's k and v (v padded to k's width)."""
+    yarn_apply_mscale); the cache holds one head: the latent and the rotated key."""
     path, hf = yarn_v3
     engine = Engine(EngineConfig(model=str(path), num_blocks=96, block_size=4,
                                  prefill_chunk=7))
     cfg = engine.model_config
-    assert (cfg.num_kv_heads, cfg.head_dim) == (4, 16 + 8)
-    assert engine.kv.num_kv_heads == 4 and engine.kv.head_dim == 24
-    assert cfg.query_scale == pytest.approx(24 ** -0.5 * (0.1 * 0.8 * torch.log(
+    assert (cfg.num_kv_heads, cfg.head_dim) == (1, 32 + 8)
+    assert engine.kv.num_kv_heads == 1 and engine.kv.head_dim == 40
+    assert cfg.query_scale == pytest.approx((16 + 8) ** -0.5 * (0.1 * 0.8 * torch.log(
         torch.tensor(4.0)).item() + 1) ** 2)
     assert_decodes_as(engine, hf, [_ids(37, seed=1), _ids(13, seed=2)], steps=4)
 

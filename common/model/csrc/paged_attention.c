@@ -8,7 +8,8 @@
  * how a caller splits the rows (the decode of common/model/cpu_attention.py is batch
  * invariant).
  *
- * Heads 64 or 128 wide (any multiple of 16 up to 256) go in vectors, block by block: a
+ * Heads 64 or 128 wide (any multiple of 16 up to 16 x MAX_V: latent attention's 576) go
+ * in vectors, block by block: a
  * block's keys for every head, then every head's softmax, then the blocks' values, with
  * the next block's bytes prefetched meanwhile. At a decode step's batch the reads of
  * scattered blocks bound it (B8 x 600 keys: 4-6 GB/s, 2.3x faster when the layer is in
@@ -138,7 +139,7 @@ static inline v16 load16_bf16(const uint16_t *p) {
     return (v16)(__builtin_convertvector(h, vi16) << 16);
 }
 
-/* One query row for heads D wide, D a multiple of 16 up to 256 (64 and 128 as
+/* One query row for heads D wide, D a multiple of 16 up to 16 x MAX_V (64 and 128 as
  * constants: the loops unroll), in vectors of 16 lanes, reading each KV block once: per
  * block, per kv head, the query heads it serves in passes of up to MAX_GH (a constant
  * count, so that a pass's registers hold its queries' products or its accumulators).
@@ -149,6 +150,7 @@ static inline v16 load16_bf16(const uint16_t *p) {
  * scratch: hq x (lens[t] rounded up to 16, then D) floats: the scores, then the sums
  * (from the block of the row's first key, the keys before it masked). */
 #define MAX_GH 4
+#define MAX_V 36 /* vectors of a head: 576 floats (DeepSeek's latent and rotated key) */
 
 /* The next block's keys or values on their way into the cache while this one's compute. */
 static inline void prefetch_block(const void *start, int64_t bytes) {
@@ -162,7 +164,7 @@ static inline void prefetch_block(const void *start, int64_t bytes) {
             float scale, float *scores, int64_t width) {                                    \
         const int V = D / 16;                                                               \
         for (int64_t s = 0; s < slots; s++, k += stride) {                                  \
-            v16 kx[16];                                                                     \
+            v16 kx[MAX_V];                                                                  \
             for (int i = 0; i < V; i++) kx[i] = LOAD(k + i * 16);                           \
             for (int h = 0; h < GH; h++) {                                                  \
                 v16 acc = load16_f32(qh + h * D) * kx[0];                                   \
@@ -179,10 +181,10 @@ static inline void prefetch_block(const void *start, int64_t bytes) {
             const T *v, int64_t stride, int64_t slots, const float *p, int64_t width, int D,\
             int GH, float *sums) {                                                          \
         const int V = D / 16;                                                               \
-        v16 acc[MAX_GH * 16];                                                               \
+        v16 acc[MAX_GH * 16]; /* GH x V: 4 x 4, 2 x 8, or 1 x up to MAX_V */               \
         for (int i = 0; i < GH * V; i++) acc[i] = load16_f32(sums + i * 16);                \
         for (int64_t s = 0; s < slots; s++, v += stride) {                                  \
-            v16 vx[16];                                                                     \
+            v16 vx[MAX_V];                                                                  \
             for (int i = 0; i < V; i++) vx[i] = LOAD(v + i * 16);                           \
             for (int h = 0; h < GH; h++) {                                                  \
                 const float ph = p[h * width + s];                                          \
@@ -281,7 +283,7 @@ VITEM(vitem_bf16, uint16_t, kpass_bf16, vpass_bf16)
         for (int64_t item = first; item < last; item++) {  /* a query row */                \
             if (L->d == 64) VITEM_FN(L, q, kv, item, 64, out, scratch);                     \
             else if (L->d == 128) VITEM_FN(L, q, kv, item, 128, out, scratch);              \
-            else if (L->d % 16 == 0 && L->d <= 256)                                         \
+            else if (L->d % 16 == 0 && L->d <= 16 * MAX_V)                                  \
                 VITEM_FN(L, q, kv, item, L->d, out, scratch);                               \
             else ITEM_FN(L, q, kv, item, L->d, out, scratch);                               \
         }                                                                                   \
