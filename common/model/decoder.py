@@ -176,7 +176,7 @@ class _Checkpoint:
 
     def latent(self, cfg: ModelConfig, prefix: str, pack: bool) -> LatentAttention:
         """Layer ``prefix``'s latent attention, interleaved rotary rows made halves,
-        kv_b_proj absorbed a head at a time (in float: it is small)."""
+        kv_b_proj absorbed a head at a time (expanded if quantized: it is small)."""
         p = prefix + "self_attn."
         width = cfg.qk_nope_head_dim + cfg.rope_dim  # of a head's q
         q_rows, kv_rows = cfg.num_heads * width, cfg.kv_lora_rank + cfg.rope_dim
@@ -185,7 +185,7 @@ class _Checkpoint:
             q_order = deinterleaved(cfg, q_rows, width, cfg.qk_nope_head_dim)
             kv_order = deinterleaved(cfg, kv_rows, kv_rows, cfg.kv_lora_rank)
         lora = bool(cfg.q_lora_rank)
-        absorb_q, absorb_v = absorbed(cfg, self.get(p + "kv_b_proj.weight").float(), pack,
+        absorb_q, absorb_v = absorbed(cfg, self.get(p + "kv_b_proj.weight"), pack,
                                       self.linear_dtype)
         return LatentAttention(
             q=self.rows(p + ("q_b_proj" if lora else "q_proj"), q_order, pack),

@@ -188,3 +188,38 @@ def test_layer_wise_kv_from_the_gpu_is_what_the_engine_wrote() -> None:
         lane.shutdown()
         local.close()
         remote.close()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "deepseek_v3"])
+def test_mixtures_and_latent_attention_on_cuda_equal_cpu(tmp_path, model_type: str) -> None:
+    """A mixture of experts (and DeepSeek's latent attention) on the GPU: float32 gives the
+    CPU's logits and greedy tokens (the experts one by one); bfloat16 stacks the experts
+    for torch._grouped_mm at load and stays near them. Written on a CPU-only day
+    (2026-11-29), not yet run."""
+    from common.model.moe import Mixture
+    from tests.model.test_architectures import FAMILIES
+    from tests.model.tiny_checkpoints import write_checkpoint
+
+    write_checkpoint(model_type, tmp_path, **FAMILIES[model_type])
+    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+
+    def run(device: str, dtype: str) -> tuple[Engine, torch.Tensor, list[int]]:
+        e = Engine(EngineConfig(model=str(tmp_path), dtype=dtype, device=device,
+                                num_blocks=64, block_size=16, prefill_chunk=16))
+        table = e.pool.allocate(e.blocks_needed(50))
+        first = e.prefill(ids, table).float().cpu()
+        tokens, pos = [int(first.argmax())], len(ids)
+        for _ in range(5):
+            tokens.append(int(e.decode_step([DecodeInput(tokens[-1], pos, table)])[0].argmax()))
+            pos += 1
+        return e, first, tokens
+
+    _, cpu_first, cpu_tokens = run("cpu", "float32")
+    _, gpu_first, gpu_tokens = run("cuda", "float32")
+    assert torch.allclose(gpu_first, cpu_first, atol=1e-4, rtol=1e-4)
+    assert gpu_tokens == cpu_tokens
+    bf16, bf_first, _ = run("cuda", "bfloat16")
+    mixtures = [lw.mlp for lw in bf16.model.layers if isinstance(lw.mlp, Mixture)]
+    assert mixtures and all(m.stacked is not None for m in mixtures)
+    assert torch.isfinite(bf_first).all()
+    assert torch.allclose(bf_first, cpu_first, atol=0.15 * cpu_first.abs().max().item())
