@@ -172,6 +172,19 @@ DUMMY_CONFIGS: dict[str, ModelConfig] = {
     "dummy-qwen3-a3b-dense": dataclasses.replace(
         _QWEN3_30B_A3B, name="dummy-qwen3-a3b-dense", architecture="Qwen3ForCausalLM",
         num_experts=0, experts_per_token=0, expert_intermediate_size=0),
+    # benchmarks/latent.py: Moonlight-16B-A3B's shape (DeepSeek V3's architecture: latent
+    # attention of 16 heads, 64 experts of 1,408 with 6 a token and 2 shared)
+    "dummy-moonlight-16b-a3b": ModelConfig(
+        name="dummy-moonlight-16b-a3b", vocab_size=163840, hidden_size=2048,
+        intermediate_size=11264, num_layers=27, num_heads=16, num_kv_heads=1, head_dim=576,
+        rope_theta=50000.0, rope_scaling=None, rms_norm_eps=1e-5,
+        max_position_embeddings=8192, tie_word_embeddings=False, bos_token_id=163584,
+        eos_token_ids=(163585,), architecture="DeepseekV3ForCausalLM",
+        query_scale=192 ** -0.5, num_experts=64, experts_per_token=6,
+        expert_intermediate_size=1408, shared_expert_intermediate_size=2816,
+        normalize_experts=True, dense_layers=(0,), router_scoring="sigmoid",
+        router_bias=True, routed_scaling=2.446, kv_lora_rank=512, qk_nope_head_dim=128,
+        v_head_dim=128, rope_dim=64, rope_interleaved=True),
     # benchmarks/sliding_window.py: Gemma 3 1B's shape, 5 layers in 6 sliding over 512 keys
     "dummy-gemma3-1b": ModelConfig(
         name="dummy-gemma3-1b", vocab_size=262144, hidden_size=1152, intermediate_size=6912,

@@ -11,7 +11,10 @@
  * Heads 64 or 128 wide (any multiple of 16 up to 16 x MAX_V: latent attention's 576) go
  * in vectors, block by block: a
  * block's keys for every head, then every head's softmax, then the blocks' values, with
- * the next block's bytes prefetched meanwhile. At a decode step's batch the reads of
+ * the next block's bytes prefetched meanwhile; heads wider than 256 (latent attention: many
+ * query heads to one KV head) four query heads a pass, each key's vectors loaded once for
+ * them (one a pass took 1.6x the time, Moonlight's 16 heads at 1,024 keys). At a decode
+ * step's batch the reads of
  * scattered blocks bound it (B8 x 600 keys: 4-6 GB/s, 2.3x faster when the layer is in
  * the cache; huge pages help too). Other widths go head by head in scalar code.
  *
@@ -181,7 +184,7 @@ static inline void prefetch_block(const void *start, int64_t bytes) {
             const T *v, int64_t stride, int64_t slots, const float *p, int64_t width, int D,\
             int GH, float *sums) {                                                          \
         const int V = D / 16;                                                               \
-        v16 acc[MAX_GH * 16]; /* GH x V: 4 x 4, 2 x 8, or 1 x up to MAX_V */               \
+        v16 acc[MAX_GH * MAX_V]; /* GH x V: 4 x 4, 2 x 8, 1 x 16, or 4 x up to MAX_V */  \
         for (int i = 0; i < GH * V; i++) acc[i] = load16_f32(sums + i * 16);                \
         for (int64_t s = 0; s < slots; s++, v += stride) {                                  \
             v16 vx[MAX_V];                                                                  \
@@ -212,7 +215,7 @@ static inline void prefetch_block(const void *start, int64_t bytes) {
             const Layout *L, const float *q, const T *kv, int64_t t, int D, float *out,     \
             float *scratch) {                                                               \
         const int group = L->hq / L->hkv, V = D / 16;                                       \
-        const int most = D <= 64 ? 4 : D <= 128 ? 2 : 1;  /* 16 accumulators a pass */      \
+        const int most = D <= 64 ? 4 : D <= 128 ? 2 : D <= 256 ? 1 : 4; /* wide: GQA */    \
         /* keys from the block of the row's first: scores[j] is key origin + j */           \
         const int64_t n = L->lens[t], start = first_key(L, n - 1);                          \
         const int64_t b0 = start / L->bs, origin = b0 * L->bs;                              \
