@@ -9,14 +9,13 @@
  * invariant).
  *
  * Heads 64 or 128 wide (any multiple of 16 up to 16 x MAX_V: latent attention's 576) go
- * in vectors, block by block: a
- * block's keys for every head, then every head's softmax, then the blocks' values, with
- * the next block's bytes prefetched meanwhile; heads wider than 256 (latent attention: many
- * query heads to one KV head) four query heads a pass, each key's vectors loaded once for
- * them (one a pass took 1.6x the time, Moonlight's 16 heads at 1,024 keys). At a decode
- * step's batch the reads of
- * scattered blocks bound it (B8 x 600 keys: 4-6 GB/s, 2.3x faster when the layer is in
- * the cache; huge pages help too). Other widths go head by head in scalar code.
+ * in vectors, block by block: a block's keys for every head, then every head's softmax,
+ * then the blocks' values, with the next block's bytes prefetched meanwhile. Heads wider
+ * than 256 (latent attention: many query heads to one KV head) go four query heads a
+ * pass, each key's vectors loaded once for them (one a pass took 1.6x the time,
+ * Moonlight's 16 heads at 1,024 keys). At a decode step's batch the reads of scattered
+ * blocks bound it (B8 x 600 keys: 4-6 GB/s, 2.3x faster when the layer is in the cache;
+ * huge pages help too). Other widths go head by head in scalar code.
  *
  * The KV memory is common/kv/memory.py's [block, layer, K/V, slot, kv head, d] in
  * float32 or bfloat16; strides and offsets are in elements.
