@@ -208,8 +208,8 @@ class CpuPagedAttention(SdpaAttention):
     gather, no padding to the longest and no mask, every row alone (batch invariant); a
     sliding layer's rows read only the blocks of their window. With ``prompt_rows``
     (batch invariance) so does a prompt chunk (its rows over their sequence's blocks, each
-    alone) where the blocks are of 16 tokens and the heads 64, 128 or 256 wide: the same
-    rows whatever chunks the load cuts a prompt into; on one thread as
+    alone) where the blocks are of 16 tokens and the heads 64, 128, 256 or 576 (latent)
+    wide: the same rows whatever chunks the load cuts a prompt into; on one thread as
     fast as torch's flash attention over the whole chunk and 1.1-1.2x faster than over
     16-token parts (what batch invariance cost before), on two 0.8x the whole chunk's
     (torch's spinning OpenMP workers slow the kernel's second thread). Other prompt

@@ -69,8 +69,9 @@ class PagedAttentionKernel:
 
     def supports_chunks(self, kv: PagedKVMemory) -> bool:
         """Prompt chunks: KV blocks of 16 tokens (a block's keys fill a vector's lanes),
-        heads 64, 128 or 256 wide."""
-        return self.supports(kv) and kv.block_size == 16 and kv.head_dim in (64, 128, 256)
+        heads 64, 128 or 256 wide, or 576 (DeepSeek's latent and rotated key)."""
+        return (self.supports(kv) and kv.block_size == 16
+                and kv.head_dim in (64, 128, 256, 576))
 
     def attend_chunk(self, q: torch.Tensor, kv: PagedKVMemory, layer: int,
                      table: torch.Tensor, start: int, scale: float,

@@ -356,7 +356,7 @@ static inline void chunk_tile(const Layout *L, const float *q, const float *kt,
                               int D, float *out) {
     const int group = L->hq / L->hkv, H = L->hkv, g = h / group, V = D / 16;
     float m[ROWS], l[ROWS];
-    v16 acc[ROWS][16];  /* D <= 256 */
+    v16 acc[ROWS][MAX_V];  /* D <= 16 x MAX_V */
     for (int r = 0; r < rn; r++) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
@@ -419,7 +419,8 @@ void chunk_rows(const Layout *L, const float *q, const float *kt, const float *v
             const int rn = T - t0 < ROWS ? (int)(T - t0) : ROWS;
             if (L->d == 64) chunk_tile(L, q, kt, vv, start, t0, rn, h, 64, out);
             else if (L->d == 128) chunk_tile(L, q, kt, vv, start, t0, rn, h, 128, out);
-            else chunk_tile(L, q, kt, vv, start, t0, rn, h, 256, out);
+            else if (L->d == 256) chunk_tile(L, q, kt, vv, start, t0, rn, h, 256, out);
+            else chunk_tile(L, q, kt, vv, start, t0, rn, h, (int)L->d, out);  /* latent's */
         }
     }
 }
