@@ -95,10 +95,16 @@ def test_up_refuses_a_config_that_puts_processes_on_other_hosts(tmp_path: Path) 
     assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir())
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe-dir", "gemma3-gguf"])
+# the directories' configs beyond tests/model/tiny_checkpoints.py's SMALL
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+       "norm_topk_prob": True}
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe-dir", "deepseek_v3-dir", "gemma3-gguf"])
 def test_up_serves_a_checkpoint_to_the_official_client(tmp_path: Path, kind: str) -> None:
     """``crescent up --set model=...`` over a (tiny, random) Qwen3-MoE checkpoint
-    directory (8 experts, 2 a token), or
+    directory (8 experts, 2 a token), a DeepSeek V3 one (latent attention: one KV head
+    through the pool and the handover), or
     a Gemma 3 GGUF written as llama.cpp writes one (tests/model/gguf_files.py): the
     official client gets the in-process engine's greedy answer, streamed or not, the
     prompt as the checkpoint's own chat template renders it, and a forced tool call."""
@@ -114,9 +120,10 @@ def test_up_serves_a_checkpoint_to_the_official_client(tmp_path: Path, kind: str
     arch, form = kind.split("-")
     name, directory = f"{arch}-tiny", tmp_path / f"{arch}-tiny"
     if form == "dir":
+        from tests.model.test_architectures import FAMILIES
+
         write_checkpoint(arch, directory, max_position_embeddings=1024,  # the tools' prompt
-                         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                         norm_topk_prob=True)
+                         **(MOE if arch == "qwen3_moe" else FAMILIES[arch]))
         write_chat_tokenizer(directory, "qwen")
         model = directory
     else:
