@@ -2,12 +2,13 @@
 attention and a gated MLP over a paged KV cache, with each family's differences read from
 its ``Family`` and ``ModelConfig`` (biases, per-head q/k norms, norms around the attention
 and MLP outputs, the activation, the embedding scale, soft-capping, sliding windows, a
-mixture of experts for the MLP: common/model/moe.py).
+mixture of experts for the MLP: common/model/moe.py, DeepSeek's latent attention:
+common/model/latent.py).
 
-Weights arrive as a dict in HF names; Q/K/V and gate/up are fused into one matmul each
-(common/model/linear.py ``Linear``). A quantized linear (common/model/quant.py: a GGUF's
-Q2_K ... Q8_0) stays quantized on a CPU model whose linears multiply in float32 or int8
-(``_Checkpoint.matrix``), else is expanded to float.
+Weights arrive as a dict in HF names and are read by common/model/checkpoint.py
+``Checkpoint``: Q/K/V and gate/up fused into one matmul each (common/model/linear.py
+``Linear``), a quantized linear (common/model/quant.py: a GGUF's Q2_K ... Q8_0) kept so on
+a CPU model whose linears multiply in float32 or int8, else expanded to float.
 Attention is delegated to a backend that writes/reads the paged KV memory.
 
 A pipeline stage holds only a contiguous range of layers (``layers``): the first stage
@@ -24,18 +25,18 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from common.model import cpu_linear, triton_ops
-from common.model.arch import ExpertNames, family
+from common.model import triton_ops
+from common.model.arch import family
 from common.model.attention import AttentionBackend, AttnMetadata, AttnSpec
+from common.model.checkpoint import MLP_NAMES, Checkpoint
 from common.model.config import ModelConfig
+from common.model.latent import LatentAttention
 from common.model.linear import Linear
-from common.model.latent import LatentAttention, absorbed, deinterleaved
 from common.model.moe import GatedMLP, Mixture
 from common.model.quant import QuantizedWeight, is_quantized
 from common.model.rope import apply_rope, attention_factor, cos_sin, inv_frequencies
 
 LayerHook = Callable[[int], None]
-_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -116,111 +117,6 @@ def lm_head_native() -> bool:
     return os.environ.get("CRESCENT_LM_HEAD_NATIVE", "1") != "0"
 
 
-@dataclass
-class _Checkpoint:
-    """A model's weights (HF names), read to the device and dtype it runs in."""
-
-    weights: dict[str, torch.Tensor | QuantizedWeight]
-    device: torch.device
-    dtype: torch.dtype
-    norm_offset: float  # Gemma stores a norm's scale less 1
-    linear_dtype: Optional[torch.dtype] = None  # the linears multiply in it (Linear)
-    quantized: bool = True  # quantized linears stay so where they can (``matrix``)
-    expanded: int = 0  # parameters of quantized matrices ``matrix`` expanded to float
-    kept: int = 0  # and of those it kept quantized
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.weights:
-            raise KeyError(f"checkpoint is missing weight {name!r}")
-        weight = self.weights[name]
-        if is_quantized(weight):
-            weight = weight.dequantize()
-        return weight.to(device=self.device, dtype=self.dtype)
-
-    def matrix(self, name: str) -> torch.Tensor | QuantizedWeight:
-        """A linear's weight: as quantized as the file holds it where the linears
-        multiply in float32 or int8 on a CPU that runs the quantized kernels (``Linear``),
-        else ``get``'s, counted in ``expanded``: bfloat16 linears keep their own kernel,
-        which multiplies 1.3-1.5x faster than the float32-input one at 8 rows and more
-        (BENCHMARKS.md, "Quantized linears")."""
-        weight = self.weights.get(name)
-        if not is_quantized(weight):
-            return self.get(name)
-        if (self.quantized and self.device.type == "cpu" and self.dtype is torch.float32
-                and self.linear_dtype in (None, torch.float32, torch.int8)
-                and cpu_linear.quant_kernel() is not None):
-            self.kept += weight.shape[0] * weight.shape[1]
-            return weight
-        self.expanded += weight.shape[0] * weight.shape[1]
-        return self.get(name)
-
-    def norm(self, name: str) -> torch.Tensor:
-        """A norm's scale (the offset added in float32)."""
-        return (self.get(name).float() + self.norm_offset).to(self.dtype)
-
-    def linear(self, names: list[str], bias: bool, pack: bool) -> Linear:
-        """One matmul for the linears ``names`` of a layer (q/k/v, gate/up)."""
-        parts = [self.matrix(n + ".weight") for n in names]
-        weight = (QuantizedWeight.cat(parts) if all(map(is_quantized, parts))
-                  else torch.cat([p.dequantize() if is_quantized(p) else p for p in parts]))
-        return Linear(weight, pack, torch.cat([self.get(n + ".bias") for n in names])
-                      if bias else None, self.linear_dtype)
-
-    def rows(self, name: str, order: Optional[torch.Tensor], pack: bool) -> Linear:
-        """A linear of weight ``name`` (no bias), its rows in ``order`` (None: as stored)."""
-        weight = self.matrix(name + ".weight")
-        if order is not None:
-            weight = (weight.rows(order) if is_quantized(weight)
-                      else weight.index_select(0, order.to(weight.device)))
-        return Linear(weight, pack, None, self.linear_dtype)
-
-    def latent(self, cfg: ModelConfig, prefix: str, pack: bool) -> LatentAttention:
-        """Layer ``prefix``'s latent attention, interleaved rotary rows made halves,
-        kv_b_proj absorbed a head at a time (expanded if quantized: it is small)."""
-        p = prefix + "self_attn."
-        width = cfg.qk_nope_head_dim + cfg.rope_dim  # of a head's q
-        q_rows, kv_rows = cfg.num_heads * width, cfg.kv_lora_rank + cfg.rope_dim
-        q_order = kv_order = None
-        if cfg.rope_interleaved:
-            q_order = deinterleaved(cfg, q_rows, width, cfg.qk_nope_head_dim)
-            kv_order = deinterleaved(cfg, kv_rows, kv_rows, cfg.kv_lora_rank)
-        lora = bool(cfg.q_lora_rank)
-        absorb_q, absorb_v = absorbed(cfg, self.get(p + "kv_b_proj.weight"), pack,
-                                      self.linear_dtype)
-        return LatentAttention(
-            q=self.rows(p + ("q_b_proj" if lora else "q_proj"), q_order, pack),
-            q_a=self.rows(p + "q_a_proj", None, pack) if lora else None,
-            q_a_norm=self.norm(p + "q_a_layernorm.weight") if lora else None,
-            kv_a=self.rows(p + "kv_a_proj_with_mqa", kv_order, pack),
-            kv_a_norm=self.norm(p + "kv_a_layernorm.weight"),
-            absorb_q=absorb_q, absorb_v=absorb_v)
-
-    def gated_mlp(self, prefix: str, names: tuple[str, str, str], bias: bool,
-                  pack: bool) -> GatedMLP:
-        gate, up, down = (f"{prefix}.{n}" for n in names)
-        return GatedMLP(self.linear([gate, up], bias, pack), self.linear([down], bias, pack))
-
-    def mixture(self, config: ModelConfig, prefix: str, names: ExpertNames,
-                pack: bool) -> Mixture:
-        """Layer ``prefix``'s mixture of experts: its router multiplies in the model's
-        dtype, unquantized (as llama.cpp keeps it); the experts as any linear."""
-        block = f"{prefix}{names.block}"
-        experts = [self.gated_mlp(f"{block}.experts.{e}", (names.gate, names.up, names.down),
-                                  False, pack) for e in range(config.num_experts)]
-        shared = shared_gate = None
-        if config.shared_expert_intermediate_size:
-            shared = self.gated_mlp(f"{block}.{names.shared}", _MLP_NAMES, False, pack)
-            if names.shared_gate:
-                shared_gate = Linear(self.get(f"{block}.{names.shared_gate}.weight"), pack)
-        return Mixture(Linear(self.get(f"{block}.gate.weight"), pack), experts,
-                       config.experts_per_token, config.normalize_experts, shared, shared_gate,
-                       sigmoid=config.router_scoring == "sigmoid",
-                       bias=(self.get(f"{block}.gate.e_score_correction_bias").float()
-                             if config.router_bias else None),
-                       groups=config.expert_groups, groups_per_token=config.expert_groups_per_token,
-                       group_score=config.expert_group_score, scale=config.routed_scaling)
-
-
 class DecoderModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor | QuantizedWeight],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -230,7 +126,7 @@ class DecoderModel:
         """``fused``: the layer's elementwise steps as Triton kernels (``TritonOps``);
         None: on a CUDA device where triton is installed. ``linear_dtype``: the dtype the
         layers' linears multiply in (``Linear``; not the lm_head's), None: ``dtype``.
-        ``quantized``: quantized weights stay so where they can (``_Checkpoint.matrix``);
+        ``quantized``: quantized weights stay so where they can (``Checkpoint.matrix``);
         False: all expanded to float."""
         self.config = config
         self.family = family(config)
@@ -241,7 +137,7 @@ class DecoderModel:
                 and self.layer_range.step == 1):
             raise ValueError(f"layers {self.layer_range} is not a contiguous, non-empty range "
                              f"of the model's {config.num_layers} layers")
-        read = _Checkpoint(weights, self.device, dtype, self.family.norm_offset, linear_dtype,
+        read = Checkpoint(weights, self.device, dtype, self.family.norm_offset, linear_dtype,
                            quantized and pack_weights)
 
         # quantized as the file holds it on a float32 CPU model (rows expanded as looked up)
@@ -278,7 +174,7 @@ class DecoderModel:
         self.gated = {"silu": self.ops.silu_mul, "gelu_tanh": self.ops.gelu_tanh_mul}[
             config.activation]
 
-    def _layer(self, read: _Checkpoint, layer: int, pack: bool) -> LayerWeights:
+    def _layer(self, read: Checkpoint, layer: int, pack: bool) -> LayerWeights:
         cfg = self.config
         p = f"model.layers.{layer}."
         norms = {role: read.norm(f"{p}{name}.weight") for role, name in self.family.norms.items()}
@@ -296,7 +192,7 @@ class DecoderModel:
             wo=read.linear([p + "self_attn.o_proj"], cfg.o_bias, pack),
             mlp_norm=norms["mlp_norm"],
             mlp=(read.mixture(cfg, p, self.family.experts, pack) if cfg.sparse(layer)
-                 else read.gated_mlp(p + "mlp", _MLP_NAMES, cfg.mlp_bias, pack)),
+                 else read.gated_mlp(p + "mlp", MLP_NAMES, cfg.mlp_bias, pack)),
             attn=AttnSpec(scale, cfg.attn_softcap, cfg.window(layer)),
             rope="local" if local else "global",
             q_norm=read.norm(p + "self_attn.q_norm.weight") if qk_norm else None,
