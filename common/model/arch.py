@@ -16,6 +16,7 @@ base) are read from config.json into ``ModelConfig`` by ``config_from_hf``:
 | MixtralForCausalLM | Mistral's, with a mixture of experts for the MLP (``block_sparse_moe``: w1, w3, w2) |
 | Qwen2MoeForCausalLM | Qwen2's, with a mixture of experts and a shared expert (``mlp``) |
 | Qwen3MoeForCausalLM | Qwen3's, with a mixture of experts (``mlp``) |
+| OlmoeForCausalLM | an RMSNorm of the whole q and k projections before RoPE; a mixture of experts (``mlp``) |
 | DeepseekV2ForCausalLM | latent attention and, from the ``first_k_dense_replace``-th layer, a mixture with shared experts and V2's router (softmax scores, greedy or group-limited, a scaling) |
 | DeepseekV3ForCausalLM | latent attention (``ModelConfig.kv_lora_rank``); from the ``first_k_dense_replace``-th layer a mixture with shared experts and DeepSeek's router (sigmoid scores, a choice bias, expert groups, a scaling) |
 
@@ -59,7 +60,9 @@ class Family:
     norms: Mapping[str, str] = field(default_factory=lambda: {
         "mlp_norm": "post_attention_layernorm"})
     norm_offset: float = 0.0     # Gemma stores weight - 1: its norms scale by 1 + weight
-    qk_norm: bool = False        # q_norm / k_norm over each head's q and k, before RoPE
+    # q_norm / k_norm before RoPE: over each head's q and k ("head"), or over the whole
+    # q and k projections ("projection": OLMoE)
+    qk_norm: str = ""
     embed_scale: bool = False    # embeddings times sqrt(hidden_size)
     default_activation: str = "silu"
     activation_key: str = "hidden_act"
@@ -82,12 +85,13 @@ FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(),
     "MistralForCausalLM": Family(),
     "Qwen2ForCausalLM": Family(qkv_bias=True),
-    "Qwen3ForCausalLM": Family(qk_norm=True),
+    "Qwen3ForCausalLM": Family(qk_norm="head"),
     "Gemma2ForCausalLM": Family(**_GEMMA),
-    "Gemma3ForCausalLM": Family(qk_norm=True, **_GEMMA),
+    "Gemma3ForCausalLM": Family(qk_norm="head", **_GEMMA),
     "MixtralForCausalLM": Family(experts=ExpertNames("block_sparse_moe", "w1", "w3", "w2")),
     "Qwen2MoeForCausalLM": Family(qkv_bias=True, experts=ExpertNames()),
-    "Qwen3MoeForCausalLM": Family(qk_norm=True, experts=ExpertNames()),
+    "Qwen3MoeForCausalLM": Family(qk_norm="head", experts=ExpertNames()),
+    "OlmoeForCausalLM": Family(qk_norm="projection", experts=ExpertNames()),
     "DeepseekV2ForCausalLM": _DEEPSEEK,
     "DeepseekV3ForCausalLM": _DEEPSEEK,
 }
@@ -96,7 +100,8 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+                  "deepseek_v2": "DeepseekV2ForCausalLM",
                   "deepseek_v3": "DeepseekV3ForCausalLM"}
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Names a checkpoint may hold that are not weights: recomputed buffers
@@ -123,6 +128,8 @@ def config_from_hf(d: Mapping[str, Any], name: str, weights_id: str = "") -> Mod
     """ModelConfig from a HF config.json dict (transformers 4 or 5 field names)."""
     arch = architecture_of(d)
     fam = FAMILIES[arch]
+    if d.get("clip_qkv"):
+        raise UnsupportedModelError(f"{arch} with clip_qkv is not supported")
     if d.get("use_bidirectional_attention"):
         raise UnsupportedModelError(f"{arch} with use_bidirectional_attention (an encoder) "
                                     "is not supported")
@@ -230,7 +237,8 @@ def _mixture(d: Mapping[str, Any], arch: str, layers: int) -> dict[str, Any]:
         step, only = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or ())
         dense = tuple(i for i in range(layers)
                       if i in only or not (experts > 0 and (i + 1) % step == 0))
-        size, normalize = d["moe_intermediate_size"], bool(d.get("norm_topk_prob", False))
+        size = d.get("moe_intermediate_size") or d["intermediate_size"]  # OLMoE: the latter
+        normalize = bool(d.get("norm_topk_prob", False))
     return dict(num_experts=int(experts), experts_per_token=int(d["num_experts_per_tok"]),
                 expert_intermediate_size=int(size), normalize_experts=normalize,
                 shared_expert_intermediate_size=int(
@@ -339,8 +347,11 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "mlp.gate.e_score_correction_bias"] = (config.num_experts,)
         for norm in ("input_layernorm", *fam.norms.values()):
             shapes[f"{p}{norm}.weight"] = (d,)
-        if fam.qk_norm:
+        if fam.qk_norm == "head":
             shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        elif fam.qk_norm == "projection":
+            shapes[p + "self_attn.q_norm.weight"] = (q,)
+            shapes[p + "self_attn.k_norm.weight"] = (kv,)
     return shapes
 
 

@@ -48,7 +48,8 @@ class LayerWeights:
     mlp: GatedMLP | Mixture
     attn: AttnSpec
     rope: str  # "global", or "local": a sliding layer's own RoPE base (Gemma3)
-    q_norm: Optional[torch.Tensor] = None  # per head, before RoPE (Qwen3, Gemma3)
+    q_norm: Optional[torch.Tensor] = None  # before RoPE: per head (Qwen3, Gemma3), or of the
+    # whole projection (OLMoE)
     k_norm: Optional[torch.Tensor] = None
     attn_out_norm: Optional[torch.Tensor] = None  # of the attention's output (Gemma)
     mlp_out_norm: Optional[torch.Tensor] = None   # of the MLP's output (Gemma)
@@ -178,7 +179,7 @@ class DecoderModel:
         cfg = self.config
         p = f"model.layers.{layer}."
         norms = {role: read.norm(f"{p}{name}.weight") for role, name in self.family.norms.items()}
-        qk_norm = self.family.qk_norm
+        qk_norm = bool(self.family.qk_norm)
         local = "local" in self.inv_freqs and layer in cfg.sliding_layers
         # YaRN scales cos and sin, so q . k by the square: folded into the scale here
         scale = cfg.attention_scale * attention_factor(
@@ -276,9 +277,12 @@ class DecoderModel:
         assert lw.wqkv is not None
         nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
         q, k, v = lw.wqkv(x).split([nq, nkv, nkv], dim=-1)
-        q, k = q.view(t, cfg.num_heads, hd), k.view(t, cfg.num_kv_heads, hd)
-        if lw.q_norm is not None:
-            eps = cfg.rms_norm_eps
+        eps = cfg.rms_norm_eps
+        if self.family.qk_norm == "projection":  # OLMoE: the whole q and k
+            q = self.ops.rms_norm(q.contiguous(), lw.q_norm, eps)
+            k = self.ops.rms_norm(k.contiguous(), lw.k_norm, eps)
+        q, k = q.reshape(t, cfg.num_heads, hd), k.reshape(t, cfg.num_kv_heads, hd)
+        if self.family.qk_norm == "head":
             q, k = self.ops.head_norm(q, lw.q_norm, eps), self.ops.head_norm(k, lw.k_norm, eps)
         q, k = ropes[lw.rope](q, k)
         return q, k, v.reshape(t, cfg.num_kv_heads, hd)

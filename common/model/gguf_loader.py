@@ -45,11 +45,13 @@ from common.model.quant import QuantizedWeight, from_gguf
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                 "olmoe": "OlmoeForCausalLM"}
 # a "llama" file with experts is a Mixtral; whether llama.cpp renormalizes the chosen
 # experts' probabilities where the file does not say (``expert_weights_norm``)
 _MIXTURE_ARCH = {"llama": "MixtralForCausalLM", "mistral": "MixtralForCausalLM"}
-_NORMALIZED_EXPERTS = {"llama": True, "mistral": True, "qwen2moe": False, "qwen3moe": True}
+_NORMALIZED_EXPERTS = {"llama": True, "mistral": True, "qwen2moe": False, "qwen3moe": True,
+                       "olmoe": False}
 _LLAMA_ROWS = ("llama", "mistral")  # files whose q/k rows the convert script permuted
 # gguf's name table for each (a "mistral" file uses LLaMA's tensor names)
 _NAME_TABLE = {"mistral": "llama"}

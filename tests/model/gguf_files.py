@@ -47,6 +47,8 @@ FAMILIES = {
     "qwen3moe": ("qwen3_moe", {"num_experts": 6, "num_experts_per_tok": 3,
                                "moe_intermediate_size": 32, "norm_topk_prob": True},
                  "qwen", None),
+    "olmoe": ("olmoe", {"num_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 32},
+              "qwen", None),
 }
 GGUF_ARCH = {"mixtral": "llama"}  # the convert script writes a Mixtral as "llama"
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")

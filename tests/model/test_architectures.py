@@ -44,6 +44,8 @@ FAMILIES = {
                   "mlp_only_layers": [1], "norm_topk_prob": False},
     "qwen3_moe": {"num_experts": 6, "num_experts_per_tok": 3, "moe_intermediate_size": 24,
                   "norm_topk_prob": True, "decoder_sparse_step": 2},
+    # the whole q and k projections normed; 6 experts, 2 a token, of intermediate_size
+    "olmoe": {"num_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 32},
     # latent attention (q through its own latent), 8 experts in 4 groups scored by their
     # best, 2 groups a token, no renormalization, a shared expert
     "deepseek_v2": {"num_key_value_heads": 4, "head_dim": 8, "q_lora_rank": 24,

@@ -219,3 +219,14 @@ def test_stacked_experts_in_grouped_matmuls_give_the_loops_answer() -> None:
     assert torch.allclose(moe(x[:1], _silu_mul), one, atol=1e-5)
     few = x[:2]  # 6 choices of 8 experts: some get none
     assert torch.allclose(moe(few, _silu_mul), want[:2], atol=1e-5)
+
+
+def test_olmoes_clipped_qkv_is_refused(tmp_path: Path) -> None:
+    """OLMoE's ``clip_qkv`` (q, k and v clamped) is not done here: refused, not ignored."""
+    write_checkpoint("olmoe", tmp_path, num_experts=4, num_experts_per_tok=2,
+                     intermediate_size=32)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["clip_qkv"] = 8.0
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnknownModelError, match="clip_qkv is not supported"):
+        Engine(EngineConfig(model=str(tmp_path), num_blocks=8, block_size=4))
