@@ -43,17 +43,19 @@ class Checkpoint:
             weight = weight.dequantize()
         return weight.to(device=self.device, dtype=self.dtype)
 
-    def matrix(self, name: str) -> torch.Tensor | QuantizedWeight:
+    def matrix(self, name: str, expert: bool = False) -> torch.Tensor | QuantizedWeight:
         """A linear's weight: as quantized as the file holds it where the linears
         multiply in float32 or int8 on a CPU that runs the quantized kernels (``Linear``),
         else ``get``'s, counted in ``expanded``: bfloat16 linears keep their own kernel,
         which multiplies 1.3-1.5x faster than the float32-input one at 8 rows and more
-        (BENCHMARKS.md, "Quantized linears")."""
+        (BENCHMARKS.md, "Quantized linears"). An ``expert``'s stays quantized with
+        bfloat16 linears too: it sees few of a step's rows, and a mixture's experts are
+        most of its weights (a 30B-A3B's would take ~57 GB expanded to bfloat16)."""
         weight = self.weights.get(name)
         if not is_quantized(weight):
             return self.get(name)
         if (self.quantized and self.device.type == "cpu" and self.dtype is torch.float32
-                and self.linear_dtype in (None, torch.float32, torch.int8)
+                and (expert or self.linear_dtype in (None, torch.float32, torch.int8))
                 and cpu_linear.quant_kernel() is not None):
             self.kept += weight.shape[0] * weight.shape[1]
             return weight
@@ -64,9 +66,9 @@ class Checkpoint:
         """A norm's scale (the offset added in float32)."""
         return (self.get(name).float() + self.norm_offset).to(self.dtype)
 
-    def linear(self, names: list[str], bias: bool, pack: bool) -> Linear:
+    def linear(self, names: list[str], bias: bool, pack: bool, expert: bool = False) -> Linear:
         """One matmul for the linears ``names`` of a layer (q/k/v, gate/up)."""
-        parts = [self.matrix(n + ".weight") for n in names]
+        parts = [self.matrix(n + ".weight", expert) for n in names]
         weight = (QuantizedWeight.cat(parts) if all(map(is_quantized, parts))
                   else torch.cat([p.dequantize() if is_quantized(p) else p for p in parts]))
         return Linear(weight, pack, torch.cat([self.get(n + ".bias") for n in names])
@@ -102,9 +104,10 @@ class Checkpoint:
             absorb_q=absorb_q, absorb_v=absorb_v)
 
     def gated_mlp(self, prefix: str, names: tuple[str, str, str], bias: bool,
-                  pack: bool) -> GatedMLP:
+                  pack: bool, expert: bool = False) -> GatedMLP:
         gate, up, down = (f"{prefix}.{n}" for n in names)
-        return GatedMLP(self.linear([gate, up], bias, pack), self.linear([down], bias, pack))
+        return GatedMLP(self.linear([gate, up], bias, pack, expert),
+                        self.linear([down], bias, pack, expert))
 
     def mixture(self, config: ModelConfig, prefix: str, names: ExpertNames,
                 pack: bool) -> Mixture:
@@ -112,7 +115,7 @@ class Checkpoint:
         dtype, unquantized (as llama.cpp keeps it); the experts as any linear."""
         block = f"{prefix}{names.block}"
         experts = [self.gated_mlp(f"{block}.experts.{e}", (names.gate, names.up, names.down),
-                                  False, pack) for e in range(config.num_experts)]
+                                  False, pack, expert=True) for e in range(config.num_experts)]
         shared = shared_gate = None
         if config.shared_expert_intermediate_size:
             shared = self.gated_mlp(f"{block}.{names.shared}", MLP_NAMES, False, pack)

@@ -230,3 +230,24 @@ def test_olmoes_clipped_qkv_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnknownModelError, match="clip_qkv is not supported"):
         Engine(EngineConfig(model=str(tmp_path), num_blocks=8, block_size=4))
+
+
+@pytest.mark.skipif(QUANT is None, reason="the CPU quantized kernel did not build (no "
+                    "compiler or no AVX-512): quantized weights are expanded to float")
+def test_experts_stay_quantized_with_bfloat16_linears(quantized_mixture) -> None:
+    """With bfloat16 linears (default.toml's on an AVX-512 BF16 CPU) a quantized file's
+    attention and dense matrices are expanded, as before, but its experts, most of a
+    mixture's weights and each seeing few rows, keep their codes; the answers stay
+    transformers' on the rounded checkpoint within bfloat16's rounding."""
+    gguf, hf = quantized_mixture
+    engine = Engine(EngineConfig(model=str(gguf), linear_dtype="bfloat16", num_blocks=96,
+                                 block_size=4, prefill_chunk=7))
+    mixture = engine.model.layers[1].mlp
+    assert isinstance(mixture, Mixture) and mixture.grouped is not None
+    assert not isinstance(engine.model.layers[1].wqkv.native, cpu_linear.QuantLinear)
+    assert engine.model.kept_quantized > engine.model.expanded_quantized > 0
+    ids = [(7 * i + 3) % 300 for i in range(37)]
+    got = engine.prefill(ids, engine.pool.allocate(engine.blocks_needed(len(ids))))
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0, -1].float()
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
