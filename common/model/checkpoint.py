@@ -50,7 +50,7 @@ class Checkpoint:
         which multiplies 1.3-1.5x faster than the float32-input one at 8 rows and more
         (BENCHMARKS.md, "Quantized linears"). An ``expert``'s stays quantized with
         bfloat16 linears too: it sees few of a step's rows, and a mixture's experts are
-        most of its weights (a 30B-A3B's would take ~57 GB expanded to bfloat16)."""
+        most of its weights (a 30B-A3B's would take ~58 GB expanded to bfloat16)."""
         weight = self.weights.get(name)
         if not is_quantized(weight):
             return self.get(name)
