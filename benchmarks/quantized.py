@@ -62,8 +62,8 @@ def weight_bytes(engine: Engine) -> int:
                  else [native.packed] if native is not None
                  else [t for t in (linear.packed, linear.weight) if t is not None])
         total += sum(t.nbytes for t in parts if isinstance(t, torch.Tensor))
-    embed = model.embed  # the lookup's own (a tied LM head packs a copy)
-    if embed is not None:
+    embed = model.embed  # the lookup's own, unless a tied LM head's codes serve it
+    if embed is not None and not isinstance(embed, cpu_linear.QuantLinear):
         total += (embed.nbytes if isinstance(embed, torch.Tensor)
                   else embed.codes.nbytes + embed.scale.nbytes + embed.offset.nbytes)
     return total

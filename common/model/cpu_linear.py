@@ -119,6 +119,28 @@ class QuantLinear:
         params[0, :n], params[1, :n] = weight.scale, weight.offset
         self.params = params.view(2, tiles, TILE, -1).permute(1, 3, 0, 2).contiguous()
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight, float32 [len(ids), K], read back from the packed
+        codes: what ``QuantizedWeight.dequantize`` gives, bit for bit (a tied LM head's
+        codes serve the embedding lookup too, held once)."""
+        k, tile, lane = self.in_features, ids // TILE, ids % TILE
+        if self.int8:  # [tiles, K / 4, 64, 4]; 4 bits: [tiles, K / 4, 2, 16, 4] of two nibbles
+            if self.bits == 8:
+                codes = self.codes[tile, :, lane]
+            else:
+                half, nibble, low = lane // 32, lane % 32 // 16, lane % 16
+                packed = self.codes[tile, :, half, low]
+                codes = (packed >> (4 * nibble.view(-1, 1, 1))) & 0x0F
+            codes = codes.reshape(len(ids), k)
+        elif self.bits == 8:  # [tiles, K, 64]
+            codes = self.codes[tile, :, lane]
+        else:  # [tiles, K, 32]: outputs 32-63 high
+            codes = (self.codes[tile, :, lane % 32] >> (4 * (lane // 32)).view(-1, 1)) & 0x0F
+        params = self.params[tile, :, :, lane]  # [n, K / group, 2]
+        scale, offset = (params[..., i].double().repeat_interleave(self.group, 1)
+                         for i in (0, 1))
+        return (codes.double() * scale + offset).float()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [M, K] (any float dtype; made float32) → [M, N] float32."""
         x = x.to(torch.float32).contiguous()

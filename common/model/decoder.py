@@ -30,6 +30,7 @@ from common.model.arch import family
 from common.model.attention import AttentionBackend, AttnMetadata, AttnSpec
 from common.model.checkpoint import MLP_NAMES, Checkpoint
 from common.model.config import ModelConfig
+from common.model.cpu_linear import QuantLinear
 from common.model.latent import LatentAttention
 from common.model.linear import Linear
 from common.model.moe import GatedMLP, Mixture
@@ -141,8 +142,9 @@ class DecoderModel:
         read = Checkpoint(weights, self.device, dtype, self.family.norm_offset, linear_dtype,
                            quantized and pack_weights)
 
-        # quantized as the file holds it on a float32 CPU model (rows expanded as looked up)
-        self.embed: Optional[torch.Tensor | QuantizedWeight] = None
+        # quantized as the file holds it on a float32 CPU model (rows expanded as looked up);
+        # a tied LM head's packed codes where it has them (held once)
+        self.embed: Optional[torch.Tensor | QuantizedWeight | QuantLinear] = None
         self.lm_head: Optional[Linear] = None
         if self.first_stage or (self.last_stage and config.tie_word_embeddings):
             self.embed = read.matrix("model.embed_tokens.weight")
@@ -155,6 +157,8 @@ class DecoderModel:
                                   else read.matrix("lm_head.weight"), pack_weights,
                                   dtype=linear_dtype if lm_head_native() else None,
                                   native_only=True)
+            if config.tie_word_embeddings and isinstance(self.lm_head.native, QuantLinear):
+                self.embed = self.lm_head.native
         # Gemma: embeddings times sqrt(hidden_size), rounded to the model's dtype as in HF
         self.embed_scale = (torch.tensor(config.hidden_size ** 0.5, dtype=dtype)
                             if self.family.embed_scale else None)
@@ -258,8 +262,12 @@ class DecoderModel:
         return h
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
-        h = (self.embed.rows(token_ids).dequantize() if is_quantized(self.embed)
-             else self.embed.index_select(0, token_ids))
+        if isinstance(self.embed, QuantLinear):
+            h = self.embed.rows(token_ids)
+        elif is_quantized(self.embed):
+            h = self.embed.rows(token_ids).dequantize()
+        else:
+            h = self.embed.index_select(0, token_ids)
         return h if self.embed_scale is None else h * self.embed_scale
 
     def ropes(self, positions: torch.Tensor) -> dict[str, Rope]:

@@ -292,3 +292,40 @@ def test_the_workers_get_it(tmp_path: Path) -> None:
     prefill = engine_config(ClusterConfig(prefill_dtype="int8"), "prefill")
     assert (prefill.dtype, prefill.linear_dtype) == ("float32", "int8")
     assert engine_config(ClusterConfig(prefill_dtype="int8"), "decode").linear_dtype is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("linear_dtype", [None, "int8"])
+def test_tied_embeddings_are_looked_up_from_the_lm_heads_codes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, linear_dtype) -> None:
+    """A tied, quantized embedding is held once: the lookup reads the LM head's packed
+    codes (either kernel's layout), giving the file's rows bit for bit."""
+    from common.model.loader import load_model_source
+
+    monkeypatch.setenv("CRESCENT_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = write_family("qwen3", tmp_path, matrices="Q8_0")[2]  # tied (no output.weight)
+    engine = Engine(EngineConfig(model=str(gguf), linear_dtype=linear_dtype, num_blocks=16))
+    model = engine.model
+    assert model.embed is model.lm_head.native
+    ids = torch.tensor([0, 1, 63, 64, 200, 319])
+    want = load_model_source(str(gguf))[1]["model.embed_tokens.weight"].rows(ids).dequantize()
+    assert torch.equal(model.embed_tokens(ids), want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits, group", [(4, 32), (4, 16), (8, 32), (8, 16)])
+@pytest.mark.parametrize("int8", [False, True])
+def test_rows_read_back_from_packed_codes_are_the_weights(bits: int, group: int,
+                                                         int8: bool) -> None:
+    """``QuantLinear.rows``: rows across tiles and both nibbles of either kernel's layout
+    (a partial last tile too) are ``dequantize``'s, bit for bit."""
+    kernel = cpu_linear.quant_kernel(int8) or QUANT
+    g = torch.Generator().manual_seed(bits + group)
+    n, k = 200, 96
+    weight = QuantizedWeight(torch.randint(0, 256, (n, k * bits // 8), generator=g,
+                                           dtype=torch.uint8),
+                             torch.rand(n, k // group, generator=g),
+                             torch.randn(n, k // group, generator=g), bits)
+    linear = cpu_linear.QuantLinear(kernel, weight, int8 and INT8 is not None)
+    ids = torch.tensor([0, 5, 15, 16, 31, 32, 47, 48, 63, 64, 130, 199])
+    assert torch.equal(linear.rows(ids), weight.rows(ids).dequantize())
