@@ -6,9 +6,10 @@ of its 48 layers and its LM head, random weights quantized at load as ``--quanti
 beside its dense twin (``dummy-qwen3-a3b-dense``: the same layers with one MLP as wide as
 the 8 experts, 6,144: the same multiplies a token), each with float32 inputs on the
 quantized kernel and with ``linear_dtype = "int8"``; the mixture also with each expert's
-projections a kernel call of their own ("apart"), as before their one grouped call. For each: the least ms per decode step
-of ``--rounds`` rounds at context ``--contexts`` and batch ``--batches`` (the variants in
-turn; each sequence its own token, so that the rows route apart), the distinct experts a
+projections a kernel call of their own ("apart"), as before their one grouped call. For
+each: the least ms per decode step of ``--rounds`` rounds at context ``--contexts`` and
+batch ``--batches`` (the variants in turn; each sequence its own token, so that the rows
+route apart), the distinct experts a
 step of each batch runs per layer, a prompt's prefill, and the bytes of the weights held.
 One thread by default (a decode worker's on 2 cores).
 

@@ -1,9 +1,9 @@
-"""A mixture of experts in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek V3;
-``ModelConfig.num_experts``): a router scores every expert for each token, the token's MLP
+"""A mixture of experts in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+DeepSeek V2 and V3; ``ModelConfig.num_experts``): a router scores every expert for each token, the token's MLP
 is the sum of its ``k`` best experts' gated MLPs, each weighted by its softmax probability
 (renormalized over the k where the family does), plus a shared expert, gated by a sigmoid
-where the family has one (Qwen2-MoE). DeepSeek V3 scores by sigmoids, chooses within
-each token's best groups of experts with a bias, and scales the weights.
+where the family has one (Qwen2-MoE). DeepSeek's routers choose within each token's best
+groups of experts and scale the weights; V3's score by sigmoids and choose with a bias.
 
 Each expert multiplies only the rows routed to it, gathered into one block, on the same
 kernels as a dense linear (common/model/linear.py: quantized experts stay so on the CPU,
