@@ -9,9 +9,9 @@ quantized kernel and with ``linear_dtype = "int8"``; the mixture also with each 
 projections a kernel call of their own ("apart"), as before their one grouped call. For
 each: the least ms per decode step of ``--rounds`` rounds at context ``--contexts`` and
 batch ``--batches`` (the variants in turn; each sequence its own token, so that the rows
-route apart), the distinct experts a
-step of each batch runs per layer, a prompt's prefill, and the bytes of the weights held.
-One thread by default (a decode worker's on 2 cores).
+route apart), the distinct experts a step of each batch runs per layer, a prompt's
+prefill, and the bytes of the weights held. One thread by default (a decode worker's on 2
+cores).
 
     python benchmarks/moe.py [--layers 2] [--batches 1,4,8,16] [--threads 1]
 
