@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from common.model.arch import family, weight_shapes
+from common.model.arch import family
 from common.model.config import ModelConfig
+from common.model.weights import weight_shapes
 
 POOLED_PARAMS = 1 << 28  # a dummy model larger than this takes its linears from one pool
 POOL_SIZE, ROW_STEP = 1 << 26, 257

@@ -31,14 +31,10 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from common.model.arch import (
-    UnsupportedModelError,
-    check_weights,
-    config_from_hf,
-    weight_shapes,
-)
+from common.model.arch import UnsupportedModelError, config_from_hf
 from common.model.config import ModelConfig
 from common.model.quant import QuantizedWeight, from_gguf
+from common.model.weights import check_weights, weight_shapes
 
 # general.architecture -> the HF architecture whose family serves it. The convert script
 # writes a Mistral as "llama", without its sliding window; "mistral" is older files' name.

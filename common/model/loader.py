@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import xxhash
 
-from common.model.arch import check_weights, config_from_hf
+from common.model.arch import config_from_hf
 from common.model.config import DUMMY_CONFIGS, ModelConfig
+from common.model.weights import check_weights
 
 DEFAULT_MODEL = "smollm2-135m"
 # v2: ModelConfig names its architecture and weights; v3: a GGUF's turn ends; v4: shards;
