@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> dict:
         engines[chunk] = Engine(EngineConfig(
             model=args.model, dtype=args.dtype, device=args.device, block_size=block,
             num_blocks=need // block + 8, prefill_chunk=chunk, max_batch_size=max(batches),
-            cuda_graphs=not engines))
+            cuda_graphs=not engines, num_layers=args.layers))
         capture_s = capture_s or time.perf_counter() - t
     res: dict = {"model": args.model, "dtype": args.dtype, "device": str(device),
                  "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> dict:
             seqs.append(DecodeInput(5 + i, context, blocks))
         s = timed(device, lambda: e.decode_step(seqs), args.reps)
         eager = timed(device, lambda: e.step(decodes=seqs), args.reps)
-        floor = matmul_floor(e, b, args.reps) if device.type == "cuda" else float("nan")
+        floor = (matmul_floor(e, b, args.reps) if device.type == "cuda" and e.model.graphable
+                 else float("nan"))  # a mixture's or latent model's: not a dense step's
         if b >= 32 or b == max(batches):
             res.setdefault("attention", {})[str(b)] = attention_alone(
                 e, seqs, args.reps, args.sweep)
@@ -310,6 +311,7 @@ def table(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="dummy-llama3-8b")
+    p.add_argument("--layers", type=int, help="the model's first this many layers only")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--chunks", default="512,4096", help="prefill chunk sizes to compare")

@@ -28,7 +28,10 @@
 #       graphs-live: then the prefill benchmark with prefill_graph_tokens = 512; next:
 #       graphs, the chunk attention benchmark and replay in one call, ~7 minutes;
 #       timeline: the prefill benchmark alone at 4k and 16k, once each, with part (d):
-#       where the warm prompt's time outside its compute goes, ~3 minutes)
+#       where the warm prompt's time outside its compute goes, ~3 minutes; moe: mixtures
+#       of experts and latent attention, never yet on a GPU: their CUDA test, then
+#       gpu.py's decode of Qwen3-30B-A3B's and Moonlight-16B-A3B's shapes, 12 layers each,
+#       as $OUT/gpu-moe-*.json, ~4 minutes (an estimate))
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -227,6 +230,15 @@ case "${1:-all}" in
   timeline)  # goal 3's 27 ms outside the warm 16k compute, hop by hop (part d): ~3 minutes
     # (an estimate), a call that fits after `next` on one lend
     prefill_bench --lengths 4096,16384 --reps 1 ;;
+  moe)
+    log "mixtures and latent attention: the CUDA test"
+    timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m gpu tests/model/test_cuda.py \
+      -k mixtures 2>&1 | grep -v "^[IWE][0-9]" | tail -15
+    for model in dummy-qwen3-30b-a3b dummy-moonlight-16b-a3b; do
+      log "decode of $model, 12 layers (benchmarks/gpu.py --decode-only --no-kv)"
+      timeout 150 python3 benchmarks/gpu.py --model "$model" --layers 12 --decode-only \
+        --no-kv --out "$OUT/gpu-moe-$model.json" 2>&1 | grep -v "^[IWE][0-9]" | tail -12
+    done ;;
   *) cuda_tests; live_pipeline; engine_figures; prefill_bench ;;
 esac
 log "done"
