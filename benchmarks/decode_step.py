@@ -50,19 +50,27 @@ def make_engine(name: str, blocks: int) -> Engine:
         del os.environ["CRESCENT_CPU_LINEAR"], os.environ["CRESCENT_LM_HEAD_NATIVE"]
 
 
-def step_ms(engine: Engine, batch: int, context: int, steps: int = 6) -> float:
+def step_ms(engine: Engine, batch: int, context: int, steps: int = 6,
+            distinct: bool = False) -> float:
     """Median step time of ``batch`` sequences around ``context`` tokens (their KV as the
-    memory holds it: the step's cost does not depend on the values)."""
-    seqs = [[5, context + (i * 7) % 50, engine.pool.allocate(engine.blocks_needed(
-        context + 60 + steps))] for i in range(batch)]
+    memory holds it: the step's cost does not depend on the values). ``distinct``: each
+    row its own token, another each step (a mixture of experts' rows of one token would
+    all route alike); else token 5 in every row."""
+    vocab = engine.model_config.vocab_size
+    seqs = [((i * 7919 + 13) % vocab if distinct else 5, context + (i * 7) % 50,
+             engine.pool.allocate(engine.blocks_needed(context + 60 + steps)))
+            for i in range(batch)]
     times = []
-    for s in range(steps):
-        step = [DecodeInput(t, p + s, b) for t, p, b in seqs]
-        started = time.perf_counter()
-        engine.decode_step(step)
-        times.append(time.perf_counter() - started)
-    for _, _, blocks in seqs:
-        engine.pool.free(blocks)
+    try:
+        for s in range(steps):
+            step = [DecodeInput((t + 31 * s) % vocab if distinct else t, p + s, b)
+                    for t, p, b in seqs]
+            started = time.perf_counter()
+            engine.decode_step(step)
+            times.append(time.perf_counter() - started)
+    finally:
+        for _, _, blocks in seqs:
+            engine.pool.free(blocks)
     return statistics.median(times[1:]) * 1e3
 
 

@@ -41,6 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.engine import DecodeInput, Engine, EngineConfig  # noqa: E402
+from common.model.moe import GatedMLP  # noqa: E402
 from common.transfer import TransferAgent  # noqa: E402
 
 
@@ -118,8 +119,10 @@ def run(args: argparse.Namespace) -> dict:
             seqs.append(DecodeInput(5 + i, context, blocks))
         s = timed(device, lambda: e.decode_step(seqs), args.reps)
         eager = timed(device, lambda: e.step(decodes=seqs), args.reps)
-        floor = (matmul_floor(e, b, args.reps) if device.type == "cuda" and e.model.graphable
-                 else float("nan"))  # a mixture's or latent model's: not a dense step's
+        dense = all(lw.wqkv is not None and isinstance(lw.mlp, GatedMLP)
+                    for lw in e.model.layers)  # a mixture's or latent model's: no floor
+        floor = (matmul_floor(e, b, args.reps) if device.type == "cuda" and dense
+                 else float("nan"))
         if b >= 32 or b == max(batches):
             res.setdefault("attention", {})[str(b)] = attention_alone(
                 e, seqs, args.reps, args.sweep)

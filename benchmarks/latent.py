@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.moe import step_ms  # noqa: E402
+from benchmarks.decode_step import step_ms  # noqa: E402
 from benchmarks.quantized import emit  # noqa: E402
 from common.engine import Engine, EngineConfig  # noqa: E402
 from common.kv.memory import PagedKVMemory  # noqa: E402
@@ -73,7 +73,7 @@ def absorb_share(engine: Engine, batch: int, context: int) -> float:
         lat.absorb_q = [timed(lin) for lin in lat.absorb_q]
         lat.absorb_v = [timed(lin) for lin in lat.absorb_v]
     try:
-        step = step_ms(engine, batch, context, steps=4)
+        step = step_ms(engine, batch, context, steps=4, distinct=True)
         per_step = sum(spent) * 1e3 / 4
     finally:
         for lat, q, v in originals:
@@ -117,7 +117,7 @@ def main() -> None:
     steps: dict[str, dict[str, float]] = {}
     for context in [c for c in contexts if c + 70 < engine.max_context]:  # 8,192 positions
         for batch in batches:
-            ms = min(step_ms(engine, batch, context) for _ in range(args.rounds))
+            ms = min(step_ms(engine, batch, context, distinct=True) for _ in range(args.rounds))
             share = absorb_share(engine, batch, context)
             steps[f"ctx{context}_b{batch}"] = {"ms": round(ms, 1), "absorb_share": share}
             print(f"{context:>8}{batch:>6}{ms:>10.1f}{share:>8.1%}")

@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.decode_step import step_ms  # noqa: E402
 from benchmarks.quantized import emit, prefill_s, weight_bytes  # noqa: E402
 from common.engine import Engine, EngineConfig  # noqa: E402
-from common.engine.config import DecodeInput  # noqa: E402
 from common.model import cpu_linear  # noqa: E402
 from common.model.moe import Mixture  # noqa: E402
 
@@ -43,26 +43,6 @@ VARIANTS = {"moe": dict(model=MOE), "moe apart": dict(model=MOE, apart=True),
             "moe int8": dict(model=MOE, linear_dtype="int8"),
             "int8 apart": dict(model=MOE, linear_dtype="int8", apart=True),
             "dense int8": dict(model=DENSE, linear_dtype="int8")}
-
-
-def step_ms(engine: Engine, batch: int, context: int, steps: int = 6) -> float:
-    """Median step time of ``batch`` sequences around ``context`` tokens, each its own
-    token (rows of one token would route alike)."""
-    vocab = engine.model_config.vocab_size
-    seqs = [((i * 7919 + 13) % vocab, context + (i * 7) % 50,
-             engine.pool.allocate(engine.blocks_needed(context + 60 + steps)))
-            for i in range(batch)]
-    times = []
-    try:
-        for s in range(steps):
-            step = [DecodeInput((t + 31 * s) % vocab, p + s, b) for t, p, b in seqs]
-            started = time.perf_counter()
-            engine.decode_step(step)
-            times.append(time.perf_counter() - started)
-    finally:
-        for _, _, blocks in seqs:
-            engine.pool.free(blocks)
-    return statistics.median(times[1:]) * 1e3
 
 
 def experts_run(engine: Engine, batch: int, context: int) -> float:
@@ -77,7 +57,7 @@ def experts_run(engine: Engine, batch: int, context: int) -> float:
 
     Mixture.route = counting  # type: ignore[method-assign]
     try:
-        step_ms(engine, batch, context, steps=2)
+        step_ms(engine, batch, context, steps=2, distinct=True)
     finally:
         Mixture.route = route  # type: ignore[method-assign]
     return round(statistics.mean(seen), 1)
@@ -123,7 +103,7 @@ def main() -> None:
             names = list(engines)
             for r in range(args.rounds):  # each round starts with the next variant
                 for name in names[r % len(names):] + names[:r % len(names)]:
-                    got[name].append(step_ms(engines[name], batch, context))
+                    got[name].append(step_ms(engines[name], batch, context, distinct=True))
             key = f"ctx{context}_b{batch}"
             row = steps[key] = {n: round(min(v), 1) for n, v in got.items()}
             experts[key] = experts_run(engines["moe"], batch, context)
