@@ -11,6 +11,7 @@ for how tables become this object, common/config_load.py.
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from common.store.policy import MetadataConfig
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # services/router/reasoning.py
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0")  # common/model/quant.py
+LORA_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,128}")  # a LoRA adapter's served name
 
 # Ports at fixed offsets from ``base_port``; the per-instance inboxes start at +10.
 FIXED_PORTS = {"router": 0, "conductor": 1, "store_master": 2, "conductor_http": 3,
@@ -105,6 +107,10 @@ def default_layerwise(device: str, transfer_protocol: str, prefill_stages: int,
 class ClusterConfig:
     model: str = "smollm2-135m"
     served_model_name: Optional[str] = None  # name in /v1/models; default: the model's name
+    # [lora_modules]: LoRA adapters served beside the model, name = "PEFT directory" (as
+    # vLLM's --lora-modules): a request whose ``model`` is a name runs on that adapter
+    # (common/model/lora.py). Every worker loads every adapter at start.
+    lora_modules: dict[str, str] = field(default_factory=dict)
     dtype: str = "float32"
     # Compute dtype of prefill workers (None: ``dtype``; "auto": bfloat16 where the CPU has
     # AVX-512 BF16 or AMX, ~1.35x faster there, ~7x slower on AVX2: common/worker.py;
@@ -218,6 +224,7 @@ class ClusterConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not "
                              f"{self.quantization!r}")
+        self._check_lora_modules()
         if self.prefill_dtype not in (None, "auto", "float32", "bfloat16", "float16", "int8"):
             raise ValueError("prefill_dtype must be auto, float32, bfloat16, float16 or int8, "
                              f"not {self.prefill_dtype!r}")
@@ -376,6 +383,23 @@ class ClusterConfig:
             place = self.prefill_place(index)
             return f"prefill-{place.instance}" + (f".stage{place.stage}" if place.stage else "")
         return f"{role}-{index}"
+
+    def _check_lora_modules(self) -> None:
+        modules = self.lora_modules
+        if not isinstance(modules, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and v for k, v in modules.items()):
+            raise ValueError("[lora_modules] must map adapter names to directories "
+                             f"(name = \"path\"), not {modules!r}")
+        for name in modules:
+            if not LORA_NAME.fullmatch(name) or name == self.model_name:
+                raise ValueError(f"LoRA adapter name {name!r}: 1-128 letters, digits and "
+                                 "._:/- , other than the served model's name "
+                                 f"{self.model_name!r}")
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """What a request's ``model`` may name: the model, then its LoRA adapters."""
+        return (self.model_name, *self.lora_modules)
 
     @property
     def model_name(self) -> str:

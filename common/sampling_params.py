@@ -1,4 +1,5 @@
-"""What a request asks of the sampler: one frozen type from the router to the engine.
+"""What a request asks of the sampler (and which LoRA adapter its model runs with): one
+frozen type from the router to the engine.
 
 The router builds it from the validated OpenAI body (with ``max_tokens`` already resolved
 against the config's default and the context left), it rides nested in ``SubmitRequest``,
@@ -56,6 +57,10 @@ class SamplingParams:
     # strings; the first ``resumed_chars`` characters of their text were sent already.
     resumed: tuple[int, ...] = ()
     resumed_chars: int = 0
+    # The LoRA adapter the request's ``model`` names (ClusterConfig.lora_modules), None:
+    # the base model. Not sampling, but it rides where sampling does: to the prefill that
+    # computes the prompt and the decode that continues it.
+    adapter: Optional[str] = None
 
     def __post_init__(self) -> None:
         """Reject impossible values at construction (a ValueError; the codec turns it into
@@ -91,6 +96,8 @@ class SamplingParams:
                 any(not -MAX_BIAS <= v <= MAX_BIAS for v in self.logit_bias_values):
             raise ValueError(f"logit_bias needs one value in [-{MAX_BIAS:g}, {MAX_BIAS:g}] "
                              "per token id >= 0")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise ValueError(f"adapter must be None or a name, got {self.adapter!r}")
         if not 1 <= self.n <= MAX_CHOICES:
             raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
         if self.response_format is not None:

@@ -84,6 +84,7 @@ def engine_config(config: ClusterConfig, role: str, index: int = 0) -> EngineCon
         num_threads=config.cpu.threads(role),  # None: as pinned at start (common/cpu.py)
         cuda_graphs=role == "decode",  # only its steps are pure decodes (on a GPU)
         prompt_graph_tokens=config.prefill_graph_tokens if role != "decode" else 0,
+        lora_modules=tuple(sorted(config.lora_modules.items())),
     )
 
 

@@ -40,6 +40,9 @@ class EngineConfig:
     num_layers: Optional[int] = None  # instantiate only the first N layers (huge dummies)
     num_threads: Optional[int] = None  # torch intra-op threads; None keeps torch's default
     stage: tuple[int, int] = (0, 1)  # (this stage, stages) of a pipeline: its share of layers
+    # LoRA adapters served beside the model: (name, PEFT directory) pairs
+    # (ClusterConfig.lora_modules, common/model/lora.py)
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
 
 def stage_layers(num_layers: int, stages: int, stage: int) -> range:
@@ -59,6 +62,7 @@ class DecodeInput:
     token_id: int
     position: int
     block_table: list[int]
+    adapter: Optional[str] = None  # the LoRA adapter it runs on (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class PrefillChunk:
     start: int
     end: int
     block_table: list[int]
+    adapter: Optional[str] = None  # the LoRA adapter it runs on (None: the base model)
 
     @property
     def last(self) -> bool:

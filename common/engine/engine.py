@@ -21,7 +21,7 @@ from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.errors import EngineInputError, UnknownModelError
 from common.engine.profiling import StepProfiler
 from common.engine.prompt_graphs import prompt_graphs
-from common.kv.block_keys import compute_block_keys, model_fingerprint
+from common.kv.block_keys import adapter_fingerprint, compute_block_keys, model_fingerprint
 from common.kv.block_pool import BlockPool
 from common.kv.dtypes import resolve_kv_dtype
 from common.kv.memory import KV_DTYPES, PagedKVMemory
@@ -32,6 +32,7 @@ from common.model.config import ModelConfig
 from common.model.decoder import DecoderModel
 from common.model.dummy_weights import random_weights
 from common.model.loader import ModelNotFoundError, load_model_source
+from common.model.lora import AdapterError, LoraRows, load_adapter
 from common.model.quant import quantize_matrices
 from common.model.tokenizer import ByteTokenizer, Tokenizer
 
@@ -51,7 +52,7 @@ _PREBUILT: dict[tuple, Built] = {}
 
 def _model_key(config: EngineConfig) -> tuple:
     return (config.model, config.num_layers, config.dtype, config.linear_dtype, config.device,
-            config.stage, config.quantization)
+            config.stage, config.quantization, config.lora_modules)
 
 
 def build_model(config: EngineConfig) -> Built:
@@ -77,6 +78,11 @@ def build_model(config: EngineConfig) -> Built:
                              quantized=config.quantization != "none")
     except ValueError as exc:
         raise EngineInputError(str(exc)) from exc
+    try:
+        model.adapters = {name: load_adapter(name, path, model)
+                          for name, path in config.lora_modules}
+    except (AdapterError, OSError) as exc:
+        raise UnknownModelError(f"LoRA adapter: {exc}") from exc
     if model.expanded_quantized:
         log.info("%s: %.2fB parameters of quantized matrices expanded to %s linears (%s); "
                  "float32 linears on a CPU with AVX-512 keep them quantized", config.model,
@@ -120,6 +126,10 @@ class Engine:
                           else ByteTokenizer(model_config.vocab_size))
         self.fingerprint: bytes = model_fingerprint(model_config, self.kv_dtype,
                                                       config.quantization)
+        # each adapter's blocks under keys of their own (None: the base model's)
+        self.fingerprints: dict[Optional[str], bytes] = {None: self.fingerprint, **{
+            name: adapter_fingerprint(self.fingerprint, path)
+            for name, path in config.lora_modules}}
         self.kv = PagedKVMemory(config.num_blocks, len(self.layers), config.block_size,
                                 model_config.num_kv_heads, model_config.head_dim,
                                 KV_DTYPES[self.kv_dtype], self.device, config.kv_shm_path)
@@ -148,8 +158,15 @@ class Engine:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
-    def block_keys(self, token_ids: Sequence[int]) -> list[bytes]:
-        return compute_block_keys(token_ids, self.config.block_size, self.fingerprint)
+    def block_keys(self, token_ids: Sequence[int], adapter: Optional[str] = None
+                   ) -> list[bytes]:
+        self._check_adapter(adapter)
+        return compute_block_keys(token_ids, self.config.block_size, self.fingerprints[adapter])
+
+    def _check_adapter(self, adapter: Optional[str]) -> None:
+        if adapter not in self.fingerprints:
+            raise EngineInputError(f"no LoRA adapter {adapter!r} here (serving "
+                                   f"{sorted(n for n in self.fingerprints if n) or 'none'})")
 
     def blocks_needed(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.config.block_size)
@@ -190,10 +207,13 @@ class Engine:
     # ---- forward --------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, token_ids: list[int], block_table: list[int], num_cached_tokens: int = 0,
-                layer_hook: Optional[LayerHookFn] = None) -> torch.Tensor:
+                layer_hook: Optional[LayerHookFn] = None, adapter: Optional[str] = None,
+                ) -> torch.Tensor:
         """Compute KV of token_ids[num_cached_tokens:] into block_table; logits [vocab] of
-        the last position. layer_hook(layer, start, end) runs after each layer of each chunk."""
+        the last position. layer_hook(layer, start, end) runs after each layer of each chunk.
+        ``adapter``: the LoRA adapter it runs on."""
         self.validate_prompt(token_ids)
+        self._check_adapter(adapter)
         n = len(token_ids)
         self._check_block_table(block_table, n)
         if not 0 <= num_cached_tokens <= n:
@@ -204,7 +224,8 @@ class Engine:
         for s in range(start, n, chunk):
             e = min(s + chunk, n)
             hook = None if layer_hook is None else (lambda l, s=s, e=e: layer_hook(l, s, e))
-            logits = self._forward([PrefillChunk(token_ids, s, e, block_table)], [], hook)[0][0]
+            logits = self._forward([PrefillChunk(token_ids, s, e, block_table, adapter)], [],
+                                   hook)[0][0]
         assert logits is not None
         return logits
 
@@ -274,6 +295,7 @@ class Engine:
                 raise EngineInputError(f"chunk [{c.start}, {c.end}) outside a prompt of "
                                        f"{len(c.token_ids)} tokens")
             self._check_block_table(c.block_table, c.end)
+            self._check_adapter(c.adapter)
 
     def _forward(self, chunks: Sequence[PrefillChunk], decodes: Sequence[DecodeInput],
                  layer_hook: Optional[Callable[[int], None]],
@@ -301,13 +323,16 @@ class Engine:
             parts.append((len(ids), len(ids) + len(decodes), self._decode_meta(decodes)))
             ids += [d.token_id for d in decodes]
         meta = parts[0][2] if len(parts) == 1 else _mixed_meta(parts)
+        lora = LoraRows.of(self.model.adapters, [(c.adapter, c.end - c.start) for c in chunks]
+                           + [(d.adapter, 1) for d in decodes], self.device)
         graphs = self.prompt_graphs
-        if graphs is not None and chunks and len(ids) <= graphs.max_tokens:
+        if graphs is not None and chunks and len(ids) <= graphs.max_tokens and lora is None:
             positions = [p for c in chunks for p in range(c.start, c.end)]
             return graphs.forward(ids, positions + [d.position for d in decodes], meta,
                                   self.attention, layer_hook, before_layer)
         return self.model.forward(torch.tensor(ids, dtype=torch.long, device=self.device),
-                                  meta, self.attention, layer_hook, hidden_in, before_layer)
+                                  meta, self.attention, layer_hook, hidden_in, before_layer,
+                                  lora)
 
     def _logits(self, hidden: torch.Tensor, chunks: Sequence[PrefillChunk],
                 decodes: Sequence[DecodeInput],
@@ -372,7 +397,8 @@ class Engine:
         GPU a captured CUDA graph replays the step (``self.graphs``)."""
         if not batch:
             raise EngineInputError("decode_step needs at least one sequence")
-        if self.graphs is not None and len(batch) <= self.graphs.max_batch:
+        if (self.graphs is not None and len(batch) <= self.graphs.max_batch
+                and all(d.adapter is None for d in batch)):  # graphs hold no adapter
             self._check_decodes(batch)
             with self._timed((), batch):
                 return self.graphs.replay(batch)
@@ -390,6 +416,7 @@ class Engine:
                                        f"[0, {self.max_context})")
             self._check_token_ids([item.token_id])
             self._check_block_table(item.block_table, item.position + 1)
+            self._check_adapter(item.adapter)
 
     def _decode_meta(self, batch: Sequence[DecodeInput]) -> AttnMetadata:
         bs = self.config.block_size

@@ -68,7 +68,7 @@ def generate_batch(engine: Engine, prompts: Sequence[list[int]], params: Sequenc
 
 def _start(engine: Engine, prompt: list[int], params: SamplingParams, sampler: Sampler) -> _Seq:
     bs, pool = engine.config.block_size, engine.pool
-    keys = engine.block_keys(prompt)
+    keys = engine.block_keys(prompt, params.adapter)
     cached = pool.match_prefix(keys[:(len(prompt) - 1) // bs])  # last token's block stays private
     try:
         fresh = pool.allocate(engine.blocks_needed(len(prompt)) - len(cached))
@@ -78,7 +78,7 @@ def _start(engine: Engine, prompt: list[int], params: SamplingParams, sampler: S
     seq = _Seq(prompt, params, sampler.generator(params, engine.config.device),
                cached + fresh, len(cached) * bs)
     try:
-        logits = engine.prefill(prompt, seq.blocks, seq.num_cached)
+        logits = engine.prefill(prompt, seq.blocks, seq.num_cached, adapter=params.adapter)
     except Exception:
         pool.free(seq.blocks)
         raise
@@ -94,7 +94,7 @@ def _decode(engine: Engine, seqs: list[_Seq]) -> None:
         pos = len(s.prompt) + len(s.out) - 1
         if pos // bs >= len(s.blocks):
             s.blocks += engine.pool.allocate(1)
-        batch.append(DecodeInput(s.out[-1], pos, s.blocks))
+        batch.append(DecodeInput(s.out[-1], pos, s.blocks, s.params.adapter))
     logits = engine.decode_step(batch)
     _accept_many(engine, seqs, logits)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, is_dataclass
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -68,3 +69,23 @@ def model_fingerprint(config: Any, kv_dtype: str = "float32",
     rounded = f"|weights:{quantization}".encode() if quantization not in ("auto", "none") else b""
     return xxhash.xxh3_128(b"crescent-model-v1" + blob + b"|kv:" + kv_dtype.encode()
                            + rounded).digest()
+
+
+# A LoRA adapter's directory (PEFT's save_pretrained; common/model/lora.py)
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def adapter_fingerprint(fingerprint: bytes, path: str | Path) -> bytes:
+    """The fingerprint of a LoRA adapter's blocks: the base model's ``fingerprint`` and the
+    bytes of the adapter's files. A prompt's blocks on two adapters never share keys (their
+    KV differs from the first layer the adapter changes), while one adapter served under
+    two names does; an adapter changed on disk under its old name gets new keys."""
+    digest = xxhash.xxh3_128(b"crescent-lora-v1" + fingerprint)
+    for name in ADAPTER_FILES:
+        file = Path(path) / name
+        if not file.is_file():
+            raise FileNotFoundError(f"LoRA adapter {path}: no {name}")
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.digest()

@@ -33,6 +33,7 @@ from common.model.config import ModelConfig
 from common.model.cpu_linear import QuantLinear
 from common.model.latent import LatentAttention
 from common.model.linear import Linear
+from common.model.lora import LoraAdapter, LoraRows
 from common.model.moe import GatedMLP, Mixture
 from common.model.quant import QuantizedWeight, is_quantized
 from common.model.rope import apply_rope, attention_factor, cos_sin, inv_frequencies
@@ -171,6 +172,8 @@ class DecoderModel:
                                              config.local_rope_scaling)
         self.inv_freqs = {kind: f.to(self.device) for kind, f in freqs.items()}
         self.layers = [self._layer(read, l, pack_weights) for l in self.layer_range]
+        # LoRA adapters by served name (common/model/lora.py load_adapter; the engine adds them)
+        self.adapters: dict[str, LoraAdapter] = {}
         # parameters of quantized matrices held as floats, and held quantized
         self.expanded_quantized, self.kept_quantized = read.expanded, read.kept
         if fused is None:
@@ -233,7 +236,8 @@ class DecoderModel:
 
     def forward(self, token_ids: torch.Tensor, meta: AttnMetadata, attention: AttentionBackend,
                 layer_hook: Optional[LayerHook] = None, hidden: Optional[torch.Tensor] = None,
-                before_layer: Optional[LayerHook] = None) -> torch.Tensor:
+                before_layer: Optional[LayerHook] = None,
+                lora: Optional[LoraRows] = None) -> torch.Tensor:
         """Hidden states [T, hidden] after this stage's last layer (before the final norm).
 
         The first stage embeds ``token_ids``; a later one continues from ``hidden``, its
@@ -241,7 +245,8 @@ class DecoderModel:
         ``before_layer(i)`` runs before layer i reads the KV memory (a layer-wise load
         waits there), ``layer_hook(i)`` after it wrote it. A layer is ``front`` (to q, k,
         v), attention, ``back`` (the rest): common/engine/prompt_graphs.py replays the
-        pieces between two attentions as CUDA graphs."""
+        pieces between two attentions as CUDA graphs. ``lora``: the rows that run on an
+        adapter (``self.adapters``), each group's updates added to its rows' linears."""
         if self.first_stage:
             h = self.embed_tokens(token_ids)
         elif hidden is None:
@@ -255,8 +260,8 @@ class DecoderModel:
         for index, lw in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(index)
-            q, k, v = self.front(index, x, ropes)
-            h, x = self.back(index, h, attention(index, q, k, v, meta, lw.attn))
+            q, k, v = self.front(index, x, ropes, lora)
+            h, x = self.back(index, h, attention(index, q, k, v, meta, lw.attn), lora)
             if layer_hook is not None:
                 layer_hook(index)
         return h
@@ -276,6 +281,7 @@ class DecoderModel:
                 for kind, inv_freq in self.inv_freqs.items()}
 
     def front(self, index: int, x: torch.Tensor, ropes: dict[str, Rope],
+              lora: Optional[LoraRows] = None,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer ``index``'s q [T, heads, hd], k and v [T, kv heads, hd] of its normed
         input ``x``, rotated (``ropes``)."""
@@ -284,7 +290,10 @@ class DecoderModel:
             return lw.latent.qkv(x, cfg, self.ops, ropes[lw.rope])
         assert lw.wqkv is not None
         nq, nkv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
-        q, k, v = lw.wqkv(x).split([nq, nkv, nkv], dim=-1)
+        qkv = lw.wqkv(x)
+        if lora is not None:
+            qkv = lora.add(index, "qkv", x, qkv)
+        q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
         eps = cfg.rms_norm_eps
         if self.family.qk_norm == "projection":  # OLMoE: the whole q and k
             q = self.ops.rms_norm(q.contiguous(), lw.q_norm, eps)
@@ -296,15 +305,20 @@ class DecoderModel:
         return q, k, v.reshape(t, cfg.num_kv_heads, hd)
 
     def back(self, index: int, h: torch.Tensor, o: torch.Tensor,
-             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+             lora: Optional[LoraRows] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """After layer ``index``'s attention ``o``: (the residual stream, the next layer's
         normed input; None after this stage's last layer)."""
         ops, eps, lw = self.ops, self.config.rms_norm_eps, self.layers[index]
-        o = lw.wo(o if lw.latent is None else lw.latent.output(o, self.config))
+        if lw.latent is not None:
+            o = lw.latent.output(o, self.config)
+        o = lw.wo(o) if lora is None else lora.add(index, "o", o, lw.wo(o))
         if lw.attn_out_norm is not None:
             o = ops.rms_norm(o, lw.attn_out_norm, eps)
         h, x = ops.add_rms_norm(h, o, lw.mlp_norm, eps)
-        down = lw.mlp(x, self.gated)
+        if lora is None or isinstance(lw.mlp, Mixture):  # an adapter adapts no experts
+            down = lw.mlp(x, self.gated)
+        else:
+            down = lw.mlp(x, self.gated, lambda slot, x, y: lora.add(index, slot, x, y))
         if lw.mlp_out_norm is not None:
             down = ops.rms_norm(down, lw.mlp_out_norm, eps)
         if index + 1 < len(self.layers):  # the residual add and the next layer's norm

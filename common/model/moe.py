@@ -28,15 +28,22 @@ import torch.nn.functional as F
 from common.model.cpu_linear import ExpertLinears
 from common.model.linear import Linear
 
+Adapt = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 @dataclass
 class GatedMLP:
     gate_up: Linear  # gate and up in one matmul
     down: Linear
 
-    def __call__(self, x: torch.Tensor, gated: Callable[[torch.Tensor], torch.Tensor]
-                 ) -> torch.Tensor:
-        return self.down(gated(self.gate_up(x)))
+    def __call__(self, x: torch.Tensor, gated: Callable[[torch.Tensor], torch.Tensor],
+                 adapt: Optional[Adapt] = None) -> torch.Tensor:
+        """``adapt(slot, x, y)``: y, linear ``slot`` of x, with LoRA updates added
+        (common/model/lora.py ``LoraRows.add``)."""
+        if adapt is None:
+            return self.down(gated(self.gate_up(x)))
+        a = gated(adapt("gate_up", x, self.gate_up(x)))
+        return adapt("down", a, self.down(a))
 
     def linears(self) -> Iterator[tuple[str, Linear]]:
         yield from (("gate_up", self.gate_up), ("down", self.down))

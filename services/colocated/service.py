@@ -165,9 +165,10 @@ class ColocatedWorker(DecodeWorker):
             planned = plan_chunks(self.prefilling, self.budget - len(batch), align=self.align)
             for p, _ in planned:
                 p.started = p.started or time.perf_counter()
-            chunks = [PrefillChunk(p.task.token_ids, p.done, p.done + n, p.reservation.blocks)
-                      for p, n in planned]
-            inputs = [DecodeInput(s.last_token, s.position, s.blocks) for s in batch]
+            chunks = [PrefillChunk(p.task.token_ids, p.done, p.done + n, p.reservation.blocks,
+                                   p.task.sampling.adapter) for p, n in planned]
+            inputs = [DecodeInput(s.last_token, s.position, s.blocks, s.params.adapter)
+                      for s in batch]
             step = loop.run_in_executor(self.compute, lambda: self.engine.step(chunks, inputs))
             bitmask = self.grammars.bitmask([s.matcher for s in batch])  # while it runs
             try:

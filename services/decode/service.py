@@ -339,7 +339,8 @@ class DecodeWorker:
                 continue
             started = time.perf_counter()
             batch = [self.running[rid] for rid in turns.next_batch(self.running, max_batch)]
-            inputs = [DecodeInput(s.last_token, s.position, s.blocks) for s in batch]
+            inputs = [DecodeInput(s.last_token, s.position, s.blocks, s.params.adapter)
+                      for s in batch]
             context = sum(s.context_tokens for s in batch)
             step = loop.run_in_executor(self.compute, self.engine.decode_step, inputs)
             bitmask = self.grammars.bitmask([s.matcher for s in batch])  # while it runs

@@ -291,7 +291,8 @@ class HeadGroup:
         last = end == len(task.token_ids)
         return StagePart(task.request_id, task.fence, len(task.token_ids), start, end,
                          plan.block_table, task.deadline, opening, io.put, io.put_blocks,
-                         task.sampling if last else None, poisoned=io.poisoned)
+                         task.sampling if last else None, poisoned=io.poisoned,
+                         adapter=task.sampling.adapter)
 
     async def ship(self, step: int, hidden: torch.Tensor, parts: list[StagePart]) -> float:
         try:

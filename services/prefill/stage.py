@@ -148,7 +148,7 @@ class StageWorker:
         self.rt.mail.send(self.prev, StageAck(msg.head_epoch, msg.step, msg.slot))
         ios = [self._part(p) for p in msg.parts]
         keys = [(p.request_id, p.fence) for p in msg.parts]
-        chunks = [PrefillChunk(self._zeros(k, p), p.start, p.end, p.block_table)
+        chunks = [PrefillChunk(self._zeros(k, p), p.start, p.end, p.block_table, p.adapter)
                   for k, p in zip(keys, msg.parts)]
         io = StepIO(ios, self.kv, self.first_layer, self.mover, self.threads.store,
                     self.rt.config.kv_layerwise)

@@ -58,6 +58,7 @@ class StagePart:
     put_blocks: list[int] = field(default_factory=list)
     sampling: Optional[SamplingParams] = None
     poisoned: bool = False  # an earlier stage computed it from a failed load: garbage
+    adapter: Optional[str] = None  # the LoRA adapter it runs on (``sampling.adapter``)
 
 
 @message

@@ -62,8 +62,8 @@ class PrefillSteps:
         granted = time.perf_counter() - asked
         if self.store_writes is not None and not preempting:  # the next step's grants
             self.store_writes.ask_ahead(computing, self.budget, planned, self.align)
-        chunks = [PrefillChunk(j.task.token_ids, j.done, j.done + n, j.plan.block_table)
-                  for j, n in planned]
+        chunks = [PrefillChunk(j.task.token_ids, j.done, j.done + n, j.plan.block_table,
+                               j.task.sampling.adapter) for j, n in planned]
         io = StepIO(parts, self.engine.kv, 0, self.mover, self.threads.store,
                     self.rt.config.kv_layerwise)
         for job, n in planned:

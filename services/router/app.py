@@ -93,7 +93,8 @@ async def run(config: ClusterConfig, index: int = 0) -> None:
     """Serve until cancelled: load the tokenizer, bind the inbox, listen on HTTP."""
     tokenizer = await asyncio.to_thread(load_tokenizer, config.model)
     hasher = make_block_hasher(config.block_size, tokenizer.model_config,
-                               config.kv_storage_dtype, config.quantization)
+                               config.kv_storage_dtype, config.quantization,
+                               config.lora_modules)
     mailbox = Mailbox(config.inbox("router", index, bind=True), router_name(index))
     state = RouterState(config, mailbox, tokenizer, hasher, index=index)
     state.drain.until(lambda: not state.streams)  # SIGTERM: finish the streams in flight

@@ -200,7 +200,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         timeline.mark("router_in", request_id)
         if may_carry_grammar(body):
             await xgrammar_loaded()
-        req = parse_request(body, kind, state.config.model_name,
+        req = parse_request(body, kind, state.config.served_names,
                             state.config.default_max_tokens)
         prompts = await _prompts(state, req)
     except ApiError as err:
@@ -209,8 +209,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     if len(prompts) > 1:
         return await _complete_batch(state, endpoint, req, request_id, prompts)
     ids, sampling = prompts[0]
-    submit = SubmitRequest(request_id, ids, state.block_keys(ids), _wire_sampling(req, sampling),
-                           time.time())
+    submit = SubmitRequest(request_id, ids, state.block_keys(ids, sampling.adapter),
+                           _wire_sampling(req, sampling), time.time())
     run = RequestRun(state, endpoint, submit)
     out = _choices(state, req, request_id, req.prompt, ids)
     run.status = CLIENT_GONE  # unless something below sets the real outcome
@@ -238,7 +238,8 @@ async def _complete_batch(state: RouterState, endpoint: str, req: GenerationRequ
     status = CLIENT_GONE
     try:
         for i, ((ids, sampling), prompt) in enumerate(zip(prompts, req.prompts)):
-            submit = SubmitRequest(f"{request_id}-{i}", ids, state.block_keys(ids),
+            submit = SubmitRequest(f"{request_id}-{i}", ids,
+                                   state.block_keys(ids, sampling.adapter),
                                    _wire_sampling(req, sampling), time.time())
             runs.append((RequestRun(state, endpoint, submit),
                          _choices(state, req, request_id, prompt, ids)))
@@ -282,23 +283,28 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    req = parse_tokenize(await _read_json(request), state.config.model_name)
+    req = parse_tokenize(await _read_json(request), state.config.served_names)
     return _json(await _off_loop_if_long(req.size, tokenize_ids, state.tokenizer, req))
 
 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     ids = parse_detokenize(await _read_json(request), state.tokenizer,
-                           state.config.model_name)
+                           state.config.served_names)
     text = await _off_loop_if_long(len(ids), state.tokenizer.decode, ids)
     return _json({"prompt": text})
 
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    card = {"id": state.config.model_name, "object": "model", "created": state.started,
-            "owned_by": "crescent", "max_model_len": state.tokenizer.context_length}
-    return _json({"object": "list", "data": [card]})
+    config = state.config
+    card = {"id": config.model_name, "object": "model", "created": state.started,
+            "owned_by": "crescent", "max_model_len": state.tokenizer.context_length,
+            "root": config.model, "parent": None}
+    # each LoRA adapter as vLLM lists it: its directory the root, the base model the parent
+    adapters = [{**card, "id": name, "root": path, "parent": config.model_name}
+                for name, path in config.lora_modules.items()]
+    return _json({"object": "list", "data": [card, *adapters]})
 
 
 async def health(request: web.Request) -> web.Response:

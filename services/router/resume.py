@@ -19,9 +19,10 @@ with logprobs fail as before), at most ``MAX_RESUMES`` times.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Optional
 
 from common.protocol import RequestFailed, SubmitRequest, TokenDelta
+from services.router.block_hashing import BlockHasher
 
 MAX_RESUMES = 3
 
@@ -43,7 +44,7 @@ class Resumable:
         self.finished = self.finished or delta.finish_reason is not None
 
     def continuation(self, failure: RequestFailed,
-                     block_keys: Callable[[list[int]], list[str]]) -> Optional[SubmitRequest]:
+                     block_keys: BlockHasher) -> Optional[SubmitRequest]:
         """The request that goes on from what was sent (its blocks named by
         ``block_keys``), or None where it cannot."""
         s = self.original.sampling
@@ -54,6 +55,7 @@ class Resumable:
         self.resumes += 1
         ids = self.original.token_ids + self.sent_ids
         return replace(self.original, request_id=f"{self.original.request_id}-resume"
-                       f"{self.resumes}", token_ids=ids, block_keys=block_keys(ids),
+                       f"{self.resumes}", token_ids=ids,
+                       block_keys=block_keys(ids, s.adapter),
                        sampling=replace(s, resumed=tuple(self.sent_ids),
                                         resumed_chars=self.sent_chars))

@@ -21,6 +21,7 @@ from common.protocol import (
     TokenDeltas,
 )
 from common.status_protocol import ClusterStatus
+from services.router.block_hashing import BlockHasher
 from services.router.dashboard_log import RequestLog
 from services.router.metrics import RouterMetrics
 from services.router.peer_logs import PeerLogs, RequestLogQuery, RequestLogReply, router_name
@@ -36,7 +37,7 @@ class RouterState:
     config: ClusterConfig
     mailbox: Mailbox
     tokenizer: PromptTokenizer
-    block_keys: Callable[[list[int]], list[str]]
+    block_keys: BlockHasher  # (token ids, LoRA adapter) → the blocks' keys
     index: int = 0  # which of the cluster's routers (config.routers) this is
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
     requests: RequestLog = field(default_factory=RequestLog)  # the dashboard's timelines

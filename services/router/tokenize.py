@@ -69,11 +69,11 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def parse_tokenize(body: Any, served_model: str) -> TokenizeRequest:
+def parse_tokenize(body: Any, served: Sequence[str]) -> TokenizeRequest:
     """Validate a /tokenize body (vLLM's TokenizeCompletionRequest or ...ChatRequest)."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
-    check_model(body, served_model)
+    check_model(body, served)
     chat = body.get("messages") is not None
     if chat == (body.get("prompt") is not None):
         raise invalid("give exactly one of 'prompt' and 'messages'",
@@ -108,11 +108,11 @@ def tokenize(tok: PromptTokenizer, req: TokenizeRequest) -> dict:
             "token_strs": tok.token_strs(ids) if req.return_token_strs else None}
 
 
-def parse_detokenize(body: Any, tok: PromptTokenizer, served_model: str) -> list[int]:
+def parse_detokenize(body: Any, tok: PromptTokenizer, served: Sequence[str]) -> list[int]:
     """The token ids of a /detokenize body, each checked against the vocabulary."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
-    check_model(body, served_model)
+    check_model(body, served)
     _check_keys(body, {"model", "tokens"})
     ids = body.get("tokens")
     if ids is None:

@@ -7,8 +7,8 @@ handler only fits ``max_tokens`` to the prompt.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, Sequence, Union
 
 from common.sampling_params import (MAX_BIAS, MAX_CHOICES, MAX_PENALTY, MAX_TOP_LOGPROBS,
                                    SamplingParams)
@@ -220,12 +220,15 @@ def _choices(body: dict, kind: str) -> tuple[int, int]:
     return n, best_of
 
 
-def check_model(body: dict, served: str) -> str:
+def check_model(body: dict, served: Sequence[str]) -> str:
+    """The ``model`` asked for: one of ``served`` (the base model's name first, then its
+    LoRA adapters'); left out, the base model."""
     model = body.get("model")
     if model is None:
-        return served
-    if model != served:
-        raise invalid(f"The model '{model}' does not exist; this server serves '{served}'",
+        return served[0]
+    if model not in served:
+        names = ", ".join(f"'{name}'" for name in served)
+        raise invalid(f"The model '{model}' does not exist; this server serves {names}",
                       "model", "model_not_found")
     return model
 
@@ -294,12 +297,13 @@ def _check_echo(req: GenerationRequest) -> None:
                       "unsupported_value")
 
 
-def parse_request(body: Any, kind: str, served_model: str,
+def parse_request(body: Any, kind: str, served: Sequence[str],
                   default_max_tokens: int) -> GenerationRequest:
-    """Validate a chat (``kind="chat"``) or completion body; raise ``ApiError`` (400)."""
+    """Validate a chat (``kind="chat"``) or completion body; raise ``ApiError`` (400).
+    ``served``: the model names (``check_model``); a LoRA adapter's runs on it."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
-    model = check_model(body, served_model)
+    model = check_model(body, served)
     check_fields(body, kind)
     stream, include_usage = _stream_flags(body)
     echo = kind == "completion" and _bool(body, "echo")
@@ -310,6 +314,8 @@ def parse_request(body: Any, kind: str, served_model: str,
     n, sampled = _choices(body, kind)
     sampling = parse_sampling(body, kind, default_max_tokens if asked is None else asked,
                               grammar, sampled, echo)
+    if model != served[0]:
+        sampling = replace(sampling, adapter=model)
     req = GenerationRequest(kind=kind, model=model, sampling=sampling,
                             max_tokens_asked=asked is not None, stream=stream,
                             include_usage=include_usage, returned=n, echo=echo)

@@ -47,7 +47,7 @@ def test_nested_fields_are_json_objects_and_take_defaults() -> None:
                                 "presence_penalty": 0.0, "frequency_penalty": 0.0,
                                 "logit_bias_ids": [], "logit_bias_values": [],
                                 "prompt_logprobs": None, "resumed": [],
-                                "resumed_chars": 0}
+                                "resumed_chars": 0, "adapter": None}
     short = decode(b'{"type":"SubmitRequest","request_id":"r","token_ids":[1],'
                    b'"block_keys":[],"sampling":{"max_tokens":9},"arrival_time":0}')
     assert short.sampling == SamplingParams(max_tokens=9)

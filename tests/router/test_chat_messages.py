@@ -12,7 +12,7 @@ from services.router.validation import GenerationRequest, parse_request
 
 
 def parse(kind: str, body: dict) -> GenerationRequest:
-    return parse_request(body, kind, "smollm2-135m", 7)
+    return parse_request(body, kind, ("smollm2-135m",), 7)
 
 MESSAGE_CASES = [  # (message, parsed or None, param of the 400)
     ({"role": "developer", "content": "d"}, {"role": "system", "content": "d"}, None),

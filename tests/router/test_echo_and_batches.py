@@ -23,7 +23,7 @@ COMPL = "/v1/completions"
 
 
 def parse(body: dict) -> Any:
-    return parse_request({"prompt": "hi", **body}, "completion", MODEL, 7)
+    return parse_request({"prompt": "hi", **body}, "completion", (MODEL,), 7)
 
 
 def refused(body: dict) -> ApiError:

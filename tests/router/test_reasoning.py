@@ -122,7 +122,7 @@ def test_only_free_answers_are_split(body: dict, split_it: bool) -> None:
     state = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: ""),
                             config=ClusterConfig(reasoning_parser="qwen3"))
     req = parse_request({"messages": [{"role": "user", "content": "hi"}], **body}, "chat",
-                        "m", 8)
+                        ("m",), 8)
     builder = _choices(state, req, "r").first
     assert (builder.think is not None) == split_it
 

@@ -157,7 +157,7 @@ STREAM_ROWS = [  # inside stream_options (with "stream": true)
 
 
 def parse(kind: str, extra: dict) -> GenerationRequest:
-    return parse_request({**BASE[kind], **extra}, kind, MODEL, DEFAULT_MAX)
+    return parse_request({**BASE[kind], **extra}, kind, (MODEL,), DEFAULT_MAX)
 
 
 def check_row(kind: str, body: dict, row: Row, param: str, baseline: dict) -> None:

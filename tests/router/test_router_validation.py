@@ -16,12 +16,12 @@ DEFAULT_MAX = 7  # the config's default_max_tokens
 
 
 def test_chat_defaults() -> None:
-    req = parse_request(CHAT, "chat", MODEL, DEFAULT_MAX)
+    req = parse_request(CHAT, "chat", (MODEL,), DEFAULT_MAX)
     assert req.messages == [{"role": "user", "content": "hi"}]
     assert not req.stream and not req.include_usage
     assert req.sampling == SamplingParams(max_tokens=7)  # the server default, not asked
     assert not req.max_tokens_asked
-    no_top_k = parse_request(dict(CHAT, top_k=-1), "chat", MODEL, DEFAULT_MAX)
+    no_top_k = parse_request(dict(CHAT, top_k=-1), "chat", (MODEL,), DEFAULT_MAX)
     assert no_top_k.sampling.top_k is None
 
 
@@ -30,7 +30,7 @@ def test_chat_full_parameters() -> None:
                 stop="x", n=1, stream=True, stream_options={"include_usage": True},
                 logprobs=True, messages=[{"role": "system", "content": [
                     {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
-    req = parse_request(body, "chat", MODEL, DEFAULT_MAX)
+    req = parse_request(body, "chat", (MODEL,), DEFAULT_MAX)
     assert req.messages == [{"role": "system", "content": "ab"}]
     assert req.stream and req.include_usage
     assert req.sampling == SamplingParams(max_tokens=5, temperature=0.0, top_p=0.5, top_k=3,
@@ -40,7 +40,7 @@ def test_chat_full_parameters() -> None:
 
 def test_completion_prompts() -> None:
     def completion(body: dict) -> GenerationRequest:
-        return parse_request(body, "completion", MODEL, DEFAULT_MAX)
+        return parse_request(body, "completion", (MODEL,), DEFAULT_MAX)
 
     assert completion({"prompt": "abc"}).prompt == "abc"
     assert completion({"prompt": [1, 2]}).prompt == [1, 2]
@@ -74,7 +74,7 @@ def test_completion_prompts() -> None:
 ])
 def test_chat_rejects(body: dict, param: str, code: str) -> None:
     with pytest.raises(ApiError) as info:
-        parse_request(body, "chat", MODEL, DEFAULT_MAX)
+        parse_request(body, "chat", (MODEL,), DEFAULT_MAX)
     err = info.value
     assert (err.status, err.param, err.code) == (400, param, code)
     assert err.body()["error"]["type"] == "invalid_request_error"
@@ -84,7 +84,7 @@ def test_chat_rejects(body: dict, param: str, code: str) -> None:
                                     None])
 def test_completion_rejects_bad_prompts(prompt: object) -> None:
     with pytest.raises(ApiError) as info:
-        parse_request({"prompt": prompt}, "completion", MODEL, DEFAULT_MAX)
+        parse_request({"prompt": prompt}, "completion", (MODEL,), DEFAULT_MAX)
     assert info.value.param == "prompt"
 
 
@@ -96,10 +96,10 @@ def test_completion_rejects_bad_prompts(prompt: object) -> None:
 ])
 def test_best_of_is_at_least_n_at_most_16_and_not_streamed(body: dict, why: str) -> None:
     with pytest.raises(ApiError, match=why) as info:
-        parse_request({"prompt": "hi", **body}, "completion", MODEL, DEFAULT_MAX)
+        parse_request({"prompt": "hi", **body}, "completion", (MODEL,), DEFAULT_MAX)
     assert info.value.param == "best_of"
     req = parse_request({"prompt": "hi", "n": 2, "best_of": 2, "stream": True}, "completion",
-                        MODEL, DEFAULT_MAX)
+                        (MODEL,), DEFAULT_MAX)
     assert (req.returned, req.sampling.n) == (2, 2)  # best_of = n streams
 
 

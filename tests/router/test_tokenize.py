@@ -25,7 +25,7 @@ def byte() -> PromptTokenizer:
 
 
 def run(tok: PromptTokenizer, body: dict) -> dict:
-    return tokenize(tok, parse_tokenize(body, MODEL))
+    return tokenize(tok, parse_tokenize(body, (MODEL,)))
 
 
 def test_prompt_matches_the_completions_encoding(smol: PromptTokenizer) -> None:
@@ -61,9 +61,9 @@ def test_add_special_tokens_with_a_bos_tokenizer(byte: PromptTokenizer) -> None:
 
 def test_detokenize_round_trip(smol: PromptTokenizer) -> None:
     ids = run(smol, {"messages": USER})["tokens"]
-    text = smol.decode(parse_detokenize({"tokens": ids}, smol, MODEL))
+    text = smol.decode(parse_detokenize({"tokens": ids}, smol, (MODEL,)))
     assert text.startswith("<|im_start|>system\n") and "capital of France?" in text
-    assert smol.decode(parse_detokenize({"model": MODEL, "tokens": []}, smol, MODEL)) == ""
+    assert smol.decode(parse_detokenize({"model": MODEL, "tokens": []}, smol, (MODEL,))) == ""
 
 
 @pytest.mark.parametrize("body, param", [
@@ -116,5 +116,5 @@ def test_tokenize_accepts_vllm_defaults(smol: PromptTokenizer) -> None:
 ])
 def test_detokenize_refusals(smol: PromptTokenizer, body: dict, param: str) -> None:
     with pytest.raises(ApiError) as info:
-        parse_detokenize(body, smol, MODEL)
+        parse_detokenize(body, smol, (MODEL,))
     assert (info.value.status, info.value.param) == (400, param), info.value.message

@@ -30,7 +30,7 @@ def smol() -> PromptTokenizer:
 
 def _prompt(tok: PromptTokenizer, choice: Any, messages: Optional[list] = None) -> str:
     body = {"messages": messages or USER, "tools": TOOLS, "tool_choice": choice}
-    req = parse_request(body, "chat", MODEL, 16)
+    req = parse_request(body, "chat", (MODEL,), 16)
     return tok.decode(_tokenize(SimpleNamespace(tokenizer=tok), req))
 
 
@@ -107,11 +107,11 @@ def test_chat_template_kwargs_reach_the_template(smol: PromptTokenizer, kwargs: 
     from services.router.tokenize import parse_tokenize, tokenize
 
     tok = _thinking(smol)
-    req = parse_request({"messages": USER, "chat_template_kwargs": kwargs}, "chat", MODEL, 16)
+    req = parse_request({"messages": USER, "chat_template_kwargs": kwargs}, "chat", (MODEL,), 16)
     ids = _tokenize(SimpleNamespace(tokenizer=tok), req)
     assert tok.decode(ids) == want
     body = {"messages": USER, "chat_template_kwargs": kwargs}
-    assert tokenize(tok, parse_tokenize(body, MODEL))["tokens"] == ids
+    assert tokenize(tok, parse_tokenize(body, (MODEL,)))["tokens"] == ids
 
 
 @pytest.mark.parametrize("kwargs, param", [
@@ -124,7 +124,7 @@ def test_chat_template_kwargs_reach_the_template(smol: PromptTokenizer, kwargs: 
 def test_chat_template_kwargs_may_not_set_what_the_server_renders(kwargs: Any,
                                                                   param: str) -> None:
     with pytest.raises(ApiError) as info:
-        parse_request({"messages": USER, "chat_template_kwargs": kwargs}, "chat", MODEL, 16)
+        parse_request({"messages": USER, "chat_template_kwargs": kwargs}, "chat", (MODEL,), 16)
     assert (info.value.status, info.value.body()["error"]["param"]) == (400, param)
 
 
@@ -137,6 +137,6 @@ def test_an_assistants_reasoning_reaches_the_template(smol: PromptTokenizer) -> 
                              "{% endfor %}"}
     tok = PromptTokenizer(Tokenizer(spec), smol.model_config)
     history = [*USER, {"role": "assistant", "content": "Rain.", "reasoning_content": "Oslo."}]
-    req = parse_request({"messages": history}, "chat", MODEL, 16)
+    req = parse_request({"messages": history}, "chat", (MODEL,), 16)
     assert tok.decode(_tokenize(SimpleNamespace(tokenizer=tok), req)) == \
         "Weather in Oslo?|<think>Oslo.</think>Rain.|"
