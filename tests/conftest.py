@@ -32,7 +32,8 @@ SHARED_CLUSTER_GROUPS = {
     "e2e-shared-requests": ("e2e/test_api_fields.py", "e2e/test_choices.py",
                             "e2e/test_echo.py", "e2e/test_kv_pool.py", "e2e/test_serving.py",
                             "e2e/test_top_logprobs.py", "e2e/test_worker_metrics_e2e.py"),
-    "e2e-shared-grammars": ("e2e/test_structured_outputs.py", "e2e/test_tools.py"),
+    "e2e-shared-grammars": ("e2e/test_structured_outputs.py", "e2e/test_tools.py",
+                            "e2e/test_lora_serving.py"),
     "e2e-shared-shapes": ("e2e/test_colocated.py",),
 }
 SHARED_CLUSTER_MODULES = tuple(m for group in SHARED_CLUSTER_GROUPS.values() for m in group)

@@ -28,3 +28,21 @@ def test_numbers_and_optional_keys_take_what_they_should() -> None:
                                  "cpu": {"decode_threads": 2}, "store": {"enabled": False}})
     assert c.heartbeat_interval_s == 1 and c.prefill_dtype is None
     assert c.cpu.decode_threads == 2 and c.store.enabled is False
+
+
+@pytest.mark.parametrize("modules, message", [
+    (["sql=/a"], "must map adapter names to directories"),
+    ({"sql": 3}, "must map adapter names to directories"),
+    ({"sql": ""}, "must map adapter names to directories"),
+    ({"a b": "/a"}, "LoRA adapter name 'a b'"),
+    ({"smollm2-135m": "/a"}, "other than the served model's name 'smollm2-135m'"),
+])
+def test_lora_modules_name_adapters_and_their_directories(modules, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ClusterConfig.from_dict({"lora_modules": modules})
+
+
+def test_lora_modules_are_served_after_the_model() -> None:
+    config = ClusterConfig.from_dict(parse_overrides(["lora_modules.sql=/a/sql"]))
+    assert config.lora_modules == {"sql": "/a/sql"}
+    assert config.served_names == ("smollm2-135m", "sql")

@@ -86,6 +86,17 @@ def assert_one_bootstrap(cluster: LocalCluster) -> None:
         assert f"bootstrap: {child.name} (pid {child.proc.pid}," in text, child.name
 
 
+LORA = "smol-lora"  # the LoRA adapter each shared cluster serves (tests/e2e/test_lora_serving.py)
+
+
+def write_adapter(path: Path, model: str) -> Path:
+    """``random_adapter`` of ``model`` (common/model/dummy_weights.py) at ``path``."""
+    from common.model.dummy_weights import random_adapter
+    from services.router.tokenizer import load_model_meta
+
+    return random_adapter(path, load_model_meta(model)[0])
+
+
 # Clusters the modules share, by shape (name → (HTTP port, store on, extra config lines)):
 # request tests (API fields, tools, choices, logprobs, structured outputs, colocated
 # serving) need a shape, not a cluster of their own; each leaves no block held
@@ -118,9 +129,11 @@ class SharedClusters:
             # each worker's /metrics: the group's ports 60-89 (workers from + 3)
             metrics = 22060 + 100 * group + 10 * list(SHAPES).index(shape)
             tmp = self._tmp.mktemp(shape)
+            adapter = write_adapter(tmp / LORA, MODEL or "smollm2-135m")
             self._up[shape] = start_cluster(  # each request's stages timed (timeline_of)
                 tmp, http=port, base=port + 5, store=store,
-                extra=extra + f"metrics_port = {metrics}\n",
+                extra=extra + f"metrics_port = {metrics}\n"
+                f'lora_modules = {{ "{LORA}" = "{adapter}" }}\n',
                 env={timeline.ENV_DIR: str(tmp / "timeline")})
         return self._up[shape]
 

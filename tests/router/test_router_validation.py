@@ -182,3 +182,14 @@ def test_best_of_returns_the_likeliest_choices_renumbered() -> None:
     assert [(c["index"], c["text"]) for c in two] == [(0, "d"), (1, "bc")]
     with pytest.raises(ValueError):
         Choices(out.builders, 4)
+
+
+def test_a_model_naming_an_adapter_runs_on_it() -> None:
+    served = (MODEL, "sql", "chat-tuned")
+    assert parse_request(CHAT, "chat", served, DEFAULT_MAX).sampling.adapter is None
+    req = parse_request(dict(CHAT, model="sql"), "chat", served, DEFAULT_MAX)
+    assert (req.model, req.sampling.adapter) == ("sql", "sql")
+    with pytest.raises(ApiError) as info:
+        parse_request(dict(CHAT, model="other"), "chat", served, DEFAULT_MAX)
+    assert info.value.param == "model" and info.value.code == "model_not_found"
+    assert "serves 'smollm2-135m', 'sql', 'chat-tuned'" in info.value.message
