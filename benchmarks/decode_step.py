@@ -19,7 +19,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -51,11 +51,12 @@ def make_engine(name: str, blocks: int) -> Engine:
 
 
 def step_ms(engine: Engine, batch: int, context: int, steps: int = 6,
-            distinct: bool = False) -> float:
+            distinct: bool = False, adapters: Sequence[Optional[str]] = (None,)) -> float:
     """Median step time of ``batch`` sequences around ``context`` tokens (their KV as the
     memory holds it: the step's cost does not depend on the values). ``distinct``: each
     row its own token, another each step (a mixture of experts' rows of one token would
-    all route alike); else token 5 in every row."""
+    all route alike); else token 5 in every row. Row i runs on LoRA adapter
+    ``adapters[i % len(adapters)]`` (None: the base model)."""
     vocab = engine.model_config.vocab_size
     seqs = [((i * 7919 + 13) % vocab if distinct else 5, context + (i * 7) % 50,
              engine.pool.allocate(engine.blocks_needed(context + 60 + steps)))
@@ -63,8 +64,9 @@ def step_ms(engine: Engine, batch: int, context: int, steps: int = 6,
     times = []
     try:
         for s in range(steps):
-            step = [DecodeInput((t + 31 * s) % vocab if distinct else t, p + s, b)
-                    for t, p, b in seqs]
+            step = [DecodeInput((t + 31 * s) % vocab if distinct else t, p + s, b,
+                                adapters[i % len(adapters)])
+                    for i, (t, p, b) in enumerate(seqs)]
             started = time.perf_counter()
             engine.decode_step(step)
             times.append(time.perf_counter() - started)

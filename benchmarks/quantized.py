@@ -32,6 +32,7 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -69,14 +70,15 @@ def weight_bytes(engine: Engine) -> int:
     return total
 
 
-def prefill_s(engine: Engine, tokens: int, rounds: int) -> float:
+def prefill_s(engine: Engine, tokens: int, rounds: int, adapter: Optional[str] = None
+              ) -> float:
     prompt = [(7 * i + 11) % (engine.model_config.vocab_size - 10) + 5 for i in range(tokens)]
     table = engine.pool.allocate(engine.blocks_needed(tokens))
     best = float("inf")
     try:
         for _ in range(rounds):
             started = time.perf_counter()
-            engine.prefill(prompt, table)
+            engine.prefill(prompt, table, adapter=adapter)
             best = min(best, time.perf_counter() - started)
     finally:
         engine.pool.free(table)

@@ -22,6 +22,8 @@ MLP's gate/up/down (embeddings, the LM head, experts, DeepSeek's latent projecti
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import math
 import re
@@ -33,7 +35,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.kv.block_keys import ADAPTER_FILES
-from common.model.linear import Linear
+from common.model import native
 
 if TYPE_CHECKING:
     from common.model.decoder import DecoderModel
@@ -61,10 +63,9 @@ class AdapterError(ValueError):
 
 @dataclass
 class LoraAdapter:
-    """One adapter's updates, by the decoder's stage-local layer and fused linear: the
-    stacked A and the block-diagonal, scaled B (module docstring)."""
+    """One adapter's updates, by the decoder's stage-local layer and fused linear."""
     name: str
-    layers: dict[int, dict[str, tuple[Linear, Linear]]] = field(default_factory=dict)
+    layers: dict[int, dict[str, "LoraSlot"]] = field(default_factory=dict)
     rank: int = 0  # the largest r of its modules
 
 
@@ -165,25 +166,87 @@ def _widths(model: "DecoderModel", slot: str) -> tuple[int, list[int]]:
 
 
 def _fused(model: "DecoderModel", local: int, slot: str,
-           parts: list[tuple[int, torch.Tensor, torch.Tensor]], path: str | Path,
-           ) -> tuple[Linear, Linear]:
-    """One fused linear's (A, B): the parts' A stacked, their B block-diagonal."""
+           parts: list[tuple[int, torch.Tensor, torch.Tensor]], path: str | Path) -> "LoraSlot":
+    """One fused linear's update: its adapted parts' A stacked, their B by part."""
     width, outs = _widths(model, slot)
     offsets = [sum(outs[:i]) for i in range(len(outs))]
-    total_rank = sum(a.shape[0] for _, a, _ in parts)
-    b_full = torch.zeros(sum(outs), total_rank)
-    column = 0
+    rank = sum(a.shape[0] for _, a, _ in parts)
+    if rank > MAX_RANK:
+        raise AdapterError(f"{path}: layer {model.layer_range.start + local} {slot}: rank "
+                           f"{rank} over its parts; at most {MAX_RANK} is served")
+    bt = torch.zeros(rank, sum(outs))
+    cols, ranks = [], [0]
     for part, a, b in parts:
         if a.shape[1] != width or b.shape[0] != outs[part]:
             layer = model.layer_range.start + local
             raise AdapterError(f"{path}: layer {layer} {slot}: lora_A {tuple(a.shape)} and "
                                f"lora_B {tuple(b.shape)} do not fit the model's "
                                f"[{outs[part]}, {width}] linear")
-        b_full[offsets[part]:offsets[part] + outs[part], column:column + a.shape[0]] = b
-        column += a.shape[0]
-    a_full = torch.cat([a for _, a, _ in parts])
+        first, r = ranks[-1], a.shape[0]
+        bt[first:first + r, offsets[part]:offsets[part] + outs[part]] = b.T
+        cols += [offsets[part], offsets[part] + outs[part]]
+        ranks.append(first + r)
     dtype = torch.float32 if model.device.type == "cpu" else model.dtype
-    return (Linear(a_full.to(model.device, dtype)), Linear(b_full.to(model.device, dtype)))
+    a_all = torch.cat([a for _, a, _ in parts])
+    return LoraSlot(a_all.to(model.device, dtype).contiguous(),
+                    bt.to(model.device, dtype).contiguous(), cols, ranks)
+
+
+MAX_RANK = 1024  # the most A rows a fused linear's update may stack (csrc/lora.c)
+
+
+@functools.cache
+def _kernel() -> Optional[ctypes._CFuncPtr]:
+    """csrc/lora.c's entry point, where it is built (AVX-512); else None."""
+    lib = native.library()
+    fn = getattr(lib, "lora_f32_par", None) if lib is not None else None
+    if fn is not None:
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [p, p, p, i64, i64, i64, p, p, p, p, i64, i64]
+        fn.restype = None
+        if lib.lora_max_rank() != MAX_RANK:
+            raise RuntimeError("csrc/lora.c's MAX_RANK differs from common/model/lora.py's")
+    return fn
+
+
+@dataclass
+class LoraSlot:
+    """One adapter's update of one fused linear: A of its adapted parts stacked [rank,
+    in], their B transposed [rank, out] (scaled, zero outside each part's block); part p
+    has outputs [cols[2p], cols[2p + 1]) and A rows [ranks[p], ranks[p + 1])."""
+    a: torch.Tensor
+    bt: torch.Tensor
+    cols: list[int]
+    ranks: list[int]
+
+    def __post_init__(self) -> None:
+        self._cols = torch.tensor(self.cols, dtype=torch.long)
+        self._ranks = torch.tensor(self.ranks, dtype=torch.long)
+
+    def add(self, x: torch.Tensor, y: torch.Tensor, rows: Optional[torch.Tensor]
+            ) -> torch.Tensor:
+        """``y`` with the update of ``x``'s ``rows`` (None: all) added to the same rows.
+        On the CPU csrc/lora.c adds it in place, each row alone, in float32; elsewhere
+        (a GPU, a CPU without AVX-512) torch's matmuls add it."""
+        fn = _kernel()
+        if fn is None or x.device.type != "cpu":
+            xs = x if rows is None else x.index_select(0, rows)
+            t = xs.to(self.a.dtype) @ self.a.T
+            d = torch.zeros(xs.shape[0], y.shape[1], dtype=t.dtype, device=t.device)
+            for p in range(len(self.ranks) - 1):
+                r0, r1, c0, c1 = *self.ranks[p:p + 2], *self.cols[2 * p:2 * p + 2]
+                d[:, c0:c1] = t[:, r0:r1] @ self.bt[r0:r1, c0:c1]
+            d = d.to(y.dtype)
+            return y + d if rows is None else y.index_add(0, rows, d)
+        out = y if y.dtype is torch.float32 and y.is_contiguous() else \
+            y.float().contiguous()
+        x = x.float().contiguous()
+        m = x.shape[0] if rows is None else rows.shape[0]
+        fn(x.data_ptr(), out.data_ptr(), None if rows is None else rows.data_ptr(), m,
+           x.shape[1], out.shape[1], self.a.data_ptr(), self.bt.data_ptr(),
+           self._cols.data_ptr(), self._ranks.data_ptr(), len(self.ranks) - 1,
+           native.threads(m))
+        return out if out is y else out.to(y.dtype)
 
 
 @dataclass
@@ -210,15 +273,10 @@ class LoraRows:
                          for name, idx in rows.items()])
 
     def add(self, layer: int, slot: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` (the base linear ``slot`` of stage-local ``layer`` applied to ``x``) with
-        each group's update added to its rows."""
+        """``y`` (the base linear ``slot`` of stage-local ``layer`` applied to ``x``; changed
+        in place where it is float32) with each group's update added to its rows."""
         for adapter, rows in self.groups:
-            ab = adapter.layers.get(layer, {}).get(slot)
-            if ab is None:
-                continue
-            a, b = ab
-            if rows is None:
-                y = y + b(a(x)).to(y.dtype)
-            else:
-                y = y.index_add(0, rows, b(a(x.index_select(0, rows))).to(y.dtype))
+            update = adapter.layers.get(layer, {}).get(slot)
+            if update is not None:
+                y = update.add(x, y, rows)
         return y
