@@ -82,8 +82,8 @@ def main() -> None:
             result["prefill_ms"][n] = round(1e3 * prefill_s(prefill, args.prompt, args.rounds,
                                                              VARIANTS[n][0]), 1)
         base = result["prefill_ms"]["base"]
-        print(f"prefill of {args.prompt} tokens (prefill worker, linear_dtype "
-              f"{prefill.config.linear_dtype}): " + ", ".join(
+        print(f"prefill of {args.prompt} tokens (prefill worker, dtype {prefill.config.dtype}, "
+              f"linear_dtype {prefill.config.linear_dtype}): " + ", ".join(
                   f"{n} {ms:.1f} ms ({ms / base:.2f}x)" for n, ms in result["prefill_ms"].items()))
     emit(result, args.out)
 

@@ -188,7 +188,7 @@ def _fused(model: "DecoderModel", local: int, slot: str,
         ranks.append(first + r)
     dtype = torch.float32 if model.device.type == "cpu" else model.dtype
     a_all = torch.cat([a for _, a, _ in parts])
-    return LoraSlot(a_all.to(model.device, dtype).contiguous(),
+    return LoraSlot(a_all.T.to(model.device, dtype).contiguous(),
                     bt.to(model.device, dtype).contiguous(), cols, ranks)
 
 
@@ -211,10 +211,11 @@ def _kernel() -> Optional[ctypes._CFuncPtr]:
 
 @dataclass
 class LoraSlot:
-    """One adapter's update of one fused linear: A of its adapted parts stacked [rank,
-    in], their B transposed [rank, out] (scaled, zero outside each part's block); part p
-    has outputs [cols[2p], cols[2p + 1]) and A rows [ranks[p], ranks[p + 1])."""
-    a: torch.Tensor
+    """One adapter's update of one fused linear: A of its adapted parts stacked and
+    transposed [in, rank], their B transposed [rank, out] (scaled, zero outside each
+    part's block); part p has outputs [cols[2p], cols[2p + 1]) and A rows [ranks[p],
+    ranks[p + 1])."""
+    at: torch.Tensor
     bt: torch.Tensor
     cols: list[int]
     ranks: list[int]
@@ -231,7 +232,7 @@ class LoraSlot:
         fn = _kernel()
         if fn is None or x.device.type != "cpu":
             xs = x if rows is None else x.index_select(0, rows)
-            t = xs.to(self.a.dtype) @ self.a.T
+            t = xs.to(self.at.dtype) @ self.at
             d = torch.zeros(xs.shape[0], y.shape[1], dtype=t.dtype, device=t.device)
             for p in range(len(self.ranks) - 1):
                 r0, r1, c0, c1 = *self.ranks[p:p + 2], *self.cols[2 * p:2 * p + 2]
@@ -243,7 +244,7 @@ class LoraSlot:
         x = x.float().contiguous()
         m = x.shape[0] if rows is None else rows.shape[0]
         fn(x.data_ptr(), out.data_ptr(), None if rows is None else rows.data_ptr(), m,
-           x.shape[1], out.shape[1], self.a.data_ptr(), self.bt.data_ptr(),
+           x.shape[1], out.shape[1], self.at.data_ptr(), self.bt.data_ptr(),
            self._cols.data_ptr(), self._ranks.data_ptr(), len(self.ranks) - 1,
            native.threads(m))
         return out if out is y else out.to(y.dtype)

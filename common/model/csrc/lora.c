@@ -2,72 +2,106 @@
  *
  *     y[r] += B (A x[r])
  *
- * A [rank, k] holds the stacked A matrices of the linear's adapted parts, B^T [rank, n]
- * their B matrices (scaled); part p's outputs are columns [cols[2p], cols[2p + 1]) and
- * take only its A rows [ranks[p], ranks[p + 1]) (B is block-diagonal: its zero blocks
- * are never read, nor an unadapted part's columns touched).
- * Both steps of a row run in one call: its rank values stay in registers' reach, and a
- * decode step's few rows cost one call a linear instead of two matmuls and an add.
+ * A^T [k, rank] holds the stacked A matrices of the linear's adapted parts, transposed;
+ * B^T [rank, n] their B matrices (scaled); part p's outputs are columns [cols[2p],
+ * cols[2p + 1]) and take only its A rows [ranks[p], ranks[p + 1]) (B is block-diagonal:
+ * its zero blocks are never read, nor an unadapted part's columns touched). Both steps
+ * of a row run in one call: a decode step's few rows cost one call a linear instead of
+ * two matmuls and an add.
  *
- * A row's sums run in one fixed order whatever the call's rows, threads or addresses
- * (unaligned loads, the tail masked): its update does not depend on the batch.
+ * Both steps are outer products, as csrc/linear_f32.c's tiles: t = sum_i x[i] A^T[i, :],
+ * then y += sum_j t[j] B^T[j, :], each output lane a chain of multiply-adds in order,
+ * BLOCK rows a pass sharing each weight vector they load. A row's chain is the same
+ * whatever rows share its pass (or none), threads or addresses (unaligned loads, tails
+ * masked): its update does not depend on the batch.
  */
 #include <immintrin.h>
 #include <stdint.h>
 
 #if defined(__AVX512F__)
 #define MAX_RANK 1024
-#define BLOCK 4 /* rows a pass: each A and B^T vector loaded once for them */
+#define BLOCK 4 /* rows a pass */
+#define WIDE 4  /* vectors of 16 outputs a pass: t's 64 lanes, or y's 64 columns */
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE __mmask16 tail(int64_t left) {
-    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    return left <= 0 ? 0 : left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
 }
 
-/* t[r][j] = A_j . x_r for ``nr`` rows (a constant where inlined): per row two sums, over
- * the even and the odd 16-vectors (the last one masked into the first sum), then reduced:
- * the same operations in the same order for a row whatever rows share its pass. */
-INLINE void shrink(const float *const *x, int64_t k, const float *a, int64_t rank,
-                   float (*t)[MAX_RANK], const int nr) {
-    for (int64_t j = 0; j < rank; j++) {
-        const float *aj = a + j * k;
-        __m512 s0[BLOCK], s1[BLOCK];
-        for (int r = 0; r < nr; r++) s0[r] = s1[r] = _mm512_setzero_ps();
-        int64_t i = 0;
-        for (; i + 32 <= k; i += 32) {
-            const __m512 a0 = _mm512_loadu_ps(aj + i), a1 = _mm512_loadu_ps(aj + i + 16);
-            for (int r = 0; r < nr; r++) {
-                s0[r] = _mm512_fmadd_ps(a0, _mm512_loadu_ps(x[r] + i), s0[r]);
-                s1[r] = _mm512_fmadd_ps(a1, _mm512_loadu_ps(x[r] + i + 16), s1[r]);
-            }
+/* t[r][j0 .. j0 + 16 nv) of ``nr`` rows (both constants where inlined) */
+INLINE void shrink_pass(const float *const *x, int64_t k, const float *at, int64_t rank,
+                        int64_t j0, float (*t)[MAX_RANK], const int nr, const int nv) {
+    __m512 acc[BLOCK][WIDE];
+    __mmask16 m[WIDE];
+    for (int v = 0; v < nv; v++) m[v] = tail(rank - j0 - 16 * v);
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i++) {
+        __m512 a[WIDE];
+        for (int v = 0; v < nv; v++) a[v] = _mm512_maskz_loadu_ps(m[v], at + i * rank + j0 + 16 * v);
+        for (int r = 0; r < nr; r++) {
+            const __m512 xi = _mm512_set1_ps(x[r][i]);
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(xi, a[v], acc[r][v]);
         }
-        for (; i < k; i += 16) {
-            const __mmask16 m = tail(k - i);
-            const __m512 a0 = _mm512_maskz_loadu_ps(m, aj + i);
-            for (int r = 0; r < nr; r++)
-                s0[r] = _mm512_fmadd_ps(a0, _mm512_maskz_loadu_ps(m, x[r] + i), s0[r]);
-        }
-        for (int r = 0; r < nr; r++) t[r][j] = _mm512_reduce_add_ps(_mm512_add_ps(s0[r], s1[r]));
     }
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < nv; v++) _mm512_mask_storeu_ps(t[r] + j0 + 16 * v, m[v], acc[r][v]);
 }
 
-/* y_r's columns of each part += its B^T rows times t[r]: per 16 columns the update summed
- * from zero over the part's rank, in order, then added to y (as y + B (A x)). */
-INLINE void expand(float *const *y, int64_t n, const float *bt, const int64_t *cols,
-                   const int64_t *ranks, int64_t parts, float (*t)[MAX_RANK], const int nr) {
+/* y's columns [c, c + 16 nv) (up to ``end``) of ``nr`` rows += B^T[j0 .. j1, :] t[r] */
+INLINE void expand_pass(float *const *y, int64_t n, const float *bt, int64_t c, int64_t end,
+                        int64_t j0, int64_t j1, float (*t)[MAX_RANK], const int nr,
+                        const int nv) {
+    __m512 acc[BLOCK][WIDE];
+    __mmask16 m[WIDE];
+    for (int v = 0; v < nv; v++) m[v] = tail(end - c - 16 * v);
+    for (int r = 0; r < nr; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t j = j0; j < j1; j++) {
+        __m512 b[WIDE];
+        for (int v = 0; v < nv; v++) b[v] = _mm512_maskz_loadu_ps(m[v], bt + j * n + c + 16 * v);
+        for (int r = 0; r < nr; r++) {
+            const __m512 tj = _mm512_set1_ps(t[r][j]);
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(tj, b[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < nr; r++)  /* the update, then added: as y + B (A x) */
+        for (int v = 0; v < nv; v++) {
+            float *at = y[r] + c + 16 * v;
+            _mm512_mask_storeu_ps(at, m[v], _mm512_add_ps(_mm512_maskz_loadu_ps(m[v], at),
+                                                          acc[r][v]));
+        }
+}
+
+/* A pass's vectors (1 .. WIDE) made a constant, for the registers */
+#define BY_WIDTH(nv, CALL)                                                                  \
+    switch (nv) {                                                                           \
+    case 1: CALL(1); break;                                                                 \
+    case 2: CALL(2); break;                                                                 \
+    case 3: CALL(3); break;                                                                 \
+    default: CALL(4); break;                                                                \
+    }
+
+INLINE int64_t vectors(int64_t left) {
+    const int64_t v = (left + 15) / 16;
+    return v < WIDE ? v : WIDE;
+}
+
+INLINE void lora_rows(const float *const *x, float *const *y, int64_t k, int64_t n,
+                      const float *at, const float *bt, const int64_t *cols,
+                      const int64_t *ranks, int64_t parts, float (*t)[MAX_RANK], const int nr) {
+    const int64_t rank = ranks[parts];
+    for (int64_t j0 = 0; j0 < rank; j0 += 16 * WIDE) {
+#define SHRINK(NV) shrink_pass(x, k, at, rank, j0, t, nr, NV)
+        BY_WIDTH(vectors(rank - j0), SHRINK)
+#undef SHRINK
+    }
     for (int64_t p = 0; p < parts; p++) {
-        for (int64_t c = cols[2 * p]; c < cols[2 * p + 1]; c += 16) {
-            const __mmask16 m = tail(cols[2 * p + 1] - c);
-            __m512 acc[BLOCK];
-            for (int r = 0; r < nr; r++) acc[r] = _mm512_setzero_ps();
-            for (int64_t j = ranks[p]; j < ranks[p + 1]; j++) {
-                const __m512 b = _mm512_maskz_loadu_ps(m, bt + j * n + c);
-                for (int r = 0; r < nr; r++)
-                    acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(t[r][j]), b, acc[r]);
-            }
-            for (int r = 0; r < nr; r++)
-                _mm512_mask_storeu_ps(y[r] + c, m,
-                                      _mm512_add_ps(_mm512_maskz_loadu_ps(m, y[r] + c), acc[r]));
+        const int64_t end = cols[2 * p + 1];
+        for (int64_t c = cols[2 * p]; c < end; c += 16 * WIDE) {
+#define EXPAND(NV) expand_pass(y, n, bt, c, end, ranks[p], ranks[p + 1], t, nr, NV)
+            BY_WIDTH(vectors(end - c), EXPAND)
+#undef EXPAND
         }
     }
 }
@@ -77,10 +111,9 @@ int64_t lora_max_rank(void) { return MAX_RANK; }
 /* Rows rows[first .. last) (NULL: first .. last) of x [*, k] and y [*, n], BLOCK at a
  * time, the rest one at a time (csrc/parallel.c's lora_f32_par splits the rows). */
 void lora_f32(const float *x, float *y, const int64_t *rows, int64_t k, int64_t n,
-              const float *a, const float *bt, const int64_t *cols, const int64_t *ranks,
+              const float *at, const float *bt, const int64_t *cols, const int64_t *ranks,
               int64_t parts, int64_t first, int64_t last) {
     float t[BLOCK][MAX_RANK];
-    const int64_t rank = ranks[parts];
     const float *xs[BLOCK];
     float *ys[BLOCK];
     for (int64_t i = first; i < last;) {
@@ -90,13 +123,10 @@ void lora_f32(const float *x, float *y, const int64_t *rows, int64_t k, int64_t 
             xs[r] = x + row * k;
             ys[r] = y + row * n;
         }
-        if (nr == BLOCK) {
-            shrink(xs, k, a, rank, t, BLOCK);
-            expand(ys, n, bt, cols, ranks, parts, t, BLOCK);
-        } else {
-            shrink(xs, k, a, rank, t, 1);
-            expand(ys, n, bt, cols, ranks, parts, t, 1);
-        }
+        if (nr == BLOCK)
+            lora_rows(xs, ys, k, n, at, bt, cols, ranks, parts, t, BLOCK);
+        else
+            lora_rows(xs, ys, k, n, at, bt, cols, ranks, parts, t, 1);
         i += nr;
     }
 }
