@@ -83,6 +83,9 @@ def build_model(config: EngineConfig) -> Built:
                           for name, path in config.lora_modules}
     except (AdapterError, OSError) as exc:
         raise UnknownModelError(f"LoRA adapter: {exc}") from exc
+    for name, adapter in model.adapters.items():
+        log.info("LoRA adapter %s: rank up to %d, %d of this stage's %d layers", name,
+                 adapter.rank, len(adapter.layers), len(layers))
     if model.expanded_quantized:
         log.info("%s: %.2fB parameters of quantized matrices expanded to %s linears (%s); "
                  "float32 linears on a CPU with AVX-512 keep them quantized", config.model,

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from common.kv.block_keys import ADAPTER_FILES
@@ -79,17 +80,27 @@ def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         pickled = " (adapter_model.bin is not read: save with safe_serialization)" \
             if (root / "adapter_model.bin").exists() else ""
         raise AdapterError(f"{root}: no {WEIGHTS_FILE}{pickled}")
-    config = json.loads((root / CONFIG_FILE).read_text())
+    try:
+        config = json.loads((root / CONFIG_FILE).read_text())
+        tensors = load_file(str(root / WEIGHTS_FILE))
+    except (ValueError, OSError, SafetensorError) as exc:
+        raise AdapterError(f"{root}: unreadable ({exc})") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{root}: {CONFIG_FILE} is not a JSON object")
     kind = config.get("peft_type", "LORA")
     if kind != "LORA":
         raise AdapterError(f"{root}: a {kind} adapter; only LoRA is served")
     for key, what in _REFUSED.items():
         if config.get(key):
             raise AdapterError(f"{root}: {what} is not supported")
+    added = root / "added_tokens.json"
+    if added.is_file() and json.loads(added.read_text() or "{}"):
+        raise AdapterError(f"{root}: added tokens (added_tokens.json) need the adapter's "
+                           "own tokenizer and embeddings; not supported")
     if config.get("bias", "none") != "none":
         raise AdapterError(f"{root}: trained biases (bias = {config['bias']!r}) are not "
                            "supported")
-    return config, load_file(str(root / WEIGHTS_FILE))
+    return config, tensors
 
 
 def _alpha(config: dict, module: str) -> float:

@@ -49,6 +49,7 @@ class RequestRun:
         self.cluster_id = req.request_id  # the cluster's: a continuation's after a resume
         self.resumable = Resumable(req)  # services/router/resume.py
         self.arrival = req.arrival_time
+        self.model = req.sampling.adapter or state.config.model_name  # metrics' label
         self.timeout = state.config.request_timeout_s
         self.done = False
         self.open_choices = req.sampling.n  # each ends with a delta with a finish reason
@@ -142,7 +143,7 @@ class RequestRun:
         metrics = self.state.metrics
         if self._last_token is None:
             timeline.mark("router_first", self.cluster_id)
-            metrics.ttft.observe(max(0.0, now - self.arrival))
+            metrics.ttft.labels(self.model).observe(max(0.0, now - self.arrival))
             metrics.generation_tokens.inc(len(msg.token_ids))
         else:
             metrics.observe_tokens(now - self._last_token, len(msg.token_ids))
@@ -215,10 +216,10 @@ class RequestRun:
         self.state.close(self.cluster_id)
         self.state.requests.finished(self.request_id, status, usage, time.time())
         metrics = self.state.metrics
-        metrics.requests.labels(self.endpoint, str(status)).inc()
+        metrics.requests.labels(self.endpoint, str(status), self.model).inc()
         metrics.in_flight.dec()
         if status == 200:
-            metrics.e2e.observe(max(0.0, time.time() - self.arrival))
+            metrics.e2e.labels(self.model).observe(max(0.0, time.time() - self.arrival))
         if usage is not None:
             metrics.prompt_tokens.inc(usage[0])
             metrics.cached_tokens.inc(usage[1])

@@ -195,6 +195,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE]
     endpoint = request.path
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    req: Optional[GenerationRequest] = None
     try:
         body = await _read_json(request)
         timeline.mark("router_in", request_id)
@@ -204,7 +205,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
                             state.config.default_max_tokens)
         prompts = await _prompts(state, req)
     except ApiError as err:
-        state.metrics.requests.labels(endpoint, str(err.status)).inc()
+        state.metrics.requests.labels(endpoint, str(err.status),
+                                      "" if req is None else req.model).inc()
         raise
     if len(prompts) > 1:
         return await _complete_batch(state, endpoint, req, request_id, prompts)

@@ -15,14 +15,17 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # ``model``: the served name a request asked for (the model's or a LoRA adapter's;
+        # "" for one refused before its body was valid)
         self.requests = Counter("crescent_router_requests", "Finished HTTP generation "
-                                "requests", ["endpoint", "status"], registry=r)
+                                "requests", ["endpoint", "status", "model"], registry=r)
         self.in_flight = Gauge("crescent_router_requests_in_flight",
                                "Generation requests being served", registry=r)
         self.resumed = Counter("crescent_router_resumed", "Streams that went on with a "
                                "continuation after their decode worker was lost", registry=r)
         self.ttft = Histogram("crescent_router_time_to_first_token_seconds",
-                              "Arrival to first token", buckets=_LATENCY, registry=r)
+                              "Arrival to first token", ["model"], buckets=_LATENCY,
+                              registry=r)
         self.itl = Histogram("crescent_router_inter_token_latency_seconds",
                              "Gap between consecutive output tokens", buckets=_TOKEN_GAP,
                              registry=r)
@@ -30,7 +33,7 @@ class RouterMetrics:
                                     "Arrival to acceptance by the conductor",
                                     buckets=_LATENCY, registry=r)
         self.e2e = Histogram("crescent_router_e2e_latency_seconds",
-                             "Arrival to last token", buckets=_LATENCY, registry=r)
+                             "Arrival to last token", ["model"], buckets=_LATENCY, registry=r)
         self.prompt_tokens = Counter("crescent_router_prompt_tokens",
                                      "Prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter("crescent_router_cached_prompt_tokens",

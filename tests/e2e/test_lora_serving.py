@@ -89,6 +89,10 @@ def test_base_and_adapter_requests_side_by_side(cluster) -> None:
             return dict(await asyncio.gather(*(one(m, i) for i in range(3) for m in models)))
 
     assert asyncio.run(all_at_once()) == want
+    metrics = httpx.get(cluster.url + "/metrics", timeout=10).text  # counted by model
+    for model in models:
+        assert f'crescent_router_requests_total{{endpoint="/v1/chat/completions",' \
+               f'model="{model}",status="200"}}' in metrics
 
 
 def test_a_prompt_cached_on_the_adapter_is_not_read_by_the_base_model(cluster) -> None:

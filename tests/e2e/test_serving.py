@@ -14,7 +14,7 @@ from common.engine import Engine, EngineConfig, generate
 from common.engine.sampling import SamplingParams
 from launch.cluster import LocalCluster
 from common.timeline import STAGES
-from tests.e2e.conftest import SharedClusters, timeline_of, wait_no_leaks
+from tests.e2e.conftest import LORA, SharedClusters, timeline_of, wait_no_leaks
 
 pytestmark = pytest.mark.e2e
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
@@ -81,7 +81,7 @@ def test_openai_client_stream_and_not(cluster, no_leaks) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == out.choices[0].message.content
     models = client.models.list()
-    assert [m.id for m in models.data] == ["smollm2-135m"]
+    assert [m.id for m in models.data] == ["smollm2-135m", LORA]  # and its LoRA adapter
 
 
 def test_completions_endpoint(cluster, no_leaks) -> None:

@@ -1,14 +1,14 @@
 """transformers' own LlamaForCausalLM loaded from the same GGUF: the independent reference.
 
-transformers' GGUF path dequantizes and un-permutes Q/K with its own code. Preferred route:
-AutoModelForCausalLM.from_pretrained(dir, gguf_file=...) (needs `accelerate`); without
-accelerate we call the same loader (load_gguf_checkpoint) and build LlamaForCausalLM by hand.
+transformers' GGUF path dequantizes and un-permutes Q/K with its own code: its loader
+(load_gguf_checkpoint, what from_pretrained(dir, gguf_file=...) calls), with
+LlamaForCausalLM built by hand (with accelerate installed, as peft brings it, from_pretrained
+marks the model quantized and refuses the float32 cast).
 The load takes ~8 s on 2 cores (``_load_uncached``), so its state dict is cached on disk.
 """
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 from unittest import mock
@@ -54,11 +54,7 @@ def _load_uncached(gguf_path: str) -> torch.nn.Module:
 
 
 def _load_with_transformers(gguf_path: str) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    directory, name = os.path.split(gguf_path)
-    if importlib.util.find_spec("accelerate") is not None:
-        return AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     cfg = dict(load_gguf_checkpoint(gguf_path, return_tensors=False)["config"])

@@ -223,3 +223,31 @@ def test_mixtures_and_latent_attention_on_cuda_equal_cpu(tmp_path, model_type: s
     assert mixtures and all(m.stacked is not None for m in mixtures)
     assert torch.isfinite(bf_first).all()
     assert torch.allclose(bf_first, cpu_first, atol=0.15 * cpu_first.abs().max().item())
+
+
+def test_lora_rows_on_cuda_equal_cpu(tmp_path) -> None:
+    """A batch mixing the base model and a LoRA adapter on the GPU (torch's matmuls add
+    the update; CUDA graphs only for steps without an adapter row): float32 gives the
+    CPU's logits (csrc/lora.c there). Written on a CPU-only day (2026-11-29), not yet run."""
+    from common.model.dummy_weights import random_adapter
+    from common.model.loader import load_model_source
+
+    config = load_model_source("dummy-tiny")[0]
+    adapter = str(random_adapter(tmp_path / "a", config, rank=8))
+    prompts = [torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (23, 40)]
+
+    def run(device: str) -> list[torch.Tensor]:
+        e = Engine(EngineConfig(model="dummy-tiny", device=device, num_blocks=64,
+                                block_size=16, lora_modules=(("a", adapter),)))
+        tables = [e.pool.allocate(e.blocks_needed(len(p) + 4)) for p in prompts]
+        rows = [e.prefill(p, t, adapter=name).float().cpu()
+                for p, t, name in zip(prompts, tables, ("a", None))]
+        for step in range(3):
+            rows += list(e.decode_step([
+                DecodeInput(7 + step, len(p) + step, t, name)
+                for p, t, name in zip(prompts, tables, ("a", None))]).float().cpu())
+        return rows
+
+    for got, want in zip(run("cuda"), run("cpu")):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)

@@ -252,3 +252,16 @@ def test_the_kernel_adds_each_part_s_update_to_its_rows_and_columns_only(monkeyp
     assert torch.equal(update.add(x, y.clone(), None)[4], got[4])  # in a pass of 4 rows
     monkeypatch.setattr(lora, "_kernel", lambda: None)
     assert (update.add(x, y.clone(), rows) - got).abs().max().item() < 1e-5
+
+
+def test_an_unreadable_adapter_is_refused_by_name(served, tmp_path: Path) -> None:
+    _, refs, root = served
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{not json")
+    (broken / "adapter_model.safetensors").write_bytes(b"\x00" * 16)
+    _refused(str(root / "base"), broken, "unreadable")
+    added = tmp_path / "added"
+    write_adapter(refs[None], added, ["q_proj"])
+    (added / "added_tokens.json").write_text('{"<sql>": 320}')
+    _refused(str(root / "base"), added, "added tokens")

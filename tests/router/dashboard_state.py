@@ -59,7 +59,7 @@ def serve_one(s: RouterState, rid: str, status: int, now: float) -> None:
         prefilled(s, rid)
         s.requests.tokens(rid, 5, now - 0.2)
     s.requests.finished(rid, status, (20, 4) if status == 200 else None, now)
-    s.metrics.requests.labels("/v1/completions", str(status)).inc()
+    s.metrics.requests.labels("/v1/completions", str(status), "smollm2-135m").inc()
 
 
 @contextlib.contextmanager

@@ -42,7 +42,8 @@ def test_new_request_gets_a_fast_503_while_the_conductor_is_silent(
     assert reply.headers["retry-after"] == "1"
     assert took < 0.5 and len(fake.submits()) == submitted  # nothing was sent on
     metrics = get(router, "/metrics").body.decode()
-    assert f'crescent_router_requests_total{{endpoint="{COMPL}",status="503"}}' in metrics
+    assert f'crescent_router_requests_total{{endpoint="{COMPL}",model="smollm2-135m",' \
+        'status="503"}' in metrics
 
 
 def test_serving_resumes_when_the_conductor_returns(router: str, fake: FakeCluster) -> None:

@@ -98,8 +98,8 @@ def test_metrics(router: str) -> None:
                  "crescent_router_generation_tokens_total",
                  "crescent_router_cached_prompt_tokens_total"):
         assert name in text, name
-    assert 'crescent_router_requests_total{endpoint="/v1/chat/completions",status="200"}' \
-        in text
+    assert 'crescent_router_requests_total{endpoint="/v1/chat/completions",' \
+        'model="smollm2-135m",status="200"}' in text
 
 
 def test_a_rerun_accepted_again_counts_its_queue_time_once(router: str,
