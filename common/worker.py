@@ -2,7 +2,9 @@
 KV memory, registration with the conductor, and heartbeats carrying load and KV events."""
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import replace
@@ -19,6 +21,7 @@ from common.host import host_id
 from common.kv.cuda_ipc import export as export_ipc
 from common.kv.events import KVEvents
 from common.kv.shm_kv import close_at_exit, worker_segment
+from common.model.loader import quantized_params
 from common.mailbox import Mailbox
 from common.service import StartupError
 from common.protocol import (KVResync, KVSnapshot, MachineCost, ReRegister, RegisterWorker,
@@ -35,25 +38,32 @@ def native_bfloat16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-def prefill_dtype(config: ClusterConfig) -> str:
-    """A prefill worker's compute dtype, resolved on its own host: ``prefill_dtype``,
+# The share of a host's memory its workers' bfloat16 expansions of a quantized model may
+# take together (``bfloat16_fits``); a store's segments and the KV memory want the rest
+EXPANSION_SHARE = 0.5
+
+
+def prefill_dtype(config: ClusterConfig, index: int = 0) -> str:
+    """Prefill worker ``index``'s compute dtype, resolved on its own host: ``prefill_dtype``,
     ``dtype`` when unset, and for ``auto`` bfloat16 on a CPU that computes it natively
-    (~1.35x faster prefill, BENCHMARKS.md) and ``dtype`` everywhere else; for ``int8``
-    float32 (its linears in int8: ``linear_dtype``)."""
+    (~1.35x faster prefill, BENCHMARKS.md) where the model's quantized matrices expanded
+    to it fit (``bfloat16_fits``), and ``dtype`` everywhere else; for ``int8`` float32 (its
+    linears in int8: ``linear_dtype``)."""
     if config.prefill_dtype == "int8":
         return "float32"
     if config.prefill_dtype != "auto":
         return config.prefill_dtype or config.dtype
-    if config.device == "cpu" and native_bfloat16():
+    if config.device == "cpu" and native_bfloat16() and bfloat16_fits(config, "prefill", index):
         return "bfloat16"
     return config.dtype
 
 
-def linear_dtype(config: ClusterConfig, role: str) -> Optional[str]:
+def linear_dtype(config: ClusterConfig, role: str, index: int = 0) -> Optional[str]:
     """A decode or colocated worker's ``linear_dtype``, resolved on its own host: for
     ``auto`` bfloat16 on a CPU that computes it natively when the worker computes in
-    float32, else None (its dtype). A prefill worker's linears take its compute dtype,
-    or int8 with ``prefill_dtype = "int8"``."""
+    float32 and the model's quantized matrices expanded to it fit (``bfloat16_fits``),
+    else None (its dtype). A prefill worker's linears take its compute dtype, or int8 with
+    ``prefill_dtype = "int8"``."""
     if role == "prefill":
         return "int8" if config.prefill_dtype == "int8" else None
     if role not in ("decode", "colocated") or config.linear_dtype is None:
@@ -61,7 +71,52 @@ def linear_dtype(config: ClusterConfig, role: str) -> Optional[str]:
     if config.linear_dtype != "auto":
         return config.linear_dtype
     native = config.device == "cpu" and config.dtype == "float32" and native_bfloat16()
-    return "bfloat16" if native else None
+    return "bfloat16" if native and bfloat16_fits(config, role, index) else None
+
+
+def bfloat16_fits(config: ClusterConfig, role: str, index: int) -> bool:
+    """Whether the workers on this worker's host may expand the model's quantized matrices
+    to bfloat16 (``auto`` dtypes): their expansions together within ``EXPANSION_SHARE`` of
+    the host's memory. Else their linears keep the codes (float32 inputs, csrc/linear_q.c:
+    the float32 answers, 0.56-1.06 bytes a weight where bfloat16 takes 2): an 8B Q4_K_M
+    GGUF expands to ~16 GB in each of a host's prefill and decode workers. A pipeline
+    stage holds its share of the layers; a float model has nothing to expand."""
+    params = quantized_params(config.model, config.quantization)
+    if not params:
+        return True
+    here = config.address(role, index)
+    roles = ("colocated",) if config.mode == "colocated" else ("prefill", "decode")
+    share = sum((1 / config.prefill_stages if r == "prefill" else 1)
+                for r in roles for i in range(config.processes(r))
+                if config.address(r, i) == here)
+    need, memory = 2 * params * share, memory_bytes()
+    fits = need <= EXPANSION_SHARE * memory
+    if not fits:
+        _log_once(f"{config.model}: its quantized matrices expanded to bfloat16 in this "
+                  f"host's workers would take {need / 2**30:.1f} GiB, more than "
+                  f"{EXPANSION_SHARE:.0%} of its {memory / 2**30:.1f} GiB: they keep their "
+                  "codes (float32 inputs) where the dtypes are auto; set prefill_dtype and "
+                  "linear_dtype to bfloat16 to expand them anyway")
+    return fits
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    log.warning(message)
+
+
+def memory_bytes() -> int:
+    """This host's memory, or the container's limit where it is lower (cgroup v2 or v1)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
 
 
 def engine_config(config: ClusterConfig, role: str, index: int = 0) -> EngineConfig:
@@ -72,8 +127,8 @@ def engine_config(config: ClusterConfig, role: str, index: int = 0) -> EngineCon
     return EngineConfig(
         stage=stage,
         model=config.model,
-        dtype=prefill_dtype(config) if role == "prefill" else config.dtype,
-        linear_dtype=linear_dtype(config, role),
+        dtype=prefill_dtype(config, index) if role == "prefill" else config.dtype,
+        linear_dtype=linear_dtype(config, role, index),
         quantization=config.quantization,
         chunk_align=config.chunk_align(),
         kv_dtype=config.kv_storage_dtype,  # one KV dtype for all

@@ -14,6 +14,7 @@ read memory-mapped (``load_file``), so their bytes are page cache, not the proce
 """
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
 import json
@@ -25,7 +26,7 @@ import xxhash
 
 from common.model.arch import config_from_hf
 from common.model.config import DUMMY_CONFIGS, ModelConfig
-from common.model.weights import check_weights
+from common.model.weights import check_weights, weight_shapes
 
 DEFAULT_MODEL = "smollm2-135m"
 # v2: ModelConfig names its architecture and weights; v3: a GGUF's turn ends; v4: shards;
@@ -77,6 +78,23 @@ def load_model_source(model: str, num_layers: Optional[int] = None) -> ModelSour
     if num_layers is not None and num_layers != config.num_layers:
         config = config.with_layers(num_layers)
     return config, weights, tok
+
+
+@functools.lru_cache(maxsize=4)
+def quantized_params(model: str, quantization: str = "auto") -> int:
+    """Parameters of ``model``'s matrices that load quantized (common/model/quant.py):
+    with ``quantization`` "auto" those a GGUF holds in a kept type, with "q8_0" or "q4_0"
+    every matrix of a float checkpoint; 0 for the rest. Loads the model's source (its
+    cache: ~40 ms for the default model once converted)."""
+    if quantization not in ("auto", "q8_0", "q4_0"):
+        return 0
+    config, weights, _ = load_model_source(model)
+    if quantization != "auto":
+        return sum(shape[0] * shape[1] for shape in weight_shapes(config).values()
+                   if len(shape) == 2)
+    from common.model.quant import is_quantized  # (quant.py imports this module)
+
+    return sum(w.shape[0] * w.shape[1] for w in weights.values() if is_quantized(w))
 
 
 KEY_BYTES = 1 << 20  # a model file's first and last MiB name what is cached from it

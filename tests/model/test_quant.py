@@ -329,3 +329,33 @@ def test_rows_read_back_from_packed_codes_are_the_weights(bits: int, group: int,
     linear = cpu_linear.QuantLinear(kernel, weight, int8 and INT8 is not None)
     ids = torch.tensor([0, 5, 15, 16, 31, 32, 47, 48, 63, 64, 130, 199])
     assert torch.equal(linear.rows(ids), weight.rows(ids).dequantize())
+
+
+@pytest.mark.parametrize("memory_gib, expand", [(64, True), (24, False)])
+def test_auto_dtypes_keep_the_codes_where_bfloat16_would_not_fit(
+        monkeypatch: pytest.MonkeyPatch, memory_gib: int, expand: bool) -> None:
+    """default.toml's ``auto`` dtypes on a CPU with bfloat16: an 8B Q4_0 model's matrices
+    (8.0B parameters, ~15 GiB in bfloat16 in each of a prefill and a decode worker) expand
+    on a 64 GiB host and keep their codes on a 24 GiB one, on both workers; a pipeline's
+    stages hold their share; the default model expands on either. (Its tensors are not
+    made: the parameters are counted from the shapes.)"""
+    from common import worker
+
+    monkeypatch.setattr(worker, "native_bfloat16", lambda: True)
+    monkeypatch.setattr(worker, "memory_bytes", lambda: memory_gib << 30)
+    config = ClusterConfig.load("launch/configs/default.toml", {
+        "model": "dummy-llama3-8b", "quantization": "q4_0"})
+    prefill, decode = (worker.engine_config(config, r) for r in ("prefill", "decode"))
+    want = ("bfloat16", "bfloat16") if expand else ("float32", None)
+    assert (prefill.dtype, decode.linear_dtype) == want
+    default = ClusterConfig.load("launch/configs/default.toml")
+    assert worker.engine_config(default, "decode").linear_dtype == "bfloat16"
+    # on 64 GiB: two stages of one group (half the layers each) as one prefill worker; a
+    # second whole prefill worker is 45 GiB in all
+    monkeypatch.setattr(worker, "memory_bytes", lambda: 64 << 30)
+    staged = ClusterConfig.load("launch/configs/default.toml", {
+        "model": "dummy-llama3-8b", "quantization": "q4_0", "prefill_stages": 2})
+    assert worker.engine_config(staged, "decode").linear_dtype == "bfloat16"
+    whole = ClusterConfig.load("launch/configs/default.toml", {
+        "model": "dummy-llama3-8b", "quantization": "q4_0", "prefill_workers": 2})
+    assert worker.engine_config(whole, "decode").linear_dtype is None
