@@ -24,14 +24,17 @@ BASE = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 
-@pytest.fixture(scope="module", params=["disaggregated", "pipeline", "colocated"])
-def cluster(request: pytest.FixtureRequest, shared: SharedClusters) -> LocalCluster:
-    return shared.get(request.param)
+@pytest.fixture(params=["disaggregated", "pipeline", "colocated"])
+def any_shape(request: pytest.FixtureRequest, shared: SharedClusters) -> Iterator[LocalCluster]:
+    cluster = shared.get(request.param)
+    yield cluster
+    wait_no_leaks(cluster)
 
 
-@pytest.fixture(autouse=True)
-def no_leaks(cluster: LocalCluster) -> Iterator[None]:
-    yield
+@pytest.fixture
+def cluster(shared: SharedClusters) -> Iterator[LocalCluster]:
+    cluster = shared.get("disaggregated")
+    yield cluster
     wait_no_leaks(cluster)
 
 
@@ -56,8 +59,10 @@ def chat(url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
     return r.json()
 
 
-def test_an_adapter_answers_as_one_process_does(cluster, tmp_path_factory) -> None:
-    tmp = tmp_path_factory.mktemp("alone")
+def test_an_adapter_answers_as_one_process_does(any_shape, tmp_path_factory) -> None:
+    """On every shape: the prefill's and decode's processes, a pipeline's two stages (each
+    with its layers' share of the adapter), a colocated worker's mixed steps."""
+    cluster, tmp = any_shape, tmp_path_factory.mktemp("alone")
     out = chat(cluster.url, LORA, QUESTION, 20)
     assert out["model"] == LORA
     text = out["choices"][0]["message"]["content"]
