@@ -61,16 +61,19 @@ def build_model(config: EngineConfig) -> Built:
         model_config, weights, tok_spec = load_model_source(config.model, config.num_layers)
     except (ModelNotFoundError, UnsupportedModelError) as e:
         raise UnknownModelError(str(e)) from e
+    identity = model_config.weights_id  # what quantizing its weights at load is cached by
     if not weights:
         weights = random_weights(model_config, seed=0)
+        # a dummy's seeded weights: its shape names them (each worker of a quantized dummy
+        # maps one cached copy instead of rounding 8B weights itself, ~85 s, in memory)
+        identity = "random-seed0-" + model_fingerprint(model_config).hex()
     try:
         if config.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, not "
                              f"{config.quantization!r}")
         layers = stage_layers(model_config.num_layers, config.stage[1], config.stage[0])
         if config.quantization in ("q8_0", "q4_0"):
-            weights = quantize_matrices(weights, config.quantization, layers,
-                                        model_config.weights_id)
+            weights = quantize_matrices(weights, config.quantization, layers, identity)
         model = DecoderModel(model_config, weights, _DTYPES[config.dtype],
                              torch.device(config.device), layers=layers,
                              linear_dtype=_LINEAR_DTYPES[config.linear_dtype]
