@@ -16,7 +16,7 @@ off; ``chat_template_kwargs`` are honoured as on chat requests.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from jinja2.exceptions import TemplateError
 

@@ -265,3 +265,21 @@ def test_an_unreadable_adapter_is_refused_by_name(served, tmp_path: Path) -> Non
     write_adapter(refs[None], added, ["q_proj"])
     (added / "added_tokens.json").write_text('{"<sql>": 320}')
     _refused(str(root / "base"), added, "added tokens")
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma2", "gemma3_text"])
+def test_adapters_of_other_families_equal_peft(tmp_path: Path, model_type: str) -> None:
+    """Families with what LLaMA lacks around the linears: Qwen2's q/k/v biases (the update
+    after them), Gemma 2's soft-capping and scaled queries, Gemma 3's q/k norms and sliding
+    layers; the adapter on every linear, prompts longer than their windows."""
+    from tests.model.test_architectures import FAMILIES
+
+    base = write_checkpoint(model_type, tmp_path / "base", **FAMILIES[model_type])
+    ref = write_adapter(base, tmp_path / "adapter", ALL, r=4)
+    engine = Engine(EngineConfig(model=str(tmp_path / "base"), num_blocks=32, block_size=4,
+                                 prefill_chunk=7, lora_modules=(("a", str(tmp_path / "adapter")),)))
+    ids = _ids(29, seed=8)
+    got = engine.prefill(ids, engine.pool.allocate(engine.blocks_needed(len(ids))), adapter="a")
+    want = reference_logits(ref, ids)[-1]
+    assert (got - want).abs().max().item() < 1e-4
+    assert (want - reference_logits(base, ids)[-1]).abs().max().item() > 1e-2

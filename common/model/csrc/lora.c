@@ -38,7 +38,8 @@ INLINE void shrink_pass(const float *const *x, int64_t k, const float *at, int64
         for (int v = 0; v < nv; v++) acc[r][v] = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i++) {
         __m512 a[WIDE];
-        for (int v = 0; v < nv; v++) a[v] = _mm512_maskz_loadu_ps(m[v], at + i * rank + j0 + 16 * v);
+        for (int v = 0; v < nv; v++)
+            a[v] = _mm512_maskz_loadu_ps(m[v], at + i * rank + j0 + 16 * v);
         for (int r = 0; r < nr; r++) {
             const __m512 xi = _mm512_set1_ps(x[r][i]);
             for (int v = 0; v < nv; v++) acc[r][v] = _mm512_fmadd_ps(xi, a[v], acc[r][v]);
