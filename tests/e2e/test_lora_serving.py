@@ -52,21 +52,23 @@ def alone(tmp: Path, messages: list[dict], adapter: Optional[str], max_tokens: i
                                              adapter=adapter)).text
 
 
-def chat(url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
+def chat(url: str, model: str, messages: list[dict], max_tokens: int, n: int = 1) -> dict:
     r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0})
+        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+        "n": n})
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def test_an_adapter_answers_as_one_process_does(any_shape, tmp_path_factory) -> None:
     """On every shape: the prefill's and decode's processes, a pipeline's two stages (each
-    with its layers' share of the adapter), a colocated worker's mixed steps."""
+    with its layers' share of the adapter), a colocated worker's mixed steps; two choices
+    of one prompt (its KV shared) each the same greedy answer."""
     cluster, tmp = any_shape, tmp_path_factory.mktemp("alone")
-    out = chat(cluster.url, LORA, QUESTION, 20)
+    out = chat(cluster.url, LORA, QUESTION, 20, n=2)
     assert out["model"] == LORA
     text = out["choices"][0]["message"]["content"]
-    assert text == alone(tmp, QUESTION, LORA, 20)
+    assert text == alone(tmp, QUESTION, LORA, 20) == out["choices"][1]["message"]["content"]
     base = chat(cluster.url, BASE, QUESTION, 20)["choices"][0]["message"]["content"]
     assert base == alone(tmp, QUESTION, None, 20) and base != text
 
