@@ -144,7 +144,10 @@ def prefill_samples(engine: Engine, budget: int, repeats: int = REPEATS,
                     grid: Sequence[tuple[int, int]] = PREFILL_GRID,
                     limit_s: float = TIME_LIMIT_S) -> list[tuple[int, int, float]]:
     """(new, cached, seconds) of the grid's points that fit the context and the KV pool:
-    the new tokens in the worker's step chunks (``plan_chunks``), after the prefix."""
+    the new tokens in the worker's step chunks (``plan_chunks``), after the prefix. A
+    point's prefix is computed when the grid reaches it (extending the last one), and only
+    if the prompts' measured speed says it ends within ``limit_s``: an 8B model's 960-token
+    prefix took minutes on one core, computed up front, before the first point."""
     fits = [(n, c) for n, c in grid if n + c <= engine.max_context]
     length = max((n + c for n, c in fits), default=0)
     while fits and engine.blocks_needed(length) > engine.pool.num_free:
@@ -155,9 +158,16 @@ def prefill_samples(engine: Engine, budget: int, repeats: int = REPEATS,
     ids, align = _tokens(engine, length), engine.config.chunk_align
     table = engine.pool.allocate(engine.blocks_needed(length))
     try:
-        engine.prefill(ids[:max(c for _, c in fits) or 1], table, 0)  # warm-up and prefixes
-        samples = []
+        engine.prefill(ids[:1], table, 0)  # warm-up
+        samples: list[tuple[int, int, float]] = []
+        prefix, deadline = 1, time.perf_counter() + limit_s
         for new, cached in _within(fits, limit_s):
+            if cached > prefix:
+                per_token = max((s / n for n, c, s in samples if not c), default=0.0)
+                if samples and time.perf_counter() + per_token * (cached - prefix) > deadline:
+                    break
+                engine.prefill(ids[:cached], table, prefix)
+                prefix = cached
             def run() -> None:
                 prompt = _Prompt(cached, cached + new)
                 while prompt.remaining:

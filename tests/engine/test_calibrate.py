@@ -146,6 +146,25 @@ def test_a_busy_machine_measures_fewer_points_not_longer(engine: Engine) -> None
     assert len(calibrate.decode_samples(engine, 1, limit_s=0.0)) == 1
 
 
+def test_a_prefix_is_computed_when_reached_and_only_if_it_fits(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefixes grow as the grid reaches them (no 960-token prefill up front); where
+    the prompts' speed says a prefix would outlast the time left, the grid ends there."""
+    prefills: list[tuple[int, int]] = []
+    prefill = engine.prefill
+    monkeypatch.setattr(engine, "prefill", lambda ids, table, cached=0: (
+        prefills.append((cached, len(ids))), prefill(ids, table, cached))[1])
+    grid = ((8, 0), (32, 0), (32, 256), (16, 960))
+    got = calibrate.prefill_samples(engine, 256, 1, grid=grid, limit_s=60.0)
+    assert [(n, c) for n, c, _ in got] == list(grid)
+    assert prefills == [(0, 1), (1, 256), (256, 960)]  # the warm-up, then each prefix
+    prefills.clear()
+    # prompts measured at 1 s a token: a 255-token prefix would take minutes
+    monkeypatch.setattr(calibrate, "_fastest", lambda engine, fn, repeats: (fn(), 8.0)[1])
+    got = calibrate.prefill_samples(engine, 256, 1, grid=grid, limit_s=60.0)
+    assert [(n, c) for n, c, _ in got] == [(8, 0), (32, 0)] and prefills == [(0, 1)]
+
+
 def test_a_calibration_on_busy_cores_is_cached_with_its_share(
         engine: Engine, cache: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
