@@ -134,6 +134,7 @@ class DecoderModel:
         self.config = config
         self.family = family(config)
         self.dtype = dtype
+        self.linear_dtype = linear_dtype
         self.device = torch.device(device)
         self.layer_range = range(config.num_layers) if layers is None else layers
         if not (0 <= self.layer_range.start < self.layer_range.stop <= config.num_layers

@@ -10,15 +10,17 @@ update added to the base linear's output (``LoraRows``), so requests of the base
 of several adapters share one batch.
 
 The updates go with the decoder's fused linears (``Linear``): q, k and v's A matrices are
-stacked into one [r_q + r_k + r_v, in] matrix and their B matrices placed block-diagonally
-(the scale folded in), so a fused linear's update is two matmuls however many of its parts
-an adapter targets. On the CPU both run on Crescent's float32 kernel, which computes each
-row alone: a row's update, like its base output, does not depend on the batch, so a greedy
-answer does not change with the load.
+stacked into one [r_q + r_k + r_v, in] matrix and their B matrices kept by part (the scale
+folded in, ``LoraSlot``), so a fused linear's update is one call however many of its
+parts an adapter targets: on the CPU csrc/lora.c, which computes each row alone, in
+float32 (``_dtype``: weights held in bfloat16 where the linears multiply in it). A row's
+update, like its base output, does not depend on the batch, so a greedy answer does not
+change with the load.
 
 Refused by name (``AdapterError``): targets other than the attention's q/k/v/o and a dense
 MLP's gate/up/down (embeddings, the LM head, experts, DeepSeek's latent projections),
-``modules_to_save``, DoRA, bias training, ``fan_in_fan_out``, and pickled weights.
+``modules_to_save``, DoRA, trained biases, ``fan_in_fan_out``, QA-LoRA, aLoRA, added
+tokens, and pickled weights.
 """
 from __future__ import annotations
 
@@ -114,7 +116,7 @@ def _alpha(config: dict, module: str) -> float:
 
 def load_adapter(name: str, path: str | Path, model: "DecoderModel") -> LoraAdapter:
     """Adapter ``name`` at ``path`` for ``model``'s layers (a pipeline stage keeps its own),
-    its weights in float32 on the CPU (the row-alone kernel), else in the model's dtype."""
+    its weights in ``_dtype(model)``."""
     config, tensors = read_adapter(path)
     cfg = model.config
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -197,13 +199,24 @@ def _fused(model: "DecoderModel", local: int, slot: str,
         bt[first:first + r, offsets[part]:offsets[part] + outs[part]] = b.T
         cols += [offsets[part], offsets[part] + outs[part]]
         ranks.append(first + r)
-    dtype = torch.float32 if model.device.type == "cpu" else model.dtype
+    dtype = _dtype(model)
     a_all = torch.cat([a for _, a, _ in parts])
     return LoraSlot(a_all.T.to(model.device, dtype).contiguous(),
                     bt.to(model.device, dtype).contiguous(), cols, ranks)
 
 
 MAX_RANK = 1024  # the most A rows a fused linear's update may stack (csrc/lora.c)
+
+
+def _dtype(model: "DecoderModel") -> torch.dtype:
+    """What an adapter's weights are held in: on the CPU float32, or bfloat16 where the
+    model's linears multiply in it and csrc/lora.c runs (half the bytes a decode step
+    reads; the kernel makes them float32 exactly as it loads them); on a GPU the model's
+    dtype."""
+    if model.device.type != "cpu":
+        return model.dtype
+    bf16 = torch.bfloat16 in (model.dtype, model.linear_dtype)
+    return torch.bfloat16 if bf16 and _kernel() is not None else torch.float32
 
 
 @functools.cache
@@ -213,7 +226,7 @@ def _kernel() -> Optional[ctypes._CFuncPtr]:
     fn = getattr(lib, "lora_f32_par", None) if lib is not None else None
     if fn is not None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [p, p, p, i64, i64, i64, p, p, p, p, i64, i64]
+        fn.argtypes = [p, p, p, i64, i64, i64, p, p, i64, p, p, i64, i64]
         fn.restype = None
         if lib.lora_max_rank() != MAX_RANK:
             raise RuntimeError("csrc/lora.c's MAX_RANK differs from common/model/lora.py's")
@@ -224,8 +237,8 @@ def _kernel() -> Optional[ctypes._CFuncPtr]:
 class LoraSlot:
     """One adapter's update of one fused linear: A of its adapted parts stacked and
     transposed [in, rank], their B transposed [rank, out] (scaled, zero outside each
-    part's block); part p has outputs [cols[2p], cols[2p + 1]) and A rows [ranks[p],
-    ranks[p + 1])."""
+    part's block), both float32 or both bfloat16 (``_dtype``); part p has outputs
+    [cols[2p], cols[2p + 1]) and A rows [ranks[p], ranks[p + 1])."""
     at: torch.Tensor
     bt: torch.Tensor
     cols: list[int]
@@ -256,8 +269,8 @@ class LoraSlot:
         m = x.shape[0] if rows is None else rows.shape[0]
         fn(x.data_ptr(), out.data_ptr(), None if rows is None else rows.data_ptr(), m,
            x.shape[1], out.shape[1], self.at.data_ptr(), self.bt.data_ptr(),
-           self._cols.data_ptr(), self._ranks.data_ptr(), len(self.ranks) - 1,
-           native.threads(m))
+           self.at.dtype is torch.bfloat16, self._cols.data_ptr(), self._ranks.data_ptr(),
+           len(self.ranks) - 1, native.threads(m))
         return out if out is y else out.to(y.dtype)
 
 

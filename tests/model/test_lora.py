@@ -225,17 +225,20 @@ def test_an_attention_adapter_of_a_mixture_is_served(tmp_path: Path) -> None:
     assert (got - reference_logits(ref, ids)[-1]).abs().max().item() < 1e-4
 
 
-def test_the_kernel_adds_each_part_s_update_to_its_rows_and_columns_only(monkeypatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_adds_each_part_s_update_to_its_rows_and_columns_only(
+        monkeypatch, dtype: torch.dtype) -> None:
     """A fused linear of three parts, the middle one not adapted, 70 inputs (a partial
     vector at the end): csrc/lora.c adds B (A x) to the chosen rows' adapted columns, as
-    float64 computes it; the others keep their bits; a row's bits do not depend on which
-    rows are in the call; torch's path (a GPU's) agrees."""
+    float64 computes it from the weights held (float32, or bfloat16 made float32 exactly);
+    the others keep their bits; a row's bits do not depend on which rows are in the call;
+    torch's path (a GPU's) agrees."""
     from common.model import lora
 
     g = torch.Generator().manual_seed(0)
     k, outs, r = 70, [40, 24, 24], [5, 0, 3]
-    a = torch.randn(sum(r), k, generator=g)
-    bt = torch.zeros(sum(r), sum(outs))
+    a = torch.randn(sum(r), k, generator=g).to(dtype)
+    bt = torch.zeros(sum(r), sum(outs), dtype=dtype)
     bt[:5, :40] = torch.randn(5, 40, generator=g)
     bt[5:, 64:] = torch.randn(3, 24, generator=g)
     update = lora.LoraSlot(a.T.contiguous(), bt, [0, 40, 64, 88], [0, 5, 8])
@@ -251,7 +254,33 @@ def test_the_kernel_adds_each_part_s_update_to_its_rows_and_columns_only(monkeyp
     assert torch.equal(alone[0], got[4])
     assert torch.equal(update.add(x, y.clone(), None)[4], got[4])  # in a pass of 4 rows
     monkeypatch.setattr(lora, "_kernel", lambda: None)
-    assert (update.add(x, y.clone(), rows) - got).abs().max().item() < 1e-5
+    # torch's bfloat16 matmuls round x and A x too
+    tolerance = 1e-5 if dtype is torch.float32 else 0.02 * got.abs().max().item()
+    assert (update.add(x, y.clone(), rows) - got).abs().max().item() < tolerance
+
+
+def test_bfloat16_linears_hold_the_adapter_in_bfloat16(served) -> None:
+    """A worker whose linears multiply in bfloat16 holds its adapters so (half the bytes a
+    decode step reads): a row on one is the same alone as in any batch, and its prompt's
+    logits near the float32 engine's."""
+    engine32, _, root = served
+    engine = Engine(EngineConfig(model=str(root / "base"), num_blocks=128, block_size=4,
+                                 prefill_chunk=7, linear_dtype="bfloat16", lora_modules=(
+                                     ("everything", str(root / "everything")),
+                                     ("attention", str(root / "attention")))))
+    from common.model import lora
+
+    held = engine.model.adapters["everything"].layers[0]["qkv"].at.dtype
+    assert held is (torch.bfloat16 if lora._kernel() is not None else torch.float32)
+    prompts = [_ids(11, seed=9), _ids(23, seed=10), _ids(6, seed=11), _ids(17, seed=12)]
+    with torch.inference_mode():
+        alone = _rows(engine, prompts[:1], ["everything"], steps=3)[0]
+        together = _rows(engine, prompts, ["everything", None, "attention", "everything"],
+                         steps=3)[0]
+        assert all(torch.equal(a, b) for a, b in zip(alone, together))
+        want = _rows(engine32, prompts[:1], ["everything"], steps=3)[0]
+    # the prompt's logits (the greedy paths part at bfloat16's first different choice)
+    assert (alone[0] - want[0]).abs().max().item() < 0.05 * want[0].abs().max().item()
 
 
 def test_an_unreadable_adapter_is_refused_by_name(served, tmp_path: Path) -> None:

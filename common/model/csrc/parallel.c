@@ -153,23 +153,27 @@ void linear_f32_par(const float *x, const float *w, float *y, int64_t m, int64_t
 }
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* lora.c */
 void lora_f32(const float *x, float *y, const int64_t *rows, int64_t k, int64_t n,
-              const float *at, const float *bt, const int64_t *cols, const int64_t *ranks,
-              int64_t parts, int64_t first, int64_t last);
+              const void *at, const void *bt, int64_t bf16, const int64_t *cols,
+              const int64_t *ranks, int64_t parts, int64_t first, int64_t last);
 
 /* A LoRA update of m rows: contiguous runs of rows a thread. */
 void lora_f32_par(const float *x, float *y, const int64_t *rows, int64_t m, int64_t k,
-                  int64_t n, const float *at, const float *bt, const int64_t *cols,
-                  const int64_t *ranks, int64_t linear_parts, int64_t threads) {
+                  int64_t n, const void *at, const void *bt, int64_t bf16,
+                  const int64_t *cols, const int64_t *ranks, int64_t linear_parts,
+                  int64_t threads) {
     EACH(threads, {
         int64_t first, last;
         piece(m, 1, part, parts, &first, &last);
         if (first < last)
-            lora_f32(x, y, rows, k, n, at, bt, cols, ranks, linear_parts, first, last);
+            lora_f32(x, y, rows, k, n, at, bt, bf16, cols, ranks, linear_parts, first, last);
     })
 }
+#endif
+
+#if defined(__AVX512F__)
 
 /* linear_q.c */
 void linear_q(const float *x, const uint8_t *codes, const float *params, float *y, int64_t m,
