@@ -20,6 +20,7 @@ from common.engine.config import DecodeInput, EngineConfig, PrefillChunk, stage_
 from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.errors import EngineInputError, UnknownModelError
 from common.engine.profiling import StepProfiler
+from common.engine.step_meta import StepMeta, mixed
 from common.engine.prompt_graphs import prompt_graphs
 from common.kv.block_keys import adapter_fingerprint, compute_block_keys, model_fingerprint
 from common.kv.block_pool import BlockPool
@@ -27,7 +28,6 @@ from common.kv.dtypes import resolve_kv_dtype
 from common.kv.memory import KV_DTYPES, PagedKVMemory
 from common.model.arch import UnsupportedModelError
 from common.model.attention import AttnMetadata, TritonAttention, make_backend
-from common.model.chunk_attention import splits_chunks
 from common.model.config import ModelConfig
 from common.model.decoder import DecoderModel
 from common.model.dummy_weights import random_weights
@@ -142,6 +142,8 @@ class Engine:
         self.pool = BlockPool(config.num_blocks)
         self.attention = make_backend(config.attention_backend, self.kv,
                                       prompt_rows=config.chunk_align > 0)
+        self.meta = StepMeta(config.block_size, self.device, self.dtype, self.kv,
+                             self.attention.decode_mask)
         self.profiler = StepProfiler(None, "engine", 0)  # off: a worker sets its own (env)
         # (kind, seconds, sequences, tokens) of each step: a worker's metrics (common/worker.py)
         self.on_step: Optional[Callable[[str, float, int, int], None]] = None
@@ -321,14 +323,14 @@ class Engine:
                                  device=self.device)
             pieces = self._pieces(c.start, c.end)
             for start, end in pieces:
-                meta = self._prefill_meta(table, start, end)
+                meta = self.meta.prefill(table, start, end)
                 meta.chunk_table = table if len(pieces) > 1 else None  # gathered once
                 parts.append((len(ids), len(ids) + end - start, meta))
                 ids += c.token_ids[start:end]
         if decodes:
-            parts.append((len(ids), len(ids) + len(decodes), self._decode_meta(decodes)))
+            parts.append((len(ids), len(ids) + len(decodes), self.meta.decode(decodes)))
             ids += [d.token_id for d in decodes]
-        meta = parts[0][2] if len(parts) == 1 else _mixed_meta(parts)
+        meta = parts[0][2] if len(parts) == 1 else mixed(parts)
         lora = LoraRows.of(self.model.adapters, [(c.adapter, c.end - c.start) for c in chunks]
                            + [(d.adapter, 1) for d in decodes], self.device)
         graphs = self.prompt_graphs
@@ -367,37 +369,6 @@ class Engine:
             else [start, end]
         return list(zip(bounds, bounds[1:]))
 
-    def _prefill_meta(self, table: torch.Tensor, start: int, end: int) -> AttnMetadata:
-        bs = self.config.block_size
-        positions = torch.arange(start, end, device=self.device)
-        nb = self.blocks_needed(end)
-        # a chunk after a prefix needs a mask, except where attention splits it (several
-        # queries: common/model/chunk_attention.py)
-        masked = start > 0 and not splits_chunks(self.device, self.dtype, end - start, start)
-        mask = self._chunk_mask(start, end - start, nb * bs)[None, None] if masked else None
-        return AttnMetadata(
-            batch=1, q_len=end - start, positions=positions, slot_blocks=table[positions // bs],
-            block_tables=table[:nb][None], kv_lens=torch.tensor([end], dtype=torch.int32,
-                                                                device=self.device),
-            kv_lens_list=[end], mask=mask, fresh=start == 0,
-            slot_rows=self.kv.token_rows(table[positions // bs], positions))
-
-    def _chunk_mask(self, start: int, q_len: int, width: int) -> torch.Tensor:
-        """The additive mask of a prompt chunk at ``start`` over ``width`` keys: query i
-        (position start + i) sees keys [0, start + i]. Every query sees the keys before
-        ``start``, so only the columns from ``start`` on take the causal triangle (the
-        whole comparison took 6.4 ms per step at 16k keys on one core, this 0.36)."""
-        mask = torch.zeros(q_len, width, dtype=self.dtype, device=self.device)
-        later = torch.ones(q_len, width - start, dtype=torch.bool, device=self.device).triu_(1)
-        mask[:, start:].masked_fill_(later, float("-inf"))  # key - start > i: not yet
-        return mask
-
-    def _additive_mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        """0 where attended, -inf elsewhere, built once per step: SDPA adds a float mask
-        directly, while a bool mask is converted to this again in every layer's call."""
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        return mask.masked_fill_(~allowed, float("-inf"))
-
     def decode_step(self, batch: list[DecodeInput]) -> torch.Tensor:
         """Feed one token per sequence at its position; logits [B, vocab] (float32). On a
         GPU a captured CUDA graph replays the step (``self.graphs``)."""
@@ -423,36 +394,3 @@ class Engine:
             self._check_token_ids([item.token_id])
             self._check_block_table(item.block_table, item.position + 1)
             self._check_adapter(item.adapter)
-
-    def _decode_meta(self, batch: Sequence[DecodeInput]) -> AttnMetadata:
-        bs = self.config.block_size
-        nbs = [b.position // bs + 1 for b in batch]
-        width = max(nbs)
-        rows = [b.block_table[:nb] + [b.block_table[0]] * (width - nb) for b, nb in zip(batch, nbs)]
-        tables = torch.tensor(rows, dtype=torch.long, device=self.device)
-        pos_list = [b.position for b in batch]
-        positions = torch.tensor(pos_list, dtype=torch.long, device=self.device)
-        slots = torch.tensor([b.block_table[b.position // bs] for b in batch],
-                             dtype=torch.long, device=self.device)
-        mask = None
-        if self.attention.decode_mask:
-            keys = torch.arange(width * bs, device=self.device)
-            mask = self._additive_mask(keys[None, :] <= positions[:, None])[:, None, None, :]
-        kv_lens = [p + 1 for p in pos_list]
-        return AttnMetadata(
-            batch=len(batch), q_len=1, positions=positions, slot_blocks=slots,
-            block_tables=tables, kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=self.device),
-            kv_lens_list=kv_lens, mask=mask, slot_rows=self.kv.token_rows(slots, positions))
-
-
-def _mixed_meta(parts: list[tuple[int, int, AttnMetadata]]) -> AttnMetadata:
-    """Metadata of a mixed step: the new tokens of every part (for RoPE and the one KV
-    write per layer) and the parts themselves (attention runs per part)."""
-    metas = [m for _, _, m in parts]
-    cat = lambda name: torch.cat([getattr(m, name) for m in metas])  # noqa: E731
-    rows = None if any(m.slot_rows is None for m in metas) else cat("slot_rows")
-    return AttnMetadata(
-        batch=len(parts), q_len=0, positions=cat("positions"), slot_blocks=cat("slot_blocks"),
-        block_tables=torch.empty(0, dtype=torch.long), kv_lens=cat("kv_lens"),
-        kv_lens_list=[n for m in metas for n in m.kv_lens_list], mask=None,
-        slot_rows=rows, parts=parts)

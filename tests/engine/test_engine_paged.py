@@ -84,7 +84,7 @@ def test_a_chunks_mask_is_causal_from_its_start(tiny: Engine) -> None:
     for start, q_len, width in [(1, 1, 4), (12, 5, 20), (16, 16, 32), (30, 2, 32), (3, 7, 12)]:
         positions = torch.arange(start, start + q_len)
         keys = torch.arange(width)
-        want = tiny._additive_mask(keys[None, :] <= positions[:, None])
-        got = tiny._chunk_mask(start, q_len, width)
+        want = tiny.meta.additive_mask(keys[None, :] <= positions[:, None])
+        got = tiny.meta.chunk_mask(start, q_len, width)
         assert torch.equal(got, want), (start, q_len, width)
         assert got.dtype == tiny.dtype and got.shape == (q_len, width)
