@@ -193,3 +193,26 @@ def test_a_model_naming_an_adapter_runs_on_it() -> None:
         parse_request(dict(CHAT, model="other"), "chat", served, DEFAULT_MAX)
     assert info.value.param == "model" and info.value.code == "model_not_found"
     assert "serves 'smollm2-135m', 'sql', 'chat-tuned'" in info.value.message
+
+
+def test_a_continuation_runs_on_its_adapter_and_names_its_blocks_so() -> None:
+    """A stream on a LoRA adapter whose decode worker died goes on on the same adapter,
+    its prompt's blocks keyed as the adapter's (services/router/resume.py)."""
+    from common.protocol import RequestFailed, SubmitRequest
+    from services.router.resume import Resumable
+
+    asked: list[tuple[list[int], object]] = []
+
+    def keys(ids: list[int], adapter: object = None) -> list[str]:
+        asked.append((ids, adapter))
+        return [f"{adapter}:{len(ids)}"]
+
+    original = SubmitRequest("r", [1, 2, 3], keys([1, 2, 3], "sql"),
+                             SamplingParams(max_tokens=8, adapter="sql"), 0.0)
+    run = Resumable(original)
+    run.record(TokenDelta("r", [7, 8], "ab", None, None, 3, 2, 0))
+    again = run.continuation(RequestFailed("r", 503, "worker_lost", "gone", resumable=True),
+                             keys)
+    assert again is not None and again.sampling.adapter == "sql"
+    assert again.token_ids == [1, 2, 3, 7, 8] and again.block_keys == ["sql:5"]
+    assert asked[-1] == ([1, 2, 3, 7, 8], "sql")
