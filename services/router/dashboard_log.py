@@ -80,6 +80,7 @@ class Timeline:
     wait_s: float = 0.0
     transfer_s: float = 0.0  # the KV stream in flight (overlaps compute)
     transfer_bytes: int = 0
+    model: str = ""  # the served name it ran on: the model's or a LoRA adapter's
 
     def phases(self) -> dict[str, float]:
         """Seconds of each phase (``PHASES``), laid end to end from the arrival."""
@@ -95,7 +96,7 @@ class Timeline:
                 "transfer": transfer, "decode": max(0.0, last - self.first_token)}
 
     def as_dict(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "endpoint": self.endpoint,
+        return {"request_id": self.request_id, "endpoint": self.endpoint, "model": self.model,
                 "status": self.status, "arrival": self.arrival, "ended": self.ended,
                 "prefill_id": self.prefill_id, "decode_id": self.decode_id,
                 "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
@@ -118,8 +119,8 @@ class RequestLog:
         self.kv_seconds = RateWindow(window_s)
         self._totals: Optional[tuple[int, ConductorTotals]] = None  # (epoch, last heard)
 
-    def arrived(self, request_id: str, endpoint: str, arrival: float) -> None:
-        self.live[request_id] = Timeline(request_id, endpoint, arrival)
+    def arrived(self, request_id: str, endpoint: str, arrival: float, model: str = "") -> None:
+        self.live[request_id] = Timeline(request_id, endpoint, arrival, model=model)
 
     def accepted(self, msg: RequestAccepted, now: float) -> None:
         t = self.live.get(msg.request_id)

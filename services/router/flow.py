@@ -58,7 +58,7 @@ class RequestRun:
         self.accepted = False
         self._last_token: Optional[float] = None
         self._last_word = time.monotonic()  # the last event about this request
-        state.requests.arrived(self.request_id, endpoint, self.arrival)
+        state.requests.arrived(self.request_id, endpoint, self.arrival, self.model)
         state.metrics.in_flight.inc()
         try:
             refusal = self._refusal()

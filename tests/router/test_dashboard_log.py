@@ -121,3 +121,10 @@ def test_rate_window_sums_the_last_seconds_only() -> None:
     assert w.sum(29.9) == 60.0 and w.rate(29.9) == 6.0
     assert w.sum(35.0) == 24.0  # seconds 26..29 are left
     assert w.sum(100.0) == 0.0 and not w._buckets
+
+
+def test_a_request_is_shown_with_the_model_it_ran_on() -> None:
+    log = RequestLog()
+    log.arrived("r", "/v1/completions", 1.0, "sql-lora")
+    log.finished("r", 200, (3, 0), 2.0)
+    assert [t["model"] for t in log.timelines()] == ["sql-lora"]
