@@ -6,17 +6,26 @@ context and batch the variants run in turn, ``--rounds`` rounds, the least ms pe
 then a prompt's prefill on the base model and on one adapter. One thread by default (a
 decode worker's on 2 cores).
 
+``--live``: instead, a cluster of default.toml serving the four adapters, its requests
+(streamed, distinct prompts, ``--tokens`` each, ``--concurrency`` at a time) all on the
+base model or spread over the adapters, in alternate rounds: TTFT and inter-token
+latency medians, and each round's wall time.
+
     python benchmarks/lora.py [--contexts 600] [--batches 1,8,32] [--threads 1]
+    python benchmarks/lora.py --live [--rounds 2] [--requests 16] [--concurrency 8]
 
 Prints the tables, then one JSON line (``--out`` writes it to a file too).
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import os
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -29,6 +38,7 @@ from common.config import ClusterConfig  # noqa: E402
 from common.engine import Engine  # noqa: E402
 from common.model.dummy_weights import random_adapter  # noqa: E402
 from common.worker import engine_config  # noqa: E402
+from launch.cluster import LocalCluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # each variant's rows: row i on adapters[i % len]
@@ -46,15 +56,106 @@ def make_engine(tmp: Path, blocks: int, role: str) -> Engine:
                                       lora_modules=modules, num_threads=None))
 
 
+WORDS = ("tide moon river stone cloud garden lantern copper meadow harbor violet ember "
+         "falcon orchard canyon willow thunder marble pepper glacier").split()
+
+
+def prompt_text(seed: int, words: int) -> str:
+    """A prompt no other shares (its first word is its seed): no cached prefix."""
+    return f"{seed} " + " ".join(WORDS[(seed * 7 + 3 * j + j * j) % len(WORDS)]
+                                 for j in range(words))
+
+
+async def live_round(url: str, models: list[str], requests: int, concurrency: int,
+                     words: int, tokens: int, seed: int) -> dict:
+    """``requests`` streamed completions, request i on ``models[i % len]``: each one's TTFT
+    and mean inter-token gap, and the round's wall time."""
+    import httpx
+
+    gate = asyncio.Semaphore(concurrency)
+    ttft: list[float] = []
+    itl: list[float] = []
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        body = {"model": models[i % len(models)], "prompt": prompt_text(seed + i, words),
+                "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        async with gate:
+            sent, times = time.perf_counter(), []
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200, await r.aread()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        times.append(time.perf_counter())
+        ttft.append(times[0] - sent)
+        itl.append((times[-1] - times[0]) / max(1, len(times) - 1))
+
+    started = time.perf_counter()
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        await asyncio.gather(*(one(client, i) for i in range(requests)))
+    return {"wall_s": time.perf_counter() - started, "ttft_p50": statistics.median(ttft),
+            "itl_p50": statistics.median(itl)}
+
+
+def live(args: argparse.Namespace) -> dict:
+    """default.toml's cluster serving four rank-16 adapters: rounds on the base model and
+    on the adapters, alternately; the medians over rounds of each figure."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = ClusterConfig.load(str(ROOT / "launch/configs/default.toml"))
+        model = Engine(dataclasses.replace(engine_config(config, "decode"),
+                                           num_blocks=1)).model_config
+        names = [f"r16-{i}" for i in range(4)]
+        sets = [f"lora_modules.{n}={random_adapter(Path(tmp) / n, model, 16, seed=i)}"
+                for i, n in enumerate(names)]
+        cluster = LocalCluster(str(ROOT / "launch/configs/default.toml"), Path(tmp) / "logs",
+                               sets + ["http_port=8640", "base_port=8150",
+                                       "metrics_port=8740"])
+        modes = {"base": [config.model_name], "4 adapters": names}
+        rounds: dict[str, list[dict]] = {m: [] for m in modes}
+        try:
+            cluster.start(timeout_s=600)
+            for m in modes.values():  # warm-up
+                asyncio.run(live_round(cluster.url, m, 4, 4, 20, 4, seed=10**6))
+            for r in range(args.rounds):
+                for i, (mode, models) in enumerate(modes.items()):
+                    rounds[mode].append(asyncio.run(live_round(
+                        cluster.url, models, args.requests, args.concurrency,
+                        args.prompt_words, args.tokens, seed=(2 * r + i) * 1000)))
+        finally:
+            cluster.stop()
+    med = {mode: {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+           for mode, rs in rounds.items()}
+    print(f"{args.requests} requests a round, {args.concurrency} at a time, "
+          f"{args.prompt_words}-word prompts, {args.tokens} tokens each; medians of "
+          f"{args.rounds} rounds")
+    print(f"{'mode':<12}{'TTFT p50 s':>12}{'ITL p50 ms':>12}{'round s':>10}")
+    for mode, m in med.items():
+        print(f"{mode:<12}{m['ttft_p50']:>12.3f}{1e3 * m['itl_p50']:>12.1f}{m['wall_s']:>10.2f}")
+    ratio = {k: round(med["4 adapters"][k] / med["base"][k], 3) for k in med["base"]}
+    print("adapters / base: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
+    return {"live": {"medians": med, "ratio": ratio, "rounds": rounds,
+                     "requests": args.requests, "concurrency": args.concurrency,
+                     "tokens": args.tokens, "prompt_words": args.prompt_words}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="600")
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, help="3 (--live: 2)")
     ap.add_argument("--prompt", type=int, default=512, help="prefill tokens")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", help="also write the JSON line here")
+    ap.add_argument("--live", action="store_true", help="a cluster's requests instead")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--prompt-words", type=int, default=150)
+    ap.add_argument("--tokens", type=int, default=32)
     args = ap.parse_args()
+    if args.live:
+        args.rounds = args.rounds or 2
+        emit(live(args), args.out)
+        return
+    args.rounds = args.rounds or 3
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
     batches = [int(b) for b in args.batches.split(",")]

@@ -52,8 +52,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 2
     workers = (f"{c.colocated_workers} colocated" if c.mode == "colocated" else
                f"{c.prefill_workers} prefill, {c.decode_workers} decode")
+    adapters = f", LoRA adapters {', '.join(c.lora_modules)}" if c.lora_modules else ""
     print(f"crescent: starting {workers}, {c.store.nodes if c.store.enabled else 0} store "
-          f"node(s), model {c.model} (logs in {args.log_dir})", flush=True)
+          f"node(s), model {c.model}{adapters} (logs in {args.log_dir})", flush=True)
     stop = {"now": False}
 
     def on_signal(signum: int, frame: object) -> None:
