@@ -20,8 +20,8 @@ from common.engine.config import DecodeInput, EngineConfig, PrefillChunk, stage_
 from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.errors import EngineInputError, UnknownModelError
 from common.engine.profiling import StepProfiler
-from common.engine.step_meta import StepMeta, mixed
 from common.engine.prompt_graphs import prompt_graphs
+from common.engine.step_meta import StepMeta, mixed
 from common.kv.block_keys import adapter_fingerprint, compute_block_keys, model_fingerprint
 from common.kv.block_pool import BlockPool
 from common.kv.dtypes import resolve_kv_dtype

@@ -82,9 +82,11 @@ def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         pickled = " (adapter_model.bin is not read: save with safe_serialization)" \
             if (root / "adapter_model.bin").exists() else ""
         raise AdapterError(f"{root}: no {WEIGHTS_FILE}{pickled}")
+    added = root / "added_tokens.json"
     try:
         config = json.loads((root / CONFIG_FILE).read_text())
         tensors = load_file(str(root / WEIGHTS_FILE))
+        added_tokens = json.loads(added.read_text() or "{}") if added.is_file() else {}
     except (ValueError, OSError, SafetensorError) as exc:
         raise AdapterError(f"{root}: unreadable ({exc})") from None
     if not isinstance(config, dict):
@@ -95,8 +97,7 @@ def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     for key, what in _REFUSED.items():
         if config.get(key):
             raise AdapterError(f"{root}: {what} is not supported")
-    added = root / "added_tokens.json"
-    if added.is_file() and json.loads(added.read_text() or "{}"):
+    if added_tokens:
         raise AdapterError(f"{root}: added tokens (added_tokens.json) need the adapter's "
                            "own tokenizer and embeddings; not supported")
     if config.get("bias", "none") != "none":
