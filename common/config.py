@@ -107,9 +107,10 @@ def default_layerwise(device: str, transfer_protocol: str, prefill_stages: int,
 class ClusterConfig:
     model: str = "smollm2-135m"
     served_model_name: Optional[str] = None  # name in /v1/models; default: the model's name
-    # [lora_modules]: LoRA adapters served beside the model, name = "PEFT directory" (as
-    # vLLM's --lora-modules): a request whose ``model`` is a name runs on that adapter
-    # (common/model/lora.py). Every worker loads every adapter at start.
+    # [lora_modules]: LoRA adapters served beside the model, name = "PEFT directory" or
+    # "llama.cpp GGUF adapter" (as vLLM's --lora-modules): a request whose ``model`` is a
+    # name runs on that adapter (common/model/lora.py). Every worker loads every adapter
+    # at start.
     lora_modules: dict[str, str] = field(default_factory=dict)
     dtype: str = "float32"
     # Compute dtype of prefill workers (None: ``dtype``; "auto": bfloat16 where the CPU has

@@ -81,10 +81,10 @@ def adapter_fingerprint(fingerprint: bytes, path: str | Path) -> bytes:
     KV differs from the first layer the adapter changes), while one adapter served under
     two names does; an adapter changed on disk under its old name gets new keys."""
     digest = xxhash.xxh3_128(b"crescent-lora-v1" + fingerprint)
-    for name in ADAPTER_FILES:
-        file = Path(path) / name
+    files = [Path(path)] if Path(path).is_file() else [Path(path) / n for n in ADAPTER_FILES]
+    for file in files:  # a GGUF adapter's one file, or a PEFT directory's two
         if not file.is_file():
-            raise FileNotFoundError(f"LoRA adapter {path}: no {name}")
+            raise FileNotFoundError(f"LoRA adapter {path}: no {file.name}")
         with open(file, "rb") as f:
             while chunk := f.read(1 << 20):
                 digest.update(chunk)

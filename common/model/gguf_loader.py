@@ -48,7 +48,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
 _MIXTURE_ARCH = {"llama": "MixtralForCausalLM", "mistral": "MixtralForCausalLM"}
 _NORMALIZED_EXPERTS = {"llama": True, "mistral": True, "qwen2moe": False, "qwen3moe": True,
                        "olmoe": False}
-_LLAMA_ROWS = ("llama", "mistral")  # files whose q/k rows the convert script permuted
+LLAMA_ROWS = ("llama", "mistral")  # files whose q/k rows the convert script permuted
 # gguf's name table for each (a "mistral" file uses LLaMA's tensor names)
 _NAME_TABLE = {"mistral": "llama"}
 # llama.cpp's layer count of the 27B Gemmas, whose query scale is 1/sqrt(hidden / heads)
@@ -180,7 +180,7 @@ def read_config(reader: Any, name: str, path: str) -> ModelConfig:
     return config_from_hf(hf_config(reader), name, weights_id([path]))
 
 
-def _hf_names(arch: str, config: ModelConfig) -> dict[str, list[str]]:
+def hf_names(arch: str, config: ModelConfig) -> dict[str, list[str]]:
     """GGUF tensor name -> the HF names it holds, for every weight the family reads: one,
     or each expert's in order, where the file stacks a layer's experts in one tensor
     (``blk.N.ffn_gate_exps``: [experts, rows, columns])."""
@@ -224,7 +224,7 @@ def read_weights(reader: Any, config: ModelConfig
     from gguf.quants import dequantize
 
     arch = _architecture(reader)
-    names = _hf_names(arch, config)
+    names = hf_names(arch, config)
     parts: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     for t in reader.tensors:
         shape = tuple(int(n) for n in reversed(t.shape))
@@ -243,7 +243,7 @@ def read_weights(reader: Any, config: ModelConfig
     check_weights(config, {name: torch.empty(shape, device="meta")
                            for t in reader.tensors if t.name != "rope_freqs.weight"
                            for name, shape in parts[t.name]})
-    llama = arch in _LLAMA_ROWS
+    llama = arch in LLAMA_ROWS
     gemma = arch in _GEMMA_27B_LAYERS
     for t in reader.tensors:
         heads = (config.num_heads if t.name.endswith("attn_q.weight") else config.num_kv_heads

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -312,3 +314,50 @@ def test_adapters_of_other_families_equal_peft(tmp_path: Path, model_type: str) 
     want = reference_logits(ref, ids)[-1]
     assert (got - want).abs().max().item() < 1e-4
     assert (want - reference_logits(base, ids)[-1]).abs().max().item() > 1e-2
+
+
+def _to_gguf(hf_dir: Path, adapter: Path, out: Path, alpha: float) -> Path:
+    """``adapter`` (PEFT's) as llama.cpp's convert_lora_to_gguf.py writes it for a LLaMA:
+    each linear's lora_a and lora_b under the base tensor's GGUF name, B's q and k rows
+    permuted as the model's (tests/model/gguf_files.py), ``adapter.lora.alpha``."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from tests.model.gguf_files import _permute
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_type(gguf.GGUFType.ADAPTER)
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    for name, tensor in sorted(load_file(str(adapter / "adapter_model.safetensors")).items()):
+        base = name.removeprefix("base_model.model.").split(".lora_")[0]
+        data = tensor.float().numpy()
+        if ".lora_B." in name and base.endswith(("q_proj", "k_proj")):
+            data = _permute(data, config["num_attention_heads"] if base.endswith("q_proj")
+                            else config["num_key_value_heads"])
+        part = "lora_a" if ".lora_A." in name else "lora_b"
+        w.add_tensor(f"{table.get_name(base)}.weight.{part}", np.ascontiguousarray(data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_a_gguf_adapter_of_a_gguf_model_equals_peft(tmp_path: Path) -> None:
+    """llama.cpp's files both: the base model as convert_hf_to_gguf.py writes it, the
+    adapter as convert_lora_to_gguf.py does (its q and k rows permuted, alpha / r)."""
+    from tests.model.gguf_files import write_family
+
+    hf, _, base = write_family("llama", tmp_path / "base")
+    ref = write_adapter(hf, tmp_path / "peft", ALL, r=4, lora_alpha=6)
+    adapter = _to_gguf(tmp_path / "base", tmp_path / "peft", tmp_path / "adapter.gguf", 6.0)
+    engine = Engine(EngineConfig(model=str(base), num_blocks=32, block_size=4,
+                                 lora_modules=(("a", str(adapter)),)))
+    ids = _ids(27, seed=13)
+    got = engine.prefill(ids, engine.pool.allocate(engine.blocks_needed(len(ids))), adapter="a")
+    assert (got - reference_logits(ref, ids)[-1]).abs().max().item() < 1e-4
+    assert engine.block_keys(ids, "a") != engine.block_keys(ids)
+    _refused(str(base), base, "not a LoRA adapter GGUF")  # the model's own file
