@@ -17,6 +17,8 @@ families of common/model/arch.py serve it exactly as they serve a directory:
   ``check_weights`` refuses a tensor the family does not read.
   A quantized matrix stays as the file holds it (common/model/quant.py), the rest is
   dequantized to float32.
+- ``read_lora`` reads llama.cpp's LoRA adapter GGUF (convert_lora_to_gguf.py's) as the
+  PEFT directory it was made from (common/model/lora.py serves it).
 - The tokenizer is transformers' reading of the file's vocabulary; a turn ends at the
   file's end-of-sequence, end-of-turn and end-of-message ids and at the tokens llama.cpp
   ends generation on by their text (``END_OF_GENERATION``): a Gemma file names ``<eos>``
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -33,6 +36,7 @@ import torch
 
 from common.model.arch import UnsupportedModelError, config_from_hf
 from common.model.config import ModelConfig
+from common.model.lora import AdapterError
 from common.model.quant import QuantizedWeight, from_gguf
 from common.model.weights import check_weights, weight_shapes
 
@@ -48,7 +52,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
 _MIXTURE_ARCH = {"llama": "MixtralForCausalLM", "mistral": "MixtralForCausalLM"}
 _NORMALIZED_EXPERTS = {"llama": True, "mistral": True, "qwen2moe": False, "qwen3moe": True,
                        "olmoe": False}
-LLAMA_ROWS = ("llama", "mistral")  # files whose q/k rows the convert script permuted
+_LLAMA_ROWS = ("llama", "mistral")  # files whose q/k rows the convert script permuted
 # gguf's name table for each (a "mistral" file uses LLaMA's tensor names)
 _NAME_TABLE = {"mistral": "llama"}
 # llama.cpp's layer count of the 27B Gemmas, whose query scale is 1/sqrt(hidden / heads)
@@ -180,7 +184,7 @@ def read_config(reader: Any, name: str, path: str) -> ModelConfig:
     return config_from_hf(hf_config(reader), name, weights_id([path]))
 
 
-def hf_names(arch: str, config: ModelConfig) -> dict[str, list[str]]:
+def _hf_names(arch: str, config: ModelConfig) -> dict[str, list[str]]:
     """GGUF tensor name -> the HF names it holds, for every weight the family reads: one,
     or each expert's in order, where the file stacks a layer's experts in one tensor
     (``blk.N.ffn_gate_exps``: [experts, rows, columns])."""
@@ -224,7 +228,7 @@ def read_weights(reader: Any, config: ModelConfig
     from gguf.quants import dequantize
 
     arch = _architecture(reader)
-    names = hf_names(arch, config)
+    names = _hf_names(arch, config)
     parts: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     for t in reader.tensors:
         shape = tuple(int(n) for n in reversed(t.shape))
@@ -243,7 +247,7 @@ def read_weights(reader: Any, config: ModelConfig
     check_weights(config, {name: torch.empty(shape, device="meta")
                            for t in reader.tensors if t.name != "rope_freqs.weight"
                            for name, shape in parts[t.name]})
-    llama = arch in LLAMA_ROWS
+    llama = arch in _LLAMA_ROWS
     gemma = arch in _GEMMA_27B_LAYERS
     for t in reader.tensors:
         heads = (config.num_heads if t.name.endswith("attn_q.weight") else config.num_kv_heads
@@ -270,6 +274,54 @@ def read_weights(reader: Any, config: ModelConfig
         for i, (name, part_shape) in enumerate(parts[t.name]):
             part = w[i] if stacked else w.reshape(part_shape)
             yield name, torch.from_numpy(np.array(part, dtype=np.float32, order="C"))
+
+
+def read_lora(path: Path, config: ModelConfig) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A LoRA adapter in llama.cpp's GGUF (``convert_lora_to_gguf.py``: ``general.type``
+    "adapter", ``adapter.type`` "lora", ``adapter.lora.alpha``, each linear's
+    ``<tensor>.lora_a`` [r, in] and ``.lora_b`` [out, r]) in PEFT's names and layout: B's
+    rows of a LLaMA file's q and k un-permuted as the model's own (the convert script
+    permutes them with the model's), its scale llama.cpp's (alpha / r: the script keeps
+    no rsLoRA or per-module alpha). Other tensors (a mergekit adapter's norms, embeddings)
+    are refused."""
+    import gguf
+    from gguf.quants import dequantize
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as exc:
+        raise AdapterError(f"{path}: unreadable GGUF ({exc})") from None
+
+    def field(key: str) -> Any:
+        return _field(reader, key)
+
+    if (field("general.type"), field("adapter.type")) != ("adapter", "lora"):
+        raise AdapterError(f"{path}: not a LoRA adapter GGUF (general.type "
+                           f"{field('general.type')!r}, adapter.type {field('adapter.type')!r})")
+    if field("adapter.alora.invocation_tokens") is not None:
+        raise AdapterError(f"{path}: activated LoRA (aLoRA) is not supported")
+    arch = str(field("general.architecture"))
+    try:
+        names = {g: hf[0] for g, hf in _hf_names(arch, config).items()}
+    except (KeyError, UnsupportedModelError) as exc:
+        raise AdapterError(f"{path}: architecture {arch!r} is not one served ({exc})") from None
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        base, _, part = t.name.rpartition(".")
+        if part not in ("lora_a", "lora_b") or base not in names:
+            raise AdapterError(f"{path}: tensor {t.name!r} is not a LoRA update of a weight "
+                               "this model reads")
+        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        w = w.reshape(tuple(int(n) for n in reversed(t.shape)))
+        heads = (config.num_heads if base.endswith("attn_q.weight") else config.num_kv_heads
+                 if base.endswith("attn_k.weight") else None)
+        if part == "lora_b" and heads is not None and arch in _LLAMA_ROWS:
+            w = unpermute_qk(w, heads)
+        hf = names[base].removesuffix(".weight")
+        tensors[f"base_model.model.{hf}.lora_{part[-1].upper()}.weight"] = \
+            torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
+    alpha = field("adapter.lora.alpha")
+    return {"peft_type": "LORA", "lora_alpha": float(alpha) if alpha else None}, tensors
 
 
 def read_tokenizer(path: str, reader: Any) -> dict[str, Any]:

@@ -33,14 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Sequence
 
-import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from common.kv.block_keys import ADAPTER_FILES
 from common.model import native
-from common.model.arch import UnsupportedModelError
 from common.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -78,13 +76,15 @@ class LoraAdapter:
 def read_adapter(path: str | Path, config: Optional[ModelConfig] = None
                  ) -> tuple[dict, dict[str, torch.Tensor]]:
     """A PEFT adapter directory's config and tensors (a GGUF adapter's as the directory it
-    was converted from would hold them: ``read_gguf_adapter``, for a model of ``config``),
-    checked for what is refused."""
+    was converted from would hold them: common/model/gguf_loader.py ``read_lora``, for a
+    model of ``config``), checked for what is refused."""
     root = Path(path)
     if root.suffix == ".gguf" and root.is_file():
         if config is None:
             raise AdapterError(f"{root}: a GGUF adapter is read for its model")
-        return read_gguf_adapter(root, config)
+        from common.model.gguf_loader import read_lora  # (it imports this module)
+
+        return read_lora(root, config)
     if not (root / CONFIG_FILE).is_file():
         raise AdapterError(f"{root}: no {CONFIG_FILE} (a LoRA adapter is a PEFT directory, "
                            "as save_pretrained writes it)")
@@ -114,57 +114,6 @@ def read_adapter(path: str | Path, config: Optional[ModelConfig] = None
         raise AdapterError(f"{root}: trained biases (bias = {config['bias']!r}) are not "
                            "supported")
     return config, tensors
-
-
-def read_gguf_adapter(path: Path, config: ModelConfig) -> tuple[dict, dict[str, torch.Tensor]]:
-    """A LoRA adapter in llama.cpp's GGUF (``convert_lora_to_gguf.py``: ``general.type``
-    "adapter", ``adapter.type`` "lora", ``adapter.lora.alpha``, each linear's
-    ``<tensor>.lora_a`` [r, in] and ``.lora_b`` [out, r]) in PEFT's names and layout: B's
-    rows of a LLaMA file's q and k un-permuted as the model's own (the convert script
-    permutes them with the model's), its scale llama.cpp's (alpha / r: the script keeps
-    no rsLoRA or per-module alpha). Other tensors (a mergekit adapter's norms, embeddings)
-    are refused."""
-    import gguf
-    from gguf.quants import dequantize
-
-    from common.model.gguf_loader import LLAMA_ROWS, hf_names, unpermute_qk
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as exc:
-        raise AdapterError(f"{path}: unreadable GGUF ({exc})") from None
-
-    def field(key: str) -> object:
-        f = reader.fields.get(key)
-        return None if f is None else f.contents()
-
-    if (field("general.type"), field("adapter.type")) != ("adapter", "lora"):
-        raise AdapterError(f"{path}: not a LoRA adapter GGUF (general.type "
-                           f"{field('general.type')!r}, adapter.type {field('adapter.type')!r})")
-    if field("adapter.alora.invocation_tokens") is not None:
-        raise AdapterError(f"{path}: activated LoRA (aLoRA) is not supported")
-    arch = str(field("general.architecture"))
-    try:
-        names = {g: hf[0] for g, hf in hf_names(arch, config).items()}
-    except (KeyError, UnsupportedModelError) as exc:
-        raise AdapterError(f"{path}: architecture {arch!r} is not one served ({exc})") from None
-    tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        base, _, part = t.name.rpartition(".")
-        if part not in ("lora_a", "lora_b") or base not in names:
-            raise AdapterError(f"{path}: tensor {t.name!r} is not a LoRA update of a weight "
-                               "this model reads")
-        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        w = w.reshape(tuple(int(n) for n in reversed(t.shape)))
-        heads = (config.num_heads if base.endswith("attn_q.weight") else config.num_kv_heads
-                 if base.endswith("attn_k.weight") else None)
-        if part == "lora_b" and heads is not None and arch in LLAMA_ROWS:
-            w = unpermute_qk(w, heads)
-        hf = names[base].removesuffix(".weight")
-        tensors[f"base_model.model.{hf}.lora_{part[-1].upper()}.weight"] = \
-            torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
-    alpha = field("adapter.lora.alpha")
-    return {"peft_type": "LORA", "lora_alpha": float(alpha) if alpha else None}, tensors
 
 
 def _alpha(config: dict, module: str) -> float:
