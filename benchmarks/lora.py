@@ -37,6 +37,7 @@ from benchmarks.quantized import emit, prefill_s  # noqa: E402
 from common.config import ClusterConfig  # noqa: E402
 from common.engine import Engine  # noqa: E402
 from common.model.dummy_weights import random_adapter  # noqa: E402
+from common.model.loader import load_model_source  # noqa: E402
 from common.worker import engine_config  # noqa: E402
 from launch.cluster import LocalCluster  # noqa: E402
 
@@ -49,7 +50,7 @@ VARIANTS = {"base": (None,), "r16": ("r16-0",), "r64": ("r64",),
 def make_engine(tmp: Path, blocks: int, role: str) -> Engine:
     """The default config's ``role`` engine, serving four adapters of rank 16 and one of 64."""
     config = ClusterConfig.load(str(ROOT / "launch/configs/default.toml"))
-    model = Engine(dataclasses.replace(engine_config(config, role), num_blocks=1)).model_config
+    model = load_model_source(config.model)[0]
     modules = tuple((f"r16-{i}", str(random_adapter(tmp / f"r16-{i}", model, 16, seed=i)))
                     for i in range(4)) + (("r64", str(random_adapter(tmp / "r64", model, 64))),)
     return Engine(dataclasses.replace(engine_config(config, role), num_blocks=blocks,
@@ -101,8 +102,7 @@ def live(args: argparse.Namespace) -> dict:
     on the adapters, alternately; the medians over rounds of each figure."""
     with tempfile.TemporaryDirectory() as tmp:
         config = ClusterConfig.load(str(ROOT / "launch/configs/default.toml"))
-        model = Engine(dataclasses.replace(engine_config(config, "decode"),
-                                           num_blocks=1)).model_config
+        model = load_model_source(config.model)[0]
         names = [f"r16-{i}" for i in range(4)]
         sets = [f"lora_modules.{n}={random_adapter(Path(tmp) / n, model, 16, seed=i)}"
                 for i, n in enumerate(names)]

@@ -1,8 +1,8 @@
 """One config object for the whole cluster: sizes, ports, timeouts, policy.
 
-The socket topology is written down here once (``inbox``, ``port``): every process binds
-one inbox at ``inbox(role, index)``; the only other bound ports are the fixed ones in
-``FIXED_PORTS``. Every process has one advertised address, ``address(role, index)`` (the
+The socket topology is written down once, in common/config_topology.py (``inbox``,
+``port``): every process binds one inbox at ``inbox(role, index)``; the only other bound
+ports are the fixed ones in ``FIXED_PORTS``. Every process has one advertised address, ``address(role, index)`` (the
 ``[hosts]`` table, else ``host``), and binds its listeners there, or on ``bind_host`` when
 set (docs/multihost.md). A TOML file (``crescent up --config FILE``) overrides any field, and
 ``--set key=value`` one field of one process (common/service.py); see launch/configs/ and,
@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from common.config_hosts import INDEXED_ROLES, SINGLE_ROLES, HostsConfig, is_address
+from common.config_hosts import INDEXED_ROLES, HostsConfig, is_address
 from common.config_load import from_tables, merge
+from common.config_topology import Topology
 from common.cpu import CpuConfig
 from common.kv.dtypes import resolve_kv_dtype
 from common.security import SecurityConfig
@@ -28,10 +29,6 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1")  # services/router/reasoning.py
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0")  # common/model/quant.py
 LORA_NAME = re.compile(r"[A-Za-z0-9._:/-]{1,128}")  # a LoRA adapter's served name
 
-# Ports at fixed offsets from ``base_port``; the per-instance inboxes start at +10.
-FIXED_PORTS = {"router": 0, "conductor": 1, "store_master": 2, "conductor_http": 3,
-               "store_master_http": 4, "store_events": 5}
-FIRST_INSTANCE_PORT = 10
 
 
 @dataclass
@@ -78,17 +75,6 @@ class SuperviseConfig:
                              "drain_timeout_s >= 0")
 
 
-@dataclass(frozen=True)
-class PrefillPlace:
-    """A prefill process's place: its instance, its stage of ``stages`` (1: a single
-    worker), and the process index of its instance's head (stage 0)."""
-
-    instance: int
-    stage: int
-    stages: int
-    head: int
-
-
 def default_layerwise(device: str, transfer_protocol: str, prefill_stages: int,
                       kv_path: str = "auto") -> bool:
     """``kv_layerwise`` when a config leaves it out: true, except for GPU KV that only the
@@ -104,7 +90,7 @@ def default_layerwise(device: str, transfer_protocol: str, prefill_stages: int,
 
 
 @dataclass
-class ClusterConfig:
+class ClusterConfig(Topology):
     model: str = "smollm2-135m"
     served_model_name: Optional[str] = None  # name in /v1/models; default: the model's name
     # [lora_modules]: LoRA adapters served beside the model, name = "PEFT directory" or
@@ -300,90 +286,6 @@ class ClusterConfig:
         parts: the block size, where a cached prefix ends too. 0: anywhere (and on a GPU,
         whose kernels batch invariance does not cover: parts would cost launches)."""
         return self.block_size if self.batch_invariant and self.device == "cpu" else 0
-
-    # --------------------------------------------------------------- topology
-    def processes(self, role: str) -> int:
-        """How many processes of ``role`` the cluster has (in either mode)."""
-        counts = {"router": self.routers, "conductor": 1, "store_master": 1,
-                  "prefill": self.prefill_processes, "decode": self.decode_workers,
-                  "store_node": self.store.nodes, "colocated": self.colocated_workers}
-        if role not in counts:
-            raise ValueError(f"unknown role {role!r}; one of {sorted(counts)}")
-        return counts[role]
-
-    def address(self, role: str, index: int = 0) -> str:
-        """The advertised address of process ``role``-``index``: where peers reach its
-        inbox, HTTP and transfer engine (``[hosts]``, else ``host``)."""
-        self.processes(role)  # unknown role: ValueError
-        listed = getattr(self.hosts, role)
-        if not isinstance(listed, list):  # a singleton's, or every router's
-            return listed or self.host
-        return listed[index] if 0 <= index < len(listed) else self.host
-
-    def listen_host(self, role: str, index: int = 0) -> str:
-        """Where that process binds its listeners: ``bind_host`` or its own address."""
-        return self.bind_host or self.address(role, index)
-
-    def port(self, name: str) -> int:
-        """A fixed port: one of ``FIXED_PORTS`` (the router's HTTP port is ``http_port``)."""
-        if name not in FIXED_PORTS:
-            raise ValueError(f"unknown port {name!r}; one of {sorted(FIXED_PORTS)}")
-        return self.base_port + FIXED_PORTS[name]
-
-    def inbox(self, role: str, index: int = 0, bind: bool = False) -> str:
-        """The inbox address of a process: the fixed ports for the singletons (the first
-        router), then one port per prefill worker, decode worker, store node and colocated
-        worker in order, then the other routers. ``bind``: the address its owner binds
-        (``listen_host``) instead of the advertised."""
-        host = self.listen_host(role, index) if bind else self.address(role, index)
-        if role in SINGLE_ROLES and index == 0:
-            return f"tcp://{host}:{self.port(role)}"
-        port = self.base_port + FIRST_INSTANCE_PORT + index
-        if role == "router":  # the routers after the first: past every indexed process
-            return f"tcp://{host}:{port - 1 + sum(map(self.processes, INDEXED_ROLES))}"
-        for earlier in INDEXED_ROLES:
-            if earlier == role:
-                break
-            port += self.processes(earlier)
-        return f"tcp://{host}:{port}"
-
-    @property
-    def store_events_address(self) -> str:
-        """The store master's PUB socket of KV events (the conductor subscribes)."""
-        return self.store_events(bind=False)
-
-    def store_events(self, bind: bool) -> str:
-        """That PUB socket's address, advertised or (``bind``) bound by the master."""
-        host = self.listen_host("store_master") if bind else self.address("store_master")
-        return f"tcp://{host}:{self.port('store_events')}"
-
-    @property
-    def pipeline_groups(self) -> int:
-        """Prefill instances that are pipeline groups (instances 0 .. this - 1)."""
-        if self.prefill_stages == 1:
-            return 0
-        return self.prefill_workers if self.prefill_groups is None else self.prefill_groups
-
-    @property
-    def prefill_processes(self) -> int:
-        """Prefill processes: ``prefill_stages`` per group, then one per single worker."""
-        groups = self.pipeline_groups
-        return groups * self.prefill_stages + self.prefill_workers - groups
-
-    def prefill_place(self, index: int) -> "PrefillPlace":
-        """Where prefill process ``index`` sits: groups first (index = group * stages +
-        stage; stage 0 is the group's head, the one the conductor knows), then singles."""
-        grouped = self.pipeline_groups * self.prefill_stages
-        if index < grouped:
-            group, stage = divmod(index, self.prefill_stages)
-            return PrefillPlace(group, stage, self.prefill_stages, index - stage)
-        return PrefillPlace(self.pipeline_groups + index - grouped, 0, 1, index)
-
-    def instance_id(self, role: str, index: int) -> str:
-        if role == "prefill":
-            place = self.prefill_place(index)
-            return f"prefill-{place.instance}" + (f".stage{place.stage}" if place.stage else "")
-        return f"{role}-{index}"
 
     def _check_lora_modules(self) -> None:
         modules = self.lora_modules

@@ -26,7 +26,8 @@ from typing import AsyncIterator, Iterator, Optional
 
 from aiohttp import web
 
-from common.config import INDEXED_ROLES, SINGLE_ROLES, ClusterConfig
+from common.config import ClusterConfig
+from common.config_hosts import INDEXED_ROLES, SINGLE_ROLES
 from common.drain import current as current_drain
 
 PATH = "/health"

@@ -131,9 +131,9 @@ def _fastest(engine: Engine, fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def _within(grid: Sequence[tuple[int, int]], limit_s: float) -> Iterator[tuple[int, int]]:
-    """The grid's points in order until ``limit_s`` is spent (the first always)."""
-    deadline = time.perf_counter() + limit_s
+def _within(grid: Sequence[tuple[int, int]], deadline: float) -> Iterator[tuple[int, int]]:
+    """The grid's points in order until ``deadline`` (``time.perf_counter``; the first
+    always)."""
     for i, point in enumerate(grid):
         if i and time.perf_counter() > deadline:
             return
@@ -161,7 +161,7 @@ def prefill_samples(engine: Engine, budget: int, repeats: int = REPEATS,
         engine.prefill(ids[:1], table, 0)  # warm-up
         samples: list[tuple[int, int, float]] = []
         prefix, deadline = 1, time.perf_counter() + limit_s
-        for new, cached in _within(fits, limit_s):
+        for new, cached in _within(fits, deadline):
             if cached > prefix:
                 per_token = max((s / n for n, c, s in samples if not c), default=0.0)
                 if samples and time.perf_counter() + per_token * (cached - prefix) > deadline:
@@ -189,7 +189,7 @@ def decode_samples(engine: Engine, repeats: int = REPEATS,
     fits = [(b, k) for b, k in grid if b <= engine.config.max_batch_size and
             k < engine.max_context and b * engine.blocks_needed(k + 1) <= engine.pool.num_free]
     samples = []
-    for batch, context in _within(fits, limit_s):
+    for batch, context in _within(fits, time.perf_counter() + limit_s):
         tables = [engine.pool.allocate(engine.blocks_needed(context + 1)) for _ in range(batch)]
         try:
             # each row its own token: a mixture of experts' rows of one token would all

@@ -332,7 +332,8 @@ class Engine:
             ids += [d.token_id for d in decodes]
         meta = parts[0][2] if len(parts) == 1 else mixed(parts)
         lora = LoraRows.of(self.model.adapters, [(c.adapter, c.end - c.start) for c in chunks]
-                           + [(d.adapter, 1) for d in decodes], self.device)
+                           + [(d.adapter, 1) for d in decodes], self.device) \
+            if self.model.adapters else None
         graphs = self.prompt_graphs
         if graphs is not None and chunks and len(ids) <= graphs.max_tokens and lora is None:
             positions = [p for c in chunks for p in range(c.start, c.end)]
