@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import FIXED_PORTS, ClusterConfig, StoreConfig
+from common.config import ClusterConfig, StoreConfig
+from common.config_topology import FIXED_PORTS
 from common.health import health_port
 from common.service import ROLES
 
